@@ -1,0 +1,230 @@
+"""torchrun entry point for the end-to-end tests: train a tiny model, save, or load and compare.
+
+    save  --out DIR --variant NAME ...: train STEPS steps, snapshot every state, save, continue
+          CONT steps and record their losses; rank 0 writes DIR/NAME/reference.pt
+    load  --source DIR/NAME ... --variant NAME: build the engine at this launch's layout, load,
+          compare every state with the reference using torch.equal, continue CONT steps, compare
+          losses; rank 0 writes one JSON result per source to --results
+
+One launch handles several checkpoints, because each launch pays for importing DeepSpeed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ucp_deepspeed  # noqa: E402
+
+GLOBAL_BATCH = 12
+SEQ = 6
+VOCAB = 37
+STEPS = 3
+CONT = 3
+
+VARIANTS = {
+    "z1": {"stage": 1, "dtype": "fp32"},
+    "z2": {"stage": 2, "dtype": "fp32"},
+    "z3": {"stage": 3, "dtype": "fp32"},
+    "bf16z1": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True},
+    "bf16z2": {"stage": 2, "dtype": "bf16"},
+    "bf16z3": {"stage": 3, "dtype": "bf16"},
+}
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding tied to the output head, an MLP block, a frozen scale and an integer buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 24)
+        self.up = torch.nn.Linear(24, 40)
+        self.norm = torch.nn.LayerNorm(40)
+        self.down = torch.nn.Linear(40, 24)
+        self.scale = torch.nn.Parameter(torch.rand(24) + 0.5, requires_grad=False)
+        self.head = torch.nn.Linear(24, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.embed(tokens[:, :-1]) * self.scale
+        x = x + self.down(torch.nn.functional.gelu(self.norm(self.up(x))))
+        logits = self.head(x).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def ds_config(variant: dict, dp: int) -> dict:
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": variant["stage"]},
+        "checkpoint": {"universal": {"enabled": True, "progress": False}},
+    }
+    if variant["stage"] == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    if variant["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+        if variant.get("grad_accum_fp32"):
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+def build(variant_name: str) -> deepspeed.DeepSpeedEngine:
+    variant = VARIANTS[variant_name]
+    torch.manual_seed(1234)
+    model = TinyLM()
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1},
+              {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95)}]
+    optimizer = torch.optim.AdamW(groups, lr=2e-3)
+    engine, _, _, _ = ucp_deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config(variant, dist.get_world_size()),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
+    return engine
+
+
+def batch(step: int, engine: deepspeed.DeepSpeedEngine) -> torch.Tensor:
+    """The same global batch for a step whatever the DP size; each rank takes its rows."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    per = GLOBAL_BATCH // dp
+    return tokens[rank * per:(rank + 1) * per]
+
+
+def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = engine(batch(engine.global_steps, engine))
+        engine.backward(loss)
+        engine.step()
+        reduced = loss.detach().float().clone()
+        dist.all_reduce(reduced)
+        losses.append(reduced.item() / dist.get_world_size())
+    return losses
+
+
+def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
+    """Every state that must survive a reshard, gathered in full on every rank."""
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        for name, p in engine.module.named_parameters():
+            snap["lp"][name] = p.detach().cpu().clone()
+        snap["tied"] = engine.module.head.weight is engine.module.embed.weight
+    for name, b in engine.module.named_buffers():
+        snap["buffers"][name] = b.detach().cpu().clone()
+    snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    if engine.zero_optimization_stage() == 3:  # ZeRO-3 keeps its fp32 flats out of param_groups between steps
+        flats = [(opt.sub_group_to_group_id[i], f) for i, f in enumerate(opt.fp32_partitioned_groups_flat)]
+    else:
+        flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
+    snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats}
+    snap["scheduler"] = engine.lr_scheduler.state_dict()
+    snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
+    return snap
+
+
+def compare(ref, got, path: str = "") -> list[str]:
+    """Exact comparison of nested snapshots; returns one line per difference."""
+    if isinstance(ref, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or ref.dtype != got.dtype or ref.shape != got.shape:
+            return [f"{path}: {getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))} "
+                    f"vs saved {ref.dtype} {tuple(ref.shape)}"]
+        if not torch.equal(ref, got):
+            return [f"{path}: max |diff| {(ref.double() - got.double()).abs().max().item():.3e}"]
+        return []
+    if isinstance(ref, dict):
+        if set(ref) != set(got):
+            return [f"{path}: keys {sorted(map(str, got))} vs saved {sorted(map(str, ref))}"]
+        return [d for k in ref for d in compare(ref[k], got[k], f"{path}/{k}")]
+    if isinstance(ref, (list, tuple)):
+        if len(ref) != len(got) or type(ref) is not type(got):
+            return [f"{path}: {got!r} vs saved {ref!r}"]
+        return [d for i, (a, b) in enumerate(zip(ref, got)) for d in compare(a, b, f"{path}[{i}]")]
+    return [] if ref == got else [f"{path}: {got!r} vs saved {ref!r}"]
+
+
+def count_tensors(snap: dict) -> int:
+    return sum(len(snap[k]) for k in ("fp32", "state", "lp", "buffers")) + len(snap["steps"])
+
+
+def client_state(engine: deepspeed.DeepSpeedEngine) -> dict:
+    return {"epoch": 7, "sampler_position": engine.global_samples, "rng": torch.arange(5)}
+
+
+def do_save(args: argparse.Namespace) -> None:
+    for name in args.variant:
+        engine = build(name)
+        train(engine, STEPS)
+        snap = snapshot(engine)
+        ckpt = os.path.join(args.out, name)
+        engine.save_checkpoint(ckpt, client_state=client_state(engine))
+        cont = train(engine, CONT)
+        if dist.get_rank() == 0:
+            torch.save({"snapshot": snap, "continuation": cont, "client_state": client_state(engine) | {
+                "sampler_position": snap["counters"][1]}, "dp": dist.get_world_size()},
+                       os.path.join(ckpt, "reference.pt"))
+        dist.barrier()
+
+
+def do_load(args: argparse.Namespace) -> None:
+    name = args.variant[0]
+    results = []
+    for source in args.source:
+        ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False)
+        engine = build(name)
+        path, client = engine.load_checkpoint(source)
+        snap = snapshot(engine)
+        diffs = compare(ref["snapshot"], snap)
+        diffs += compare(ref["client_state"], client, "client_state")
+        losses = train(engine, CONT)
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
+        results.append({"source": source, "target": name, "dp": dist.get_world_size(), "path": path,
+                        "diffs": diffs, "tensors": count_tensors(snap), "losses": losses,
+                        "reference_losses": ref["continuation"], "max_rel_loss": rel if math.isfinite(rel) else 1e9})
+        if dist.get_rank() == 0:
+            print(f"[{name} dp={dist.get_world_size()}] from {os.path.basename(source)}: step {engine.global_steps} "
+                  f"loss {losses[-1]:.6f}; restored {count_tensors(snap)} tensors "
+                  f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'}", flush=True)
+    if dist.get_rank() == 0:
+        with open(args.results, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--variant", nargs="+", required=True, choices=sorted(VARIANTS))
+    parser.add_argument("--out")
+    parser.add_argument("--source", nargs="*", default=[])
+    parser.add_argument("--results")
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    do_save(args) if args.mode == "save" else do_load(args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

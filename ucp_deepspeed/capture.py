@@ -1,0 +1,101 @@
+"""Describe a live DeepSpeed engine's layout as `SaveMeta`, at save time.
+
+DeepSpeed's files hold flat buffers without saying where each parameter sits in them (per-param
+alignment padding and round-robin reordering make that non-trivial to reconstruct). The engine
+knows, so we ask it once per save.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+
+from ucp_deepspeed import __version__
+from ucp_deepspeed.meta import ExtraTensor, ParamSlot, SaveMeta, Topology
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_dtype(engine: Any) -> str:
+    """Training precision of an engine: fp32, bf16 or fp16."""
+    if engine.bfloat16_enabled():
+        return "bf16"
+    return "fp16" if engine.fp16_enabled() else "fp32"
+
+
+def topology(engine: Any) -> Topology:
+    """The live engine's parallel layout."""
+    return Topology(dp=engine.dp_world_size, zero_stage=int(engine.zero_optimization_stage()),
+                    dtype=engine_dtype(engine), tp=engine.mp_world_size,
+                    optimizer=type(engine.optimizer).__name__)
+
+
+def _zero12_slots(opt: Any, names: dict) -> list[ParamSlot]:
+    slots = []
+    is_bf16_opt = hasattr(opt, "bf16_groups")
+    for i, flat in enumerate(opt.bf16_groups_flat if is_bf16_opt else opt.bit16_groups_flat):
+        dp = dist.get_world_size(group=opt.real_dp_process_group[i])
+        partition = flat.numel() // dp
+        if is_bf16_opt:
+            params = opt.bf16_groups[i]
+            offsets, offset = [], 0
+            for p in params:
+                offsets.append(offset)
+                offset += p.numel()
+        else:
+            params, offsets = opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]
+        for p, off in zip(params, offsets):
+            slots.append(ParamSlot(names[p], tuple(p.shape), i, i, int(off), int(partition)))
+    return slots
+
+
+def _zero3_slots(opt: Any, names: dict) -> list[ParamSlot]:
+    slots = []
+    for sub, params in enumerate(opt.fp16_groups):
+        group = opt.sub_group_to_group_id[sub]
+        for p in params:
+            flat, offset, _ = opt.grad_position[opt.get_param_id(p)]
+            slots.append(ParamSlot(names[p], tuple(p.ds_shape), group, int(flat), int(offset), int(p.partition_numel())))
+    return slots
+
+
+def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
+    """Build the save-time metadata of a live engine."""
+    module = engine.module
+    names = {p: n for n, p in module.named_parameters()}
+    stage = int(engine.zero_optimization_stage())
+    if stage == 3:
+        slots = _zero3_slots(engine.optimizer, names)
+    elif stage in (1, 2) or hasattr(engine.optimizer, "bf16_groups"):
+        slots = _zero12_slots(engine.optimizer, names)
+    else:
+        raise NotImplementedError("ucp_deepspeed needs a ZeRO optimizer (stage 1, 2 or 3, or bf16's BF16_Optimizer)")
+    owned = {s.name for s in slots}
+    extras = []
+    for name, p in module.named_parameters():
+        if name in owned:
+            continue
+        z3 = hasattr(p, "ds_id")
+        extras.append(ExtraTensor(name, tuple(p.ds_shape if z3 else p.shape),
+                                  _dtype_name(p.ds_tensor.dtype if z3 else p.dtype), "frozen",
+                                  int(p.partition_numel()) if z3 else 0))
+    buffers = dict(module.named_buffers())
+    for name in engine._get_buffer_names():
+        buf = buffers[name]
+        extras.append(ExtraTensor(name, tuple(buf.shape), _dtype_name(buf.dtype), "buffer"))
+    tied: dict[str, str] = {}
+    owner_of: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in owner_of:
+            tied[name] = owner_of[id(p)]
+        else:
+            owner_of[id(p)] = name
+    return SaveMeta(topology=topology(engine), params=tuple(slots), extras=tuple(extras), tied=tied,
+                    num_groups=len(engine.optimizer.optimizer.param_groups),
+                    client_state_keys=tuple(client_state_keys),
+                    versions={"ucp_deepspeed": __version__, "deepspeed": deepspeed.__version__,
+                              "torch": torch.__version__, "base_optimizer": type(engine.optimizer.optimizer).__name__})

@@ -1,0 +1,55 @@
+"""The `"checkpoint": {"universal": ...}` section of ds_config, validated in DeepSpeed's style."""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Optional, Union
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ConfigDict, Field, ValidationError
+
+
+class UniversalConfig(DeepSpeedConfigModel):
+    """Options of universal checkpointing; `"universal": true` is short for `{"enabled": true}`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    """Save ucp metadata and reshard on load when the topology changed."""
+    workers: int = Field(1, ge=1)
+    """Writer threads per rank during conversion."""
+    output: Optional[str] = None
+    """Folder for converted copies (`<output>/<tag>`); default `<checkpoint dir>/<tag>.universal`."""
+    keep: bool = True
+    """Keep the converted copy after loading, so the next reshard of the same tag skips conversion."""
+    verify: bool = True
+    """Check the crc32 of every file of a converted copy before reusing it."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0 during conversion."""
+
+
+def load_config(config: Union[str, dict, None]) -> dict[str, Any]:
+    """Read a ds_config given as a path or a dict (copied, never mutated)."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    with open(config) as f:
+        return json.load(f)
+
+
+def split_config(config: dict[str, Any]) -> tuple[dict[str, Any], UniversalConfig]:
+    """Separate our options from the config handed to DeepSpeed, validating them."""
+    ds_config = copy.deepcopy(config)
+    section = ds_config.get("checkpoint", {})
+    raw = section.pop("universal", False) if isinstance(section, dict) else False
+    if isinstance(raw, bool):
+        raw = {"enabled": raw}
+    elif not isinstance(raw, dict):
+        raise ValueError(f'"checkpoint.universal" must be true/false or an object, got {raw!r}')
+    else:
+        raw = {"enabled": True, **raw}
+    try:
+        return ds_config, UniversalConfig(**raw)
+    except ValidationError as exc:
+        raise ValueError(f'invalid "checkpoint.universal" config: {exc}') from None

@@ -1,0 +1,210 @@
+"""Conversion: a native DeepSpeed checkpoint to the universal format, streamed parameter by parameter.
+
+The work is a list of jobs, one per output file. Jobs can be split across the ranks of a loading
+job (`shard_jobs`) and run on a thread pool within each; only one parameter's states per worker
+are in memory at a time. The manifest is written once every job has finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+import deepspeed
+import torch
+from tqdm import tqdm
+
+from ucp_deepspeed import __version__
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.universal import (BUFFERS, FP32, MANIFEST, STATE, VALUE, FileRecord, encode_value, file_record,
+                                     is_complete, param_file, write_manifest, write_object, write_tensors)
+
+INTENT = ".ucp_source.json"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One output file to produce."""
+
+    kind: str
+    name: str
+    relpath: str
+    nbytes: int
+
+
+def default_output(src: NativeCheckpoint) -> str:
+    """Where a conversion goes when no output is given: beside the tag folder, never inside it."""
+    return os.path.join(src.ckpt_dir, f"{src.tag}.universal")
+
+
+def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
+    """Identity of the source files (name, size, mtime), so a stale conversion is never reused."""
+    out = []
+    for path in sorted(src.source_files()):
+        st = os.stat(path)
+        out.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def plan_jobs(src: NativeCheckpoint) -> list[Job]:
+    """Every output file of a conversion, with its approximate size for load balancing."""
+    n_states = 1 + len(src.state_keys())
+    jobs = [Job("param", p.name, param_file(p.name), 4 * p.numel * n_states) for p in src.meta.params]
+    for extra in src.meta.extras:
+        numel = 1
+        for s in extra.shape:
+            numel *= s
+        if extra.kind == "frozen":
+            jobs.append(Job("frozen", extra.name, param_file(extra.name), numel * getattr(torch, extra.dtype).itemsize))
+    jobs.append(Job("buffers", "", BUFFERS, 0))
+    jobs.append(Job("state", "", STATE, 0))
+    return jobs
+
+
+def shard_jobs(jobs: list[Job], rank: int, world: int) -> list[Job]:
+    """This rank's share of the jobs: largest first to the least-loaded rank, identical on every rank."""
+    loads = [0] * world
+    mine = []
+    for job in sorted(jobs, key=lambda j: (-j.nbytes, j.relpath)):
+        target = loads.index(min(loads))
+        loads[target] += max(job.nbytes, 1)
+        if target == rank:
+            mine.append(job)
+    return mine
+
+
+def prepare_output(src: NativeCheckpoint, out: str) -> set[str] | None:
+    """Get `out` ready; return finished files that can be reused, or None if the conversion is complete."""
+    want = fingerprint(src)
+    intent_path = os.path.join(out, INTENT)
+    if is_complete(out):
+        with open(os.path.join(out, MANIFEST)) as f:
+            if json.load(f).get("source", {}).get("fingerprint") == want:
+                return None
+        raise CheckpointError(out, "holds a finished conversion of a different checkpoint; remove it or pick another output")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(intent_path):
+        raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
+    reusable: set[str] = set()
+    if os.path.isfile(intent_path):
+        with open(intent_path) as f:
+            same_source = json.load(f) == {"source": src.tag_dir, "fingerprint": want}
+        for dirpath, _, files in os.walk(out):
+            for fname in files:
+                path = os.path.join(dirpath, fname)
+                rel = os.path.relpath(path, out)
+                if ".tmp." in fname or (not same_source and rel != INTENT):
+                    os.unlink(path)
+                elif rel != INTENT:
+                    reusable.add(rel)
+    os.makedirs(os.path.join(out, "params"), exist_ok=True)
+    with open(intent_path, "w") as f:
+        json.dump({"source": src.tag_dir, "fingerprint": want}, f)
+    return reusable
+
+
+def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
+    meta = src.meta
+    if job.kind == "param":
+        slot = next(p for p in meta.params if p.name == job.name)
+        tensors = {FP32: src.read_param(slot, FP32)}
+        for key in src.state_keys():
+            tensors[key] = src.read_param(slot, key)
+        return write_tensors(out, job.relpath, tensors)
+    if job.kind == "frozen":
+        extra = next(e for e in meta.extras if e.name == job.name)
+        return write_tensors(out, job.relpath, {VALUE: src.read_extra(extra)})
+    if job.kind == "buffers":
+        return write_tensors(out, job.relpath, {e.name: src.read_extra(e) for e in meta.extras if e.kind == "buffer"})
+    model = src.model_states(0)
+    return write_object(out, job.relpath, {
+        "lr_scheduler": model.lr_scheduler(),
+        "client_state": model.client_state(meta.client_state_keys),
+        "optimizer_wrapper": src.optim(0).wrapper_state() if meta.topology.zero_stage > 0 else {},
+    })
+
+
+def run_jobs(src: NativeCheckpoint, out: str, jobs: list[Job], reusable: set[str], workers: int = 1,
+             progress: bool = True) -> list[FileRecord]:
+    """Produce the files of `jobs` (reusing finished ones) with `workers` threads, showing progress."""
+    records = []
+    todo = []
+    for job in jobs:
+        if job.relpath in reusable:
+            records.append(file_record(out, job.relpath))
+        else:
+            todo.append(job)
+    bar = tqdm(total=sum(j.nbytes for j in todo), unit="B", unit_scale=True, desc="ucp convert",
+               disable=not progress or not todo)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for job, record in zip(todo, pool.map(lambda j: _run_job(src, out, j), todo)):
+            bar.update(job.nbytes)
+            records.append(record)
+    bar.close()
+    return records
+
+
+def build_manifest(src: NativeCheckpoint) -> dict[str, Any]:
+    """The manifest body for a conversion of `src` (file table added when written)."""
+    meta = src.meta
+    hyperparams, scalars = src.optimizer_groups() if meta.params else (None, {})
+    keys = [FP32] + src.state_keys()
+    params: dict[str, Any] = {}
+    for p in meta.params:
+        params[p.name] = {"shape": list(p.shape), "dtype": "float32", "group": p.group, "trainable": True,
+                          "file": param_file(p.name), "keys": keys}
+    for e in meta.extras:
+        if e.kind == "frozen":
+            params[e.name] = {"shape": list(e.shape), "dtype": e.dtype, "group": None, "trainable": False,
+                              "file": param_file(e.name), "keys": [VALUE]}
+    buffers = {e.name: {"shape": list(e.shape), "dtype": e.dtype} for e in meta.extras if e.kind == "buffer"}
+    groups = []
+    for g in range(meta.num_groups):
+        hp = hyperparams[g] if hyperparams is not None else None
+        groups.append({"hyperparams": {k: encode_value(v) for k, v in hp.items()} if hp is not None else None,
+                       "scalars": {k: encode_value(v) for k, v in scalars.get(g, {}).items()}})
+    return {
+        "created_by": {"ucp_deepspeed": __version__, "deepspeed": deepspeed.__version__, "torch": torch.__version__},
+        "source": {"path": src.tag_dir, "tag": src.tag, "topology": asdict(meta.topology),
+                   "versions": meta.versions, "fingerprint": fingerprint(src)},
+        "counters": src.model_states(0).counters(),
+        "param_groups": groups,
+        "params": params,
+        "buffers": buffers,
+        "tied": meta.tied,
+    }
+
+
+def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> str:
+    """Write the manifest, which marks the conversion complete, and drop the intent file."""
+    records = list(records)
+    expected = {j.relpath for j in plan_jobs(src)}
+    missing = expected - {r.path for r in records}
+    if missing:
+        raise CheckpointError(out, f"conversion incomplete, {len(missing)} files not produced: {sorted(missing)[:5]}")
+    path = write_manifest(out, build_manifest(src), records)
+    os.unlink(os.path.join(out, INTENT))
+    return path
+
+
+def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1,
+            progress: bool = True) -> str:
+    """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder."""
+    src = NativeCheckpoint(ckpt_dir, tag)
+    try:
+        out = os.path.abspath(output or default_output(src))
+        reusable = prepare_output(src, out)
+        if reusable is not None:
+            finish(src, out, run_jobs(src, out, plan_jobs(src), reusable, workers, progress))
+        return out
+    finally:
+        src.close()
+
+
+def remove_output(out: str) -> None:
+    """Delete a conversion folder (used when the user does not keep converted copies)."""
+    if os.path.isfile(os.path.join(out, MANIFEST)) or os.path.isfile(os.path.join(out, INTENT)):
+        shutil.rmtree(out)

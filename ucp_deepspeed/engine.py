@@ -1,0 +1,153 @@
+"""Wire universal checkpointing into a DeepSpeed engine's save_checkpoint / load_checkpoint.
+
+`initialize` is `deepspeed.initialize` plus `attach`, which wraps the engine's two checkpoint
+methods on the instance: save also writes our metadata; load takes DeepSpeed's native path when
+the topology is unchanged and converts + reshards otherwise.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import deepspeed
+import torch.distributed as tdist
+
+from ucp_deepspeed.capture import describe, topology
+from ucp_deepspeed.config import UniversalConfig, load_config, split_config
+from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.meta import read_meta, write_meta
+from ucp_deepspeed.restore import restore
+from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
+from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
+
+log = logging.getLogger("ucp_deepspeed")
+
+
+def initialize(args: Any = None, *, config: Any = None, config_params: Any = None, **kwargs: Any) -> tuple:
+    """`deepspeed.initialize` with universal checkpointing switched on by `"checkpoint": {"universal": true}`."""
+    raw = config if config is not None else config_params
+    if raw is None and getattr(args, "deepspeed_config", None) is not None:
+        raw, args.deepspeed_config = args.deepspeed_config, None  # DeepSpeed refuses a config given twice
+    ds_config, options = split_config(load_config(raw))
+    result = deepspeed.initialize(args=args, config=ds_config, **kwargs)
+    if options.enabled:
+        attach(result[0], options)
+    return result
+
+
+def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
+    """Make an existing engine save ucp metadata and load checkpoints of any topology."""
+    options = options or UniversalConfig(enabled=True)
+    if getattr(engine, "_ucp_options", None) is not None:
+        return engine
+    engine._ucp_options = options
+    native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(native_save)
+    def save_checkpoint(save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> Any:
+        client_state = client_state or {}
+        tag = f"global_step{engine.global_steps}" if tag is None else tag
+        meta = describe(engine, tuple(client_state))
+        if exclude_frozen_parameters:
+            meta = type(meta)(**{**meta.__dict__, "extras": tuple(e for e in meta.extras if e.kind != "frozen")})
+        if _dp_rank(engine) == 0:
+            write_meta(meta, os.path.join(save_dir, str(tag)), engine.checkpoint_mp_rank)
+        return native_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                           exclude_frozen_parameters=exclude_frozen_parameters)
+
+    @functools.wraps(native_load)
+    def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
+        native = functools.partial(native_load, load_dir, load_module_strict=load_module_strict,
+                                   load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if os.path.isfile(os.path.join(load_dir, MANIFEST)):
+            client = restore(engine, UniversalCheckpoint(load_dir), load_optimizer_states,
+                             load_lr_scheduler_states, load_module_only)
+            return load_dir, client
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
+            return native(tag=tag)
+        tag = resolve_tag(load_dir, tag)
+        saved = read_meta(os.path.join(load_dir, tag), engine.checkpoint_mp_rank).topology
+        live = topology(engine)
+        if saved.same_layout(live):
+            return native(tag=tag)
+        log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
+        ckpt = _converted(engine, load_dir, tag)
+        client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        tdist.barrier()
+        if not options.keep and tdist.get_rank() == 0:
+            remove_output(ckpt.root)
+        return os.path.join(load_dir, tag), client
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    return engine
+
+
+def _dp_rank(engine: Any) -> int:
+    return tdist.get_rank(group=engine.optimizer.dp_process_group) if hasattr(engine.optimizer, "dp_process_group") \
+        else tdist.get_rank()
+
+
+def _failure(exc: Exception) -> tuple[str, str]:
+    if isinstance(exc, CheckpointError):
+        return exc.path, exc.reason
+    return str(getattr(exc, "filename", None) or ""), f"{type(exc).__name__}: {exc}"
+
+
+def _all_ok(failure: tuple[str, str] | None) -> None:
+    """Raise the same error on every rank if any rank failed, so none waits forever in a collective."""
+    failures: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f), None)
+    if first:
+        raise CheckpointError(*first)
+
+
+def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
+    """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks."""
+    options: UniversalConfig = engine._ucp_options
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    src = NativeCheckpoint(load_dir, tag, engine.checkpoint_mp_rank)
+    out = os.path.join(options.output, tag) if options.output else default_output(src)
+    try:
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                box = [(None, prepare_output(src, out))]
+            except (CheckpointError, OSError) as exc:
+                box = [(_failure(exc), None)]
+        tdist.broadcast_object_list(box, src=0)
+        failure, reusable = box[0]
+        _all_ok(failure)
+        if reusable is None:
+            ckpt = UniversalCheckpoint(out)
+            if options.verify:
+                problems = ckpt.verify(sorted(ckpt.manifest["files"])[rank::world])
+                _all_ok((out, "converted copy failed verification: " + "; ".join(problems)) if problems else None)
+            return ckpt
+        records, failure = [], None
+        try:
+            jobs = shard_jobs(plan_jobs(src), rank, world)
+            records = run_jobs(src, out, jobs, reusable, options.workers, options.progress and rank == 0)
+        except (CheckpointError, OSError) as exc:
+            failure = _failure(exc)
+        _all_ok(failure)
+        gathered: list[Any] = [None] * world
+        tdist.all_gather_object(gathered, records)
+        if rank == 0:
+            try:
+                finish(src, out, [r for part in gathered for r in part])
+            except (CheckpointError, OSError) as exc:
+                failure = _failure(exc)
+        _all_ok(failure)
+        return UniversalCheckpoint(out)
+    finally:
+        src.close()

@@ -1,0 +1,149 @@
+"""Save-time metadata: what conversion needs to know that DeepSpeed's own files leave implicit.
+
+Written next to DeepSpeed's files as `ucp_meta_mp_rank_XX.json`, one per model-parallel rank, so a
+checkpoint can be converted with no model code and no flags.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ucp_deepspeed.errors import CheckpointError
+
+META_VERSION = 1
+
+
+def meta_filename(mp_rank: int = 0) -> str:
+    """Name of the metadata file of one model-parallel rank, mirroring DeepSpeed's naming."""
+    return f"ucp_meta_mp_rank_{mp_rank:02d}.json"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The parallel layout and numerics a checkpoint was saved with."""
+
+    dp: int
+    zero_stage: int
+    dtype: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    optimizer: str = ""
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. `zero2 dp=4 fp32`."""
+        parts = [f"zero{self.zero_stage}", f"dp={self.dp}"]
+        parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v != 1]
+        return " ".join(parts + [self.dtype])
+
+    def same_layout(self, other: "Topology") -> bool:
+        """True when DeepSpeed's native loader can read a checkpoint of `other` directly."""
+        return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == \
+               (other.dp, other.tp, other.pp, other.ep, other.zero_stage, other.optimizer)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where a trainable parameter's fp32 master and optimizer states live in the flat buffers.
+
+    ZeRO-1/2: `offset` is the element offset in the un-partitioned flat buffer `flat`, which is split
+    into contiguous chunks of `partition` elements, one per data-parallel rank.
+    ZeRO-3: every rank holds `partition` elements of this parameter (rank r: elements
+    [r*partition, (r+1)*partition)) at element `offset` of its flat sub-group `flat`.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    group: int
+    flat: int
+    offset: int
+    partition: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the full parameter."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ExtraTensor:
+    """A tensor the optimizer does not own: a frozen parameter or a persistent buffer.
+
+    `partition` is non-zero for ZeRO-3 frozen parameters, which are stored as per-rank fragments.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    partition: int = 0
+
+
+@dataclass(frozen=True)
+class SaveMeta:
+    """Everything conversion needs about one model-parallel rank's part of a checkpoint."""
+
+    topology: Topology
+    params: tuple[ParamSlot, ...]
+    extras: tuple[ExtraTensor, ...]
+    tied: dict[str, str] = field(default_factory=dict)
+    num_groups: int = 1
+    client_state_keys: tuple[str, ...] = ()
+    versions: dict[str, str] = field(default_factory=dict)
+    version: int = META_VERSION
+
+    def to_json(self) -> str:
+        """Serialise to the JSON stored in the checkpoint folder."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, path: str) -> "SaveMeta":
+        """Parse and validate a metadata file, naming `path` in any error."""
+        try:
+            raw: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(path, f"metadata is not valid JSON ({exc})") from None
+        if raw.get("version") != META_VERSION:
+            raise CheckpointError(path, f"unknown metadata version {raw.get('version')!r}; "
+                                  f"this ucp_deepspeed reads version {META_VERSION}")
+        try:
+            return cls(
+                topology=Topology(**raw["topology"]),
+                params=tuple(ParamSlot(**{**p, "shape": tuple(p["shape"])}) for p in raw["params"]),
+                extras=tuple(ExtraTensor(**{**e, "shape": tuple(e["shape"])}) for e in raw["extras"]),
+                tied=dict(raw["tied"]),
+                num_groups=raw["num_groups"],
+                client_state_keys=tuple(raw["client_state_keys"]),
+                versions=dict(raw["versions"]),
+                version=raw["version"],
+            )
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(path, f"metadata is missing or has malformed fields ({exc})") from None
+
+
+def write_meta(meta: SaveMeta, tag_dir: str, mp_rank: int = 0) -> str:
+    """Atomically write the metadata of one model-parallel rank into a checkpoint tag folder."""
+    os.makedirs(tag_dir, exist_ok=True)
+    path = os.path.join(tag_dir, meta_filename(mp_rank))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(meta.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_meta(tag_dir: str, mp_rank: int = 0) -> SaveMeta:
+    """Read the metadata of one model-parallel rank from a checkpoint tag folder."""
+    path = os.path.join(tag_dir, meta_filename(mp_rank))
+    if not os.path.isfile(path):
+        raise CheckpointError(path, "ucp_deepspeed metadata is missing; was this checkpoint saved through "
+                              "ucp_deepspeed.initialize with \"checkpoint\": {\"universal\": true}?")
+    with open(path) as f:
+        return SaveMeta.from_json(f.read(), path)

@@ -1,0 +1,181 @@
+"""Reshard a universal checkpoint into a live DeepSpeed engine: each rank reads only what it owns.
+
+For every parameter the engine tells us which element range of the flattened parameter this
+rank's fp32 partition holds (ZeRO-1/2: `_hp_mapping`; ZeRO-3: `ds_tensor` partition). We read
+exactly that range of the fp32 master and of each optimizer state, rebuild the optimizer's flat
+state tensors, then let DeepSpeed refresh the low-precision weights from the fp32 partitions.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.universal import FP32, MANIFEST, VALUE, UniversalCheckpoint, decode_value
+
+_NON_PARAM_KEYS = ("params",)
+
+
+def _names(engine: Any) -> dict[torch.nn.Parameter, str]:
+    return {p: n for n, p in engine.module.named_parameters()}
+
+
+def check_compatible(engine: Any, ckpt: UniversalCheckpoint) -> None:
+    """Refuse a checkpoint of another model: every name, shape and param group must match."""
+    where = f"{ckpt.root}/{MANIFEST}"
+    problems = []
+    live_groups = {}
+    for g, group in enumerate(engine.optimizer.optimizer.param_groups):
+        for p in group["params"]:
+            live_groups[id(p)] = g
+    stage3 = int(engine.zero_optimization_stage()) == 3
+    live = {}
+    for name, p in engine.module.named_parameters():
+        shape = list(p.ds_shape if hasattr(p, "ds_id") else p.shape)
+        live[name] = (shape, p.requires_grad)
+    missing = sorted(set(live) - set(ckpt.params))
+    extra = sorted(set(ckpt.params) - set(live))
+    if missing:
+        problems.append(f"parameters not in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        problems.append(f"checkpoint parameters not in model: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    for name in sorted(set(live) & set(ckpt.params)):
+        shape, trainable = live[name]
+        rec = ckpt.params[name]
+        if rec["shape"] != shape:
+            problems.append(f"{name}: checkpoint shape {rec['shape']}, model shape {shape}")
+        elif rec["trainable"] != trainable:
+            problems.append(f"{name}: trainable={rec['trainable']} in checkpoint, {trainable} in model")
+    if not stage3:
+        for p, name in _names(engine).items():
+            if p.requires_grad and name in ckpt.params and id(p) in live_groups \
+                    and ckpt.params[name]["group"] != live_groups[id(p)]:
+                problems.append(f"{name}: param group {ckpt.params[name]['group']} in checkpoint, "
+                                f"{live_groups[id(p)]} in model")
+    missing_buffers = sorted(set(engine._get_buffer_names()) - set(ckpt.buffers))
+    if missing_buffers:
+        problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
+    if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups):
+        problems.append(f"{len(ckpt.manifest['param_groups'])} param groups in checkpoint, "
+                        f"{len(engine.optimizer.optimizer.param_groups)} in optimizer")
+    if problems:
+        raise CheckpointError(where, "checkpoint does not match this model:\n  " + "\n  ".join(problems))
+
+
+def _apply_group_state(opt: Any, group_index: int, ckpt: UniversalCheckpoint, load_optimizer_states: bool,
+                       flat: torch.Tensor, bufs: dict[str, torch.Tensor]) -> None:
+    record = ckpt.manifest["param_groups"][group_index]
+    if not load_optimizer_states:
+        return
+    state = opt.optimizer.state[flat]
+    state.clear()
+    state.update({k: decode_value(v) for k, v in record["scalars"].items()})
+    state.update(bufs)
+
+
+def _apply_hyperparams(opt: Any, ckpt: UniversalCheckpoint) -> None:
+    for group, record in zip(opt.optimizer.param_groups, ckpt.manifest["param_groups"]):
+        for key, value in (record["hyperparams"] or {}).items():
+            if key not in _NON_PARAM_KEYS:
+                group[key] = decode_value(value)
+
+
+def _state_keys(ckpt: UniversalCheckpoint) -> list[str]:
+    for rec in ckpt.params.values():
+        if rec["trainable"]:
+            return [k for k in rec["keys"] if k != FP32]
+    return []
+
+
+def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool) -> None:
+    opt = engine.optimizer
+    is_bf16_opt = hasattr(opt, "bf16_groups")
+    groups = opt.bf16_groups if is_bf16_opt else opt.bit16_groups
+    flats = opt.fp32_groups_flat_partition if is_bf16_opt else opt.single_partition_of_fp32_groups
+    names = _names(engine)
+    keys = _state_keys(ckpt) if load_optimizer_states else []
+    for i, flat in enumerate(flats):
+        bufs = {k: torch.zeros_like(flat) for k in keys}
+        for lp in groups[i]:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            name = names[lp]
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            mapping.hp_fragment.data.copy_(ckpt.read(name, FP32, start, numel))
+            for k in keys:
+                bufs[k].narrow(0, mapping.hp_fragment_address.start, numel).copy_(ckpt.read(name, k, start, numel))
+        _apply_group_state(opt, i, ckpt, load_optimizer_states, flat, bufs)
+    if load_optimizer_states:
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    opt.update_lp_params()
+
+
+def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool) -> None:
+    opt = engine.optimizer
+    names = _names(engine)
+    keys = _state_keys(ckpt) if load_optimizer_states else []
+    for sub, flat in enumerate(opt.fp32_partitioned_groups_flat):
+        bufs = {k: torch.zeros_like(flat) for k in keys}
+        for p in opt.fp16_groups[sub]:
+            _, offset, partition = opt.grad_position[opt.get_param_id(p)]
+            start = opt._get_param_partition_rank(p) * partition
+            numel = max(0, min(partition, p.ds_numel - start))
+            name = names[p]
+            flat.data.narrow(0, offset, numel).copy_(ckpt.read(name, FP32, start, numel))
+            for k in keys:
+                bufs[k].narrow(0, offset, numel).copy_(ckpt.read(name, k, start, numel))
+        _apply_group_state(opt, opt.sub_group_to_group_id[sub], ckpt, load_optimizer_states, flat, bufs)
+        opt.fp16_partitioned_groups_flat[sub].data.copy_(flat.data)
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad and hasattr(p, "ds_id"):
+            partition = p.ds_tensor.numel()
+            start = dist.get_rank(group=p.ds_process_group) * partition
+            numel = max(0, min(partition, p.ds_numel - start))
+            p.ds_tensor.data.narrow(0, 0, numel).copy_(ckpt.read(name, VALUE, start, numel))
+    if opt.persistent_parameters:
+        opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+    opt.invalidate_secondary_tensor()
+
+
+def _restore_module_extras(engine: Any, ckpt: UniversalCheckpoint) -> None:
+    buffers = dict(engine.module.named_buffers())
+    for name in engine._get_buffer_names():
+        buffers[name].data.copy_(ckpt.read_buffer(name))
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad and not hasattr(p, "ds_id"):
+            p.data.copy_(ckpt.read(name, VALUE).view(p.shape))
+
+
+def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_scheduler_states: bool) -> dict[str, Any]:
+    counters = ckpt.manifest["counters"]
+    engine.global_steps = counters.get("global_steps", engine.global_steps)
+    engine.global_samples = counters.get("global_samples", engine.global_samples)
+    engine.skipped_steps = counters.get("skipped_steps", engine.skipped_steps)
+    state = ckpt.load_state()
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for key, value in state.get("optimizer_wrapper", {}).items():
+        if hasattr(engine.optimizer, key):
+            setattr(engine.optimizer, key, value)
+    return state.get("client_state", {})
+
+
+def restore(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool = True,
+            load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict[str, Any]:
+    """Load a universal checkpoint into `engine` at its current layout; return the client state."""
+    check_compatible(engine, ckpt)
+    load_optimizer_states = load_optimizer_states and not load_module_only
+    if int(engine.zero_optimization_stage()) == 3:
+        _restore_zero3(engine, ckpt, load_optimizer_states)
+    else:
+        _restore_zero12(engine, ckpt, load_optimizer_states)
+    if load_optimizer_states:
+        _apply_hyperparams(engine.optimizer, ckpt)
+    _restore_module_extras(engine, ckpt)
+    if load_module_only:
+        return {}
+    return _restore_training_state(engine, ckpt, load_lr_scheduler_states)

@@ -1,0 +1,4 @@
+"""Readers for DeepSpeed's native on-disk layout: rank files, model states, metadata."""
+from ucp_deepspeed.sources.native import NativeCheckpoint, list_tags, resolve_tag
+
+__all__ = ["NativeCheckpoint", "list_tags", "resolve_tag"]

@@ -1,0 +1,53 @@
+"""Read a DeepSpeed model-states file: module tensors, counters, scheduler and client state."""
+from __future__ import annotations
+
+from typing import Any
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize
+
+COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+class ModelStatesFile:
+    """One `*model_states.pt` file, opened lazily."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = TorchFile(path)
+        if not isinstance(self._file.obj, dict) or "module" not in self._file.obj:
+            raise CheckpointError(path, "no 'module' entry; not a DeepSpeed model-states file")
+        self._obj: dict[str, Any] = self._file.obj
+
+    def module_tensor(self, name: str) -> LazyTensor:
+        """A tensor of the saved module state dict (a buffer or an un-partitioned parameter)."""
+        tensor = (self._obj.get("module") or {}).get(name)
+        if not isinstance(tensor, LazyTensor):
+            raise CheckpointError(self.path, f"module state has no tensor '{name}'")
+        return tensor
+
+    def frozen_fragment(self, name: str) -> LazyTensor:
+        """This rank's ZeRO-3 fragment of a frozen parameter."""
+        tensor = (self._obj.get("frozen_param_fragments") or {}).get(name)
+        if not isinstance(tensor, LazyTensor):
+            raise CheckpointError(self.path, f"no ZeRO-3 fragment of frozen parameter '{name}'")
+        return tensor
+
+    def counters(self) -> dict[str, int]:
+        """Engine step counters."""
+        return {k: int(self._obj[k]) for k in COUNTERS if k in self._obj}
+
+    def lr_scheduler(self) -> Any:
+        """The LR scheduler state dict, if one was saved."""
+        return materialize(self._obj.get("lr_scheduler"))
+
+    def client_state(self, keys: tuple[str, ...]) -> dict[str, Any]:
+        """The user's `client_state` entries, which DeepSpeed merges into the top level."""
+        missing = [k for k in keys if k not in self._obj]
+        if missing:
+            raise CheckpointError(self.path, f"client_state keys {missing} recorded in metadata are missing")
+        return {k: materialize(self._obj[k]) for k in keys}
+
+    def close(self) -> None:
+        """Release the underlying file."""
+        self._file.close()

@@ -1,0 +1,139 @@
+"""A DeepSpeed checkpoint tag folder as the converter sees it: metadata plus lazily opened rank files."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.layout import fragments
+from ucp_deepspeed.meta import ExtraTensor, ParamSlot, SaveMeta, read_meta
+from ucp_deepspeed.sources.model_states import ModelStatesFile
+from ucp_deepspeed.sources.optim_file import OptimRankFile
+
+LATEST = "latest"
+
+
+def list_tags(ckpt_dir: str) -> list[str]:
+    """Tag folders in a checkpoint directory that hold DeepSpeed model states."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(d for d in os.listdir(ckpt_dir)
+                  if os.path.isdir(os.path.join(ckpt_dir, d))
+                  and any(f.endswith("model_states.pt") for f in os.listdir(os.path.join(ckpt_dir, d))))
+
+
+def resolve_tag(ckpt_dir: str, tag: str | None = None) -> str:
+    """The tag to use: the one given, or the one named in `latest`; a clear error otherwise."""
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(ckpt_dir, LATEST)
+    if not os.path.isfile(latest):
+        found = list_tags(ckpt_dir)
+        hint = f"; tags present: {', '.join(found)} (pass one with --tag)" if found else ""
+        raise CheckpointError(latest, f"no 'latest' file, so the tag to load is unknown{hint}")
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not tag:
+        raise CheckpointError(latest, "'latest' is empty")
+    return tag
+
+
+class NativeCheckpoint:
+    """One model-parallel rank's share of a DeepSpeed checkpoint, readable parameter by parameter."""
+
+    def __init__(self, ckpt_dir: str, tag: str | None = None, mp_rank: int = 0):
+        self.ckpt_dir = os.path.abspath(ckpt_dir)
+        self.tag = resolve_tag(self.ckpt_dir, tag)
+        self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
+        if not os.path.isdir(self.tag_dir):
+            raise CheckpointError(self.tag_dir, "checkpoint tag folder does not exist")
+        self.mp_rank = mp_rank
+        self.meta: SaveMeta = read_meta(self.tag_dir, mp_rank)
+        topo = self.meta.topology
+        prefix = "bf16_" if topo.dtype == "bf16" else ""
+        self.optim_paths = [os.path.join(self.tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
+                            for r in range(topo.dp)]
+        if topo.zero_stage == 3:
+            self.model_paths = [os.path.join(self.tag_dir, f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt")
+                                for r in range(topo.dp)]
+        else:
+            self.model_paths = [os.path.join(self.tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
+        needed = self.model_paths + (self.optim_paths if topo.zero_stage > 0 else [])
+        missing = [os.path.basename(p) for p in needed if not os.path.isfile(p)]
+        if missing:
+            raise CheckpointError(self.tag_dir, f"saved at {topo.describe()} but rank files are missing: "
+                                  f"{', '.join(missing)}")
+        self._lock = threading.Lock()
+        self._optim: dict[int, OptimRankFile] = {}
+        self._model: dict[int, ModelStatesFile] = {}
+
+    def source_files(self) -> list[str]:
+        """Every file conversion reads, for fingerprinting."""
+        return self.model_paths + self.optim_paths + [os.path.join(self.tag_dir, f)
+                                                      for f in os.listdir(self.tag_dir) if f.startswith("ucp_meta")]
+
+    def optim(self, rank: int) -> OptimRankFile:
+        """The optimizer file of data-parallel rank `rank`, opened once."""
+        with self._lock:
+            if rank not in self._optim:
+                self._optim[rank] = OptimRankFile(self.optim_paths[rank], self.meta.topology.zero_stage)
+            return self._optim[rank]
+
+    def model_states(self, rank: int = 0) -> ModelStatesFile:
+        """The model-states file of data-parallel rank `rank` (there is only one below ZeRO-3)."""
+        with self._lock:
+            if rank not in self._model:
+                self._model[rank] = ModelStatesFile(self.model_paths[rank])
+            return self._model[rank]
+
+    def state_keys(self) -> list[str]:
+        """Per-element optimizer state keys, e.g. `exp_avg`, `exp_avg_sq`."""
+        return self.optim(0).state_keys(0) if self.meta.params else []
+
+    def read_param(self, slot: ParamSlot, state: str) -> torch.Tensor:
+        """Assemble one state (`fp32` or an optimizer key) of a trainable parameter from every rank."""
+        topo = self.meta.topology
+        out = torch.empty(slot.numel, dtype=torch.float32)
+        for frag in fragments(slot, topo.zero_stage, topo.dp):
+            lazy = self.optim(frag.rank).flat(slot.flat, state)
+            if lazy.dtype != torch.float32:
+                raise CheckpointError(self.optim_paths[frag.rank], f"{state} of flat buffer {slot.flat} is {lazy.dtype}, "
+                                      "expected float32")
+            lazy.read(frag.src, frag.numel, out=out[frag.dst:frag.dst + frag.numel])
+        return out.view(slot.shape)
+
+    def read_extra(self, extra: ExtraTensor) -> torch.Tensor:
+        """A frozen parameter or buffer, gathered from ZeRO-3 fragments when it was partitioned."""
+        dtype = getattr(torch, extra.dtype)
+        if extra.kind == "frozen" and extra.partition:
+            numel = 1
+            for s in extra.shape:
+                numel *= s
+            out = torch.empty(numel, dtype=dtype)
+            for rank in range(self.meta.topology.dp):
+                start = rank * extra.partition
+                n = min(extra.partition, numel - start)
+                if n > 0:
+                    self.model_states(rank).frozen_fragment(extra.name).read(0, n, out=out[start:start + n])
+            return out.view(extra.shape)
+        lazy = self.model_states(0).module_tensor(extra.name)
+        if tuple(lazy.shape) != tuple(extra.shape) or lazy.dtype != dtype:
+            raise CheckpointError(self.model_paths[0], f"'{extra.name}' is {tuple(lazy.shape)} {lazy.dtype}, "
+                                  f"metadata says {tuple(extra.shape)} {dtype}")
+        return lazy.load()
+
+    def optimizer_groups(self) -> tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]:
+        """Hyperparameters per param group, and the scalar state (e.g. `step`) per param group."""
+        first = self.optim(0)
+        scalars: dict[int, dict[str, Any]] = {}
+        for index in range(first.num_flat):
+            scalars.setdefault(first.group_of_flat(index), first.scalars(index))
+        return first.hyperparams(), scalars
+
+    def close(self) -> None:
+        """Release every opened file."""
+        for f in list(self._optim.values()) + list(self._model.values()):
+            f.close()

@@ -1,0 +1,84 @@
+"""Read one rank's ZeRO optimizer file: flat fp32 partitions, optimizer states, hyperparameters.
+
+ZeRO-1/2 (`DeepSpeedZeroOptimizer`, `BF16_Optimizer`) and ZeRO-3 store the same things under
+different keys; `OptimRankFile` hides that so the converter sees one shape of data: per flat
+buffer, a 1-D tensor for the fp32 master and for each per-element optimizer state.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize
+from ucp_deepspeed.universal import FP32
+
+
+class OptimRankFile:
+    """The optimizer file of one data-parallel rank, opened lazily."""
+
+    def __init__(self, path: str, zero_stage: int):
+        self.path = path
+        self.zero_stage = zero_stage
+        self._file = TorchFile(path)
+        top = self._file.obj
+        sd = top.get("optimizer_state_dict") if isinstance(top, dict) else None
+        if not isinstance(sd, dict):
+            raise CheckpointError(path, "no 'optimizer_state_dict' entry; not a DeepSpeed ZeRO optimizer file")
+        self._sd = sd
+        try:
+            if zero_stage == 3:
+                self._flat_fp32 = sd["fp32_flat_groups"]
+                base = sd["optimizer_state_dict"]
+            else:
+                self._flat_fp32 = sd["single_partition_of_fp32_groups"]
+                base = sd["base_optimizer_state"]
+        except KeyError as exc:
+            raise CheckpointError(path, f"missing key {exc} for a ZeRO-{zero_stage} optimizer file") from None
+        if isinstance(base, list):  # elastic ZeRO-1/2 form: one lean state dict per group, no hyperparameters
+            self._states = list(base)
+            self._hyperparams = None
+        else:
+            states = base["state"]
+            self._states = [states.get(i, {}) for i in range(len(self._flat_fp32))]
+            self._hyperparams = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+            self._flat_to_group = {i: g for g, group in enumerate(base["param_groups"]) for i in group["params"]}
+
+    @property
+    def num_flat(self) -> int:
+        """Number of flat fp32 buffers in this file."""
+        return len(self._flat_fp32)
+
+    def flat(self, index: int, state: str) -> LazyTensor:
+        """The 1-D fp32 master (`state == "fp32"`) or optimizer state of flat buffer `index`."""
+        if index >= self.num_flat:
+            raise CheckpointError(self.path, f"has {self.num_flat} flat buffers, metadata expects index {index}")
+        tensor = self._flat_fp32[index] if state == FP32 else self._states[index].get(state)
+        if not isinstance(tensor, LazyTensor):
+            raise CheckpointError(self.path, f"flat buffer {index} has no state '{state}'")
+        return tensor
+
+    def state_keys(self, index: int) -> list[str]:
+        """Per-element optimizer state keys of a flat buffer (those shaped like the fp32 master)."""
+        return [k for k, v in self._states[index].items() if isinstance(v, LazyTensor) and len(v.shape) == 1]
+
+    def scalars(self, index: int) -> dict[str, Any]:
+        """Scalar optimizer state of a flat buffer, such as Adam's `step`, materialised."""
+        return {k: materialize(v) for k, v in self._states[index].items()
+                if not (isinstance(v, LazyTensor) and len(v.shape) == 1)}
+
+    def hyperparams(self) -> list[dict[str, Any]] | None:
+        """Hyperparameters of each optimizer param group, or None when the file does not store them."""
+        return self._hyperparams
+
+    def group_of_flat(self, index: int) -> int:
+        """Optimizer param group that flat buffer `index` belongs to."""
+        return self._flat_to_group.get(index, index) if self._hyperparams is not None else index
+
+    def wrapper_state(self) -> dict[str, Any]:
+        """Loss-scaler and clipping state of DeepSpeed's optimizer wrapper."""
+        keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+        return {k: materialize(self._sd[k]) for k in keys if k in self._sd}
+
+    def close(self) -> None:
+        """Release the underlying file."""
+        self._file.close()
