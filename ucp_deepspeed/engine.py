@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -18,12 +19,22 @@ from ucp_deepspeed.capture import describe, topology
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.meta import read_meta, write_meta
+from ucp_deepspeed.meta import Topology, read_meta, write_meta
 from ucp_deepspeed.restore import restore
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
 
 log = logging.getLogger("ucp_deepspeed")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What the last `load_checkpoint` did, kept on the engine as `engine.ucp_last_load`."""
+
+    mode: str
+    saved: str
+    live: str
+    universal_dir: str | None
 
 
 def initialize(args: Any = None, *, config: Any = None, config_params: Any = None, **kwargs: Any) -> tuple:
@@ -68,24 +79,34 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                                    load_lr_scheduler_states=load_lr_scheduler_states,
                                    load_module_only=load_module_only, custom_load_fn=custom_load_fn)
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
-            client = restore(engine, UniversalCheckpoint(load_dir), load_optimizer_states,
-                             load_lr_scheduler_states, load_module_only)
+            ckpt = UniversalCheckpoint(load_dir)
+            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            engine.ucp_last_load = LoadReport("universal", Topology(**ckpt.manifest["source"]["topology"]).describe(),
+                                              live_desc(), load_dir)
             return load_dir, client
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
             return native(tag=tag)
         tag = resolve_tag(load_dir, tag)
-        saved = read_meta(os.path.join(load_dir, tag), engine.checkpoint_mp_rank).topology
-        live = topology(engine)
+        meta = read_meta(os.path.join(load_dir, tag), engine.checkpoint_mp_rank)
+        saved, live = meta.topology, topology(engine)
         if saved.same_layout(live):
-            return native(tag=tag)
+            engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)
+            path, client = native(tag=tag)
+            # DeepSpeed mixes its own bookkeeping into client_state; return only what the user saved
+            return path, {k: v for k, v in (client or {}).items() if k in meta.client_state_keys}
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
         ckpt = _converted(engine, load_dir, tag)
         client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), ckpt.root)
         tdist.barrier()
         if not options.keep and tdist.get_rank() == 0:
             remove_output(ckpt.root)
         return os.path.join(load_dir, tag), client
 
+    def live_desc() -> str:
+        return topology(engine).describe()
+
+    engine.ucp_last_load = None
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
     return engine

@@ -155,6 +155,7 @@ class TorchFile:
 
     def __init__(self, path: str):
         self.path = str(path)
+        self._fd = -1
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -170,7 +171,7 @@ class TorchFile:
                 self._entries = {i.filename: i for i in infos}
                 data = zf.read(pkl)
         except (zipfile.BadZipFile, EOFError, OSError) as exc:
-            os.close(self._fd)
+            self.close()
             raise CheckpointError(self.path, f"truncated or corrupt torch file ({exc})") from None
         self._data_offsets: dict[str, int] = {}
         try:

@@ -1,4 +1,6 @@
-"""torchrun entry point for the end-to-end tests: train a tiny model, save, or load and compare.
+"""Train a tiny LM with ucp_deepspeed, save, and resume at another layout, checking every state.
+
+Used by launch/demo.sh and by the end-to-end tests (one torchrun launch per layout):
 
     save  --out DIR --variant NAME ...: train STEPS steps, snapshot every state, save, continue
           CONT steps and record their losses; rank 0 writes DIR/NAME/reference.pt
@@ -14,15 +16,13 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ucp_deepspeed  # noqa: E402
+import ucp_deepspeed
 
 GLOBAL_BATCH = 12
 SEQ = 6
@@ -43,16 +43,17 @@ VARIANTS = {
 class TinyLM(torch.nn.Module):
     """Embedding tied to the output head, an MLP block, a frozen scale and an integer buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 40) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, 24)
-        self.up = torch.nn.Linear(24, 40)
-        self.norm = torch.nn.LayerNorm(40)
-        self.down = torch.nn.Linear(40, 24)
+        self.up = torch.nn.Linear(24, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.down = torch.nn.Linear(hidden, 24)
         self.scale = torch.nn.Parameter(torch.rand(24) + 0.5, requires_grad=False)
         self.head = torch.nn.Linear(24, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        torch.nn.init.normal_(self.embed.weight, std=0.05)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -79,10 +80,10 @@ def ds_config(variant: dict, dp: int) -> dict:
     return cfg
 
 
-def build(variant_name: str) -> deepspeed.DeepSpeedEngine:
+def build(variant_name: str, hidden: int = 40) -> deepspeed.DeepSpeedEngine:
     variant = VARIANTS[variant_name]
     torch.manual_seed(1234)
-    model = TinyLM()
+    model = TinyLM(hidden)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
     groups = [{"params": decay, "weight_decay": 0.1},
@@ -176,10 +177,13 @@ def client_state(engine: deepspeed.DeepSpeedEngine) -> dict:
 def do_save(args: argparse.Namespace) -> None:
     for name in args.variant:
         engine = build(name)
-        train(engine, STEPS)
+        losses = train(engine, STEPS)
         snap = snapshot(engine)
         ckpt = os.path.join(args.out, name)
         engine.save_checkpoint(ckpt, client_state=client_state(engine))
+        if dist.get_rank() == 0:
+            print(f"[{name} dp={dist.get_world_size()}] step {engine.global_steps} loss {losses[-1]:.6f}; "
+                  f"saved {count_tensors(snap)} tensors to {ckpt}", flush=True)
         cont = train(engine, CONT)
         if dist.get_rank() == 0:
             torch.save({"snapshot": snap, "continuation": cont, "client_state": client_state(engine) | {
@@ -188,7 +192,23 @@ def do_save(args: argparse.Namespace) -> None:
         dist.barrier()
 
 
+def do_mismatch(args: argparse.Namespace) -> None:
+    """Load into a model of another width: must fail with a clear error before touching any state."""
+    engine = build(args.variant[0], hidden=48)
+    before = snapshot(engine)
+    try:
+        engine.load_checkpoint(args.source[0])
+        outcome = {"error": None}
+    except ucp_deepspeed.CheckpointError as exc:
+        outcome = {"error": str(exc), "untouched": compare(before, snapshot(engine)) == []}
+    if dist.get_rank() == 0:
+        with open(args.results, "w") as f:
+            json.dump(outcome, f)
+
+
 def do_load(args: argparse.Namespace) -> None:
+    if args.mismatch:
+        return do_mismatch(args)
     name = args.variant[0]
     results = []
     for source in args.source:
@@ -200,7 +220,9 @@ def do_load(args: argparse.Namespace) -> None:
         diffs += compare(ref["client_state"], client, "client_state")
         losses = train(engine, CONT)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
+        report = engine.ucp_last_load
         results.append({"source": source, "target": name, "dp": dist.get_world_size(), "path": path,
+                        "mode": report.mode, "saved": report.saved, "live": report.live,
                         "diffs": diffs, "tensors": count_tensors(snap), "losses": losses,
                         "reference_losses": ref["continuation"], "max_rel_loss": rel if math.isfinite(rel) else 1e9})
         if dist.get_rank() == 0:
@@ -219,6 +241,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--results")
+    parser.add_argument("--mismatch", action="store_true", help="load into a wider model; expect a clear error")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     do_save(args) if args.mode == "save" else do_load(args)

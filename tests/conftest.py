@@ -1,0 +1,49 @@
+"""Shared fixtures: torchrun launches on gloo/CPU and one set of saved source checkpoints per session."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "launch" / "train_tiny.py"
+SOURCE_DP = 2
+SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1")
+
+
+def torch_env() -> dict[str, str]:
+    """Environment for every launch: CPU accelerator, one op cache for all launches, one thread per rank."""
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "ucp_torch_extensions"))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run launch/train_tiny.py under `torchrun --standalone`; fail the test with the output tail on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), *args]
+    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{tail}")
+    return proc
+
+
+def load_results(path: Path) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints of every source variant, saved once at dp=2 after three training steps."""
+    out = tmp_path_factory.mktemp("sources")
+    torchrun(SOURCE_DP, "save", "--out", str(out), "--variant", *SOURCE_VARIANTS)
+    return {name: out / name for name in SOURCE_VARIANTS}
