@@ -37,6 +37,8 @@ VARIANTS = {
     "bf16z1": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True},
     "bf16z2": {"stage": 2, "dtype": "bf16"},
     "bf16z3": {"stage": 3, "dtype": "bf16"},
+    "sgdz2": {"stage": 2, "dtype": "fp32", "optimizer": "sgd"},
+    "sgdz1": {"stage": 1, "dtype": "fp32", "optimizer": "sgd"},
 }
 
 
@@ -73,6 +75,8 @@ def ds_config(variant: dict, dp: int) -> dict:
     }
     if variant["stage"] == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    if variant.get("optimizer") == "sgd":
+        cfg["zero_allow_untested_optimizer"] = True
     if variant["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
         if variant.get("grad_accum_fp32"):
@@ -86,9 +90,14 @@ def build(variant_name: str, hidden: int = 40) -> deepspeed.DeepSpeedEngine:
     model = TinyLM(hidden)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
-    groups = [{"params": decay, "weight_decay": 0.1},
-              {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95)}]
-    optimizer = torch.optim.AdamW(groups, lr=2e-3)
+    if variant.get("optimizer") == "sgd":
+        groups = [{"params": decay, "weight_decay": 0.1},
+                  {"params": no_decay, "weight_decay": 0.0, "lr": 0.05, "momentum": 0.8}]
+        optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    else:
+        groups = [{"params": decay, "weight_decay": 0.1},
+                  {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95)}]
+        optimizer = torch.optim.AdamW(groups, lr=2e-3)
     engine, _, _, _ = ucp_deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config(variant, dist.get_world_size()),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
@@ -122,11 +131,17 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     if hasattr(opt, "_hp_optimizer_states_linked"):
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
-    snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}}
+    if engine.zero_optimization_stage() == 3:  # ZeRO-3 keeps its fp32 flats out of param_groups between steps
+        flats = [(opt.sub_group_to_group_id[i], f) for i, f in enumerate(opt.fp32_partitioned_groups_flat)]
+    else:
+        flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
+    first_state = opt.optimizer.state[flats[0][1]]
+    keys = sorted(k for k, v in first_state.items() if torch.is_tensor(v) and v.dim() == 1)
+    snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}, "state_keys": keys}
     for name, p in engine.module.named_parameters():
         if p.requires_grad:
             snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in keys:
                 snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
@@ -136,11 +151,7 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     for name, b in engine.module.named_buffers():
         snap["buffers"][name] = b.detach().cpu().clone()
     snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
-    if engine.zero_optimization_stage() == 3:  # ZeRO-3 keeps its fp32 flats out of param_groups between steps
-        flats = [(opt.sub_group_to_group_id[i], f) for i, f in enumerate(opt.fp32_partitioned_groups_flat)]
-    else:
-        flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
-    snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats}
+    snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap

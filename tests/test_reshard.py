@@ -23,6 +23,7 @@ CASES = [
     pytest.param("bf16z1", 3, ("bf16z1",), id="bf16z1-dp3<-bf16z1"),
     pytest.param("bf16z3", 1, ("bf16z1",), id="bf16z3-dp1<-bf16z1"),
     pytest.param("bf16z2", 4, ("bf16z1",), id="bf16z2-dp4<-bf16z1", marks=pytest.mark.slow),
+    pytest.param("sgdz1", 3, ("sgdz2",), id="sgd-z1-dp3<-sgd-z2"),
 ]
 
 
@@ -36,7 +37,7 @@ def test_reshard(sources, tmp_path, target, dp, source_names):
     for r in results:
         label = f"{r['source']} -> {target} dp={dp}"
         assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"])
-        assert r["tensors"] >= 30, label
+        assert r["tensors"] >= 20, label  # an empty snapshot would pass vacuously
         same_layout = r["saved"] == r["live"]
         assert r["mode"] == ("native" if same_layout else "resharded"), label
         rtol = BF16_LOSS_RTOL if target.startswith("bf16") else FP32_LOSS_RTOL

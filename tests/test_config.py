@@ -1,0 +1,48 @@
+"""The checkpoint.universal config section and the partition geometry, without launching ranks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ucp_deepspeed.config import load_config, split_config
+from ucp_deepspeed.layout import Fragment, fragments
+from ucp_deepspeed.meta import ParamSlot
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_example_configs_enable_universal(path):
+    ds_config, options = split_config(load_config(str(path)))
+    assert options.enabled
+    assert "universal" not in ds_config.get("checkpoint", {}), "our key must not reach DeepSpeed"
+    assert json.loads(path.read_text())["checkpoint"]["universal"], "the file itself is not modified"
+
+
+def test_boolean_and_object_forms():
+    assert not split_config({})[1].enabled
+    assert split_config({"checkpoint": {"universal": True}})[1].enabled
+    options = split_config({"checkpoint": {"universal": {"workers": 3, "keep": False}}})[1]
+    assert options.enabled and options.workers == 3 and not options.keep
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"workrs": 2}, "workrs"),
+    ({"workers": 0}, "greater than or equal to 1"),
+    ("yes", "must be true/false or an object"),
+])
+def test_bad_options_are_clear_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        split_config({"checkpoint": {"universal": bad}})
+
+
+def test_zero12_fragments_cut_at_partition_borders():
+    slot = ParamSlot("w", (3, 5), group=0, flat=0, offset=7, partition=10)
+    assert fragments(slot, zero_stage=2, dp=3) == [Fragment(0, 7, 0, 3), Fragment(1, 0, 3, 10), Fragment(2, 0, 13, 2)]
+
+
+def test_zero3_fragments_are_per_rank_chunks():
+    slot = ParamSlot("w", (7,), group=0, flat=1, offset=4, partition=3)
+    assert fragments(slot, zero_stage=3, dp=3) == [Fragment(0, 4, 0, 3), Fragment(1, 4, 3, 3), Fragment(2, 4, 6, 1)]
