@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -56,7 +57,7 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"{topo['dtype']} ({topo['optimizer']})")
     print("  counters: " + ", ".join(f"{k}={v}" for k, v in s["counters"].items()))
     trainable = [p for p in s["params"].values() if p["trainable"]]
-    numel = sum(_numel(p["shape"]) for p in trainable)
+    numel = sum(math.prod(p["shape"]) for p in trainable)
     print(f"  params: {len(s['params'])} ({len(trainable)} trainable, {numel:,} elements), "
           f"{s['param_groups']} param groups, buffers: {len(s['buffers'])}, tied: {len(s['tied'])}")
     print(f"  files: {s['files']}, {_size(s['total_bytes'])}")
@@ -64,13 +65,6 @@ def _print_summary(s: dict[str, Any]) -> None:
     for name, p in s["params"].items():
         size = _size(p["bytes"]) if p["bytes"] is not None else "-"
         print(f"    {name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']:<9} {size:>9}  {','.join(p['keys'])}")
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ are in memory at a time. The manifest is written once every job has finished.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from ucp_deepspeed import __version__
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.meta import ExtraTensor, ParamSlot
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.universal import (BUFFERS, FP32, MANIFEST, STATE, VALUE, FileRecord, encode_value, file_record,
                                      is_complete, param_file, write_manifest, write_object, write_tensors)
@@ -28,12 +30,12 @@ INTENT = ".ucp_source.json"
 
 @dataclass(frozen=True)
 class Job:
-    """One output file to produce."""
+    """One output file to produce; `item` is the parameter or frozen tensor it holds, if any."""
 
     kind: str
-    name: str
     relpath: str
     nbytes: int
+    item: ParamSlot | ExtraTensor | None = None
 
 
 def default_output(src: NativeCheckpoint) -> str:
@@ -53,15 +55,13 @@ def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
 def plan_jobs(src: NativeCheckpoint) -> list[Job]:
     """Every output file of a conversion, with its approximate size for load balancing."""
     n_states = 1 + len(src.state_keys())
-    jobs = [Job("param", p.name, param_file(p.name), 4 * p.numel * n_states) for p in src.meta.params]
+    jobs = [Job("param", param_file(p.name), 4 * p.numel * n_states, p) for p in src.meta.params]
     for extra in src.meta.extras:
-        numel = 1
-        for s in extra.shape:
-            numel *= s
         if extra.kind == "frozen":
-            jobs.append(Job("frozen", extra.name, param_file(extra.name), numel * getattr(torch, extra.dtype).itemsize))
-    jobs.append(Job("buffers", "", BUFFERS, 0))
-    jobs.append(Job("state", "", STATE, 0))
+            nbytes = math.prod(extra.shape) * getattr(torch, extra.dtype).itemsize
+            jobs.append(Job("frozen", param_file(extra.name), nbytes, extra))
+    jobs.append(Job("buffers", BUFFERS, 0))
+    jobs.append(Job("state", STATE, 0))
     return jobs
 
 
@@ -109,14 +109,12 @@ def prepare_output(src: NativeCheckpoint, out: str) -> set[str] | None:
 def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
     meta = src.meta
     if job.kind == "param":
-        slot = next(p for p in meta.params if p.name == job.name)
-        tensors = {FP32: src.read_param(slot, FP32)}
+        tensors = {FP32: src.read_param(job.item, FP32)}
         for key in src.state_keys():
-            tensors[key] = src.read_param(slot, key)
+            tensors[key] = src.read_param(job.item, key)
         return write_tensors(out, job.relpath, tensors)
     if job.kind == "frozen":
-        extra = next(e for e in meta.extras if e.name == job.name)
-        return write_tensors(out, job.relpath, {VALUE: src.read_extra(extra)})
+        return write_tensors(out, job.relpath, {VALUE: src.read_extra(job.item)})
     if job.kind == "buffers":
         return write_tensors(out, job.relpath, {e.name: src.read_extra(e) for e in meta.extras if e.kind == "buffer"})
     model = src.model_states(0)

@@ -6,6 +6,7 @@ checkpoint can be converted with no model code and no flags.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -64,10 +65,7 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         """Number of elements of the full parameter."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

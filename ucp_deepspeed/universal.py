@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -179,9 +180,7 @@ class UniversalCheckpoint:
         record = self.params[name]
         handle = self._open(record["file"])
         shape = record["shape"]
-        total = 1
-        for s in shape:
-            total *= s
+        total = math.prod(shape)
         numel = total - start if numel is None else numel
         if not shape or numel == total:
             return handle.get_tensor(key).reshape(-1)[start:start + numel]

@@ -1,6 +1,7 @@
 """A DeepSpeed checkpoint tag folder as the converter sees it: metadata plus lazily opened rank files."""
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any
@@ -109,9 +110,7 @@ class NativeCheckpoint:
         """A frozen parameter or buffer, gathered from ZeRO-3 fragments when it was partitioned."""
         dtype = getattr(torch, extra.dtype)
         if extra.kind == "frozen" and extra.partition:
-            numel = 1
-            for s in extra.shape:
-                numel *= s
+            numel = math.prod(extra.shape)
             out = torch.empty(numel, dtype=dtype)
             for rank in range(self.meta.topology.dp):
                 start = rank * extra.partition

@@ -11,6 +11,7 @@ objects, and a conversion tool must not execute code from a file it was asked to
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
@@ -64,10 +65,7 @@ class LazyTensor:
 
     def numel(self) -> int:
         """Number of elements, like `torch.Tensor.numel`."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
         """Whether the elements are laid out densely in row-major order."""
