@@ -31,6 +31,7 @@ STEPS = 3
 CONT = 3
 
 VARIANTS = {
+    "z0": {"stage": 0, "dtype": "fp32"},
     "z1": {"stage": 1, "dtype": "fp32"},
     "z2": {"stage": 2, "dtype": "fp32"},
     "z3": {"stage": 3, "dtype": "fp32"},

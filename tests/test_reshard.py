@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import load_results, torchrun
+import subprocess
+import sys
+
+from conftest import WORKER, load_results, torch_env, torchrun
 
 FP32_LOSS_RTOL = 1e-6
 BF16_LOSS_RTOL = 5e-3  # bf16 forward/backward at another DP size rounds differently
@@ -54,3 +57,15 @@ def test_checkpoint_of_another_model_is_refused(sources, tmp_path):
         "checkpoint does not match this model" in outcome["error"]
     assert "up.weight: checkpoint shape [40, 24], model shape [48, 24]" in outcome["error"]
     assert outcome["untouched"], "state was modified before the mismatch was detected"
+
+
+def test_zero0_is_refused_at_initialize(tmp_path):
+    """Without a ZeRO optimizer there are no flat partitions to describe: say so before training starts."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(WORKER),
+           "save", "--out", str(tmp_path), "--variant", "z0"]
+    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "universal checkpointing needs a ZeRO optimizer" in output
+    assert ", in attach\n" in output, "must be refused when the engine is built, not at the first save"
+    assert not any(tmp_path.iterdir()), "nothing may be saved"

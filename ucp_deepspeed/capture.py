@@ -16,6 +16,10 @@ from ucp_deepspeed import __version__
 from ucp_deepspeed.meta import ExtraTensor, ParamSlot, SaveMeta, Topology
 
 
+UNSUPPORTED = ("universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, "
+               "or bf16's BF16_Optimizer)")
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -63,6 +67,11 @@ def _zero3_slots(opt: Any, names: dict) -> list[ParamSlot]:
     return slots
 
 
+def supported(engine: Any) -> bool:
+    """Whether the engine's optimizer keeps flat fp32 partitions this package knows how to describe."""
+    return int(engine.zero_optimization_stage()) in (1, 2, 3) or hasattr(engine.optimizer, "bf16_groups")
+
+
 def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     """Build the save-time metadata of a live engine."""
     module = engine.module
@@ -70,10 +79,10 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     stage = int(engine.zero_optimization_stage())
     if stage == 3:
         slots = _zero3_slots(engine.optimizer, names)
-    elif stage in (1, 2) or hasattr(engine.optimizer, "bf16_groups"):
+    elif supported(engine):
         slots = _zero12_slots(engine.optimizer, names)
     else:
-        raise NotImplementedError("ucp_deepspeed needs a ZeRO optimizer (stage 1, 2 or 3, or bf16's BF16_Optimizer)")
+        raise NotImplementedError(UNSUPPORTED)
     owned = {s.name for s in slots}
     extras = []
     for name, p in module.named_parameters():

@@ -15,7 +15,7 @@ from typing import Any
 import deepspeed
 import torch.distributed as tdist
 
-from ucp_deepspeed.capture import describe, topology
+from ucp_deepspeed.capture import UNSUPPORTED, describe, supported, topology
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
@@ -54,6 +54,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     options = options or UniversalConfig(enabled=True)
     if getattr(engine, "_ucp_options", None) is not None:
         return engine
+    if not supported(engine):
+        raise NotImplementedError(UNSUPPORTED)  # refuse now rather than at the first save, mid-training
     engine._ucp_options = options
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
 
