@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ucp_deepspeed.config import load_config, split_config
-from ucp_deepspeed.layout import Fragment, fragments
+from ucp_deepspeed.fragments import Fragment, fragments
 from ucp_deepspeed.meta import ParamSlot
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))

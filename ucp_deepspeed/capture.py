@@ -6,6 +6,7 @@ knows, so we ask it once per save.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -13,8 +14,9 @@ import torch
 from deepspeed import comm as dist
 
 from ucp_deepspeed import __version__
+from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.meta import ExtraTensor, ParamSlot, SaveMeta, Topology
-
+from ucp_deepspeed.patterns import ParamInfo, global_namer, param_infos, parse_rules
 
 UNSUPPORTED = ("universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, "
                "or bf16's BF16_Optimizer)")
@@ -31,14 +33,55 @@ def engine_dtype(engine: Any) -> str:
     return "fp16" if engine.fp16_enabled() else "fp32"
 
 
+@dataclass(frozen=True)
+class ModelParallel:
+    """This rank's tensor- and pipeline-parallel coordinates, as DeepSpeed's `mpu` reports them."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+
+
+def model_parallel(engine: Any) -> ModelParallel:
+    """Tensor/pipeline coordinates of an engine: 1x1 without an mpu; an old-style mpu's model parallel is TP."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return ModelParallel()
+    if hasattr(mpu, "get_tensor_model_parallel_world_size"):
+        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    else:
+        tp, tp_rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+    if hasattr(mpu, "get_pipeline_model_parallel_world_size"):
+        return ModelParallel(tp, tp_rank, mpu.get_pipeline_model_parallel_world_size(),
+                             mpu.get_pipeline_model_parallel_rank())
+    return ModelParallel(tp, tp_rank)
+
+
 def topology(engine: Any) -> Topology:
     """The live engine's parallel layout."""
+    mp = model_parallel(engine)
     return Topology(dp=engine.dp_world_size, zero_stage=int(engine.zero_optimization_stage()),
-                    dtype=engine_dtype(engine), tp=engine.mp_world_size,
-                    optimizer=type(engine.optimizer).__name__)
+                    dtype=engine_dtype(engine), tp=mp.tp, pp=mp.pp, optimizer=type(engine.optimizer).__name__)
 
 
-def _zero12_slots(opt: Any, names: dict) -> list[ParamSlot]:
+def infos(engine: Any) -> dict[str, ParamInfo]:
+    """Global name and tensor-parallel layout of every parameter of the engine's module, by local name."""
+    options = getattr(engine, "_ucp_options", None)
+    rules = parse_rules(options.layout_rules) if options is not None else ()
+    vocab = options.vocab_size if options is not None else 0
+    try:
+        return param_infos(engine.module, engine.module.named_parameters(), model_parallel(engine).tp, rules, vocab)
+    except ValueError as exc:
+        raise CheckpointError("checkpoint.universal.layout_rules", str(exc)) from None
+
+
+def _slot(info: ParamInfo, local: str, **fields: Any) -> ParamSlot:
+    return ParamSlot(info.name, layout=info.layout, local=local if local != info.name else "", alias=info.alias,
+                     **fields)
+
+
+def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
     slots = []
     is_bf16_opt = hasattr(opt, "bf16_groups")
     for i, flat in enumerate(opt.bf16_groups_flat if is_bf16_opt else opt.bit16_groups_flat):
@@ -53,17 +96,19 @@ def _zero12_slots(opt: Any, names: dict) -> list[ParamSlot]:
         else:
             params, offsets = opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]
         for p, off in zip(params, offsets):
-            slots.append(ParamSlot(names[p], tuple(p.shape), i, i, int(off), int(partition)))
+            slots.append(_slot(placed[names[p]], names[p], shape=tuple(p.shape), group=i, flat=i, offset=int(off),
+                               partition=int(partition)))
     return slots
 
 
-def _zero3_slots(opt: Any, names: dict) -> list[ParamSlot]:
+def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
     slots = []
     for sub, params in enumerate(opt.fp16_groups):
         group = opt.sub_group_to_group_id[sub]
         for p in params:
             flat, offset, _ = opt.grad_position[opt.get_param_id(p)]
-            slots.append(ParamSlot(names[p], tuple(p.ds_shape), group, int(flat), int(offset), int(p.partition_numel())))
+            slots.append(_slot(placed[names[p]], names[p], shape=tuple(p.ds_shape), group=group, flat=int(flat),
+                               offset=int(offset), partition=int(p.partition_numel())))
     return slots
 
 
@@ -76,35 +121,42 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     """Build the save-time metadata of a live engine."""
     module = engine.module
     names = {p: n for n, p in module.named_parameters()}
+    placed = infos(engine)
+    to_global = global_namer(module)
     stage = int(engine.zero_optimization_stage())
     if stage == 3:
-        slots = _zero3_slots(engine.optimizer, names)
+        slots = _zero3_slots(engine.optimizer, names, placed)
     elif supported(engine):
-        slots = _zero12_slots(engine.optimizer, names)
+        slots = _zero12_slots(engine.optimizer, names, placed)
     else:
         raise NotImplementedError(UNSUPPORTED)
-    owned = {s.name for s in slots}
+    owned = {s.local or s.name for s in slots}
     extras = []
     for name, p in module.named_parameters():
         if name in owned:
             continue
         z3 = hasattr(p, "ds_id")
-        extras.append(ExtraTensor(name, tuple(p.ds_shape if z3 else p.shape),
+        info = placed[name]
+        extras.append(ExtraTensor(info.name, tuple(p.ds_shape if z3 else p.shape),
                                   _dtype_name(p.ds_tensor.dtype if z3 else p.dtype), "frozen",
-                                  int(p.partition_numel()) if z3 else 0))
+                                  int(p.partition_numel()) if z3 else 0, info.layout,
+                                  name if name != info.name else ""))
     buffers = dict(module.named_buffers())
     for name in engine._get_buffer_names():
         buf = buffers[name]
-        extras.append(ExtraTensor(name, tuple(buf.shape), _dtype_name(buf.dtype), "buffer"))
+        extras.append(ExtraTensor(to_global(name), tuple(buf.shape), _dtype_name(buf.dtype), "buffer",
+                                  local=name if name != to_global(name) else ""))
     tied: dict[str, str] = {}
     owner_of: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in owner_of:
-            tied[name] = owner_of[id(p)]
+            tied[to_global(name)] = to_global(owner_of[id(p)])
         else:
             owner_of[id(p)] = name
+    tied.update({s.local: s.name for s in slots if s.alias})
+    mp = model_parallel(engine)
     return SaveMeta(topology=topology(engine), params=tuple(slots), extras=tuple(extras), tied=tied,
                     num_groups=len(engine.optimizer.optimizer.param_groups),
-                    client_state_keys=tuple(client_state_keys),
+                    client_state_keys=tuple(client_state_keys), tp_rank=mp.tp_rank, pp_rank=mp.pp_rank,
                     versions={"ucp_deepspeed": __version__, "deepspeed": deepspeed.__version__,
                               "torch": torch.__version__, "base_optimizer": type(engine.optimizer.optimizer).__name__})

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Optional, Union
+from typing import Any
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+
+from ucp_deepspeed.patterns import parse_rules
 
 
 class UniversalConfig(DeepSpeedConfigModel):
@@ -18,7 +20,7 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Save ucp metadata and reshard on load when the topology changed."""
     workers: int = Field(1, ge=1)
     """Writer threads per rank during conversion."""
-    output: Optional[str] = None
+    output: str | None = None
     """Folder for converted copies (`<output>/<tag>`); default `<checkpoint dir>/<tag>.universal`."""
     keep: bool = True
     """Keep the converted copy after loading, so the next reshard of the same tag skips conversion."""
@@ -26,9 +28,19 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Check the crc32 of every file of a converted copy before reusing it."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0 during conversion."""
+    vocab_size: int = Field(0, ge=0)
+    """Unpadded vocabulary size: vocab-parallel embedding/output rows beyond it are padding, dropped on conversion."""
+    layout_rules: str | list[dict[str, Any]] | None = None
+    """Layout rules (a list, or a JSON file path) for tensor-parallel models that are not megatron-core."""
+
+    @field_validator("layout_rules")
+    @classmethod
+    def _rules_parse(cls, value: Any) -> Any:
+        parse_rules(value)
+        return value
 
 
-def load_config(config: Union[str, dict, None]) -> dict[str, Any]:
+def load_config(config: str | dict | None) -> dict[str, Any]:
     """Read a ds_config given as a path or a dict (copied, never mutated)."""
     if config is None:
         return {}

@@ -7,12 +7,13 @@ are in memory at a time. The manifest is written once every job has finished.
 from __future__ import annotations
 
 import json
-import math
+import logging
 import os
 import shutil
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import deepspeed
 import torch
@@ -20,12 +21,27 @@ from tqdm import tqdm
 
 from ucp_deepspeed import __version__
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.meta import ExtraTensor, ParamSlot
+from ucp_deepspeed.layout import dropped_padding, merge
+from ucp_deepspeed.plan import FullTensor
 from ucp_deepspeed.sources import NativeCheckpoint
-from ucp_deepspeed.universal import (BUFFERS, FP32, MANIFEST, STATE, VALUE, FileRecord, encode_value, file_record,
-                                     is_complete, param_file, write_manifest, write_object, write_tensors)
+from ucp_deepspeed.universal import (
+    BUFFERS,
+    FP32,
+    MANIFEST,
+    STATE,
+    VALUE,
+    FileRecord,
+    encode_value,
+    file_record,
+    is_complete,
+    param_file,
+    write_manifest,
+    write_object,
+    write_tensors,
+)
 
 INTENT = ".ucp_source.json"
+log = logging.getLogger("ucp_deepspeed")
 
 
 @dataclass(frozen=True)
@@ -35,7 +51,7 @@ class Job:
     kind: str
     relpath: str
     nbytes: int
-    item: ParamSlot | ExtraTensor | None = None
+    item: FullTensor | None = None
 
 
 def default_output(src: NativeCheckpoint) -> str:
@@ -55,11 +71,8 @@ def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
 def plan_jobs(src: NativeCheckpoint) -> list[Job]:
     """Every output file of a conversion, with its approximate size for load balancing."""
     n_states = 1 + len(src.state_keys())
-    jobs = [Job("param", param_file(p.name), 4 * p.numel * n_states, p) for p in src.meta.params]
-    for extra in src.meta.extras:
-        if extra.kind == "frozen":
-            nbytes = math.prod(extra.shape) * getattr(torch, extra.dtype).itemsize
-            jobs.append(Job("frozen", param_file(extra.name), nbytes, extra))
+    jobs = [Job(t.kind, param_file(t.name), t.nbytes * (n_states if t.kind == "param" else 1), t)
+            for t in src.tensors if t.kind != "buffer"]
     jobs.append(Job("buffers", BUFFERS, 0))
     jobs.append(Job("state", STATE, 0))
     return jobs
@@ -106,17 +119,31 @@ def prepare_output(src: NativeCheckpoint, out: str) -> set[str] | None:
     return reusable
 
 
+def assemble(src: NativeCheckpoint, tensor: FullTensor, state: str = VALUE) -> torch.Tensor:
+    """One state of a full tensor, merged from its tensor-parallel shards."""
+    shards = [src.ranks[s.mp_rank].read_param(s.item, state) if tensor.kind == "param"
+              else src.ranks[s.mp_rank].read_extra(s.item) for s in tensor.shards]
+    if not tensor.layout.is_split and len(shards) == 1:
+        return shards[0]
+    lost = dropped_padding(tensor.layout, shards)
+    if lost and state in (FP32, VALUE):
+        log.warning("ucp: %s: vocab padding beyond row %d holds values up to %.3g; they are dropped, and a model "
+                    "that does not mask padded logits will compute slightly different losses", tensor.name,
+                    tensor.layout.vocab, lost)
+    return merge(tensor.layout, shards, tensor.name)
+
+
 def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
     meta = src.meta
     if job.kind == "param":
-        tensors = {FP32: src.read_param(job.item, FP32)}
+        tensors = {FP32: assemble(src, job.item, FP32)}
         for key in src.state_keys():
-            tensors[key] = src.read_param(job.item, key)
+            tensors[key] = assemble(src, job.item, key)
         return write_tensors(out, job.relpath, tensors)
     if job.kind == "frozen":
-        return write_tensors(out, job.relpath, {VALUE: src.read_extra(job.item)})
+        return write_tensors(out, job.relpath, {VALUE: assemble(src, job.item)})
     if job.kind == "buffers":
-        return write_tensors(out, job.relpath, {e.name: src.read_extra(e) for e in meta.extras if e.kind == "buffer"})
+        return write_tensors(out, job.relpath, {t.name: assemble(src, t) for t in src.tensors if t.kind == "buffer"})
     model = src.model_states(0)
     return write_object(out, job.relpath, {
         "lr_scheduler": model.lr_scheduler(),
@@ -148,17 +175,16 @@ def run_jobs(src: NativeCheckpoint, out: str, jobs: list[Job], reusable: set[str
 def build_manifest(src: NativeCheckpoint) -> dict[str, Any]:
     """The manifest body for a conversion of `src` (file table added when written)."""
     meta = src.meta
-    hyperparams, scalars = src.optimizer_groups() if meta.params else (None, {})
+    hyperparams, scalars = src.optimizer_groups()
     keys = [FP32] + src.state_keys()
     params: dict[str, Any] = {}
-    for p in meta.params:
-        params[p.name] = {"shape": list(p.shape), "dtype": "float32", "group": p.group, "trainable": True,
-                          "file": param_file(p.name), "keys": keys}
-    for e in meta.extras:
-        if e.kind == "frozen":
-            params[e.name] = {"shape": list(e.shape), "dtype": e.dtype, "group": None, "trainable": False,
-                              "file": param_file(e.name), "keys": [VALUE]}
-    buffers = {e.name: {"shape": list(e.shape), "dtype": e.dtype} for e in meta.extras if e.kind == "buffer"}
+    buffers: dict[str, Any] = {}
+    for t in src.tensors:
+        if t.kind == "buffer":
+            buffers[t.name] = {"shape": list(t.shape), "dtype": t.dtype}
+        else:
+            params[t.name] = {"shape": list(t.shape), "dtype": t.dtype, "group": t.group, "trainable": t.kind == "param",
+                              "file": param_file(t.name), "keys": keys if t.kind == "param" else [VALUE]}
     groups = []
     for g in range(meta.num_groups):
         hp = hyperparams[g] if hyperparams is not None else None
@@ -172,7 +198,7 @@ def build_manifest(src: NativeCheckpoint) -> dict[str, Any]:
         "param_groups": groups,
         "params": params,
         "buffers": buffers,
-        "tied": meta.tied,
+        "tied": {k: v for m in src.metas for k, v in m.tied.items()},
     }
 
 

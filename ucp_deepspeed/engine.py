@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from ucp_deepspeed.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.meta import Topology, read_meta, write_meta
+from ucp_deepspeed.mpu import MegatronMpu, megatron_initialized
 from ucp_deepspeed.restore import restore
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
@@ -38,11 +40,19 @@ class LoadReport:
 
 
 def initialize(args: Any = None, *, config: Any = None, config_params: Any = None, **kwargs: Any) -> tuple:
-    """`deepspeed.initialize` with universal checkpointing switched on by `"checkpoint": {"universal": true}`."""
+    """`deepspeed.initialize` with universal checkpointing switched on by `"checkpoint": {"universal": true}`.
+
+    With megatron-core's parallel_state initialised (or passed as `mpu`), DeepSpeed gets an
+    adapter for it, so tensor/pipeline/data-parallel groups come from megatron-core.
+    """
     raw = config if config is not None else config_params
     if raw is None and getattr(args, "deepspeed_config", None) is not None:
         raw, args.deepspeed_config = args.deepspeed_config, None  # DeepSpeed refuses a config given twice
     ds_config, options = split_config(load_config(raw))
+    mpu = kwargs.get("mpu")
+    if (mpu is None and megatron_initialized()) or (mpu is not None and mpu is sys.modules.get(
+            "megatron.core.parallel_state")):
+        kwargs["mpu"] = MegatronMpu()
     result = deepspeed.initialize(args=args, config=ds_config, **kwargs)
     if options.enabled:
         attach(result[0], options)
@@ -89,7 +99,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
             return native(tag=tag)
         tag = resolve_tag(load_dir, tag)
-        meta = read_meta(os.path.join(load_dir, tag), engine.checkpoint_mp_rank)
+        meta = read_meta(os.path.join(load_dir, tag), 0)
         saved, live = meta.topology, topology(engine)
         if saved.same_layout(live):
             engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)
@@ -138,7 +148,7 @@ def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
     """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks."""
     options: UniversalConfig = engine._ucp_options
     rank, world = tdist.get_rank(), tdist.get_world_size()
-    src = NativeCheckpoint(load_dir, tag, engine.checkpoint_mp_rank)
+    src = NativeCheckpoint(load_dir, tag)
     out = os.path.join(options.output, tag) if options.output else default_output(src)
     try:
         box: list[Any] = [None]

@@ -1,53 +1,170 @@
-"""Partition geometry: which element ranges of a parameter each data-parallel rank holds.
+"""Tensor-parallel geometry: which slices of a full parameter one tensor-parallel rank holds.
 
-A parameter is described by where it sits in the flat buffers (`ParamSlot`), not by its name, so
-one function per ZeRO family turns that into fragments: (rank, offset in the rank's flat buffer,
-offset in the flattened parameter, length). Conversion concatenates fragments; nothing else about
-ZeRO's layout leaks into the rest of the code.
+A `Layout` says how a rank's local tensor is cut from the full ("universal") tensor, in the
+spirit of DeepSpeed's affine shard descriptions rather than name lists:
+
+    replicated      every rank holds the whole tensor (norm weights, row-parallel biases)
+    average         like replicated, but replicas may drift; conversion keeps their mean
+    split           cut along `dim` into `tp` equal chunks, rank r takes chunk r
+    split + parts   the full tensor is sub-tensors of sizes `parts` concatenated along `dim`
+                    (fused QKV with unequal blocks, SwiGLU gate|up); each part is split on its
+                    own and a rank holds its chunk of every part, concatenated
+    split + vocab   the split tensor is padded along `dim` to a multiple of tp; the full tensor
+                    keeps only the first `vocab` entries, and padding is re-created as zeros
+
+Everything reduces to `pieces`: (offset in the full tensor, offset in the local tensor, length)
+along `dim`. Merging and splitting are the same copy in opposite directions.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ucp_deepspeed.meta import ParamSlot
+import torch
+
+KINDS = ("replicated", "average", "split")
 
 
 @dataclass(frozen=True)
-class Fragment:
-    """A contiguous run of a flattened parameter stored in one rank's flat buffer."""
+class Piece:
+    """A run of `length` entries along the split dim: full[full_start:] <-> local[local_start:]."""
 
-    rank: int
-    src: int
-    dst: int
-    numel: int
-
-
-def zero12_fragments(slot: ParamSlot, dp: int) -> list[Fragment]:
-    """Fragments of a ZeRO-1/2 parameter: its extent in the flat buffer cut at partition borders."""
-    begin, end = slot.offset, slot.offset + slot.numel
-    out = []
-    for rank in range(dp):
-        lo, hi = max(begin, rank * slot.partition), min(end, (rank + 1) * slot.partition)
-        if lo < hi:
-            out.append(Fragment(rank, lo - rank * slot.partition, lo - begin, hi - lo))
-    return out
+    full_start: int
+    local_start: int
+    length: int
 
 
-def zero3_fragments(slot: ParamSlot, dp: int) -> list[Fragment]:
-    """Fragments of a ZeRO-3 parameter: rank r holds elements [r*partition, (r+1)*partition)."""
-    out = []
-    for rank in range(dp):
-        start = rank * slot.partition
-        numel = min(slot.partition, slot.numel - start)
-        if numel > 0:
-            out.append(Fragment(rank, slot.offset, start, numel))
-    return out
+@dataclass(frozen=True)
+class Layout:
+    """How one tensor-parallel rank's local tensor relates to the full tensor."""
+
+    kind: str = "replicated"
+    dim: int = 0
+    parts: tuple[int, ...] = ()
+    vocab: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown layout {self.kind!r}; expected one of {', '.join(KINDS)}")
+        if self.kind != "split" and (self.parts or self.vocab):
+            raise ValueError(f"'parts' and 'vocab' only apply to split layouts, not {self.kind!r}")
+        if self.parts and self.vocab:
+            raise ValueError("a layout has either fused 'parts' or a padded 'vocab', not both")
+        if any(p <= 0 for p in self.parts) or self.vocab < 0 or self.dim < 0:
+            raise ValueError(f"invalid layout {self}")
+
+    @property
+    def is_split(self) -> bool:
+        """Whether ranks hold different slices (as opposed to copies)."""
+        return self.kind == "split"
+
+    def check(self, local_shape: Sequence[int], tp: int) -> None:
+        """Raise ValueError if a local tensor of this shape cannot be a rank's share at this tp size."""
+        if not self.is_split:
+            return
+        if self.dim >= len(local_shape):
+            raise ValueError(f"split dim {self.dim} but the tensor has shape {tuple(local_shape)}")
+        padded = local_shape[self.dim] * tp
+        if self.parts:
+            if sum(self.parts) != padded:
+                raise ValueError(f"parts {list(self.parts)} sum to {sum(self.parts)}, but {tp} ranks of "
+                                 f"{local_shape[self.dim]} hold {padded} along dim {self.dim}")
+            uneven = [p for p in self.parts if p % tp]
+            if uneven:
+                raise ValueError(f"parts {uneven} cannot be split evenly across {tp} tensor-parallel ranks")
+        if self.vocab > padded:
+            raise ValueError(f"vocab {self.vocab} exceeds the {padded} entries that {tp} ranks hold")
+
+    def full_shape(self, local_shape: Sequence[int], tp: int) -> tuple[int, ...]:
+        """Shape of the full tensor, without vocab padding."""
+        self.check(local_shape, tp)
+        shape = list(local_shape)
+        if self.is_split:
+            shape[self.dim] = self.vocab or local_shape[self.dim] * tp
+        return tuple(shape)
+
+    def pieces(self, local_shape: Sequence[int], rank: int, tp: int) -> list[Piece]:
+        """The runs along `dim` that rank `rank` of `tp` holds; padding is in no piece."""
+        self.check(local_shape, tp)
+        if not local_shape:
+            return [Piece(0, 0, 1)]
+        local_len = local_shape[self.dim]
+        if not self.is_split:
+            return [Piece(0, 0, local_len)]
+        out = []
+        local, base = 0, 0
+        for size in self.parts or (local_len * tp,):
+            chunk = size // tp
+            start = base + rank * chunk
+            length = min(chunk, self.vocab - start) if self.vocab else chunk
+            if length > 0:
+                out.append(Piece(start, local, length))
+            local, base = local + chunk, base + size
+        return out
+
+    def to_json(self) -> dict:
+        """Compact JSON form, as written in metadata and accepted in layout rules."""
+        out: dict = {"kind": self.kind}
+        if self.is_split:
+            out["dim"] = self.dim
+        if self.parts:
+            out["parts"] = list(self.parts)
+        if self.vocab:
+            out["vocab"] = self.vocab
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict) -> Layout:
+        """Inverse of `to_json`."""
+        return cls(kind=raw["kind"], dim=int(raw.get("dim", 0)), parts=tuple(int(p) for p in raw.get("parts", ())),
+                   vocab=int(raw.get("vocab", 0)))
 
 
-def fragments(slot: ParamSlot, zero_stage: int, dp: int) -> list[Fragment]:
-    """Fragments of a trainable parameter for the ZeRO stage it was saved with."""
-    frags = zero3_fragments(slot, dp) if zero_stage == 3 else zero12_fragments(slot, dp)
-    covered = sum(f.numel for f in frags)
-    if covered != slot.numel:
-        raise ValueError(f"{slot.name}: fragments cover {covered} of {slot.numel} elements")
-    return frags
+REPLICATED = Layout()
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    return t.reshape(1).narrow(0, start, length) if t.dim() == 0 else t.narrow(dim, start, length)
+
+
+def merge(layout: Layout, shards: Sequence[torch.Tensor], name: str = "") -> torch.Tensor:
+    """The full tensor from every tensor-parallel rank's local tensor, in rank order."""
+    tp = len(shards)
+    local_shape = tuple(shards[0].shape)
+    if layout.kind == "replicated" or (layout.kind == "average" and all(torch.equal(shards[0], s) for s in shards)):
+        return shards[0].clone()
+    if layout.kind == "average":
+        return torch.stack([s.double() for s in shards]).mean(0).to(shards[0].dtype)
+    full = torch.zeros(layout.full_shape(local_shape, tp), dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        if tuple(shard.shape) != local_shape:
+            raise ValueError(f"{name}: tensor-parallel rank {rank} holds {tuple(shard.shape)}, rank 0 {local_shape}")
+        for piece in layout.pieces(local_shape, rank, tp):
+            _narrow(full, layout.dim, piece.full_start, piece.length).copy_(
+                _narrow(shard, layout.dim, piece.local_start, piece.length))
+    return full
+
+
+def dropped_padding(layout: Layout, shards: Sequence[torch.Tensor]) -> float:
+    """Largest |value| in the vocab padding that `merge` drops (non-zero means information is lost)."""
+    if not layout.vocab:
+        return 0.0
+    tp, local_len = len(shards), shards[0].shape[layout.dim]
+    worst = 0.0
+    for rank, shard in enumerate(shards):
+        kept = sum(p.length for p in layout.pieces(tuple(shard.shape), rank, tp))
+        if kept < local_len:
+            pad = shard.narrow(layout.dim, kept, local_len - kept)
+            worst = max(worst, pad.abs().max().item())
+    return worst
+
+
+def split(layout: Layout, local_shape: Sequence[int], rank: int, tp: int,
+          read: Callable[[int, int, int], torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rank `rank`'s local tensor, built from `read(dim, start, length)` slices of the full tensor."""
+    local = torch.zeros(tuple(local_shape), dtype=dtype)
+    dim = layout.dim if layout.is_split else 0
+    for piece in layout.pieces(local_shape, rank, tp):
+        _narrow(local, dim, piece.local_start, piece.length).copy_(read(dim, piece.full_start, piece.length)
+                                                                   .reshape(_narrow(local, dim, 0, piece.length).shape))
+    return local

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.layout import REPLICATED, Layout
 
 META_VERSION = 1
 
@@ -39,7 +40,7 @@ class Topology:
         parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v != 1]
         return " ".join(parts + [self.dtype])
 
-    def same_layout(self, other: "Topology") -> bool:
+    def same_layout(self, other: Topology) -> bool:
         """True when DeepSpeed's native loader can read a checkpoint of `other` directly."""
         return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == \
                (other.dp, other.tp, other.pp, other.ep, other.zero_stage, other.optimizer)
@@ -53,6 +54,9 @@ class ParamSlot:
     into contiguous chunks of `partition` elements, one per data-parallel rank.
     ZeRO-3: every rank holds `partition` elements of this parameter (rank r: elements
     [r*partition, (r+1)*partition)) at element `offset` of its flat sub-group `flat`.
+    `name` is the global name in the full model, `local` the name in this rank's module when it
+    differs (pipeline stages number layers locally); `shape` is the local, tensor-parallel shape.
+    An `alias` is a second copy of another parameter (a tied output layer on the last stage).
     """
 
     name: str
@@ -61,10 +65,13 @@ class ParamSlot:
     flat: int
     offset: int
     partition: int
+    layout: Layout = REPLICATED
+    local: str = ""
+    alias: bool = False
 
     @property
     def numel(self) -> int:
-        """Number of elements of the full parameter."""
+        """Number of elements of this rank's (tensor-parallel) parameter."""
         return math.prod(self.shape)
 
 
@@ -80,6 +87,13 @@ class ExtraTensor:
     dtype: str
     kind: str
     partition: int = 0
+    layout: Layout = REPLICATED
+    local: str = ""
+
+    @property
+    def local_name(self) -> str:
+        """Name in this rank's module."""
+        return self.local or self.name
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,8 @@ class SaveMeta:
     num_groups: int = 1
     client_state_keys: tuple[str, ...] = ()
     versions: dict[str, str] = field(default_factory=dict)
+    tp_rank: int = 0
+    pp_rank: int = 0
     version: int = META_VERSION
 
     def to_json(self) -> str:
@@ -100,7 +116,7 @@ class SaveMeta:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str, path: str) -> "SaveMeta":
+    def from_json(cls, text: str, path: str) -> SaveMeta:
         """Parse and validate a metadata file, naming `path` in any error."""
         try:
             raw: dict[str, Any] = json.loads(text)
@@ -112,16 +128,25 @@ class SaveMeta:
         try:
             return cls(
                 topology=Topology(**raw["topology"]),
-                params=tuple(ParamSlot(**{**p, "shape": tuple(p["shape"])}) for p in raw["params"]),
-                extras=tuple(ExtraTensor(**{**e, "shape": tuple(e["shape"])}) for e in raw["extras"]),
+                params=tuple(ParamSlot(**_tensor_fields(p)) for p in raw["params"]),
+                extras=tuple(ExtraTensor(**_tensor_fields(e)) for e in raw["extras"]),
                 tied=dict(raw["tied"]),
                 num_groups=raw["num_groups"],
                 client_state_keys=tuple(raw["client_state_keys"]),
                 versions=dict(raw["versions"]),
+                tp_rank=raw.get("tp_rank", 0),
+                pp_rank=raw.get("pp_rank", 0),
                 version=raw["version"],
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(path, f"metadata is missing or has malformed fields ({exc})") from None
+
+
+def _tensor_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    out = {**raw, "shape": tuple(raw["shape"])}
+    if "layout" in raw:
+        out["layout"] = Layout(**{**raw["layout"], "parts": tuple(raw["layout"].get("parts", ()))})
+    return out
 
 
 def write_meta(meta: SaveMeta, tag_dir: str, mp_rank: int = 0) -> str:

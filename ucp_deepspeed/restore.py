@@ -7,61 +7,98 @@ state tensors, then let DeepSpeed refresh the low-precision weights from the fp3
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from deepspeed import comm as dist
 
+from ucp_deepspeed.capture import infos, model_parallel
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.universal import FP32, MANIFEST, VALUE, UniversalCheckpoint, decode_value
+from ucp_deepspeed.layout import Layout
+from ucp_deepspeed.patterns import global_namer
+from ucp_deepspeed.universal import (
+    FP32,
+    MANIFEST,
+    VALUE,
+    UniversalCheckpoint,
+    decode_value,
+)
 
 _NON_PARAM_KEYS = ("params",)
 
 
-def _names(engine: Any) -> dict[torch.nn.Parameter, str]:
-    return {p: n for n, p in engine.module.named_parameters()}
+@dataclass(frozen=True)
+class LiveParam:
+    """A parameter of the live module: its global name, tensor-parallel layout and local shape."""
+
+    name: str
+    layout: Layout
+    shape: tuple[int, ...]
 
 
-def check_compatible(engine: Any, ckpt: UniversalCheckpoint) -> None:
-    """Refuse a checkpoint of another model: every name, shape and param group must match."""
-    where = f"{ckpt.root}/{MANIFEST}"
+def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
+    """Every parameter of the engine's module, placed in the full model."""
+    placed = infos(engine)
+    return {p: LiveParam(placed[n].name, placed[n].layout, tuple(p.ds_shape if hasattr(p, "ds_id") else p.shape))
+            for n, p in engine.module.named_parameters()}
+
+
+def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
     problems = []
-    live_groups = {}
-    for g, group in enumerate(engine.optimizer.optimizer.param_groups):
-        for p in group["params"]:
-            live_groups[id(p)] = g
+    tp = model_parallel(engine).tp
+    live_groups = {id(p): g for g, group in enumerate(engine.optimizer.optimizer.param_groups) for p in group["params"]}
     stage3 = int(engine.zero_optimization_stage()) == 3
-    live = {}
-    for name, p in engine.module.named_parameters():
-        shape = list(p.ds_shape if hasattr(p, "ds_id") else p.shape)
-        live[name] = (shape, p.requires_grad)
-    missing = sorted(set(live) - set(ckpt.params))
-    extra = sorted(set(ckpt.params) - set(live))
-    if missing:
-        problems.append(f"parameters not in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    if extra:
-        problems.append(f"checkpoint parameters not in model: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-    for name in sorted(set(live) & set(ckpt.params)):
-        shape, trainable = live[name]
-        rec = ckpt.params[name]
+    names = set()
+    for p, info in live.items():
+        names.add(info.name)
+        rec = ckpt.params.get(info.name)
+        if rec is None:
+            continue
+        try:
+            shape = list(info.layout.full_shape(info.shape, tp))
+        except ValueError as exc:
+            problems.append(f"{info.name}: {exc}")
+            continue
         if rec["shape"] != shape:
-            problems.append(f"{name}: checkpoint shape {rec['shape']}, model shape {shape}")
-        elif rec["trainable"] != trainable:
-            problems.append(f"{name}: trainable={rec['trainable']} in checkpoint, {trainable} in model")
-    if not stage3:
-        for p, name in _names(engine).items():
-            if p.requires_grad and name in ckpt.params and id(p) in live_groups \
-                    and ckpt.params[name]["group"] != live_groups[id(p)]:
-                problems.append(f"{name}: param group {ckpt.params[name]['group']} in checkpoint, "
-                                f"{live_groups[id(p)]} in model")
-    missing_buffers = sorted(set(engine._get_buffer_names()) - set(ckpt.buffers))
+            hint = ""
+            if info.layout.is_split and len(shape) == len(rec["shape"]) and \
+                    [d for d in range(len(shape)) if shape[d] != rec["shape"][d]] == [info.layout.dim]:
+                hint = " (if this is vocabulary padding, set checkpoint.universal.vocab_size to the unpadded size)"
+            problems.append(f"{info.name}: checkpoint shape {rec['shape']}, model shape {shape}{hint}")
+        elif rec["trainable"] != p.requires_grad:
+            problems.append(f"{info.name}: trainable={rec['trainable']} in checkpoint, {p.requires_grad} in model")
+        elif not stage3 and p.requires_grad and id(p) in live_groups and rec["group"] != live_groups[id(p)]:
+            problems.append(f"{info.name}: param group {rec['group']} in checkpoint, {live_groups[id(p)]} in model")
+    to_global = global_namer(engine.module)
+    missing_buffers = sorted({to_global(n) for n in engine._get_buffer_names()} - set(ckpt.buffers))
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
     if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups):
         problems.append(f"{len(ckpt.manifest['param_groups'])} param groups in checkpoint, "
                         f"{len(engine.optimizer.optimizer.param_groups)} in optimizer")
+    return problems, names
+
+
+def check_compatible(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> None:
+    """Refuse a checkpoint of another model on every rank: names, shapes, layouts and groups must match.
+
+    Pipeline stages each hold part of the model, so names are compared over all ranks together.
+    """
+    problems, names = _problems(engine, ckpt, live)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (problems, sorted(names)))
+    problems = list(dict.fromkeys(p for part, _ in everyone for p in part))
+    all_names = {n for _, part in everyone for n in part}
+    missing = sorted(all_names - set(ckpt.params))
+    extra = sorted(set(ckpt.params) - all_names)
+    if missing:
+        problems.insert(0, f"parameters not in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        problems.insert(0, f"checkpoint parameters not in model: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
     if problems:
-        raise CheckpointError(where, "checkpoint does not match this model:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"{ckpt.root}/{MANIFEST}", "checkpoint does not match this model:\n  "
+                              + "\n  ".join(problems))
 
 
 def _apply_group_state(opt: Any, group_index: int, ckpt: UniversalCheckpoint, load_optimizer_states: bool,
@@ -89,12 +126,24 @@ def _state_keys(ckpt: UniversalCheckpoint) -> list[str]:
     return []
 
 
-def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool) -> None:
+def _reader(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> Any:
+    """read(param, key, start, numel): a flat range of this rank's tensor-parallel share of a state."""
+    mp = model_parallel(engine)
+
+    def read(p: torch.nn.Parameter, key: str, start: int, numel: int) -> torch.Tensor:
+        info = live[p]
+        return ckpt.read_local(info.name, key, info.layout, info.shape, mp.tp_rank, mp.tp, start, numel)
+
+    return read
+
+
+def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam],
+                    load_optimizer_states: bool) -> None:
     opt = engine.optimizer
     is_bf16_opt = hasattr(opt, "bf16_groups")
     groups = opt.bf16_groups if is_bf16_opt else opt.bit16_groups
     flats = opt.fp32_groups_flat_partition if is_bf16_opt else opt.single_partition_of_fp32_groups
-    names = _names(engine)
+    read = _reader(engine, ckpt, live)
     keys = _state_keys(ckpt) if load_optimizer_states else []
     for i, flat in enumerate(flats):
         bufs = {k: torch.zeros_like(flat) for k in keys}
@@ -102,11 +151,10 @@ def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_state
             mapping = lp._hp_mapping
             if mapping is None:
                 continue
-            name = names[lp]
             start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            mapping.hp_fragment.data.copy_(ckpt.read(name, FP32, start, numel))
+            mapping.hp_fragment.data.copy_(read(lp, FP32, start, numel))
             for k in keys:
-                bufs[k].narrow(0, mapping.hp_fragment_address.start, numel).copy_(ckpt.read(name, k, start, numel))
+                bufs[k].narrow(0, mapping.hp_fragment_address.start, numel).copy_(read(lp, k, start, numel))
         _apply_group_state(opt, i, ckpt, load_optimizer_states, flat, bufs)
     if load_optimizer_states:
         opt._hp_optimizer_states_linked = False
@@ -114,9 +162,10 @@ def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_state
     opt.update_lp_params()
 
 
-def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool) -> None:
+def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam],
+                   load_optimizer_states: bool) -> None:
     opt = engine.optimizer
-    names = _names(engine)
+    read = _reader(engine, ckpt, live)
     keys = _state_keys(ckpt) if load_optimizer_states else []
     for sub, flat in enumerate(opt.fp32_partitioned_groups_flat):
         bufs = {k: torch.zeros_like(flat) for k in keys}
@@ -124,30 +173,31 @@ def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states
             _, offset, partition = opt.grad_position[opt.get_param_id(p)]
             start = opt._get_param_partition_rank(p) * partition
             numel = max(0, min(partition, p.ds_numel - start))
-            name = names[p]
-            flat.data.narrow(0, offset, numel).copy_(ckpt.read(name, FP32, start, numel))
+            flat.data.narrow(0, offset, numel).copy_(read(p, FP32, start, numel))
             for k in keys:
-                bufs[k].narrow(0, offset, numel).copy_(ckpt.read(name, k, start, numel))
+                bufs[k].narrow(0, offset, numel).copy_(read(p, k, start, numel))
         _apply_group_state(opt, opt.sub_group_to_group_id[sub], ckpt, load_optimizer_states, flat, bufs)
         opt.fp16_partitioned_groups_flat[sub].data.copy_(flat.data)
-    for name, p in engine.module.named_parameters():
+    for p in engine.module.parameters():
         if not p.requires_grad and hasattr(p, "ds_id"):
             partition = p.ds_tensor.numel()
             start = dist.get_rank(group=p.ds_process_group) * partition
             numel = max(0, min(partition, p.ds_numel - start))
-            p.ds_tensor.data.narrow(0, 0, numel).copy_(ckpt.read(name, VALUE, start, numel))
+            p.ds_tensor.data.narrow(0, 0, numel).copy_(read(p, VALUE, start, numel))
     if opt.persistent_parameters:
         opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
     opt.invalidate_secondary_tensor()
 
 
-def _restore_module_extras(engine: Any, ckpt: UniversalCheckpoint) -> None:
+def _restore_module_extras(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> None:
     buffers = dict(engine.module.named_buffers())
+    to_global = global_namer(engine.module)
     for name in engine._get_buffer_names():
-        buffers[name].data.copy_(ckpt.read_buffer(name))
-    for name, p in engine.module.named_parameters():
+        buffers[name].data.copy_(ckpt.read_buffer(to_global(name)))
+    read = _reader(engine, ckpt, live)
+    for p in engine.module.parameters():
         if not p.requires_grad and not hasattr(p, "ds_id"):
-            p.data.copy_(ckpt.read(name, VALUE).view(p.shape))
+            p.data.copy_(read(p, VALUE, 0, p.numel()).view(p.shape))
 
 
 def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_scheduler_states: bool) -> dict[str, Any]:
@@ -167,15 +217,16 @@ def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_sche
 def restore(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool = True,
             load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict[str, Any]:
     """Load a universal checkpoint into `engine` at its current layout; return the client state."""
-    check_compatible(engine, ckpt)
+    live = live_params(engine)
+    check_compatible(engine, ckpt, live)
     load_optimizer_states = load_optimizer_states and not load_module_only
     if int(engine.zero_optimization_stage()) == 3:
-        _restore_zero3(engine, ckpt, load_optimizer_states)
+        _restore_zero3(engine, ckpt, live, load_optimizer_states)
     else:
-        _restore_zero12(engine, ckpt, load_optimizer_states)
+        _restore_zero12(engine, ckpt, live, load_optimizer_states)
     if load_optimizer_states:
         _apply_hyperparams(engine.optimizer, ckpt)
-    _restore_module_extras(engine, ckpt)
+    _restore_module_extras(engine, ckpt, live)
     if load_module_only:
         return {}
     return _restore_training_state(engine, ckpt, load_lr_scheduler_states)

@@ -14,14 +14,16 @@ import json
 import math
 import os
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.layout import Layout, split
 from ucp_deepspeed.sources.torch_file import TorchFile, materialize
 
 FORMAT = "ucp_deepspeed/universal"
@@ -188,6 +190,35 @@ class UniversalCheckpoint:
         first, last = start // row, -(-(start + numel) // row)
         rows = handle.get_slice(key)[first:last]
         return rows.reshape(-1)[start - first * row:start - first * row + numel]
+
+    def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Entries [start, start+length) along `dim` of a parameter state."""
+        handle = self._open(self.params[name]["file"])
+        if not self.params[name]["shape"]:
+            return handle.get_tensor(key).reshape(1)
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return handle.get_slice(key)[index]
+
+    def read_local(self, name: str, key: str, layout: Layout, local_shape: Sequence[int], rank: int, tp: int,
+                   start: int = 0, numel: int | None = None) -> torch.Tensor:
+        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state.
+
+        When the share is one run of whole rows (replicated, or split on dim 0) only the rows that
+        cover the range are read; otherwise the share is assembled first.
+        """
+        total = math.prod(local_shape)
+        numel = total - start if numel is None else numel
+        pieces = layout.pieces(local_shape, rank, tp)
+        dtype = torch.float32 if key != VALUE else getattr(torch, self.params[name]["dtype"])
+        if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
+            row = math.prod(local_shape[1:])
+            out = torch.zeros(numel, dtype=dtype)
+            kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
+            if kept:
+                out[:kept] = self.read(name, key, pieces[0].full_start * row + start, kept)
+            return out
+        local = split(layout, local_shape, rank, tp, lambda d, s, n: self.read_slice(name, key, d, s, n), dtype)
+        return local.reshape(-1)[start:start + numel]
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A whole module buffer."""

@@ -9,8 +9,15 @@ from typing import Any
 import torch
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.layout import fragments
-from ucp_deepspeed.meta import ExtraTensor, ParamSlot, SaveMeta, read_meta
+from ucp_deepspeed.fragments import fragments
+from ucp_deepspeed.meta import (
+    ExtraTensor,
+    ParamSlot,
+    SaveMeta,
+    meta_filename,
+    read_meta,
+)
+from ucp_deepspeed.plan import full_tensors
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
@@ -42,39 +49,24 @@ def resolve_tag(ckpt_dir: str, tag: str | None = None) -> str:
     return tag
 
 
-class NativeCheckpoint:
-    """One model-parallel rank's share of a DeepSpeed checkpoint, readable parameter by parameter."""
+class RankFiles:
+    """The files of one model-parallel rank (one tensor/pipeline coordinate), opened lazily."""
 
-    def __init__(self, ckpt_dir: str, tag: str | None = None, mp_rank: int = 0):
-        self.ckpt_dir = os.path.abspath(ckpt_dir)
-        self.tag = resolve_tag(self.ckpt_dir, tag)
-        self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
-        if not os.path.isdir(self.tag_dir):
-            raise CheckpointError(self.tag_dir, "checkpoint tag folder does not exist")
-        self.mp_rank = mp_rank
-        self.meta: SaveMeta = read_meta(self.tag_dir, mp_rank)
-        topo = self.meta.topology
+    def __init__(self, tag_dir: str, mp_rank: int, meta: SaveMeta):
+        self.tag_dir, self.mp_rank, self.meta = tag_dir, mp_rank, meta
+        topo = meta.topology
         prefix = "bf16_" if topo.dtype == "bf16" else ""
-        self.optim_paths = [os.path.join(self.tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
+        self.optim_paths = [os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
                             for r in range(topo.dp)]
         if topo.zero_stage == 3:
-            self.model_paths = [os.path.join(self.tag_dir, f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt")
+            self.model_paths = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt")
                                 for r in range(topo.dp)]
         else:
-            self.model_paths = [os.path.join(self.tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
-        needed = self.model_paths + (self.optim_paths if topo.zero_stage > 0 else [])
-        missing = [os.path.basename(p) for p in needed if not os.path.isfile(p)]
-        if missing:
-            raise CheckpointError(self.tag_dir, f"saved at {topo.describe()} but rank files are missing: "
-                                  f"{', '.join(missing)}")
+            self.model_paths = [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
+        self.needed = self.model_paths + (self.optim_paths if topo.zero_stage > 0 else [])
         self._lock = threading.Lock()
         self._optim: dict[int, OptimRankFile] = {}
         self._model: dict[int, ModelStatesFile] = {}
-
-    def source_files(self) -> list[str]:
-        """Every file conversion reads, for fingerprinting."""
-        return self.model_paths + self.optim_paths + [os.path.join(self.tag_dir, f)
-                                                      for f in os.listdir(self.tag_dir) if f.startswith("ucp_meta")]
 
     def optim(self, rank: int) -> OptimRankFile:
         """The optimizer file of data-parallel rank `rank`, opened once."""
@@ -90,12 +82,8 @@ class NativeCheckpoint:
                 self._model[rank] = ModelStatesFile(self.model_paths[rank])
             return self._model[rank]
 
-    def state_keys(self) -> list[str]:
-        """Per-element optimizer state keys, e.g. `exp_avg`, `exp_avg_sq`."""
-        return self.optim(0).state_keys(0) if self.meta.params else []
-
     def read_param(self, slot: ParamSlot, state: str) -> torch.Tensor:
-        """Assemble one state (`fp32` or an optimizer key) of a trainable parameter from every rank."""
+        """One state (`fp32` or an optimizer key) of this rank's share of a parameter, from every DP rank."""
         topo = self.meta.topology
         out = torch.empty(slot.numel, dtype=torch.float32)
         for frag in fragments(slot, topo.zero_stage, topo.dp):
@@ -116,23 +104,83 @@ class NativeCheckpoint:
                 start = rank * extra.partition
                 n = min(extra.partition, numel - start)
                 if n > 0:
-                    self.model_states(rank).frozen_fragment(extra.name).read(0, n, out=out[start:start + n])
+                    self.model_states(rank).frozen_fragment(extra.local_name).read(0, n, out=out[start:start + n])
             return out.view(extra.shape)
-        lazy = self.model_states(0).module_tensor(extra.name)
+        lazy = self.model_states(0).module_tensor(extra.local_name)
         if tuple(lazy.shape) != tuple(extra.shape) or lazy.dtype != dtype:
-            raise CheckpointError(self.model_paths[0], f"'{extra.name}' is {tuple(lazy.shape)} {lazy.dtype}, "
+            raise CheckpointError(self.model_paths[0], f"'{extra.local_name}' is {tuple(lazy.shape)} {lazy.dtype}, "
                                   f"metadata says {tuple(extra.shape)} {dtype}")
         return lazy.load()
-
-    def optimizer_groups(self) -> tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]:
-        """Hyperparameters per param group, and the scalar state (e.g. `step`) per param group."""
-        first = self.optim(0)
-        scalars: dict[int, dict[str, Any]] = {}
-        for index in range(first.num_flat):
-            scalars.setdefault(first.group_of_flat(index), first.scalars(index))
-        return first.hyperparams(), scalars
 
     def close(self) -> None:
         """Release every opened file."""
         for f in list(self._optim.values()) + list(self._model.values()):
             f.close()
+
+
+class NativeCheckpoint:
+    """A DeepSpeed checkpoint tag: every model-parallel rank's metadata and lazily opened files."""
+
+    def __init__(self, ckpt_dir: str, tag: str | None = None):
+        self.ckpt_dir = os.path.abspath(ckpt_dir)
+        self.tag = resolve_tag(self.ckpt_dir, tag)
+        self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
+        if not os.path.isdir(self.tag_dir):
+            raise CheckpointError(self.tag_dir, "checkpoint tag folder does not exist")
+        first = read_meta(self.tag_dir, 0)
+        topo = first.topology
+        self.metas = [first] + [read_meta(self.tag_dir, r) for r in range(1, topo.tp * topo.pp)]
+        for r, meta in enumerate(self.metas):
+            if meta.topology != topo or meta.pp_rank * topo.tp + meta.tp_rank != r:
+                raise CheckpointError(os.path.join(self.tag_dir, meta_filename(r)),
+                                      f"metadata of model-parallel rank {r} says {meta.topology.describe()} "
+                                      f"tp_rank={meta.tp_rank} pp_rank={meta.pp_rank}; rank 0 says {topo.describe()}")
+        self.meta = first
+        self.tensors = full_tensors(self.metas, os.path.join(self.tag_dir, meta_filename(0)))
+        self.ranks = [RankFiles(self.tag_dir, r, meta) for r, meta in enumerate(self.metas)]
+        missing = [os.path.basename(p) for rank in self.ranks for p in rank.needed if not os.path.isfile(p)]
+        if missing:
+            raise CheckpointError(self.tag_dir, f"saved at {topo.describe()} but rank files are missing: "
+                                  f"{', '.join(missing)}")
+
+    def source_files(self) -> list[str]:
+        """Every file conversion reads, for fingerprinting."""
+        return [p for rank in self.ranks for p in rank.needed] + \
+            [os.path.join(self.tag_dir, meta_filename(r)) for r in range(len(self.ranks))]
+
+    def model_states(self, rank: int = 0) -> ModelStatesFile:
+        """Model-states file of data-parallel rank `rank` of the first model-parallel rank."""
+        return self.ranks[0].model_states(rank)
+
+    def optim(self, rank: int) -> OptimRankFile:
+        """Optimizer file of data-parallel rank `rank` of the first model-parallel rank."""
+        return self.ranks[0].optim(rank)
+
+    def state_keys(self) -> list[str]:
+        """Per-element optimizer state keys, e.g. `exp_avg`, `exp_avg_sq`."""
+        rank = next((r for r in self.ranks if r.meta.params), None)
+        return rank.optim(0).state_keys(0) if rank is not None else []
+
+    def optimizer_groups(self) -> tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]:
+        """Hyperparameters per param group, and the scalar state (e.g. `step`) per param group.
+
+        A pipeline stage may hold no parameter of some group, so scalars come from the first
+        model-parallel rank that has them.
+        """
+        scalars: dict[int, dict[str, Any]] = {}
+        hyperparams = None
+        for rank in self.ranks:
+            if not rank.meta.params:
+                continue
+            first = rank.optim(0)
+            hyperparams = hyperparams or first.hyperparams()
+            for index in range(first.num_flat):
+                group = first.group_of_flat(index)
+                if group not in scalars and first.scalars(index):
+                    scalars[group] = first.scalars(index)
+        return hyperparams, scalars
+
+    def close(self) -> None:
+        """Release every opened file."""
+        for rank in self.ranks:
+            rank.close()

@@ -1,0 +1,326 @@
+"""Train a tiny megatron-core GPT at any TP x PP x DP with ucp_deepspeed, save, and resume elsewhere.
+
+    save --out DIR --tp T --pp P --zero Z --arch gpt|llama
+        train STEPS steps, gather the full model state, save, continue CONT steps and record their
+        losses; rank 0 writes DIR/reference.pt
+    load --source DIR [DIR ...] --tp T --pp P --zero Z --arch ... [--resave OUT]
+        build the engines at this launch's layout, load each source, compare every full fp32 weight
+        and optimizer state with the reference using torch.equal, continue CONT steps and compare
+        losses; --resave saves the loaded state again, untrained, at this layout
+
+The data-parallel size is whatever world size is left over: world / (T * P).
+
+Pipeline stages are megatron-core `GPTModel`s (pre_process/post_process), one DeepSpeed engine per
+stage. The schedule is a plain fill-drain over micro-batches, in the order DeepSpeed's own
+PipelineEngine uses with ZeRO-1: backward without gradient reduction, all-reduce of the tied
+embedding's gradient between the first and last stage, then reduction and step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+import ucp_deepspeed
+from ucp_deepspeed.capture import infos
+from ucp_deepspeed.layout import merge
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import megatron_cpu  # noqa: E402  (CPU stand-ins for megatron-core's CUDA-only helpers)
+
+VOCAB = 70             # padded to a multiple of 8 * tp: 72 at tp=1, 80 at tp=2
+PAD_MULTIPLE = 8
+SEQ = 8
+GLOBAL_BATCH = 12      # divisible by every data-parallel size from 1 to 4
+STEPS = 3
+CONT = 3
+
+ARCHS = {
+    "gpt": {"normalization": "LayerNorm", "gated_linear_unit": False, "activation_func": torch.nn.functional.gelu,
+            "add_bias_linear": True, "position_embedding_type": "learned_absolute"},
+    "llama": {"normalization": "RMSNorm", "gated_linear_unit": True, "activation_func": torch.nn.functional.silu,
+              "add_bias_linear": False, "position_embedding_type": "rope"},
+}
+
+
+def padded_vocab(tp: int) -> int:
+    multiple = PAD_MULTIPLE * tp
+    return -(-VOCAB // multiple) * multiple
+
+
+def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedEngine:
+    """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine."""
+    arch = dict(ARCHS[args.arch])
+    position = arch.pop("position_embedding_type")
+    megatron_cpu.seed(1234)
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        num_layers_in_first_pipeline_stage=args.first_stage_layers or None,
+        num_layers_in_last_pipeline_stage=(num_layers - args.first_stage_layers) if args.first_stage_layers else None,
+        **arch)
+    with megatron_cpu.cpu_model_construction():
+        model = GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization),
+                         vocab_size=padded_vocab(args.tp), max_sequence_length=SEQ,
+                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                         share_embeddings_and_output_weights=True, position_embedding_type=position)
+    tied = model.shared_embedding_or_output_weight() if (model.pre_process or model.post_process) else None
+    if tied is not None:
+        with torch.no_grad():  # padding rows start at zero and, with padded logits masked, stay there
+            rows = tied.shape[0]
+            first = ps.get_tensor_model_parallel_rank() * rows
+            tied[max(0, VOCAB - first):].zero_()
+        if not model.pre_process:
+            tied.ds_pipe_replicated = True  # DeepSpeed counts it once in the gradient norm
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95)}],
+                                  lr=1e-3)
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (ps.get_data_parallel_world_size() * micro_batches()),
+        "gradient_accumulation_steps": micro_batches(),
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.zero},
+        "checkpoint": {"universal": {"enabled": True, "progress": False, "vocab_size": VOCAB}},
+    }
+    engine, _, _, _ = ucp_deepspeed.initialize(
+        model=model, optimizer=optimizer, config=cfg,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
+    if args.pp > 1:
+        engine.enable_backward_allreduce = False  # reduce once per step, after the tied-gradient sync
+    return engine
+
+
+def stage_ranks() -> tuple[int | None, int | None]:
+    """Global ranks of the previous and next pipeline stage (None at the ends)."""
+    ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    stage = ps.get_pipeline_model_parallel_rank()
+    return (ranks[stage - 1] if stage > 0 else None), (ranks[stage + 1] if stage + 1 < len(ranks) else None)
+
+
+def micro_batches() -> int:
+    """Two micro-batches per step when the rank's rows split evenly, so a pipeline has something to fill."""
+    return 2 if (GLOBAL_BATCH // ps.get_data_parallel_world_size()) % 2 == 0 else 1
+
+
+def batch(step: int) -> list[torch.Tensor]:
+    """This data-parallel rank's micro-batches of a step; the global batch never depends on the layout."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per = GLOBAL_BATCH // dp
+    return list(tokens[rank * per:(rank + 1) * per].chunk(micro_batches()))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy over the vocab-parallel logits, with the padded vocabulary masked out."""
+    local = logits.shape[-1]
+    first = ps.get_tensor_model_parallel_rank() * local
+    pad = torch.arange(first, first + local) >= VOCAB
+    logits = logits.float().masked_fill(pad, -1e4).transpose(0, 1).contiguous()
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t().contiguous()).mean()
+
+
+def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
+    """Run `steps` optimizer steps; return the global mean loss of each, on every rank."""
+    prev, nxt = stage_ranks()
+    first, last = prev is None, nxt is None
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
+    position_ids = torch.arange(SEQ).unsqueeze(0)
+    out_losses = []
+    for _ in range(steps):
+        micro = batch(engine.global_steps)
+        total = torch.zeros(())
+        for m, tokens in enumerate(micro):
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            x = None
+            if not first:
+                x = torch.empty(SEQ, inputs.shape[0], 64)
+                dist.recv(x, prev)
+                x.requires_grad_()
+                engine.module.set_input_tensor(x)
+            out = engine(inputs, position_ids, mask)
+            if last:
+                loss = lm_loss(out, labels)
+                engine.backward(loss)
+                total += loss.detach() / len(micro)
+            else:
+                dist.send(out.detach().contiguous(), nxt)
+                grad = torch.empty_like(out)
+                dist.recv(grad, nxt)
+                engine.backward((out * grad).sum(), scale_wrt_gas=False)
+            if not first:
+                dist.send(x.grad.contiguous(), prev)
+            if m + 1 < len(micro):
+                engine.step()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            tied = engine.module.shared_embedding_or_output_weight() \
+                if engine.module.pre_process or engine.module.post_process else None
+            if tied is not None:
+                dist.all_reduce(tied.grad, group=ps.get_embedding_group())
+            engine.allreduce_gradients()
+        engine.step()
+        dist.all_reduce(total)
+        out_losses.append(total.item() / (ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()))
+    return out_losses
+
+
+def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict | None:
+    """Full fp32 weights and optimizer states of the whole model, on rank 0 (None elsewhere)."""
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    if engine.zero_optimization_stage() == 3:
+        flats = [(opt.sub_group_to_group_id[i], f) for i, f in enumerate(opt.fp32_partitioned_groups_flat)]
+    else:
+        flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
+    keys = sorted(k for k, v in opt.optimizer.state[flats[0][1]].items() if torch.is_tensor(v) and v.dim() == 1)
+    placed = infos(engine)
+    tp_group = ps.get_tensor_model_parallel_group()
+    part: dict = {"fp32": {}, "state": {}, "alias": {}}
+    for name, p in sorted(engine.module.named_parameters()):
+        info = placed[name]
+        values = {"fp32": safe_get_full_fp32_param(p)} | {k: safe_get_full_optimizer_state(p, k) for k in keys}
+        for key, local in values.items():
+            shards = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(shards, local.detach().contiguous(), group=tp_group)
+            full = merge(info.layout, shards, name)
+            if info.alias:
+                part["alias"][f"{info.name}/{key}"] = full
+            elif key == "fp32":
+                part["fp32"][info.name] = full
+            else:
+                part["state"][f"{info.name}/{key}"] = full
+    part["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
+    mine = part if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 else None
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    if dist.get_rank() != 0:
+        return None
+    snap: dict = {"fp32": {}, "state": {}, "alias": {}, "state_keys": keys}
+    for piece in filter(None, parts):
+        for k in ("fp32", "state", "alias"):
+            snap[k].update(piece[k])
+    snap["steps"] = parts[0]["steps"]
+    snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    snap["scheduler"] = engine.lr_scheduler.state_dict()
+    snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
+    return snap
+
+
+def compare(ref, got, path: str = "") -> list[str]:
+    """Exact comparison of nested snapshots; returns one line per difference."""
+    if isinstance(ref, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or ref.dtype != got.dtype or ref.shape != got.shape:
+            return [f"{path}: {getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))} "
+                    f"vs saved {ref.dtype} {tuple(ref.shape)}"]
+        if not torch.equal(ref, got):
+            return [f"{path}: max |diff| {(ref.double() - got.double()).abs().max().item():.3e}"]
+        return []
+    if isinstance(ref, dict):
+        if set(ref) != set(got):
+            return [f"{path}: keys {sorted(map(str, got))} vs saved {sorted(map(str, ref))}"]
+        return [d for k in ref for d in compare(ref[k], got[k], f"{path}/{k}")]
+    if isinstance(ref, (list, tuple)):
+        if len(ref) != len(got) or type(ref) is not type(got):
+            return [f"{path}: {got!r} vs saved {ref!r}"]
+        return [d for i, (a, b) in enumerate(zip(ref, got)) for d in compare(a, b, f"{path}[{i}]")]
+    return [] if ref == got else [f"{path}: {got!r} vs saved {ref!r}"]
+
+
+def tied_copies_agree(snap: dict) -> list[str]:
+    """A last stage's copy of the tied embedding must equal the first stage's, state by state."""
+    diffs = []
+    for key, value in snap["alias"].items():
+        name, state = key.rsplit("/", 1)
+        owner = snap["fp32"][name] if state == "fp32" else snap["state"][key]
+        if not torch.equal(owner, value):
+            diffs.append(f"tied copy {key} differs from its owner")
+    return diffs
+
+
+def layout_name(args: argparse.Namespace) -> str:
+    return f"{args.arch} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
+
+
+def do_save(args: argparse.Namespace) -> None:
+    engine = build(args)
+    losses = train(engine, STEPS)
+    snap = snapshot(engine)
+    engine.save_checkpoint(args.out)
+    cont = train(engine, CONT)
+    if dist.get_rank() == 0:
+        print(f"[{layout_name(args)}] losses {losses} then {cont}; saved {len(snap['fp32'])} params", flush=True)
+        torch.save({"snapshot": snap, "continuation": cont, "layout": layout_name(args)},
+                   os.path.join(args.out, "reference.pt"))
+
+
+def do_load(args: argparse.Namespace) -> None:
+    results = []
+    for source in args.source:
+        ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False) if dist.get_rank() == 0 else None
+        engine = build(args)
+        engine.load_checkpoint(source)
+        snap = snapshot(engine)
+        if args.resave:
+            engine.save_checkpoint(args.resave)
+        losses = train(engine, CONT)
+        if dist.get_rank() == 0:
+            diffs = compare({k: v for k, v in ref["snapshot"].items() if k != "alias"},
+                            {k: v for k, v in snap.items() if k != "alias"}) + tied_copies_agree(snap)
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
+            report = engine.ucp_last_load
+            results.append({"source": source, "saved": report.saved, "live": report.live, "mode": report.mode,
+                            "diffs": diffs, "tensors": len(snap["fp32"]) + len(snap["state"]),
+                            "aliases": len(snap["alias"]), "losses": losses, "reference_losses": ref["continuation"],
+                            "max_rel_loss": rel if math.isfinite(rel) else 1e9})
+            print(f"[{layout_name(args)}] from {ref['layout']}: {report.mode}, "
+                  f"{len(diffs)} differences, losses {losses} vs {ref['continuation']}", flush=True)
+        del engine
+    if dist.get_rank() == 0:
+        with open(args.results, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="gpt")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--first-stage-layers", type=int, default=0, help="uneven pipeline split: layers on stage 0")
+    parser.add_argument("--out")
+    parser.add_argument("--source", nargs="*", default=[])
+    parser.add_argument("--resave")
+    parser.add_argument("--results")
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    megatron_cpu.install()
+    do_save(args) if args.mode == "save" else do_load(args)
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

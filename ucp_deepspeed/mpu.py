@@ -1,0 +1,90 @@
+"""DeepSpeed's `mpu` interface on top of megatron-core's `parallel_state`.
+
+DeepSpeed asks an `mpu` for "model parallel" and "data parallel" groups; megatron-core names its
+groups differently and has no such object. DeepSpeed uses the model-parallel rank to name checkpoint
+files and the model-parallel group to reduce gradient norms, so here "model parallel" is the whole
+tensor x pipeline group (unique file names per stage, norms summed over every stage). The
+tensor-parallel rank, which DeepSpeed uses to count replicated parameters once, comes from
+`get_tensor_model_parallel_rank`.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+
+def megatron_initialized() -> bool:
+    """Whether megatron-core is imported and its model-parallel state is set up."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    return ps is not None and ps.model_parallel_is_initialized()
+
+
+class MegatronMpu:
+    """Adapter from megatron-core's parallel_state to the names DeepSpeed calls."""
+
+    def __init__(self) -> None:
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("call megatron.core.parallel_state.initialize_model_parallel() before "
+                               "ucp_deepspeed.initialize")
+        self.ps = parallel_state
+
+    def get_model_parallel_group(self) -> Any:
+        """Tensor x pipeline group of this rank."""
+        return self.ps.get_model_parallel_group()
+
+    def get_model_parallel_world_size(self) -> int:
+        """Ranks holding distinct parts of one model replica."""
+        return dist.get_world_size(group=self.get_model_parallel_group())
+
+    def get_model_parallel_rank(self) -> int:
+        """Position in the model-parallel group: pipeline stage * tp + tensor rank."""
+        return self.get_pipeline_model_parallel_rank() * self.get_tensor_model_parallel_world_size() \
+            + self.get_tensor_model_parallel_rank()
+
+    def get_tensor_model_parallel_group(self) -> Any:
+        """Tensor-parallel group."""
+        return self.ps.get_tensor_model_parallel_group()
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        """Tensor-parallel size."""
+        return self.ps.get_tensor_model_parallel_world_size()
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        """Tensor-parallel rank."""
+        return self.ps.get_tensor_model_parallel_rank()
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of tensor-parallel rank 0 in this rank's group."""
+        return self.ps.get_tensor_model_parallel_src_rank()
+
+    def get_pipeline_model_parallel_group(self) -> Any:
+        """Pipeline group."""
+        return self.ps.get_pipeline_model_parallel_group()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        """Number of pipeline stages."""
+        return self.ps.get_pipeline_model_parallel_world_size()
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        """Pipeline stage of this rank."""
+        return self.ps.get_pipeline_model_parallel_rank()
+
+    def get_data_parallel_group(self) -> Any:
+        """Data-parallel group (the ZeRO partitioning group)."""
+        return self.ps.get_data_parallel_group()
+
+    def get_data_parallel_world_size(self) -> int:
+        """Data-parallel size."""
+        return self.ps.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        """Data-parallel rank."""
+        return self.ps.get_data_parallel_rank()
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        """Global ranks of this rank's data-parallel group."""
+        return dist.get_process_group_ranks(self.get_data_parallel_group())
