@@ -9,12 +9,12 @@ def version() -> str:
 setup(
     name="ucp_deepspeed",
     version=version(),
-    description="Universal Checkpointing for DeepSpeed: resume on any data-parallel size or ZeRO stage",
+    description="Universal Checkpointing for DeepSpeed: resume on any DP/TP/PP size or ZeRO stage",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ucp_deepspeed", "ucp_deepspeed.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.1", "deepspeed>=0.16", "safetensors>=0.4", "pydantic>=2", "tqdm"],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"megatron": ["megatron-core>=0.16"], "test": ["pytest>=8", "megatron-core>=0.16"]},
     entry_points={"console_scripts": ["ucp=ucp_deepspeed.cli:main"]},
 )

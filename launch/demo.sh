@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Install everything, train a tiny LM on 2 ranks (ZeRO-2), save, then resume it on 1 rank (ZeRO-2)
-# and on 3 ranks (ZeRO-3), checking every restored tensor against the state before saving.
+# and on 3 ranks (ZeRO-3), checking every restored tensor against the state before saving. Then the
+# same for a megatron-core GPT: saved at TP=2 x PP=2, resumed at TP=1 x DP=2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/install
 work="$(mktemp -d)"
 log="$work/demo.log"
 run() {
-  local n=$1; shift
-  if ! torchrun --standalone --nproc_per_node "$n" launch/train_tiny.py "$@" >"$log" 2>&1; then
+  local n=$1 script=launch/train_tiny.py; shift
+  if [ "$1" = gpt ]; then script=launch/train_gpt.py; shift; fi
+  if ! torchrun --standalone --nproc_per_node "$n" "$script" "$@" >"$log" 2>&1; then
     cat "$log"; exit 1
   fi
   grep '^\[' "$log"
@@ -21,3 +23,7 @@ echo "== resume on 3 ranks at ZeRO-3"
 run 3 load --variant z3 --source "$work/ckpt/z2" --results "$work/dp3.json"
 echo "== the universal copy made for the resume"
 ucp inspect "$work/ckpt/z2/global_step3.universal"
+echo "== megatron-core GPT (SwiGLU, RoPE, GQA): train at TP=2 x PP=2 and save"
+run 4 gpt save --arch llama --tp 2 --pp 2 --out "$work/gpt"
+echo "== resume at TP=1 x PP=1 x DP=2"
+run 2 gpt load --arch llama --source "$work/gpt" --results "$work/gpt.json"

@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_tiny.py"
+GPT_WORKER = ROOT / "launch" / "train_gpt.py"
 SOURCE_DP = 2
 SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "sgdz2")
 
@@ -25,10 +26,11 @@ def torch_env() -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 300, attempts: int = 1) -> subprocess.CompletedProcess:
-    """Run launch/train_tiny.py under `torchrun --standalone`; fail the test with the output tail on error."""
+def torchrun(nproc: int, *args: str, timeout: int = 300, attempts: int = 1,
+             worker: Path = WORKER) -> subprocess.CompletedProcess:
+    """Run a launch/ script under `torchrun --standalone`; fail the test with the output tail on error."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), *args]
+           str(worker), *args]
     for attempt in range(1, attempts + 1):
         proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:

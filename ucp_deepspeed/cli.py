@@ -37,14 +37,15 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
     try:
         meta = src.meta
         keys = ["fp32"] + src.state_keys()
-        params = {p.name: {"shape": list(p.shape), "dtype": "float32", "keys": keys, "trainable": True,
-                           "bytes": 4 * p.numel * len(keys)} for p in meta.params}
-        params.update({e.name: {"shape": list(e.shape), "dtype": e.dtype, "keys": ["value"], "trainable": False,
-                                "bytes": None} for e in meta.extras if e.kind == "frozen"})
+        params = {t.name: {"shape": list(t.shape), "dtype": t.dtype, "keys": keys if t.kind == "param" else ["value"],
+                           "trainable": t.kind == "param",
+                           "bytes": t.nbytes * (len(keys) if t.kind == "param" else 1)}
+                  for t in src.tensors if t.kind != "buffer"}
         files = src.source_files()
         return {"kind": "deepspeed", "path": src.tag_dir, "tag": src.tag, "source_topology": meta.topology.__dict__,
                 "counters": src.model_states(0).counters(), "param_groups": meta.num_groups, "params": params,
-                "buffers": [e.name for e in meta.extras if e.kind == "buffer"], "tied": meta.tied,
+                "buffers": [t.name for t in src.tensors if t.kind == "buffer"],
+                "tied": {k: v for m in src.metas for k, v in m.tied.items()},
                 "total_bytes": sum(os.path.getsize(f) for f in files), "files": len(files)}
     finally:
         src.close()

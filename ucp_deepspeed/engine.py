@@ -66,6 +66,10 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         return engine
     if not supported(engine):
         raise NotImplementedError(UNSUPPORTED)  # refuse now rather than at the first save, mid-training
+    if isinstance(engine, deepspeed.PipelineEngine):
+        raise NotImplementedError("DeepSpeed's PipelineEngine stores module weights in per-layer files, which "
+                                  "ucp_deepspeed does not read yet; pipeline megatron-core GPTModel stages instead "
+                                  "(see launch/train_gpt.py and the README)")
     engine._ucp_options = options
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
 

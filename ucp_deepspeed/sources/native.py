@@ -129,6 +129,11 @@ class NativeCheckpoint:
             raise CheckpointError(self.tag_dir, "checkpoint tag folder does not exist")
         first = read_meta(self.tag_dir, 0)
         topo = first.topology
+        missing = [meta_filename(r) for r in range(1, topo.tp * topo.pp)
+                   if not os.path.isfile(os.path.join(self.tag_dir, meta_filename(r)))]
+        if missing:
+            raise CheckpointError(self.tag_dir, f"saved at {topo.describe()} ({topo.tp * topo.pp} model-parallel "
+                                  f"ranks) but metadata is missing: {', '.join(missing)}")
         self.metas = [first] + [read_meta(self.tag_dir, r) for r in range(1, topo.tp * topo.pp)]
         for r, meta in enumerate(self.metas):
             if meta.topology != topo or meta.pp_rank * topo.tp + meta.tp_rank != r:

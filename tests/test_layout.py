@@ -1,0 +1,149 @@
+"""The layout language: every operator split then merged gives back the full tensor, at several TP sizes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ucp_deepspeed.layout import Layout, dropped_padding, merge, split
+from ucp_deepspeed.patterns import param_infos, parse_rules
+
+LAYOUTS = {
+    "replicated": (Layout(), (6, 8)),
+    "split-dim0": (Layout("split", 0), (8, 6)),
+    "split-dim1": (Layout("split", 1), (6, 8)),
+    "fused-qkv": (Layout("split", 0, parts=(8, 4, 4)), (16, 3)),
+    "swiglu": (Layout("split", 0, parts=(8, 8)), (16, 5)),
+    "vocab": (Layout("split", 0, vocab=13), (13, 4)),
+    "split-1d": (Layout("split", 0), (8,)),
+}
+
+
+def _shards(layout: Layout, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    if not layout.is_split:
+        local_shape = tuple(full.shape)
+    else:
+        local_shape = list(full.shape)
+        padded = -(-local_shape[layout.dim] // tp) * tp if layout.vocab else local_shape[layout.dim]
+        local_shape[layout.dim] = padded // tp
+    return [split(layout, tuple(local_shape), r, tp,
+                  lambda d, s, n: full.narrow(d, s, n) if full.dim() else full.reshape(1)) for r in range(tp)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_split_then_merge_is_identity(name, tp):
+    layout, shape = LAYOUTS[name]
+    full = torch.randn(shape)
+    shards = _shards(layout, full, tp)
+    assert torch.equal(merge(layout, shards, name), full)
+    if layout.is_split and tp > 1:
+        assert not torch.equal(shards[0], shards[1]), "ranks must hold different slices"
+
+
+def test_fused_parts_take_a_chunk_of_every_part():
+    full = torch.arange(16).view(16, 1).float()  # gate rows 0..7, up rows 8..15
+    shards = _shards(Layout("split", 0, parts=(8, 8)), full, 2)
+    assert shards[0].flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert shards[1].flatten().tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_vocab_padding_is_zero_and_dropped():
+    layout = Layout("split", 0, vocab=13)
+    full = torch.randn(13, 4)
+    shards = _shards(layout, full, 4)  # padded to 16: the last rank holds 1 real row and 3 padding rows
+    assert [s.shape[0] for s in shards] == [4, 4, 4, 4]
+    assert torch.equal(shards[3][1:], torch.zeros(3, 4))
+    assert dropped_padding(layout, shards) == 0.0
+    shards[3][2, 1] = 0.5
+    assert dropped_padding(layout, shards) == 0.5
+    assert torch.equal(merge(layout, shards), full)
+
+
+def test_average_keeps_identical_replicas_exactly_and_means_drifted_ones():
+    a = torch.randn(5) / 3
+    assert torch.equal(merge(Layout("average"), [a.clone(), a.clone(), a.clone()]), a)
+    b = torch.tensor([1.0, 2.0])
+    assert torch.equal(merge(Layout("average"), [b, b + 2]), b + 1)
+
+
+def test_stride_two_matches_megatron_core_initialisation():
+    """megatron-core splits a stride-2 (SwiGLU) master weight into the same chunks as our fused parts."""
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+    master = torch.randn(12, 5)
+    for tp in (1, 2, 3):
+        for rank in range(tp):
+            weight = torch.nn.Parameter(torch.empty(12 // tp, 5))
+            _initialize_affine_weight_cpu(weight, 12, 5, 12 // tp, 0, lambda w: w.copy_(master), stride=2,
+                                          rank=rank, world_size=tp)
+            ours = split(Layout("split", 0, parts=(6, 6)), (12 // tp, 5), rank, tp, lambda d, s, n: master.narrow(d, s, n))
+            assert torch.equal(weight.data, ours), (tp, rank)
+
+
+@pytest.mark.parametrize("layout,shape,tp,message", [
+    (Layout("split", 0, parts=(6, 6)), (4, 2), 4, "sum to 12"),
+    (Layout("split", 0, parts=(6, 2)), (2, 2), 4, "cannot be split evenly"),
+    (Layout("split", 0, vocab=20), (4, 2), 4, "exceeds"),
+    (Layout("split", 2), (4, 2), 2, "split dim 2"),
+])
+def test_impossible_layouts_are_refused(layout, shape, tp, message):
+    with pytest.raises(ValueError, match=message):
+        layout.full_shape(shape, tp)
+
+
+def test_layout_constructor_rejects_nonsense():
+    with pytest.raises(ValueError, match="unknown layout"):
+        Layout("shard")
+    with pytest.raises(ValueError, match="only apply to split"):
+        Layout("replicated", parts=(2, 2))
+    with pytest.raises(ValueError, match="either fused"):
+        Layout("split", parts=(2, 2), vocab=3)
+
+
+class Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.qkv = torch.nn.Linear(4, 12)
+        self.proj = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+
+
+def test_rules_place_every_parameter_first_match_wins():
+    rules = parse_rules([
+        {"match": r"embed\.weight", "layout": "split", "dim": 0, "vocab": 15},
+        {"match": r"qkv\..*", "layout": "split", "dim": 0, "parts": [8, 8, 8]},
+        {"match": r"proj\.weight", "layout": "split", "dim": 1},
+        {"match": r"proj\.weight", "layout": "replicated"},
+        {"match": r".*", "layout": "replicated"},
+    ])
+    model = Plain()
+    infos = param_infos(model, model.named_parameters(), tp=2, rules=rules)
+    assert infos["embed.weight"].layout == Layout("split", 0, vocab=15)
+    assert infos["qkv.bias"].layout == Layout("split", 0, parts=(8, 8, 8))
+    assert infos["proj.weight"].layout == Layout("split", 1)
+    assert infos["norm.weight"].layout == Layout()
+    assert all(i.name == n and not i.alias for n, i in infos.items())
+
+
+def test_unmatched_parameters_of_a_tensor_parallel_model_are_an_error():
+    model = Plain()
+    rules = parse_rules([{"match": r"qkv\..*", "layout": "split", "dim": 0}])
+    with pytest.raises(ValueError) as info:
+        param_infos(model, model.named_parameters(), tp=2, rules=rules)
+    message = str(info.value)
+    assert "5 parameters have no layout at tensor-parallel size 2" in message
+    assert "'embed.weight'" in message and "'norm.bias'" in message and "qkv" not in message.split("]")[0]
+    assert "layout_rules" in message
+    assert all(i.layout == Layout() for i in param_infos(model, model.named_parameters(), tp=1).values())
+
+
+@pytest.mark.parametrize("rule,message", [
+    ({"match": "x", "layout": "diagonal"}, "unknown layout"),
+    ({"match": "x", "layout": "split", "dims": 1}, "unknown keys"),
+    ({"match": "(", "layout": "split"}, "rule 0"),
+    ({"layout": "split"}, "match"),
+])
+def test_bad_rules_name_the_rule(rule, message):
+    with pytest.raises(ValueError, match=message):
+        parse_rules([rule])
