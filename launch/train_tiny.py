@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import deepspeed
 import torch
@@ -85,7 +86,8 @@ def ds_config(variant: dict, dp: int) -> dict:
     return cfg
 
 
-def build(variant_name: str, hidden: int = 40) -> deepspeed.DeepSpeedEngine:
+def build(variant_name: str, hidden: int = 40, stock: bool = False) -> deepspeed.DeepSpeedEngine:
+    """The engine of a variant; `stock` builds it with plain DeepSpeed loading its universal format."""
     variant = VARIANTS[variant_name]
     torch.manual_seed(1234)
     model = TinyLM(hidden)
@@ -99,9 +101,13 @@ def build(variant_name: str, hidden: int = 40) -> deepspeed.DeepSpeedEngine:
         groups = [{"params": decay, "weight_decay": 0.1},
                   {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95)}]
         optimizer = torch.optim.AdamW(groups, lr=2e-3)
-    engine, _, _, _ = ucp_deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config(variant, dist.get_world_size()),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
+    config = ds_config(variant, dist.get_world_size())
+    init = ucp_deepspeed.initialize
+    if stock:
+        config["checkpoint"] = {"load_universal": True}
+        init = deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config,
+                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
     return engine
 
 
@@ -218,9 +224,28 @@ def do_mismatch(args: argparse.Namespace) -> None:
             json.dump(outcome, f)
 
 
+def do_stock(args: argparse.Namespace) -> None:
+    """Plain DeepSpeed loads each `--source` (a folder with `latest_universal`); report what it restored."""
+    snaps = []
+    for source in args.source:
+        engine = build(args.variant[0], stock=True)
+        engine.load_checkpoint(source)
+        snap = snapshot(engine)
+        snaps.append({k: snap[k] for k in ("fp32", "state", "steps", "hyperparams")})
+    if dist.get_rank() == 0:
+        ref = torch.load(os.path.join(args.source[0], "reference.pt"), weights_only=False)["snapshot"]
+        ref = {k: ref[k] for k in ("fp32", "state", "steps", "hyperparams")}
+        with open(args.results, "w") as f:
+            json.dump({"vs_reference": [compare(ref, s) for s in snaps],
+                       "vs_first": [compare(snaps[0], s) for s in snaps[1:]],
+                       "tensors": count_tensors({**snaps[0], "lp": {}, "buffers": {}})}, f, indent=1)
+
+
 def do_load(args: argparse.Namespace) -> None:
     if args.mismatch:
         return do_mismatch(args)
+    if args.stock:
+        return do_stock(args)
     name = args.variant[0]
     results = []
     for source in args.source:
@@ -254,6 +279,7 @@ def main() -> None:
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--results")
     parser.add_argument("--mismatch", action="store_true", help="load into a wider model; expect a clear error")
+    parser.add_argument("--stock", action="store_true", help="load DeepSpeed universal folders with plain DeepSpeed")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     do_save(args) if args.mode == "save" else do_load(args)
@@ -263,3 +289,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # A C++ thread (gloo or DeepSpeed's shm op) occasionally aborts interpreter teardown with
+    # "terminate called without an active exception" after all work is done and written; skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

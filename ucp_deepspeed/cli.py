@@ -10,6 +10,7 @@ from typing import Any
 
 from ucp_deepspeed.convert import convert
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.interop import export_deepspeed
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
 
@@ -75,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint to the universal format")
     p.add_argument("ckpt_dir")
     p.add_argument("--tag", help="checkpoint tag (default: the one in 'latest')")
-    p.add_argument("--output", help="output folder (default: CKPT_DIR/TAG.universal)")
+    p.add_argument("--output", help="output folder (default: CKPT_DIR/TAG.universal, or CKPT_DIR/TAG_universal "
+                   "for --format deepspeed)")
+    p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
+                   help="ucp: our format; deepspeed: DeepSpeed's universal layout, loadable with load_universal")
     p.add_argument("--workers", type=int, default=2, help="writer threads (default 2)")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
@@ -87,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "convert":
-            out = convert(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress)
+            write = export_deepspeed if args.format == "deepspeed" else convert
+            out = write(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress)
             print(out)
         elif args.command == "inspect":
             summary = summarize(args.path, args.tag)

@@ -20,6 +20,7 @@ from ucp_deepspeed.capture import UNSUPPORTED, describe, supported, topology
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.interop import deepspeed_universal_folder, import_deepspeed
 from ucp_deepspeed.meta import Topology, read_meta, write_meta
 from ucp_deepspeed.mpu import MegatronMpu, megatron_initialized
 from ucp_deepspeed.restore import restore
@@ -94,6 +95,12 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                                    load_optimizer_states=load_optimizer_states,
                                    load_lr_scheduler_states=load_lr_scheduler_states,
                                    load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        ds_folder = deepspeed_universal_folder(load_dir)
+        if ds_folder is not None and (engine.load_universal_checkpoint() or ds_folder == load_dir):
+            ckpt = _imported(engine, ds_folder)
+            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            engine.ucp_last_load = LoadReport("imported", "deepspeed universal", live_desc(), ckpt.root)
+            return ds_folder, client
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
             ckpt = UniversalCheckpoint(load_dir)
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
@@ -146,6 +153,22 @@ def _all_ok(failure: tuple[str, str] | None) -> None:
     first = next((f for f in failures if f), None)
     if first:
         raise CheckpointError(*first)
+
+
+def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
+    """Our copy of a DeepSpeed universal folder, made once by rank 0 and reused afterwards."""
+    options: UniversalConfig = engine._ucp_options
+    name = f"{os.path.basename(os.path.normpath(folder))}.ucp"
+    out = os.path.join(options.output, name) if options.output else os.path.join(os.path.dirname(folder), name)
+    failure = None
+    if tdist.get_rank() == 0 and not os.path.isfile(os.path.join(out, MANIFEST)):
+        log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
+        try:
+            import_deepspeed(folder, out)
+        except (CheckpointError, OSError) as exc:
+            failure = _failure(exc)
+    _all_ok(failure)
+    return UniversalCheckpoint(out)
 
 
 def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:

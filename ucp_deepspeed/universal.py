@@ -50,7 +50,8 @@ class FileRecord:
     crc32: str
 
 
-def _atomic_write(path: str, data: bytes | memoryview) -> None:
+def atomic_write(path: str, data: bytes | memoryview) -> None:
+    """Write a file under a temporary name, fsync it and rename it into place."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
@@ -68,7 +69,7 @@ def _atomic_write(path: str, data: bytes | memoryview) -> None:
 def write_tensors(root: str, relpath: str, tensors: dict[str, torch.Tensor]) -> FileRecord:
     """Write tensors to one safetensors file atomically and return its record."""
     data = st_save({k: v.contiguous() for k, v in tensors.items()})
-    _atomic_write(os.path.join(root, relpath), data)
+    atomic_write(os.path.join(root, relpath), data)
     return FileRecord(relpath, len(data), f"{zlib.crc32(data):08x}")
 
 
@@ -77,7 +78,7 @@ def write_object(root: str, relpath: str, obj: Any) -> FileRecord:
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getbuffer()
-    _atomic_write(os.path.join(root, relpath), data)
+    atomic_write(os.path.join(root, relpath), data)
     return FileRecord(relpath, len(data), f"{zlib.crc32(data):08x}")
 
 
@@ -96,7 +97,7 @@ def write_manifest(root: str, manifest: dict[str, Any], records: Iterable[FileRe
     body = dict(manifest, format=FORMAT, version=FORMAT_VERSION,
                 files={r.path: {"bytes": r.nbytes, "crc32": r.crc32} for r in sorted(records, key=lambda r: r.path)})
     path = os.path.join(root, MANIFEST)
-    _atomic_write(path, json.dumps(body, indent=1).encode())
+    atomic_write(path, json.dumps(body, indent=1).encode())
     dir_fd = os.open(root, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

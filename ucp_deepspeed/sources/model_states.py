@@ -26,12 +26,24 @@ class ModelStatesFile:
             raise CheckpointError(self.path, f"module state has no tensor '{name}'")
         return tensor
 
+    def module_names(self) -> list[str]:
+        """Names in the saved module state dict (empty at ZeRO-3, which saves no module)."""
+        return list(self._obj.get("module") or {})
+
     def frozen_fragment(self, name: str) -> LazyTensor:
         """This rank's ZeRO-3 fragment of a frozen parameter."""
         tensor = (self._obj.get("frozen_param_fragments") or {}).get(name)
         if not isinstance(tensor, LazyTensor):
             raise CheckpointError(self.path, f"no ZeRO-3 fragment of frozen parameter '{name}'")
         return tensor
+
+    def entry(self, key: str, default: Any = None) -> Any:
+        """A top-level entry, materialised (for small bookkeeping such as `param_shapes`)."""
+        return materialize(self._obj[key]) if key in self._obj else default
+
+    def keys(self) -> list[str]:
+        """Top-level keys: DeepSpeed's own, plus the user's client_state entries."""
+        return list(self._obj)
 
     def counters(self) -> dict[str, int]:
         """Engine step counters."""

@@ -79,6 +79,16 @@ class OptimRankFile:
         keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
         return {k: materialize(self._sd[k]) for k in keys if k in self._sd}
 
+    def global_state(self) -> dict[str, Any]:
+        """Everything in the file except the per-rank tensors, plus param_groups: DeepSpeed's `optimizer_state.pt`."""
+        sharded = {"base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups",
+                   "fp32_flat_groups", "optimizer_state_dict"}
+        out = {k: materialize(v) for k, v in self._sd.items() if k not in sharded}
+        base = self._sd.get("optimizer_state_dict" if self.zero_stage == 3 else "base_optimizer_state")
+        if isinstance(base, dict):
+            out["param_groups"] = materialize(base["param_groups"])
+        return out
+
     def close(self) -> None:
         """Release the underlying file."""
         self._file.close()
