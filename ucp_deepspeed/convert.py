@@ -13,9 +13,9 @@ import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from importlib.metadata import version as package_version
 from typing import Any
 
-import deepspeed
 import torch
 from tqdm import tqdm
 
@@ -24,21 +24,9 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import dropped_padding, merge
 from ucp_deepspeed.plan import FullTensor
 from ucp_deepspeed.sources import NativeCheckpoint
-from ucp_deepspeed.universal import (
-    BUFFERS,
-    FP32,
-    MANIFEST,
-    STATE,
-    VALUE,
-    FileRecord,
-    encode_value,
-    file_record,
-    is_complete,
-    param_file,
-    write_manifest,
-    write_object,
-    write_tensors,
-)
+from ucp_deepspeed.universal import (BUFFERS, FP32, MANIFEST, STATE, VALUE, FileRecord, encode_value, file_record,
+                                     is_complete, param_file, stream_tensors, write_manifest, write_object,
+                                     write_tensors)
 
 INTENT = ".ucp_source.json"
 log = logging.getLogger("ucp_deepspeed")
@@ -136,10 +124,8 @@ def assemble(src: NativeCheckpoint, tensor: FullTensor, state: str = VALUE) -> t
 def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
     meta = src.meta
     if job.kind == "param":
-        tensors = {FP32: assemble(src, job.item, FP32)}
-        for key in src.state_keys():
-            tensors[key] = assemble(src, job.item, key)
-        return write_tensors(out, job.relpath, tensors)
+        entries = [(key, torch.float32, job.item.shape) for key in [FP32, *src.state_keys()]]
+        return stream_tensors(out, job.relpath, entries, lambda key: assemble(src, job.item, key))
     if job.kind == "frozen":
         return write_tensors(out, job.relpath, {VALUE: assemble(src, job.item)})
     if job.kind == "buffers":
@@ -191,7 +177,8 @@ def build_manifest(src: NativeCheckpoint) -> dict[str, Any]:
         groups.append({"hyperparams": {k: encode_value(v) for k, v in hp.items()} if hp is not None else None,
                        "scalars": {k: encode_value(v) for k, v in scalars.get(g, {}).items()}})
     return {
-        "created_by": {"ucp_deepspeed": __version__, "deepspeed": deepspeed.__version__, "torch": torch.__version__},
+        "created_by": {"ucp_deepspeed": __version__, "deepspeed": package_version("deepspeed"),
+                       "torch": torch.__version__},
         "source": {"path": src.tag_dir, "tag": src.tag, "topology": asdict(meta.topology),
                    "versions": meta.versions, "fingerprint": fingerprint(src)},
         "counters": src.model_states(0).counters(),

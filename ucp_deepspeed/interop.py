@@ -16,14 +16,12 @@ the manifest lists them under `notes`.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from deepspeed.checkpoint.constants import CAT_DIM, PARAM, PARAM_N_SUB_PARAMS, VOCAB_TENSOR
 from tqdm import tqdm
 
 from ucp_deepspeed import __version__
@@ -36,7 +34,8 @@ from ucp_deepspeed.sources.torch_file import TorchFile, materialize
 from ucp_deepspeed.universal import (BUFFERS, FP32, STATE, VALUE, FileRecord, atomic_write, encode_value, param_file,
                                      write_manifest, write_object, write_tensors)
 
-log = logging.getLogger("ucp_deepspeed")
+# key names of deepspeed.checkpoint.constants, spelled out so the `ucp` command need not import DeepSpeed
+PARAM, CAT_DIM, VOCAB_TENSOR, PARAM_N_SUB_PARAMS = "param", "cat_dim", "vocab_tensor", "param_n_sub_params"
 LATEST_UNIVERSAL = "latest_universal"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"

@@ -15,6 +15,8 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import REPLICATED, Layout
 
 META_VERSION = 1
+FP32 = "fp32"      # state name of the fp32 master weight, next to optimizer states such as exp_avg
+VALUE = "value"    # state name of a frozen parameter's only tensor
 
 
 def meta_filename(mp_rank: int = 0) -> str:

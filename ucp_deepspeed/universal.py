@@ -13,8 +13,10 @@ import io
 import json
 import math
 import os
+import struct
+import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import Layout, split
+from ucp_deepspeed.meta import FP32, VALUE
 from ucp_deepspeed.sources.torch_file import TorchFile, materialize
 
 FORMAT = "ucp_deepspeed/universal"
@@ -31,8 +34,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 BUFFERS = "buffers.safetensors"
 STATE = "state.pt"
-FP32 = "fp32"
-VALUE = "value"
 _CHUNK = 64 << 20
 
 
@@ -71,6 +72,52 @@ def write_tensors(root: str, relpath: str, tensors: dict[str, torch.Tensor]) -> 
     data = st_save({k: v.contiguous() for k, v in tensors.items()})
     atomic_write(os.path.join(root, relpath), data)
     return FileRecord(relpath, len(data), f"{zlib.crc32(data):08x}")
+
+
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                   produce: Callable[[str], torch.Tensor]) -> FileRecord:
+    """Write a safetensors file one tensor at a time: `produce(key)` is called in order and then dropped.
+
+    The header is computed from the declared dtypes and shapes, so at most one tensor is in memory
+    and its bytes go to the file without a serialised copy. Written atomically, like every file.
+    """
+    header, offset = {}, 0
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    prefix = struct.pack("<Q", len(head)) + head
+    path = os.path.join(root, relpath)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(prefix)
+            crc = zlib.crc32(prefix)
+            for key, dtype, shape in entries:
+                tensor = produce(key)
+                if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                    raise ValueError(f"{relpath}: '{key}' is {tensor.dtype} {tuple(tensor.shape)}, "
+                                     f"declared {dtype} {tuple(shape)}")
+                data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+                f.write(data)
+                crc = zlib.crc32(data, crc)
+                del tensor, data
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return FileRecord(relpath, len(prefix) + offset, f"{crc:08x}")
 
 
 def write_object(root: str, relpath: str, obj: Any) -> FileRecord:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize
-from ucp_deepspeed.universal import FP32
+from ucp_deepspeed.meta import FP32
 
 
 class OptimRankFile:

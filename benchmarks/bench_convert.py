@@ -1,0 +1,274 @@
+"""Conversion and load benchmarks: ucp_deepspeed against DeepSpeed's ds_to_universal, same checkpoints, one run.
+
+    python benchmarks/bench_convert.py                    # full run (~300M-parameter sources, 3 sizes)
+    python benchmarks/bench_convert.py --smoke            # tiny sizes: checks that everything still runs
+    python benchmarks/bench_convert.py --update-readme    # also rewrite the table in README.md
+
+Every tool runs as a subprocess. A sampler thread polls the process tree every 0.1 s for the sum of
+resident memory, the bytes passed to write(), and the size of the output folder (which holds
+ds_to_universal's temporary folder too). Sources are read once beforehand, so every tool and the
+`cat` reference start from the same warm page cache. Conversions are checked for completeness
+(`ucp verify` for ours, the expected files for DeepSpeed's) so a fast failure cannot pass as a
+fast run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "benchmarks" / "synthetic.py"
+DP = 4
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    out.setdefault("DS_ACCELERATOR", "cpu")
+    out.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "ucp_torch_extensions"))
+    out.setdefault("OMP_NUM_THREADS", "1")
+    out["PYTHONPATH"] = f"{ROOT}{os.pathsep}{out.get('PYTHONPATH', '')}"
+    return out
+
+
+def tree_size(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+
+
+def count_files(path: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
+def measure(cmd: list[str], watch: Path | None = None) -> dict:
+    """Run `cmd`; return wall time, peak tree RSS, bytes written, peak size of `watch`, and the output."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root = psutil.Process(proc.pid)
+    peak = {"rss": 0, "disk": 0}
+    written: dict[int, int] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            rss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                    written[p.pid] = max(written.get(p.pid, 0), p.io_counters().write_chars)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            peak["rss"] = max(peak["rss"], rss)
+            if watch is not None and watch.exists():
+                peak["disk"] = max(peak["disk"], tree_size(watch))
+            done.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output, _ = proc.communicate()
+    elapsed = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-3000:]}")
+    return {"seconds": elapsed, "peak_rss": peak["rss"], "written": sum(written.values()), "peak_disk": peak["disk"],
+            "output": output}
+
+
+def torchrun(nproc: int, *args: str) -> dict:
+    """Run the synthetic worker; return its RESULT line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
+           *args]
+    out = measure(cmd)["output"]
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def warm(paths: list[Path]) -> tuple[float, int]:
+    """Read every file once (the `cat > /dev/null` reference); return seconds and bytes."""
+    start, total = time.perf_counter(), 0
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(64 << 20):
+                total += len(chunk)
+    return time.perf_counter() - start, total
+
+
+def dd_write(target: Path, nbytes: int) -> float:
+    """Seconds to write `nbytes` of zeros and fsync them (the raw write reference)."""
+    count = max(1, nbytes >> 24)
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", "conv=fsync"],
+                   check=True, capture_output=True)
+    elapsed = time.perf_counter() - start
+    target.unlink()
+    return elapsed
+
+
+def ours(ckpt: Path, workers: int) -> dict:
+    out = ckpt / "global_step1.universal"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "ucp_deepspeed.cli", "convert", str(ckpt), "--workers", str(workers), "--no-progress"]
+    result = measure(cmd, watch=out)
+    verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "verify", str(out)], env=env(),
+                            capture_output=True, text=True)
+    if verify.returncode != 0:
+        raise RuntimeError(f"ucp verify failed after conversion:\n{verify.stdout}{verify.stderr}")
+    result.pop("output")
+    return {**result, "files": count_files(out), "bytes_out": tree_size(out)}
+
+
+def deepspeeds(ckpt: Path, extract: int, merge: int) -> dict:
+    out = ckpt / "global_step1_universal"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / "global_step1"),
+           "--output_folder", str(out), "--num_extract_workers", str(extract), "--num_merge_workers", str(merge),
+           "--inject_missing_state"]
+    result = measure(cmd, watch=out)
+    if not (out / "zero" / "optimizer_state.pt").is_file():
+        raise RuntimeError(f"ds_to_universal produced no optimizer_state.pt:\n{result['output'][-2000:]}")
+    files, nbytes = count_files(out), tree_size(out)
+    shutil.rmtree(out)
+    result.pop("output")
+    return {**result, "files": files, "bytes_out": nbytes}
+
+
+def source_files(ckpt: Path) -> list[Path]:
+    return sorted(p for p in (ckpt / "global_step1").iterdir() if p.suffix == ".pt")
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.0f} MB"
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"sizes": [], "sources": {}, "loads": {}, "machine": {"cpus": os.cpu_count(),
+                    "mem_gb": round(psutil.virtual_memory().total / 2**30)}}
+    sizes = [float(s) for s in args.sizes.split(",")]
+    main_size = sizes[-1]
+    for zero in (1, 3):
+        for size in (sizes if zero == 1 else [main_size]):
+            name = f"z{zero}-dp{DP}-{size:g}M"
+            ckpt = work / name
+            shutil.rmtree(ckpt, ignore_errors=True)
+            print(f"== saving {name}", flush=True)
+            saved = torchrun(DP, "save", "--params-m", str(size), "--zero", str(zero), "--out", str(ckpt))
+            files = source_files(ckpt)
+            read_s, nbytes = warm(files)
+            read_s, nbytes = warm(files)
+            entry: dict = {"params": saved["params"], "source_bytes": nbytes, "source_files": len(files),
+                           "plain_save_s": saved["plain_save_s"], "ucp_save_s": saved["ucp_save_s"],
+                           "cat_s": read_s, "dd_s": dd_write(work / "dd.bin", nbytes), "ours": {}, "deepspeed": {}}
+            for workers in ((2,) if args.smoke else (1, 2)):
+                print(f"== ucp convert {name} --workers {workers}", flush=True)
+                entry["ours"][workers] = ours(ckpt, workers)
+            settings = [(1, 1), (2, 1), (4, 2)] if size == main_size and not args.smoke else [(2, 1)]
+            for extract, merge in settings:
+                print(f"== ds_to_universal {name} extract={extract} merge={merge}", flush=True)
+                entry["deepspeed"][f"{extract}/{merge}"] = deepspeeds(ckpt, extract, merge)
+            report["sources"][name] = entry
+            if zero == 1 and size == main_size:
+                print(f"== loads of {name}", flush=True)
+                report["loads"]["native"] = torchrun(DP, "load", "--params-m", str(size), "--zero", "1",
+                                                     "--source", str(ckpt))
+                report["loads"]["resharded"] = torchrun(DP, "load", "--params-m", str(size), "--zero", "2",
+                                                        "--source", str(ckpt))
+            for out in ("global_step1.universal",):
+                shutil.rmtree(ckpt / out, ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(ckpt)
+    return report
+
+
+def best(entries: dict) -> tuple[str, dict]:
+    return min(entries.items(), key=lambda kv: kv[1]["seconds"])
+
+
+def table(report: dict) -> str:
+    lines = [f"Machine: {report['machine']['cpus']} cores, {report['machine']['mem_gb']} GiB RAM; sources saved by "
+             f"{DP} ranks with fp32 AdamW; warm page cache. `ours` is `ucp convert` (threads), `DeepSpeed` is "
+             "`python -m deepspeed.checkpoint.ds_to_universal` at its fastest worker setting (extract/merge).", "",
+             "| source | state | ours: time (workers) | DeepSpeed: time (workers) | ratio | ours: peak RSS | "
+             "DeepSpeed: peak RSS | written: ours / DeepSpeed | peak extra disk: ours / DeepSpeed | "
+             "files: ours / DeepSpeed | % of cat+dd |", "|" + "---|" * 11]
+    for name, e in report["sources"].items():
+        ow, o = best(e["ours"])
+        dw, d = best(e["deepspeed"])
+        raw = e["cat_s"] + e["dd_s"] * o["bytes_out"] / e["source_bytes"]
+        lines.append(f"| {name} ({e['params'] / 1e6:.0f}M params) | {gb(e['source_bytes'])} | {o['seconds']:.1f} s ({ow}) | "
+                     f"{d['seconds']:.1f} s ({dw}) | {o['seconds'] / d['seconds']:.2f}x | {mb(o['peak_rss'])} | "
+                     f"{mb(d['peak_rss'])} | {gb(o['written'])} / {gb(d['written'])} | "
+                     f"{gb(o['peak_disk'])} / {gb(d['peak_disk'])} | {o['files']} / {d['files']} | "
+                     f"{100 * raw / o['seconds']:.0f}% |")
+    lines += ["", "| source | ours, 1 worker | ours, 2 workers | every DeepSpeed setting tried | cat (read) | "
+              "dd (write, fsync) | plain save | save with ucp metadata |", "|" + "---|" * 8]
+    for name, e in report["sources"].items():
+        ds = ", ".join(f"{k}: {v['seconds']:.1f} s" for k, v in e["deepspeed"].items())
+        one, two = (f"{e['ours'][w]['seconds']:.1f} s" if w in e["ours"] else "-" for w in (1, 2))
+        lines.append(f"| {name} | {one} | {two} | {ds} | "
+                     f"{e['cat_s']:.1f} s | {e['dd_s']:.1f} s | {e['plain_save_s']:.2f} s | {e['ucp_save_s']:.2f} s |")
+    loads = report["loads"]
+    if loads:
+        lines += ["", f"Load of the largest ZeRO-1 source by {DP} ranks: native same-topology DeepSpeed load "
+                  f"{loads['native']['load_s']:.1f} s; resharded load at ZeRO-2 from the converted copy "
+                  f"(crc32 verification included) {loads['resharded']['load_s']:.1f} s "
+                  f"({loads['resharded']['load_s'] / loads['native']['load_s']:.2f}x)."]
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(text: str) -> None:
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    new = re.sub(r"(<!-- bench:start -->\n).*?(<!-- bench:end -->)", lambda m: m.group(1) + text + m.group(2), body,
+                 flags=re.S)
+    if new == body and text not in body:
+        raise SystemExit("README.md has no <!-- bench:start --> / <!-- bench:end --> markers")
+    readme.write_text(new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="75,150,300", help="million parameters; the last is the main size")
+    parser.add_argument("--work", default="/tmp/ucp_bench")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    parser.add_argument("--keep", action="store_true", help="keep the source checkpoints")
+    parser.add_argument("--update-readme", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        args.sizes = "0.5"
+    report = run(args)
+    text = table(report)
+    print(text)
+    if not args.smoke:
+        (ROOT / "benchmarks" / "results.json").write_text(json.dumps(report, indent=1))
+        if args.update_readme:
+            update_readme(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""The benchmark keeps working: a smoke run at a tiny size (numbers are not checked here)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT, torch_env
+
+
+def test_benchmark_smoke(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_convert.py"), "--smoke", "--work", str(tmp_path)]
+    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| z1-dp4-0.5M" in proc.stdout and "| z3-dp4-0.5M" in proc.stdout
+    assert "resharded load at ZeRO-2" in proc.stdout
