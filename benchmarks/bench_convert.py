@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -164,45 +165,41 @@ def mb(n: float) -> str:
     return f"{n / 1e6:.0f} MB"
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) -> None:
+    """Benchmark each `--sources` entry (`z<stage>:<million params>`), saving the report after each."""
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"sizes": [], "sources": {}, "loads": {}, "machine": {"cpus": os.cpu_count(),
-                    "mem_gb": round(psutil.virtual_memory().total / 2**30)}}
-    sizes = [float(s) for s in args.sizes.split(",")]
-    main_size = sizes[-1]
-    for zero in (1, 3):
-        for size in (sizes if zero == 1 else [main_size]):
-            name = f"z{zero}-dp{DP}-{size:g}M"
-            ckpt = work / name
-            shutil.rmtree(ckpt, ignore_errors=True)
-            print(f"== saving {name}", flush=True)
-            saved = torchrun(DP, "save", "--params-m", str(size), "--zero", str(zero), "--out", str(ckpt))
-            files = source_files(ckpt)
-            read_s, nbytes = warm(files)
-            read_s, nbytes = warm(files)
-            entry: dict = {"params": saved["params"], "source_bytes": nbytes, "source_files": len(files),
-                           "plain_save_s": saved["plain_save_s"], "ucp_save_s": saved["ucp_save_s"],
-                           "cat_s": read_s, "dd_s": dd_write(work / "dd.bin", nbytes), "ours": {}, "deepspeed": {}}
-            for workers in ((2,) if args.smoke else (1, 2)):
-                print(f"== ucp convert {name} --workers {workers}", flush=True)
-                entry["ours"][workers] = ours(ckpt, workers)
-            settings = [(1, 1), (2, 1), (4, 2)] if size == main_size and not args.smoke else [(2, 1)]
-            for extract, merge in settings:
-                print(f"== ds_to_universal {name} extract={extract} merge={merge}", flush=True)
-                entry["deepspeed"][f"{extract}/{merge}"] = deepspeeds(ckpt, extract, merge)
-            report["sources"][name] = entry
-            if zero == 1 and size == main_size:
-                print(f"== loads of {name}", flush=True)
-                report["loads"]["native"] = torchrun(DP, "load", "--params-m", str(size), "--zero", "1",
-                                                     "--source", str(ckpt))
-                report["loads"]["resharded"] = torchrun(DP, "load", "--params-m", str(size), "--zero", "2",
-                                                        "--source", str(ckpt))
-            for out in ("global_step1.universal",):
-                shutil.rmtree(ckpt / out, ignore_errors=True)
-            if not args.keep:
-                shutil.rmtree(ckpt)
-    return report
+    report["machine"] = {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)}
+    specs = [(int(s.split(":")[0].removeprefix("z")), float(s.split(":")[1])) for s in args.sources.split(",")]
+    largest = {z: max(size for stage, size in specs if stage == z) for z, _ in specs}
+    for zero, size in specs:
+        name = f"z{zero}-dp{DP}-{size:g}M"
+        ckpt = work / name
+        shutil.rmtree(ckpt, ignore_errors=True)
+        print(f"== saving {name}", flush=True)
+        saved = torchrun(DP, "save", "--params-m", str(size), "--zero", str(zero), "--out", str(ckpt))
+        files = source_files(ckpt)
+        warm(files)
+        read_s, nbytes = warm(files)
+        entry: dict = {"params": saved["params"], "source_bytes": nbytes, "source_files": len(files),
+                       "plain_save_s": saved["plain_save_s"], "ucp_save_s": saved["ucp_save_s"],
+                       "cat_s": read_s, "dd_s": dd_write(work / "dd.bin", nbytes), "ours": {}, "deepspeed": {}}
+        for workers in ((2,) if args.smoke else (1, 2)):
+            print(f"== ucp convert {name} --workers {workers}", flush=True)
+            entry["ours"][workers] = ours(ckpt, workers)
+        settings = [(1, 1), (2, 1), (4, 2)] if size == largest[zero] and not args.smoke else [(2, 1)]
+        for extract, merge in settings:
+            print(f"== ds_to_universal {name} extract={extract} merge={merge}", flush=True)
+            entry["deepspeed"][f"{extract}/{merge}"] = deepspeeds(ckpt, extract, merge)
+        if zero == 1 and size == largest[zero]:
+            print(f"== loads of {name}", flush=True)
+            report["loads"] = {
+                "native": torchrun(DP, "load", "--params-m", str(size), "--zero", "1", "--source", str(ckpt)),
+                "resharded": torchrun(DP, "load", "--params-m", str(size), "--zero", "2", "--source", str(ckpt))}
+        report.setdefault("sources", {})[name] = entry
+        save(report)
+        if not args.keep:
+            shutil.rmtree(ckpt)
 
 
 def best(entries: dict) -> tuple[str, dict]:
@@ -232,7 +229,7 @@ def table(report: dict) -> str:
         one, two = (f"{e['ours'][w]['seconds']:.1f} s" if w in e["ours"] else "-" for w in (1, 2))
         lines.append(f"| {name} | {one} | {two} | {ds} | "
                      f"{e['cat_s']:.1f} s | {e['dd_s']:.1f} s | {e['plain_save_s']:.2f} s | {e['ucp_save_s']:.2f} s |")
-    loads = report["loads"]
+    loads = report.get("loads")
     if loads:
         lines += ["", f"Load of the largest ZeRO-1 source by {DP} ranks: native same-topology DeepSpeed load "
                   f"{loads['native']['load_s']:.1f} s; resharded load at ZeRO-2 from the converted copy "
@@ -253,21 +250,30 @@ def update_readme(text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="75,150,300", help="million parameters; the last is the main size")
+    # ZeRO-3 at 300M does not fit: four CPU ranks gathering parameters for the training step exceed 24 GiB
+    parser.add_argument("--sources", default="z1:75,z1:150,z1:300,z3:150",
+                        help="ZeRO stage and million parameters of each source; the largest per stage gets every "
+                             "ds_to_universal setting")
     parser.add_argument("--work", default="/tmp/ucp_bench")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     parser.add_argument("--keep", action="store_true", help="keep the source checkpoints")
+    parser.add_argument("--merge", action="store_true", help="add to benchmarks/results.json instead of replacing it")
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args()
+    results = ROOT / "benchmarks" / "results.json"
     if args.smoke:
-        args.sizes = "0.5"
-    report = run(args)
+        args.sources = "z1:0.5,z3:0.5"
+    report = json.loads(results.read_text()) if args.merge and results.exists() else {}
+
+    def save(partial: dict) -> None:
+        if not args.smoke:
+            results.write_text(json.dumps(partial, indent=1))
+
+    run(args, report, save)
     text = table(report)
     print(text)
-    if not args.smoke:
-        (ROOT / "benchmarks" / "results.json").write_text(json.dumps(report, indent=1))
-        if args.update_readme:
-            update_readme(text)
+    if args.update_readme and not args.smoke:
+        update_readme(text)
 
 
 if __name__ == "__main__":

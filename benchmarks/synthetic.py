@@ -50,16 +50,17 @@ def shape_for(params_m: float) -> tuple[int, int, int]:
     return max(1, round((params_m * 1e6 - vocab * hidden) / per_block)), hidden, vocab
 
 
-def build(args: argparse.Namespace, init: object) -> deepspeed.DeepSpeedEngine:
+def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
     layers, hidden, vocab = shape_for(args.params_m)
-    model = SyntheticLM(layers, hidden, vocab)
     config = {"train_batch_size": dist.get_world_size(), "train_micro_batch_size_per_gpu": 1,
-              "zero_optimization": {"stage": args.zero},
-              "checkpoint": {"universal": {"enabled": True, "progress": False}}}
-    if init is deepspeed.initialize:
-        config.pop("checkpoint")
-    engine, _, _, _ = init(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
+              "zero_optimization": {"stage": args.zero, "reduce_bucket_size": 10**7,
+                                    # ZeRO-3 on 4 CPU ranks of one machine: keep few gathered parameters alive
+                                    "stage3_max_live_parameters": 10**7, "stage3_prefetch_bucket_size": 10**7},
+              "checkpoint": {"universal": {"enabled": True, "progress": False, "verify": bool(args.verify)}}}
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=args.zero == 3):  # 4 full copies do not fit
+        model = SyntheticLM(layers, hidden, vocab)
+    engine, _, _, _ = ucp_deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
     return engine
 
 
@@ -78,11 +79,12 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--out")
     parser.add_argument("--source")
+    parser.add_argument("--verify", type=int, default=1, help="crc32-check a reused conversion before loading")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     result: dict = {}
     if args.mode == "save":
-        engine = build(args, ucp_deepspeed.initialize)
+        engine = build(args)
         loss = engine(torch.randint(0, engine.module.embed.num_embeddings, (1, 16)))
         engine.backward(loss)
         engine.step()
@@ -91,9 +93,9 @@ def main() -> None:
         if dist.get_rank() == 0:
             shutil.rmtree(plain)
         result["ucp_save_s"] = timed(lambda: engine.save_checkpoint(args.out))
-        result["params"] = sum(p.numel() for p in engine.module.parameters())
+        result["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     else:
-        engine = build(args, ucp_deepspeed.initialize)
+        engine = build(args)
         result["load_s"] = timed(lambda: engine.load_checkpoint(args.source))
         result["mode"] = engine.ucp_last_load.mode
     if dist.get_rank() == 0:

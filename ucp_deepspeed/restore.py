@@ -17,13 +17,7 @@ from ucp_deepspeed.capture import infos, model_parallel
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import Layout
 from ucp_deepspeed.patterns import global_namer
-from ucp_deepspeed.universal import (
-    FP32,
-    MANIFEST,
-    VALUE,
-    UniversalCheckpoint,
-    decode_value,
-)
+from ucp_deepspeed.universal import FP32, MANIFEST, VALUE, UniversalCheckpoint, decode_value
 
 _NON_PARAM_KEYS = ("params",)
 
@@ -159,7 +153,12 @@ def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.
     if load_optimizer_states:
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
-    opt.update_lp_params()
+    # Each rank reads its whole low-precision weights, as DeepSpeed's native load reads the full
+    # model-states file, instead of update_lp_params' all-gather of every partition (on gloo that
+    # all-gather was 2.3 s of a 3.1 s restore at 300M parameters). copy_ rounds exactly as it does.
+    for group in groups:
+        for lp in group:
+            lp.data.copy_(read(lp, FP32, 0, lp.numel()).view(lp.shape))
 
 
 def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam],

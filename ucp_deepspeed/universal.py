@@ -260,8 +260,10 @@ class UniversalCheckpoint:
         dtype = torch.float32 if key != VALUE else getattr(torch, self.params[name]["dtype"])
         if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
             row = math.prod(local_shape[1:])
-            out = torch.zeros(numel, dtype=dtype)
             kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
+            if kept == numel:
+                return self.read(name, key, pieces[0].full_start * row + start, numel).to(dtype)
+            out = torch.zeros(numel, dtype=dtype)
             if kept:
                 out[:kept] = self.read(name, key, pieces[0].full_start * row + start, kept)
             return out
