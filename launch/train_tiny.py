@@ -41,6 +41,7 @@ VARIANTS = {
     "bf16z3": {"stage": 3, "dtype": "bf16"},
     "sgdz2": {"stage": 2, "dtype": "fp32", "optimizer": "sgd"},
     "sgdz1": {"stage": 1, "dtype": "fp32", "optimizer": "sgd"},
+    "z2nofrozen": {"stage": 2, "dtype": "fp32", "exclude_frozen": True},
 }
 
 
@@ -198,7 +199,8 @@ def do_save(args: argparse.Namespace) -> None:
         losses = train(engine, STEPS)
         snap = snapshot(engine)
         ckpt = os.path.join(args.out, name)
-        engine.save_checkpoint(ckpt, client_state=client_state(engine))
+        engine.save_checkpoint(ckpt, client_state=client_state(engine),
+                               exclude_frozen_parameters=VARIANTS[name].get("exclude_frozen", False))
         if dist.get_rank() == 0:
             print(f"[{name} dp={dist.get_world_size()}] step {engine.global_steps} loss {losses[-1]:.6f}; "
                   f"saved {count_tensors(snap)} tensors to {ckpt}", flush=True)

@@ -27,6 +27,7 @@ CASES = [
     pytest.param("bf16z3", 1, ("bf16z1",), id="bf16z3-dp1<-bf16z1"),
     pytest.param("bf16z2", 4, ("bf16z1",), id="bf16z2-dp4<-bf16z1", marks=pytest.mark.slow),
     pytest.param("sgdz1", 3, ("sgdz2",), id="sgd-z1-dp3<-sgd-z2"),
+    pytest.param("z1", 3, ("z2nofrozen",), id="z1-dp3<-z2-exclude-frozen"),  # frozen param keeps its live value
 ]
 
 

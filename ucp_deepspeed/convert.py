@@ -24,9 +24,9 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import dropped_padding, merge
 from ucp_deepspeed.plan import FullTensor
 from ucp_deepspeed.sources import NativeCheckpoint
-from ucp_deepspeed.universal import (BUFFERS, FP32, MANIFEST, STATE, VALUE, FileRecord, encode_value, file_record,
-                                     is_complete, param_file, stream_tensors, write_manifest, write_object,
-                                     write_tensors)
+from ucp_deepspeed.meta import FP32, VALUE
+from ucp_deepspeed.universal import (BUFFERS, MANIFEST, STATE, FileRecord, encode_value, file_record, is_complete,
+                                     param_file, stream_tensors, write_manifest, write_object, write_tensors)
 
 INTENT = ".ucp_source.json"
 log = logging.getLogger("ucp_deepspeed")
@@ -186,6 +186,7 @@ def build_manifest(src: NativeCheckpoint) -> dict[str, Any]:
         "params": params,
         "buffers": buffers,
         "tied": {k: v for m in src.metas for k, v in m.tied.items()},
+        "frozen_excluded": any(m.frozen_excluded for m in src.metas),
     }
 
 

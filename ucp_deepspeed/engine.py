@@ -6,6 +6,7 @@ the topology is unchanged and converts + reshards otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -81,7 +82,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         tag = f"global_step{engine.global_steps}" if tag is None else tag
         meta = describe(engine, tuple(client_state))
         if exclude_frozen_parameters:
-            meta = type(meta)(**{**meta.__dict__, "extras": tuple(e for e in meta.extras if e.kind != "frozen")})
+            meta = dataclasses.replace(meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"),
+                                       frozen_excluded=True)
         if _dp_rank(engine) == 0:
             write_meta(meta, os.path.join(save_dir, str(tag)), engine.checkpoint_mp_rank)
         return native_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
@@ -118,6 +120,9 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             # DeepSpeed mixes its own bookkeeping into client_state; return only what the user saved
             return path, {k: v for k, v in (client or {}).items() if k in meta.client_state_keys}
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
+        if custom_load_fn is not None:
+            log.warning("ucp: custom_load_fn is not called when resharding; every tensor is restored from the "
+                        "universal checkpoint")
         ckpt = _converted(engine, load_dir, tag)
         client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), ckpt.root)

@@ -31,7 +31,8 @@ from ucp_deepspeed.plan import FullTensor
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.torch_file import TorchFile, materialize
-from ucp_deepspeed.universal import (BUFFERS, FP32, STATE, VALUE, FileRecord, atomic_write, encode_value, param_file,
+from ucp_deepspeed.meta import FP32, VALUE
+from ucp_deepspeed.universal import (BUFFERS, STATE, FileRecord, atomic_write, encode_value, param_file,
                                      write_manifest, write_object, write_tensors)
 
 # key names of deepspeed.checkpoint.constants, spelled out so the `ucp` command need not import DeepSpeed

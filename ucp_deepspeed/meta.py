@@ -111,6 +111,7 @@ class SaveMeta:
     versions: dict[str, str] = field(default_factory=dict)
     tp_rank: int = 0
     pp_rank: int = 0
+    frozen_excluded: bool = False
     version: int = META_VERSION
 
     def to_json(self) -> str:
@@ -138,6 +139,7 @@ class SaveMeta:
                 versions=dict(raw["versions"]),
                 tp_rank=raw.get("tp_rank", 0),
                 pp_rank=raw.get("pp_rank", 0),
+                frozen_excluded=raw.get("frozen_excluded", False),
                 version=raw["version"],
             )
         except (KeyError, TypeError, ValueError) as exc:

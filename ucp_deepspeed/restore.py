@@ -17,7 +17,8 @@ from ucp_deepspeed.capture import infos, model_parallel
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import Layout
 from ucp_deepspeed.patterns import global_namer
-from ucp_deepspeed.universal import FP32, MANIFEST, VALUE, UniversalCheckpoint, decode_value
+from ucp_deepspeed.meta import FP32, VALUE
+from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint, decode_value
 
 _NON_PARAM_KEYS = ("params",)
 
@@ -84,7 +85,9 @@ def check_compatible(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn
     dist.all_gather_object(everyone, (problems, sorted(names)))
     problems = list(dict.fromkeys(p for part, _ in everyone for p in part))
     all_names = {n for _, part in everyone for n in part}
-    missing = sorted(all_names - set(ckpt.params))
+    frozen = {info.name for p, info in live.items() if not p.requires_grad}
+    skipped = frozen if ckpt.manifest.get("frozen_excluded") else set()  # saved with exclude_frozen_parameters
+    missing = sorted(all_names - set(ckpt.params) - skipped)
     extra = sorted(set(ckpt.params) - all_names)
     if missing:
         problems.insert(0, f"parameters not in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -178,7 +181,7 @@ def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.P
         _apply_group_state(opt, opt.sub_group_to_group_id[sub], ckpt, load_optimizer_states, flat, bufs)
         opt.fp16_partitioned_groups_flat[sub].data.copy_(flat.data)
     for p in engine.module.parameters():
-        if not p.requires_grad and hasattr(p, "ds_id"):
+        if not p.requires_grad and hasattr(p, "ds_id") and live[p].name in ckpt.params:
             partition = p.ds_tensor.numel()
             start = dist.get_rank(group=p.ds_process_group) * partition
             numel = max(0, min(partition, p.ds_numel - start))
@@ -195,7 +198,7 @@ def _restore_module_extras(engine: Any, ckpt: UniversalCheckpoint, live: dict[to
         buffers[name].data.copy_(ckpt.read_buffer(to_global(name)))
     read = _reader(engine, ckpt, live)
     for p in engine.module.parameters():
-        if not p.requires_grad and not hasattr(p, "ds_id"):
+        if not p.requires_grad and not hasattr(p, "ds_id") and live[p].name in ckpt.params:
             p.data.copy_(read(p, VALUE, 0, p.numel()).view(p.shape))
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import Layout, split
-from ucp_deepspeed.meta import FP32, VALUE
+from ucp_deepspeed.meta import VALUE
 from ucp_deepspeed.sources.torch_file import TorchFile, materialize
 
 FORMAT = "ucp_deepspeed/universal"
