@@ -24,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
+from ucp_deepspeed.capture import infos
 
 GLOBAL_BATCH = 12
 SEQ = 6
@@ -42,7 +43,10 @@ VARIANTS = {
     "sgdz2": {"stage": 2, "dtype": "fp32", "optimizer": "sgd"},
     "sgdz1": {"stage": 1, "dtype": "fp32", "optimizer": "sgd"},
     "z2nofrozen": {"stage": 2, "dtype": "fp32", "exclude_frozen": True},
+    "moez1": {"stage": 1, "dtype": "fp32", "moe": True},
+    "moez2": {"stage": 2, "dtype": "fp32", "moe": True},
 }
+EXPERTS = 4
 
 
 class TinyLM(torch.nn.Module):
@@ -68,6 +72,37 @@ class TinyLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+class TinyMoE(torch.nn.Module):
+    """TinyLM's tied embedding, frozen scale and buffer around a DeepSpeed MoE layer: 4 experts, top-2."""
+
+    def __init__(self, ep: int, hidden: int = 40, experts: int = EXPERTS) -> None:
+        super().__init__()
+        from deepspeed.moe import sharded_moe
+        from deepspeed.moe.layer import MoE
+
+        # top-2 gating adds Gumbel noise to pick the second expert; without it routing depends only on the
+        # weights, so an uninterrupted run and a resharded one route the same tokens the same way
+        sharded_moe.gumbel_rsample = lambda shape, device: torch.zeros(shape, device=device)
+        self.embed = torch.nn.Embedding(VOCAB, 24)
+        self.norm = torch.nn.LayerNorm(24)
+        expert = torch.nn.Sequential(torch.nn.Linear(24, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 24))
+        self.moe = MoE(hidden_size=24, expert=expert, num_experts=experts, ep_size=ep, k=2, min_capacity=64,
+                       drop_tokens=False, use_rts=False)
+        self.scale = torch.nn.Parameter(torch.rand(24) + 0.5, requires_grad=False)
+        self.head = torch.nn.Linear(24, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        torch.nn.init.normal_(self.embed.weight, std=0.05)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.embed(tokens[:, :-1]) * self.scale
+        # the load-balancing loss is left out: it is computed per rank, so it changes with the DP size
+        y, _, _ = self.moe(self.norm(x))
+        logits = self.head(x + y).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
 def ds_config(variant: dict, dp: int) -> dict:
     cfg = {
         "train_batch_size": GLOBAL_BATCH,
@@ -87,11 +122,12 @@ def ds_config(variant: dict, dp: int) -> dict:
     return cfg
 
 
-def build(variant_name: str, hidden: int = 40, stock: bool = False) -> deepspeed.DeepSpeedEngine:
+def build(variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1,
+          experts: int = EXPERTS) -> deepspeed.DeepSpeedEngine:
     """The engine of a variant; `stock` builds it with plain DeepSpeed loading its universal format."""
     variant = VARIANTS[variant_name]
     torch.manual_seed(1234)
-    model = TinyLM(hidden)
+    model = TinyMoE(ep, hidden, experts) if variant.get("moe") else TinyLM(hidden)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
     if variant.get("optimizer") == "sgd":
@@ -99,8 +135,11 @@ def build(variant_name: str, hidden: int = 40, stock: bool = False) -> deepspeed
                   {"params": no_decay, "weight_decay": 0.0, "lr": 0.05, "momentum": 0.8}]
         optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     else:
-        groups = [{"params": decay, "weight_decay": 0.1},
-                  {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95)}]
+        groups = [{"params": decay, "weight_decay": 0.1, "name": "decay"},
+                  {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95), "name": "no_decay"}]
+        if variant.get("moe"):  # DeepSpeed partitions experts over their own data-parallel groups
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+            groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = torch.optim.AdamW(groups, lr=2e-3)
     config = ds_config(variant, dist.get_world_size())
     init = ucp_deepspeed.initialize
@@ -145,20 +184,29 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
         flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
     first_state = opt.optimizer.state[flats[0][1]]
     keys = sorted(k for k, v in first_state.items() if torch.is_tensor(v) and v.dim() == 1)
+    # keyed by global name: each expert-parallel rank holds other experts, merged over all ranks below
+    name_of = {local: info.name for local, info in infos(engine).items()}
     snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}, "state_keys": keys}
-    for name, p in engine.module.named_parameters():
+    for local, p in engine.module.named_parameters():
         if p.requires_grad:
+            name = name_of[local]
             snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
             for key in keys:
                 snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        for name, p in engine.module.named_parameters():
-            snap["lp"][name] = p.detach().cpu().clone()
+        for local, p in engine.module.named_parameters():
+            snap["lp"][name_of[local]] = p.detach().cpu().clone()
         snap["tied"] = engine.module.head.weight is engine.module.embed.weight
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: snap[k] for k in ("fp32", "state", "lp")})
+    for part in parts:
+        for k in ("fp32", "state", "lp"):
+            snap[k].update(part[k])
     for name, b in engine.module.named_buffers():
         snap["buffers"][name] = b.detach().cpu().clone()
-    snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    # DeepSpeed names MoE param groups after the expert-parallel size ("ep_size_2"): structure, not a hyperparameter
+    snap["hyperparams"] = [{k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups]
     snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
@@ -195,7 +243,7 @@ def client_state(engine: deepspeed.DeepSpeedEngine) -> dict:
 
 def do_save(args: argparse.Namespace) -> None:
     for name in args.variant:
-        engine = build(name)
+        engine = build(name, ep=args.ep)
         losses = train(engine, STEPS)
         snap = snapshot(engine)
         ckpt = os.path.join(args.out, name)
@@ -213,8 +261,9 @@ def do_save(args: argparse.Namespace) -> None:
 
 
 def do_mismatch(args: argparse.Namespace) -> None:
-    """Load into a model of another width: must fail with a clear error before touching any state."""
-    engine = build(args.variant[0], hidden=48)
+    """Load into a wider model (or one with twice the experts): a clear error before any state is touched."""
+    moe = VARIANTS[args.variant[0]].get("moe")
+    engine = build(args.variant[0], hidden=40 if moe else 48, ep=args.ep, experts=2 * EXPERTS if moe else EXPERTS)
     before = snapshot(engine)
     try:
         engine.load_checkpoint(args.source[0])
@@ -252,7 +301,7 @@ def do_load(args: argparse.Namespace) -> None:
     results = []
     for source in args.source:
         ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False)
-        engine = build(name)
+        engine = build(name, ep=args.ep)
         path, client = engine.load_checkpoint(source)
         snap = snapshot(engine)
         diffs = compare(ref["snapshot"], snap)
@@ -280,8 +329,10 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--results")
-    parser.add_argument("--mismatch", action="store_true", help="load into a wider model; expect a clear error")
+    parser.add_argument("--mismatch", action="store_true",
+                        help="load into a wider model (MoE: twice the experts); expect a clear error")
     parser.add_argument("--stock", action="store_true", help="load DeepSpeed universal folders with plain DeepSpeed")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     do_save(args) if args.mode == "save" else do_load(args)

@@ -6,6 +6,8 @@ knows, so we ask it once per save.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,7 @@ from deepspeed import comm as dist
 from ucp_deepspeed import __version__
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.meta import ExtraTensor, ParamSlot, SaveMeta, Topology
-from ucp_deepspeed.patterns import ParamInfo, global_namer, param_infos, parse_rules
+from ucp_deepspeed.patterns import ParamInfo, expert_blocks, global_namer, param_infos, parse_rules
 
 UNSUPPORTED = ("universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, "
                "or bf16's BF16_Optimizer)")
@@ -58,11 +60,25 @@ def model_parallel(engine: Any) -> ModelParallel:
     return ModelParallel(tp, tp_rank)
 
 
+def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
+    """(expert-parallel size, this rank's expert-parallel rank) of each DeepSpeed MoE expert group."""
+    from deepspeed.utils import groups
+
+    return {b.group: (groups._get_expert_parallel_world_size(b.group), groups._get_expert_parallel_rank(b.group))
+            for b in expert_blocks(engine.module)}
+
+
+def namer(engine: Any) -> Callable[[str], str]:
+    """Local-to-global parameter and buffer names of this rank's module (pipeline stage, expert-parallel rank)."""
+    return global_namer(engine.module, {g: rank for g, (_, rank) in expert_groups(engine).items()})
+
+
 def topology(engine: Any) -> Topology:
     """The live engine's parallel layout."""
     mp = model_parallel(engine)
+    ep = max((size for size, _ in expert_groups(engine).values()), default=1)
     return Topology(dp=engine.dp_world_size, zero_stage=int(engine.zero_optimization_stage()),
-                    dtype=engine_dtype(engine), tp=mp.tp, pp=mp.pp, optimizer=type(engine.optimizer).__name__)
+                    dtype=engine_dtype(engine), tp=mp.tp, pp=mp.pp, ep=ep, optimizer=type(engine.optimizer).__name__)
 
 
 def infos(engine: Any) -> dict[str, ParamInfo]:
@@ -70,10 +86,49 @@ def infos(engine: Any) -> dict[str, ParamInfo]:
     options = getattr(engine, "_ucp_options", None)
     rules = parse_rules(options.layout_rules) if options is not None else ()
     vocab = options.vocab_size if options is not None else 0
+    ep_ranks = {g: rank for g, (_, rank) in expert_groups(engine).items()}
     try:
-        return param_infos(engine.module, engine.module.named_parameters(), model_parallel(engine).tp, rules, vocab)
+        return param_infos(engine.module, engine.module.named_parameters(), model_parallel(engine).tp, rules, vocab,
+                           ep_ranks)
     except ValueError as exc:
         raise CheckpointError("checkpoint.universal.layout_rules", str(exc)) from None
+
+
+def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
+    """Per expert group: expert-parallel rank -> data-parallel ranks (file indices) of its expert-data-parallel
+    group, in partition order. Those files hold that rank's experts; gathered from every rank."""
+    from deepspeed.utils import groups
+
+    mine = {g: (rank, groups._get_expert_data_parallel_rank(g)) for g, (_, rank) in expert_groups(engine).items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (engine.checkpoint_mp_rank, dist.get_rank(group=engine.optimizer.dp_process_group),
+                                      mine))
+    out: dict[str, dict[int, list[tuple[int, int]]]] = {}
+    for mp_rank, dp_rank, groups_of_rank in everyone:
+        if mp_rank != engine.checkpoint_mp_rank:
+            continue
+        for g, (ep_rank, edp_rank) in groups_of_rank.items():
+            out.setdefault(g, {}).setdefault(ep_rank, []).append((edp_rank, dp_rank))
+    return {g: {ep: tuple(dp for _, dp in sorted(members)) for ep, members in by_ep.items()} for g, by_ep in out.items()}
+
+
+def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
+    """Expert slots for every expert-parallel rank, from this rank's own: same flat layout, other experts and files."""
+    blocks = {b.group: b for b in expert_blocks(engine.module)}
+    if not blocks:
+        return slots
+    files = _expert_file_ranks(engine)
+    group_of_flat = {i: g.get("name") for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")}
+    out = []
+    for slot in slots:
+        group = group_of_flat.get(slot.flat)
+        if group is None or group not in blocks:
+            out.append(slot)
+            continue
+        block, local = blocks[group], slot.local or slot.name
+        for ep_rank, ranks in sorted(files[group].items()):
+            out.append(dataclasses.replace(slot, name=block.rename(local, ep_rank), ranks=ranks))
+    return out
 
 
 def _slot(info: ParamInfo, local: str, **fields: Any) -> ParamSlot:
@@ -122,12 +177,12 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     module = engine.module
     names = {p: n for n, p in module.named_parameters()}
     placed = infos(engine)
-    to_global = global_namer(module)
+    to_global = namer(engine)
     stage = int(engine.zero_optimization_stage())
     if stage == 3:
         slots = _zero3_slots(engine.optimizer, names, placed)
     elif supported(engine):
-        slots = _zero12_slots(engine.optimizer, names, placed)
+        slots = _all_expert_ranks(engine, _zero12_slots(engine.optimizer, names, placed))
     else:
         raise NotImplementedError(UNSUPPORTED)
     owned = {s.local or s.name for s in slots}

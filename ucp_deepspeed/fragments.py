@@ -23,13 +23,17 @@ class Fragment:
 
 
 def zero12_fragments(slot: ParamSlot, dp: int) -> list[Fragment]:
-    """Fragments of a ZeRO-1/2 parameter: its extent in the flat buffer cut at partition borders."""
+    """Fragments of a ZeRO-1/2 parameter: its extent in the flat buffer cut at partition borders.
+
+    Partition k is in the file of data-parallel rank `slot.ranks[k]` (rank k when `ranks` is empty).
+    """
     begin, end = slot.offset, slot.offset + slot.numel
+    files = slot.ranks or tuple(range(dp))
     out = []
-    for rank in range(dp):
-        lo, hi = max(begin, rank * slot.partition), min(end, (rank + 1) * slot.partition)
+    for k, rank in enumerate(files):
+        lo, hi = max(begin, k * slot.partition), min(end, (k + 1) * slot.partition)
         if lo < hi:
-            out.append(Fragment(rank, lo - rank * slot.partition, lo - begin, hi - lo))
+            out.append(Fragment(rank, lo - k * slot.partition, lo - begin, hi - lo))
     return out
 
 

@@ -59,6 +59,8 @@ class ParamSlot:
     `name` is the global name in the full model, `local` the name in this rank's module when it
     differs (pipeline stages number layers locally); `shape` is the local, tensor-parallel shape.
     An `alias` is a second copy of another parameter (a tied output layer on the last stage).
+    `ranks` lists the data-parallel ranks whose files hold partitions 0, 1, ... when they are not
+    all ranks in order: an expert's partitions live in its expert-data-parallel group's files.
     """
 
     name: str
@@ -70,6 +72,7 @@ class ParamSlot:
     layout: Layout = REPLICATED
     local: str = ""
     alias: bool = False
+    ranks: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -148,6 +151,8 @@ class SaveMeta:
 
 def _tensor_fields(raw: dict[str, Any]) -> dict[str, Any]:
     out = {**raw, "shape": tuple(raw["shape"])}
+    if "ranks" in raw:
+        out["ranks"] = tuple(raw["ranks"])
     if "layout" in raw:
         out["layout"] = Layout(**{**raw["layout"], "parts": tuple(raw["layout"].get("parts", ()))})
     return out

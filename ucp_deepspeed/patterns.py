@@ -122,13 +122,54 @@ def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
     return inside
 
 
-def global_namer(module: torch.nn.Module) -> Callable[[str], str]:
-    """Maps a name in this pipeline stage's module to its name in the whole model."""
+@dataclass(frozen=True)
+class ExpertBlock:
+    """The local experts of one DeepSpeed MoE layer: `prefix<i>.` is local expert i."""
+
+    prefix: str
+    num_local: int
+    group: str
+
+    def expert_of(self, name: str) -> int | None:
+        """Local expert index of a parameter name, or None if the name is not in this block."""
+        if not name.startswith(self.prefix):
+            return None
+        head = name[len(self.prefix):].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def rename(self, name: str, ep_rank: int) -> str:
+        """The name of local expert parameter `name` as held by expert-parallel rank `ep_rank`, by global id."""
+        local = self.expert_of(name)
+        rest = name[len(self.prefix) + len(str(local)):]
+        return f"{self.prefix}{ep_rank * self.num_local + local}{rest}"
+
+
+def expert_blocks(module: torch.nn.Module) -> list[ExpertBlock]:
+    """Every DeepSpeed MoE layer's experts (`deepspeed.moe.layer.MoE`), whose local ids restart on each EP rank."""
+    out = []
+    for path, sub in module.named_modules():
+        if type(sub).__module__.startswith("deepspeed.moe") and hasattr(sub, "num_local_experts") \
+                and hasattr(sub, "expert_group_name"):
+            prefix = f"{path}.deepspeed_moe.experts.deepspeed_experts." if path else "deepspeed_moe.experts.deepspeed_experts."
+            out.append(ExpertBlock(prefix, int(sub.num_local_experts), sub.expert_group_name))
+    return out
+
+
+def global_namer(module: torch.nn.Module, ep_ranks: dict[str, int] | None = None) -> Callable[[str], str]:
+    """Maps a name in this rank's module to its name in the whole model.
+
+    Pipeline stages number layers locally, and each expert-parallel rank numbers its experts from 0;
+    `ep_ranks` gives this rank's expert-parallel rank per expert group.
+    """
     prefixes = _global_prefixes(module)
     tied = _tied_output(module)
+    blocks = expert_blocks(module)
 
     def to_global(name: str) -> str:
         name = tied.get(name, name)
+        for block in blocks:
+            if block.expert_of(name) is not None:
+                name = block.rename(name, (ep_ranks or {}).get(block.group, 0))
         for local, glob in prefixes:
             if name.startswith(local):
                 return glob + name[len(local):]
@@ -138,9 +179,10 @@ def global_namer(module: torch.nn.Module) -> Callable[[str], str]:
 
 
 def param_infos(module: torch.nn.Module, params: Iterable[tuple[str, torch.Tensor]], tp: int,
-                rules: Sequence[Rule] = (), vocab_size: int = 0) -> dict[str, ParamInfo]:
+                rules: Sequence[Rule] = (), vocab_size: int = 0,
+                ep_ranks: dict[str, int] | None = None) -> dict[str, ParamInfo]:
     """Global name and layout of each named parameter; ValueError listing any we cannot place."""
-    to_global = global_namer(module)
+    to_global = global_namer(module, ep_ranks)
     tied = _tied_output(module)
     in_megatron = _in_megatron(module)
     infos, unknown = {}, []

@@ -13,14 +13,15 @@ from typing import Any
 import torch
 from deepspeed import comm as dist
 
-from ucp_deepspeed.capture import infos, model_parallel
+from ucp_deepspeed.capture import expert_groups, infos, model_parallel, namer
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import Layout
-from ucp_deepspeed.patterns import global_namer
+from ucp_deepspeed.patterns import expert_blocks
 from ucp_deepspeed.meta import FP32, VALUE
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint, decode_value
 
-_NON_PARAM_KEYS = ("params",)
+# structure, not hyperparameters: DeepSpeed names MoE groups after their expert-parallel size
+_NON_PARAM_KEYS = ("params", "name", "moe")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,14 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
             problems.append(f"{info.name}: trainable={rec['trainable']} in checkpoint, {p.requires_grad} in model")
         elif not stage3 and p.requires_grad and id(p) in live_groups and rec["group"] != live_groups[id(p)]:
             problems.append(f"{info.name}: param group {rec['group']} in checkpoint, {live_groups[id(p)]} in model")
-    to_global = global_namer(engine.module)
+    sizes = expert_groups(engine)
+    for block in expert_blocks(engine.module):
+        saved = {block.expert_of(n) for n in ckpt.params if block.expert_of(n) is not None}
+        live_count = sizes[block.group][0] * block.num_local
+        if saved and len(saved) != live_count:
+            problems.append(f"{block.prefix}*: checkpoint has {len(saved)} experts, the model has {live_count} "
+                            f"(expert-parallel size {sizes[block.group][0]} x {block.num_local} local experts)")
+    to_global = namer(engine)
     missing_buffers = sorted({to_global(n) for n in engine._get_buffer_names()} - set(ckpt.buffers))
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
@@ -193,7 +201,7 @@ def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.P
 
 def _restore_module_extras(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> None:
     buffers = dict(engine.module.named_buffers())
-    to_global = global_namer(engine.module)
+    to_global = namer(engine)
     for name in engine._get_buffer_names():
         buffers[name].data.copy_(ckpt.read_buffer(to_global(name)))
     read = _reader(engine, ckpt, live)

@@ -1,0 +1,60 @@
+"""DeepSpeed native MoE (`deepspeed.moe.layer.MoE`, 4 experts, top-2): change the expert-parallel size on resume.
+
+Experts are stored under global expert ids. Each target launch compares every expert's and every dense
+parameter's fp32 weight and Adam states (keyed by global name, merged over all expert-parallel ranks),
+buffers, the frozen parameter, hyperparameters, scheduler and counters with torch.equal, then checks the
+next 3 losses against the uninterrupted run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import load_results, torchrun
+
+LOSS_RTOL = 1e-5
+
+# source name: (world size, expert-parallel size, variants saved by one launch)
+SAVES = {"ep2w2": (2, 2, ("moez1", "moez2")), "ep2w4": (4, 2, ("moez2",)), "ep1w1": (1, 1, ("moez1",))}
+
+TARGETS = [
+    pytest.param(1, 1, "moez1", ("ep2w2/moez1", "ep2w2/moez2"), id="ep1-z1<-ep2-z1,z2"),
+    pytest.param(2, 2, "moez1", ("ep1w1/moez1",), id="ep2-z1<-ep1"),
+    pytest.param(4, 4, "moez2", ("ep2w2/moez1",), id="ep4-z2<-ep2-z1"),
+    pytest.param(3, 1, "moez2", ("ep2w4/moez2",), id="ep1-dp3-z2<-ep2-edp2-dp4-z2"),
+]
+
+
+@pytest.fixture(scope="session")
+def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MoE checkpoints after three steps, one launch per world size."""
+    out = tmp_path_factory.mktemp("moe_sources")
+    for name, (world, ep, variants) in SAVES.items():
+        torchrun(world, "save", "--out", str(out / name), "--ep", str(ep), "--variant", *variants, attempts=2)
+    return out
+
+
+@pytest.mark.parametrize("world,ep,target,sources", TARGETS)
+def test_moe_reshard(moe_sources, tmp_path, world, ep, target, sources):
+    results_file = tmp_path / "results.json"
+    torchrun(world, "load", "--variant", target, "--ep", str(ep), "--results", str(results_file),
+             "--source", *(str(moe_sources / s) for s in sources))
+    results = load_results(results_file)
+    assert len(results) == len(sources)
+    for r in results:
+        label = f"{r['saved']} -> {r['live']}"
+        assert r["mode"] == "resharded", label
+        assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"])
+        assert r["tensors"] >= 80, label  # 4 experts x 4 tensors x (fp32, 2 states, lp) and the dense part
+        assert r["max_rel_loss"] <= LOSS_RTOL, f"{label}: losses {r['losses']} vs {r['reference_losses']}"
+
+
+def test_wrong_expert_count_is_refused(moe_sources, tmp_path):
+    results_file = tmp_path / "results.json"
+    torchrun(1, "load", "--mismatch", "--variant", "moez1", "--ep", "1", "--results", str(results_file), "--source",
+             str(moe_sources / "ep2w2" / "moez1"))
+    outcome = load_results(results_file)
+    assert outcome["error"] is not None, "a checkpoint with 4 experts loaded into a model with 8"
+    assert "checkpoint has 4 experts, the model has 8 (expert-parallel size 1 x 8 local experts)" in outcome["error"]
+    assert outcome["untouched"], "state was modified before the mismatch was detected"
