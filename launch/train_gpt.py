@@ -26,6 +26,7 @@ import sys
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
@@ -34,6 +35,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 import ucp_deepspeed
+import ucp_deepspeed.mpu
 from ucp_deepspeed.capture import infos
 from ucp_deepspeed.layout import merge
 
@@ -46,6 +48,7 @@ SEQ = 8
 GLOBAL_BATCH = 12      # divisible by every data-parallel size from 1 to 4
 STEPS = 3
 CONT = 3
+EXPERTS = 4
 
 ARCHS = {
     "gpt": {"normalization": "LayerNorm", "gated_linear_unit": False, "activation_func": torch.nn.functional.gelu,
@@ -64,6 +67,10 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
     """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine."""
     arch = dict(ARCHS[args.arch])
     position = arch.pop("position_embedding_type")
+    if args.moe:  # 4 experts, top-2, SequentialMLP; the load-balancing loss is per rank, so it is left out
+        arch.update(num_moe_experts=EXPERTS, moe_router_topk=2, expert_model_parallel_size=args.ep,
+                    moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                    add_bias_linear=False)
     megatron_cpu.seed(1234)
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
@@ -75,7 +82,9 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
         num_layers_in_last_pipeline_stage=(num_layers - args.first_stage_layers) if args.first_stage_layers else None,
         **arch)
     with megatron_cpu.cpu_model_construction():
-        model = GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization),
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS if args.moe else None, moe_grouped_gemm=False,
+                                        normalization=config.normalization)
+        model = GPTModel(config, spec,
                          vocab_size=padded_vocab(args.tp), max_sequence_length=SEQ,
                          pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=True, position_embedding_type=position)
@@ -89,9 +98,11 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
             tied.ds_pipe_replicated = True  # DeepSpeed counts it once in the gradient norm
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                   {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95)}],
-                                  lr=1e-3)
+    groups = [{"params": decay, "weight_decay": 0.1, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95), "name": "no_decay"}]
+    if ucp_deepspeed.mpu.register_megatron_experts(model):  # experts get their own expert-data-parallel groups
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
     cfg = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (ps.get_data_parallel_world_size() * micro_batches()),
@@ -210,9 +221,8 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict | None:
             else:
                 part["state"][f"{info.name}/{key}"] = full
     part["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
-    mine = part if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 else None
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
+    parts: list = [None] * dist.get_world_size()  # every rank: expert-parallel ranks hold different experts
+    dist.all_gather_object(parts, part)
     if dist.get_rank() != 0:
         return None
     snap: dict = {"fp32": {}, "state": {}, "alias": {}, "state_keys": keys}
@@ -220,7 +230,8 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict | None:
         for k in ("fp32", "state", "alias"):
             snap[k].update(piece[k])
     snap["steps"] = parts[0]["steps"]
-    snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    # DeepSpeed names MoE param groups after the expert-parallel size: structure, not a hyperparameter
+    snap["hyperparams"] = [{k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups]
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap
@@ -258,7 +269,8 @@ def tied_copies_agree(snap: dict) -> list[str]:
 
 
 def layout_name(args: argparse.Namespace) -> str:
-    return f"{args.arch} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
+    moe = f" moe ep{args.ep}" if args.moe else ""
+    return f"{args.arch}{moe} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
 
 
 def do_save(args: argparse.Namespace) -> None:
@@ -308,13 +320,16 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--first-stage-layers", type=int, default=0, help="uneven pipeline split: layers on stage 0")
+    parser.add_argument("--moe", action="store_true", help="MoE MLPs: 4 experts, top-2")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
     parser.add_argument("--out")
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--resave")
     parser.add_argument("--results")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                 expert_model_parallel_size=args.ep)
     megatron_cpu.install()
     do_save(args) if args.mode == "save" else do_load(args)
     dist.barrier()

@@ -2,8 +2,8 @@
 
 megatron-core assumes CUDA in a few places that have no CPU fallback (see ../shared/CPU-NOTES.md):
 the RNG tracker that attention always enters, `GlobalMemoryBuffer.get_tensor`, RoPE's move of its
-frequencies to `torch.cuda.current_device()`, and a `.cuda()` call when a tied output layer is set
-up on the last pipeline stage. Nothing here is imported by
+frequencies to `torch.cuda.current_device()`, a `.cuda()` call when a tied output layer is set
+up on the last pipeline stage, and MoE's reference to Transformer Engine's GEMM on 0.16. Nothing here is imported by
 the library; the launch scripts call `install()` only when no GPU is present.
 """
 from __future__ import annotations
@@ -89,7 +89,11 @@ def install() -> None:
     """Swap megatron-core's CUDA-only helpers for CPU ones; call after initialize_model_parallel."""
     from megatron.core import parallel_state as ps
 
+    from megatron.core.transformer.moe import moe_utils
+
     ps._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
+    if not hasattr(moe_utils, "te_general_gemm"):  # referenced without Transformer Engine on 0.16 (fixed in 0.19)
+        moe_utils.te_general_gemm = None
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # RoPE moves its inverse frequencies to "the" device
 

@@ -114,18 +114,19 @@ def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
 
 def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
     """Expert slots for every expert-parallel rank, from this rank's own: same flat layout, other experts and files."""
-    blocks = {b.group: b for b in expert_blocks(engine.module)}
+    blocks = expert_blocks(engine.module)
     if not blocks:
         return slots
     files = _expert_file_ranks(engine)
     group_of_flat = {i: g.get("name") for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")}
     out = []
     for slot in slots:
+        local = slot.local or slot.name
+        block = next((b for b in blocks if b.expert_of(local) is not None), None)
         group = group_of_flat.get(slot.flat)
-        if group is None or group not in blocks:
+        if block is None or group is None:
             out.append(slot)
             continue
-        block, local = blocks[group], slot.local or slot.name
         for ep_rank, ranks in sorted(files[group].items()):
             out.append(dataclasses.replace(slot, name=block.rename(local, ep_rank), ranks=ranks))
     return out

@@ -6,6 +6,7 @@ the topology is unchanged and converts + reshards otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -23,7 +24,7 @@ from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_out
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.interop import deepspeed_universal_folder, import_deepspeed
 from ucp_deepspeed.meta import Topology, read_meta, write_meta
-from ucp_deepspeed.mpu import MegatronMpu, megatron_initialized
+from ucp_deepspeed.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.restore import restore
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
@@ -55,7 +56,9 @@ def initialize(args: Any = None, *, config: Any = None, config_params: Any = Non
     if (mpu is None and megatron_initialized()) or (mpu is not None and mpu is sys.modules.get(
             "megatron.core.parallel_state")):
         kwargs["mpu"] = MegatronMpu()
-    result = deepspeed.initialize(args=args, config=ds_config, **kwargs)
+    with megatron_moe_visible(kwargs.get("model")) if "mpu" in kwargs and kwargs.get("model") is not None \
+            else contextlib.nullcontext():
+        result = deepspeed.initialize(args=args, config=ds_config, **kwargs)
     if options.enabled:
         attach(result[0], options)
     return result
@@ -114,7 +117,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         tag = resolve_tag(load_dir, tag)
         meta = read_meta(os.path.join(load_dir, tag), 0)
         saved, live = meta.topology, topology(engine)
-        if saved.same_layout(live):
+        # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
+        if saved.same_layout(live) and not megatron_moe_layers(engine.module):
             engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)
             path, client = native(tag=tag)
             # DeepSpeed mixes its own bookkeeping into client_state; return only what the user saved

@@ -9,7 +9,9 @@ tensor-parallel rank, which DeepSpeed uses to count replicated parameters once, 
 """
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -88,3 +90,74 @@ class MegatronMpu:
     def get_data_parallel_group_ranks(self) -> list[int]:
         """Global ranks of this rank's data-parallel group."""
         return dist.get_process_group_ranks(self.get_data_parallel_group())
+
+
+def megatron_moe_layers(model: Any) -> list[Any]:
+    """megatron-core MoE layers (`MoELayer`) in a model."""
+    return [m for m in model.modules()
+            if type(m).__name__ == "MoELayer" and type(m).__module__.startswith("megatron.core.transformer.moe")]
+
+
+def register_megatron_experts(model: Any) -> str | None:
+    """Make megatron-core experts DeepSpeed MoE parameters; call before building optimizer param groups.
+
+    DeepSpeed partitions and reduces a parameter over an expert-data-parallel group when it is
+    marked `allreduce=False` (megatron-core does that) and names its group in `group_name`. Here that
+    group is megatron-core's own expert-parallel / expert-data-parallel pair, registered with
+    DeepSpeed under `ep_size_<N>` (DeepSpeed reads the size from the name). Returns the group name,
+    or None when the model has no MoE layer. Then split the param groups with DeepSpeed's
+    `split_params_into_different_moe_groups_for_optimizer`.
+    """
+    layers = megatron_moe_layers(model)
+    if not layers:
+        return None
+    from deepspeed.utils import groups
+    from megatron.core import parallel_state as ps
+
+    name = f"ep_size_{ps.get_expert_model_parallel_world_size()}"
+    for registry, ranks, group in ((groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                                    ps.get_expert_model_parallel_group()),
+                                   (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+                                    ps.get_expert_data_parallel_group())):
+        registry[name] = group
+        ranks[name] = dist.get_process_group_ranks(group)
+    for layer in layers:
+        layer.num_experts = layer.config.num_moe_experts
+        layer.expert_group_name = name
+        for p in layer.experts.parameters():
+            p.allreduce = False  # megatron-core sets it only when expert parallelism is on
+            p.group_name = name
+    return name
+
+
+class _MoEOrMegatron(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        from deepspeed.moe.layer import MoE
+
+        return isinstance(obj, MoE) or (type(obj).__name__ == "MoELayer"
+                                        and type(obj).__module__.startswith("megatron.core.transformer.moe"))
+
+
+class MoEOrMegatron(metaclass=_MoEOrMegatron):
+    """Matches DeepSpeed's MoE layer and megatron-core's, for DeepSpeed's `has_moe_layers` check."""
+
+
+@contextlib.contextmanager
+def megatron_moe_visible(model: Any) -> Iterator[None]:
+    """While an engine is built, let DeepSpeed count megatron-core MoE layers as MoE layers.
+
+    DeepSpeed decides `has_moe_layers` (and so whether ZeRO uses expert-data-parallel groups) with
+    `isinstance(module, deepspeed.moe.layer.MoE)` in its engine module. Only that lookup is widened,
+    only while `deepspeed.initialize` runs.
+    """
+    if register_megatron_experts(model) is None:
+        yield
+        return
+    from deepspeed.runtime import engine as ds_engine
+
+    original = ds_engine.MoE
+    ds_engine.MoE = MoEOrMegatron
+    try:
+        yield
+    finally:
+        ds_engine.MoE = original

@@ -145,13 +145,24 @@ class ExpertBlock:
 
 
 def expert_blocks(module: torch.nn.Module) -> list[ExpertBlock]:
-    """Every DeepSpeed MoE layer's experts (`deepspeed.moe.layer.MoE`), whose local ids restart on each EP rank."""
+    """The experts of every MoE layer, whose local ids restart on each expert-parallel rank.
+
+    DeepSpeed's `MoE` keeps them in `deepspeed_moe.experts.deepspeed_experts.<i>`, megatron-core's
+    `MoELayer` (SequentialMLP) in `experts.local_experts.<i>`; both carry `num_local_experts` and,
+    once registered with DeepSpeed, `expert_group_name`.
+    """
     out = []
     for path, sub in module.named_modules():
-        if type(sub).__module__.startswith("deepspeed.moe") and hasattr(sub, "num_local_experts") \
-                and hasattr(sub, "expert_group_name"):
-            prefix = f"{path}.deepspeed_moe.experts.deepspeed_experts." if path else "deepspeed_moe.experts.deepspeed_experts."
-            out.append(ExpertBlock(prefix, int(sub.num_local_experts), sub.expert_group_name))
+        kind = type(sub).__module__
+        if not (hasattr(sub, "num_local_experts") and hasattr(sub, "expert_group_name")):
+            continue
+        if kind.startswith("deepspeed.moe"):
+            inner = "deepspeed_moe.experts.deepspeed_experts."
+        elif kind.startswith("megatron.core.transformer.moe"):
+            inner = "experts.local_experts."
+        else:
+            continue
+        out.append(ExpertBlock(f"{path}.{inner}" if path else inner, int(sub.num_local_experts), sub.expert_group_name))
     return out
 
 
