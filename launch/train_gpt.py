@@ -41,6 +41,7 @@ from ucp_deepspeed.layout import merge
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import megatron_cpu  # noqa: E402  (CPU stand-ins for megatron-core's CUDA-only helpers)
+from compare import compare  # noqa: E402  (launch/compare.py, next to this script)
 
 VOCAB = 70             # padded to a multiple of 8 * tp: 72 at tp=1, 80 at tp=2
 PAD_MULTIPLE = 8
@@ -236,25 +237,6 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict | None:
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap
 
-
-def compare(ref, got, path: str = "") -> list[str]:
-    """Exact comparison of nested snapshots; returns one line per difference."""
-    if isinstance(ref, torch.Tensor):
-        if not isinstance(got, torch.Tensor) or ref.dtype != got.dtype or ref.shape != got.shape:
-            return [f"{path}: {getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))} "
-                    f"vs saved {ref.dtype} {tuple(ref.shape)}"]
-        if not torch.equal(ref, got):
-            return [f"{path}: max |diff| {(ref.double() - got.double()).abs().max().item():.3e}"]
-        return []
-    if isinstance(ref, dict):
-        if set(ref) != set(got):
-            return [f"{path}: keys {sorted(map(str, got))} vs saved {sorted(map(str, ref))}"]
-        return [d for k in ref for d in compare(ref[k], got[k], f"{path}/{k}")]
-    if isinstance(ref, (list, tuple)):
-        if len(ref) != len(got) or type(ref) is not type(got):
-            return [f"{path}: {got!r} vs saved {ref!r}"]
-        return [d for i, (a, b) in enumerate(zip(ref, got)) for d in compare(a, b, f"{path}[{i}]")]
-    return [] if ref == got else [f"{path}: {got!r} vs saved {ref!r}"]
 
 
 def tied_copies_agree(snap: dict) -> list[str]:

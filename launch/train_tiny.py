@@ -24,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
+from compare import compare  # launch/compare.py, next to this script
 from ucp_deepspeed.capture import infos
 
 GLOBAL_BATCH = 12
@@ -52,55 +53,52 @@ EXPERTS = 4
 class TinyLM(torch.nn.Module):
     """Embedding tied to the output head, an MLP block, a frozen scale and an integer buffer."""
 
-    def __init__(self, hidden: int = 40) -> None:
+    def __init__(self, hidden: int = 40, **block_args: int) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, 24)
-        self.up = torch.nn.Linear(24, hidden)
-        self.norm = torch.nn.LayerNorm(hidden)
-        self.down = torch.nn.Linear(hidden, 24)
+        self.build_block(hidden, **block_args)
         self.scale = torch.nn.Parameter(torch.rand(24) + 0.5, requires_grad=False)
         self.head = torch.nn.Linear(24, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         torch.nn.init.normal_(self.embed.weight, std=0.05)
 
+    def build_block(self, hidden: int) -> None:
+        self.up = torch.nn.Linear(24, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.down = torch.nn.Linear(hidden, 24)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.norm(self.up(x))))
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         x = self.embed(tokens[:, :-1]) * self.scale
-        x = x + self.down(torch.nn.functional.gelu(self.norm(self.up(x))))
-        logits = self.head(x).float()
+        logits = self.head(x + self.block(x)).float()
         return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-class TinyMoE(torch.nn.Module):
-    """TinyLM's tied embedding, frozen scale and buffer around a DeepSpeed MoE layer: 4 experts, top-2."""
+class TinyMoE(TinyLM):
+    """TinyLM with its MLP block replaced by a DeepSpeed MoE layer: 4 experts, top-2."""
 
     def __init__(self, ep: int, hidden: int = 40, experts: int = EXPERTS) -> None:
-        super().__init__()
+        super().__init__(hidden, ep=ep, experts=experts)
+
+    def build_block(self, hidden: int, ep: int, experts: int) -> None:
         from deepspeed.moe import sharded_moe
         from deepspeed.moe.layer import MoE
 
         # top-2 gating adds Gumbel noise to pick the second expert; without it routing depends only on the
         # weights, so an uninterrupted run and a resharded one route the same tokens the same way
         sharded_moe.gumbel_rsample = lambda shape, device: torch.zeros(shape, device=device)
-        self.embed = torch.nn.Embedding(VOCAB, 24)
         self.norm = torch.nn.LayerNorm(24)
         expert = torch.nn.Sequential(torch.nn.Linear(24, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 24))
         self.moe = MoE(hidden_size=24, expert=expert, num_experts=experts, ep_size=ep, k=2, min_capacity=64,
                        drop_tokens=False, use_rts=False)
-        self.scale = torch.nn.Parameter(torch.rand(24) + 0.5, requires_grad=False)
-        self.head = torch.nn.Linear(24, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-        torch.nn.init.normal_(self.embed.weight, std=0.05)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        x = self.embed(tokens[:, :-1]) * self.scale
+    def block(self, x: torch.Tensor) -> torch.Tensor:
         # the load-balancing loss is left out: it is computed per rank, so it changes with the DP size
-        y, _, _ = self.moe(self.norm(x))
-        logits = self.head(x + y).float()
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        return self.moe(self.norm(x))[0]
 
 
 def ds_config(variant: dict, dp: int) -> dict:
@@ -212,25 +210,6 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap
 
-
-def compare(ref, got, path: str = "") -> list[str]:
-    """Exact comparison of nested snapshots; returns one line per difference."""
-    if isinstance(ref, torch.Tensor):
-        if not isinstance(got, torch.Tensor) or ref.dtype != got.dtype or ref.shape != got.shape:
-            return [f"{path}: {getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))} "
-                    f"vs saved {ref.dtype} {tuple(ref.shape)}"]
-        if not torch.equal(ref, got):
-            return [f"{path}: max |diff| {(ref.double() - got.double()).abs().max().item():.3e}"]
-        return []
-    if isinstance(ref, dict):
-        if set(ref) != set(got):
-            return [f"{path}: keys {sorted(map(str, got))} vs saved {sorted(map(str, ref))}"]
-        return [d for k in ref for d in compare(ref[k], got[k], f"{path}/{k}")]
-    if isinstance(ref, (list, tuple)):
-        if len(ref) != len(got) or type(ref) is not type(got):
-            return [f"{path}: {got!r} vs saved {ref!r}"]
-        return [d for i, (a, b) in enumerate(zip(ref, got)) for d in compare(a, b, f"{path}[{i}]")]
-    return [] if ref == got else [f"{path}: {got!r} vs saved {ref!r}"]
 
 
 def count_tensors(snap: dict) -> int:

@@ -9,6 +9,7 @@ The manifest is the commit marker: a folder without it is an unfinished conversi
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -16,9 +17,9 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -51,13 +52,14 @@ class FileRecord:
     crc32: str
 
 
-def atomic_write(path: str, data: bytes | memoryview) -> None:
-    """Write a file under a temporary name, fsync it and rename it into place."""
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[BinaryIO]:
+    """A file written under a temporary name: fsynced and renamed into place if the block succeeds, else removed."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -65,6 +67,12 @@ def atomic_write(path: str, data: bytes | memoryview) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: str, data: bytes | memoryview) -> None:
+    """Write a whole file atomically (see `atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def write_tensors(root: str, relpath: str, tensors: dict[str, torch.Tensor]) -> FileRecord:
@@ -94,29 +102,18 @@ def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     prefix = struct.pack("<Q", len(head)) + head
-    path = os.path.join(root, relpath)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(prefix)
-            crc = zlib.crc32(prefix)
-            for key, dtype, shape in entries:
-                tensor = produce(key)
-                if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-                    raise ValueError(f"{relpath}: '{key}' is {tensor.dtype} {tuple(tensor.shape)}, "
-                                     f"declared {dtype} {tuple(shape)}")
-                data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-                f.write(data)
-                crc = zlib.crc32(data, crc)
-                del tensor, data
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(os.path.join(root, relpath)) as f:
+        f.write(prefix)
+        crc = zlib.crc32(prefix)
+        for key, dtype, shape in entries:
+            tensor = produce(key)
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{relpath}: '{key}' is {tensor.dtype} {tuple(tensor.shape)}, "
+                                 f"declared {dtype} {tuple(shape)}")
+            data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            crc = zlib.crc32(data, crc)
+            del tensor, data
     return FileRecord(relpath, len(prefix) + offset, f"{crc:08x}")
 
 
