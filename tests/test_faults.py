@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import load_results, torchrun
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
+from ucp_deepspeed.checkpoints import incomplete_reason, resume_tag
 from ucp_deepspeed.cli import main as ucp
 from ucp_deepspeed.convert import plan_jobs, prepare_output, run_jobs
 from ucp_deepspeed.meta import meta_filename
@@ -192,3 +194,21 @@ def test_cli_convert_inspect(sources, tmp_path, capsys):
     assert summary["kind"] == "deepspeed" and summary["source_topology"]["zero_stage"] == 2
     assert summary["params"]["embed.weight"]["shape"] == [37, 24]
     assert ucp(["convert", str(tmp_path / "nowhere")]) == 2
+
+
+def test_checkpoint_torn_during_save_is_skipped_on_resume(sources, tmp_path):
+    """A newer tag whose rank file was cut short by a kill is skipped even though `latest` names it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sources["z1"], ckpt, ignore=shutil.ignore_patterns("*.universal"))
+    shutil.copytree(ckpt / TAG, ckpt / "global_step6")
+    torn = ckpt / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    (ckpt / "latest").write_text("global_step6")
+    assert "truncated or corrupt" in incomplete_reason(str(ckpt), "global_step6")
+    assert incomplete_reason(str(ckpt), TAG) is None
+    assert resume_tag(str(ckpt)) == TAG
+    results_file = tmp_path / "results.json"
+    torchrun(3, "load", "--variant", "z2", "--results", str(results_file), "--source", str(ckpt))
+    [r] = load_results(results_file)
+    assert r["path"].endswith(TAG), r["path"]
+    assert r["diffs"] == [], "\n".join(r["diffs"])  # exactly the state saved at step 3

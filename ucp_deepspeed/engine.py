@@ -19,6 +19,7 @@ import deepspeed
 import torch.distributed as tdist
 
 from ucp_deepspeed.capture import UNSUPPORTED, describe, supported, topology
+from ucp_deepspeed.checkpoints import resume_tag
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
@@ -114,6 +115,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             return load_dir, client
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
             return native(tag=tag)
+        if tag is None:  # a save killed part-way leaves a torn tag, possibly already named by `latest`
+            tag = resume_tag(load_dir)
         tag = resolve_tag(load_dir, tag)
         meta = read_meta(os.path.join(load_dir, tag), 0)
         saved, live = meta.topology, topology(engine)

@@ -1,0 +1,67 @@
+"""Which tag of a checkpoint directory to resume from: the newest one that was written completely.
+
+A job killed while saving leaves a tag folder with missing or truncated rank files, and DeepSpeed
+may already have pointed `latest` at it. A tag counts as complete when every model-parallel rank's
+metadata is there and every rank file opens as a whole torch archive (its zip directory and its
+pickle read without error; tensor bytes are checked by the archive's own sizes when read).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.sources import NativeCheckpoint, list_tags
+from ucp_deepspeed.sources.torch_file import TorchFile
+
+log = logging.getLogger("ucp_deepspeed")
+_STEP = re.compile(r"(\d+)$")
+
+
+def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
+    """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete."""
+    try:
+        src = NativeCheckpoint(ckpt_dir, tag)
+    except CheckpointError as exc:
+        return str(exc)
+    try:
+        for path in src.source_files():
+            if path.endswith(".pt"):
+                TorchFile(path).close()
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        src.close()
+    return None
+
+
+def _order(ckpt_dir: str, tag: str) -> tuple[int, float]:
+    found = _STEP.search(tag)
+    return (int(found.group(1)) if found else -1, os.path.getmtime(os.path.join(ckpt_dir, tag)))
+
+
+def newest_complete(ckpt_dir: str) -> str | None:
+    """The newest complete tag (by trailing step number, then folder time); torn ones are logged and skipped."""
+    for tag in sorted(list_tags(ckpt_dir), key=lambda t: _order(ckpt_dir, t), reverse=True):
+        reason = incomplete_reason(ckpt_dir, tag)
+        if reason is None:
+            return tag
+        log.warning("ucp: skipping incomplete checkpoint %s: %s", tag, reason)
+    return None
+
+
+def resume_tag(ckpt_dir: str) -> str | None:
+    """The tag to resume from: the one `latest` names if it is complete, else the newest complete one."""
+    latest_path = os.path.join(ckpt_dir, "latest")
+    latest = None
+    if os.path.isfile(latest_path):
+        with open(latest_path) as f:
+            latest = f.read().strip() or None
+    if latest is not None:
+        reason = incomplete_reason(ckpt_dir, latest)
+        if reason is None:
+            return latest
+        log.warning("ucp: 'latest' names %s, which is incomplete (%s); looking for an older complete one",
+                    latest, reason)
+    return newest_complete(ckpt_dir)
