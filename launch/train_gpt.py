@@ -18,9 +18,11 @@ embedding's gradient between the first and last stage, then reduction and step.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
+import signal
 import sys
 
 import deepspeed
@@ -37,6 +39,8 @@ from megatron.core.transformer import TransformerConfig
 import ucp_deepspeed
 import ucp_deepspeed.mpu
 from ucp_deepspeed.capture import infos
+from ucp_deepspeed.checkpoints import prune
+from ucp_deepspeed.sources import list_tags
 from ucp_deepspeed.layout import merge
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -294,15 +298,78 @@ def do_load(args: argparse.Namespace) -> None:
             json.dump(results, f, indent=1)
 
 
+def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int) -> None:
+    """Test hook: at `step`, the last rank writes half of its optimizer file, then is SIGKILLed mid-save."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    original = TorchCheckpointEngine.save
+
+    def save(self: TorchCheckpointEngine, state_dict: dict, path: str) -> None:
+        if engine.global_steps == step and dist.get_rank() == dist.get_world_size() - 1 \
+                and path.endswith("optim_states.pt"):
+            buf = io.BytesIO()
+            torch.save(state_dict, buf)
+            with open(path, "wb") as f:
+                f.write(buf.getbuffer()[: buf.tell() // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(self, state_dict, path)
+
+    TorchCheckpointEngine.save = save
+
+
+def do_train(args: argparse.Namespace) -> None:
+    """Train to --steps, checkpointing every --ckpt-every steps and keeping --keep; resume whatever the layout."""
+    engine = build(args)
+    resumed = None
+    if os.path.isdir(args.ckpt_dir) and list_tags(args.ckpt_dir):
+        engine.load_checkpoint(args.ckpt_dir)
+        report = engine.ucp_last_load
+        resumed = {"step": engine.global_steps, "saved": report.saved, "live": report.live, "mode": report.mode}
+        if dist.get_rank() == 0:
+            print(f"resumed from step {engine.global_steps} at topology {report.saved} -> {report.live}", flush=True)
+    if args.snapshots and resumed is not None:  # the test compares it with the one taken before that save
+        snap = snapshot(engine)
+        if dist.get_rank() == 0:
+            torch.save(snap, os.path.join(args.ckpt_dir, f"resumed_step{engine.global_steps}.pt"))
+    if args.die_in_save:
+        die_while_saving(engine, args.die_in_save)
+    log = []
+    while engine.global_steps < args.steps:
+        [loss] = train(engine, 1)
+        log.append({"step": engine.global_steps, "loss": loss, "world": dist.get_world_size()})
+        if dist.get_rank() == 0:
+            print(f"step {engine.global_steps} loss {loss:.6f} world {dist.get_world_size()}", flush=True)
+        if engine.global_steps % args.ckpt_every == 0:
+            if args.snapshots:
+                snap = snapshot(engine)
+                if dist.get_rank() == 0:
+                    os.makedirs(args.ckpt_dir, exist_ok=True)
+                    torch.save(snap, os.path.join(args.ckpt_dir, f"saved_step{engine.global_steps}.pt"))
+            engine.save_checkpoint(args.ckpt_dir)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                prune(args.ckpt_dir, args.keep)
+    if dist.get_rank() == 0 and args.results:
+        with open(args.results, "w") as f:
+            json.dump({"resumed": resumed, "log": log, "final_step": engine.global_steps}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "train"])
     parser.add_argument("--arch", choices=sorted(ARCHS), default="gpt")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--first-stage-layers", type=int, default=0, help="uneven pipeline split: layers on stage 0")
     parser.add_argument("--moe", action="store_true", help="MoE MLPs: 4 experts, top-2")
+    parser.add_argument("--ckpt-dir", help="train: checkpoint directory, resumed from when it holds a tag")
+    parser.add_argument("--steps", type=int, default=8, help="train: last step")
+    parser.add_argument("--ckpt-every", type=int, default=2)
+    parser.add_argument("--keep", type=int, default=2, help="train: complete checkpoints to keep")
+    parser.add_argument("--snapshots", action="store_true", help="train: store the full state at saves and resumes")
+    parser.add_argument("--die-in-save", type=int, default=0, help="train (tests): SIGKILL the last rank mid-save")
+    parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
     parser.add_argument("--out")
     parser.add_argument("--source", nargs="*", default=[])
@@ -313,7 +380,7 @@ def main() -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                  expert_model_parallel_size=args.ep)
     megatron_cpu.install()
-    do_save(args) if args.mode == "save" else do_load(args)
+    {"save": do_save, "load": do_load, "train": do_train}[args.mode](args)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()

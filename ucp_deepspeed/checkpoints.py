@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
@@ -65,3 +66,25 @@ def resume_tag(ckpt_dir: str) -> str | None:
         log.warning("ucp: 'latest' names %s, which is incomplete (%s); looking for an older complete one",
                     latest, reason)
     return newest_complete(ckpt_dir)
+
+
+def prune(ckpt_dir: str, keep: int) -> list[str]:
+    """Keep the `keep` newest complete tags; delete older tags, torn ones among them, and their converted copies.
+
+    A torn tag newer than the newest complete one is left alone: it may be a save still being written.
+    Returns the deleted tags.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    tags = sorted(list_tags(ckpt_dir), key=lambda t: _order(ckpt_dir, t), reverse=True)
+    complete = [t for t in tags if incomplete_reason(ckpt_dir, t) is None]
+    if not complete:
+        return []
+    oldest_kept = _order(ckpt_dir, complete[min(keep, len(complete)) - 1])
+    doomed = [t for t in tags if t not in complete[:keep] and _order(ckpt_dir, t) < oldest_kept]
+    for tag in doomed:
+        for path in (os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, f"{tag}.universal"),
+                     os.path.join(ckpt_dir, f"{tag}_universal")):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+    return doomed

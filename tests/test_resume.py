@@ -1,0 +1,55 @@
+"""A job killed while saving resumes, through the `deepspeed` launcher at another process count, from the last
+complete checkpoint: the torn one is skipped, the state is bit-exact, and training continues where it was."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import GPT_WORKER, torch_env
+from ucp_deepspeed.checkpoints import incomplete_reason
+
+TRAIN = ["train", "--arch", "gpt", "--steps", "8", "--ckpt-every", "2", "--keep", "2", "--snapshots"]
+
+
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_killed_during_save_resumes_from_last_complete_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(GPT_WORKER),
+                  *TRAIN, "--ckpt-dir", str(ckpt), "--die-in-save", "6"])
+    assert first.returncode != 0, "the run was meant to be killed while saving step 6"
+    before = {int(line.split()[1]): float(line.split()[3]) for line in first.stdout.splitlines()
+              if line.startswith("step ")}
+    assert sorted(before) == [1, 2, 3, 4, 5, 6]
+    assert (ckpt / "latest").read_text().strip() == "global_step6", "DeepSpeed names the torn tag in latest"
+    assert "truncated or corrupt" in incomplete_reason(str(ckpt), "global_step6")
+
+    results = tmp_path / "second.json"
+    second = _run(["deepspeed", "--num_gpus", "3", "--master_port", "29561", str(GPT_WORKER), *TRAIN,
+                   "--ckpt-dir", str(ckpt), "--results", str(results)])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "skipping incomplete checkpoint global_step6" in second.stdout + second.stderr
+    report = json.loads(results.read_text())
+    assert report["resumed"] == {"step": 4, "saved": "zero1 dp=2 fp32", "live": "zero1 dp=3 fp32", "mode": "resharded"}
+    assert report["final_step"] == 8
+    after = {e["step"]: e["loss"] for e in report["log"]}
+    assert sorted(after) == [5, 6, 7, 8], "exactly the steps after the checkpoint were run again"
+    for step in (5, 6):  # repeated steps continue from the pre-failure losses, not from scratch
+        assert abs(after[step] - before[step]) <= 1e-5 * abs(before[step]), (step, after[step], before[step])
+
+    saved = torch.load(ckpt / "saved_step4.pt", weights_only=False)
+    resumed = torch.load(ckpt / "resumed_step4.pt", weights_only=False)
+    for kind in ("fp32", "state"):
+        assert sorted(saved[kind]) == sorted(resumed[kind]) and len(saved[kind]) >= 20
+        for name in saved[kind]:
+            assert torch.equal(saved[kind][name], resumed[kind][name]), f"{kind} {name}"
+    assert saved["steps"].keys() == resumed["steps"].keys()
+    assert all(torch.equal(saved["steps"][g], resumed["steps"][g]) for g in saved["steps"])
+    tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("global_step"))
+    assert tags == ["global_step6", "global_step8"], f"retention keeps the 2 newest complete tags, found {tags}"
+    assert incomplete_reason(str(ckpt), "global_step6") is None, "step 6 was saved again, completely"
