@@ -4,6 +4,7 @@
                                              time a plain DeepSpeed save of the same engine
     save ... --tp 2                          the same model built from megatron-core's column- and
                                              row-parallel linears and vocab-parallel embedding
+    save ... --ep 2                          DeepSpeed MoE blocks of 4 experts, 2 expert-parallel ranks
     load --params-m 300 --zero 2 --source DIR  time engine.load_checkpoint (native or resharded)
 
 Rank 0 prints one JSON line starting with `RESULT `.
@@ -23,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 import ucp_deepspeed
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 HIDDEN = 1024
 VOCAB = 32768
+EXPERTS = 4
 
 
 class SyntheticLM(torch.nn.Module):
@@ -71,16 +74,37 @@ class TensorParallelLM(torch.nn.Module):
         return self.norm(x).pow(2).mean()
 
 
-def shape_for(params_m: float) -> tuple[int, int, int]:
+class MoELM(torch.nn.Module):
+    """SyntheticLM with each MLP block replaced by a DeepSpeed MoE layer of 4 such blocks (top-1)."""
+
+    def __init__(self, layers: int, hidden: int, vocab: int, ep: int) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(
+            MoE(hidden_size=hidden, expert=torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                                               torch.nn.Linear(4 * hidden, hidden)),
+                num_experts=EXPERTS, ep_size=ep, k=1, drop_tokens=False, use_rts=False) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)[0]
+        return self.norm(x).pow(2).mean()
+
+
+def shape_for(params_m: float, experts: int = 1) -> tuple[int, int, int]:
     """(layers, hidden, vocab) giving about `params_m` million parameters (tiny sizes shrink everything)."""
     hidden, vocab = (HIDDEN, VOCAB) if params_m >= 20 else (64, 512)
-    per_block = 8 * hidden * hidden + 5 * hidden
+    per_block = experts * (8 * hidden * hidden + 5 * hidden)
     return max(1, round((params_m * 1e6 - vocab * hidden) / per_block)), hidden, vocab
 
 
 def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
-    layers, hidden, vocab = shape_for(args.params_m)
+    layers, hidden, vocab = shape_for(args.params_m, EXPERTS if args.ep else 1)
     dp = dist.get_world_size() // args.tp
     config = {"train_batch_size": dp, "train_micro_batch_size_per_gpu": 1,
               "zero_optimization": {"stage": args.zero, "reduce_bucket_size": 10**7,
@@ -90,8 +114,14 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
                                            "layout_rules": [{"match": r"norm\..*", "layout": "replicated"}]}}}
     # ZeRO-3: partition at construction, 4 full copies do not fit (Init parses the config even when disabled)
     with deepspeed.zero.Init(config_dict_or_path=config) if args.zero == 3 else contextlib.nullcontext():
-        model = (TensorParallelLM if args.tp > 1 else SyntheticLM)(layers, hidden, vocab)
-    engine, _, _, _ = ucp_deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
+        if args.ep:
+            model = MoELM(layers, hidden, vocab, args.ep)
+        else:
+            model = (TensorParallelLM if args.tp > 1 else SyntheticLM)(layers, hidden, vocab)
+    groups = [{"params": list(model.parameters()), "name": "all"}]
+    if args.ep:  # experts are partitioned over their expert-data-parallel group
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    engine, _, _, _ = ucp_deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-4), config=config)
     return engine
 
 
@@ -112,6 +142,7 @@ def main() -> None:
     parser.add_argument("--source")
     parser.add_argument("--verify", type=int, default=1, help="crc32-check a reused conversion before loading")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--ep", type=int, default=0, help="DeepSpeed MoE blocks (4 experts) at this expert-parallel size")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     if args.tp > 1:
@@ -136,8 +167,10 @@ def main() -> None:
                 shutil.rmtree(trial)
         result["plain_save_s"], result["ucp_save_s"] = min(plain_s), min(ucp_s)
         engine.save_checkpoint(args.out)
-        layers, hidden, vocab = shape_for(args.params_m)
-        result["params"] = vocab * hidden + layers * (8 * hidden * hidden + 5 * hidden) + 2 * hidden
+        experts = EXPERTS if args.ep else 1
+        layers, hidden, vocab = shape_for(args.params_m, experts)
+        gates = EXPERTS * hidden if args.ep else 0
+        result["params"] = vocab * hidden + layers * (experts * (8 * hidden * hidden + 5 * hidden) + gates) + 2 * hidden
     else:
         engine = build(args)
         result["load_s"] = timed(lambda: engine.load_checkpoint(args.source))

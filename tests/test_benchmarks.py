@@ -11,5 +11,6 @@ def test_benchmark_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_convert.py"), "--smoke", "--work", str(tmp_path)]
     proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| z1-dp4-0.5M" in proc.stdout and "| z3-dp4-0.5M" in proc.stdout
+    for source in ("z1-dp4-0.5M", "z3-dp4-0.5M", "z1-tp2-dp2-0.5M", "z1-moe-ep2-dp4-0.5M"):
+        assert f"| {source} (" in proc.stdout, source
     assert "resharded load at ZeRO-2" in proc.stdout
