@@ -116,7 +116,9 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
             return native(tag=tag)
         if tag is None:  # a save killed part-way leaves a torn tag, possibly already named by `latest`
-            tag = resume_tag(load_dir)
+            box = [resume_tag(load_dir) if tdist.get_rank() == 0 else None]  # one rank opens the files, not all
+            tdist.broadcast_object_list(box, src=0)
+            tag = box[0]
         tag = resolve_tag(load_dir, tag)
         meta = read_meta(os.path.join(load_dir, tag), 0)
         saved, live = meta.topology, topology(engine)
