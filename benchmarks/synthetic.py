@@ -6,6 +6,10 @@
                                              row-parallel linears and vocab-parallel embedding
     save ... --ep 2                          DeepSpeed MoE blocks of 4 experts, 2 expert-parallel ranks
     load --params-m 300 --zero 2 --source DIR  time engine.load_checkpoint (native or resharded)
+    async --params-m 300 --out DIR           how long a synchronous save stalls training (with and
+                                             without syncing it to disk), against an asynchronous one
+                                             (which syncs in the background), and a training step
+                                             while it writes
 
 Rank 0 prints one JSON line starting with `RESULT `.
 """
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import ucp_deepspeed
+from ucp_deepspeed.async_save import AsyncCheckpointEngine
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 HIDDEN = 1024
@@ -135,7 +140,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "async"])
     parser.add_argument("--params-m", type=float, required=True)
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--out")
@@ -150,12 +155,34 @@ def main() -> None:
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     result: dict = {}
-    if args.mode == "save":
+    if args.mode in ("save", "async"):
         engine = build(args)
         torch.manual_seed(1)  # the same tokens on every tensor-parallel rank
-        loss = engine(torch.randint(0, shape_for(args.params_m)[2], (1, 16)))
-        engine.backward(loss)
-        engine.step()
+        tokens = torch.randint(0, shape_for(args.params_m)[2], (1, 16))
+
+        def step() -> None:
+            engine.backward(engine(tokens))
+            engine.step()
+
+        step()
+    if args.mode == "async":
+        trial = os.path.join(args.out, "trial")
+        result["step_s"] = min(timed(step) for _ in range(2))
+        sync_s = []
+        for _ in range(2):
+            sync_s.append(timed(lambda: engine.save_checkpoint(trial)))
+            if dist.get_rank() == 0:
+                shutil.rmtree(trial)
+        result["sync_save_s"] = min(sync_s)
+        result["sync_save_fsync_s"] = timed(lambda: (engine.save_checkpoint(trial), os.sync()))
+        if dist.get_rank() == 0:
+            shutil.rmtree(trial)
+        engine.checkpoint_engine = AsyncCheckpointEngine(engine._config)
+        result["async_stall_s"] = timed(lambda: engine.save_checkpoint(trial))
+        result["step_while_writing_s"] = timed(step)
+        result["async_rest_s"] = timed(engine.wait_for_checkpoint)
+        result["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(trial) for f in fs)
+    elif args.mode == "save":
         trial = os.path.join(args.out, "trial")
         plain_s, ucp_s = [], []
         for _ in range(3):  # alternate into fresh folders; keep the best of each

@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import deepspeed
 import torch
@@ -114,7 +115,8 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
         "gradient_accumulation_steps": micro_batches(),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.zero},
-        "checkpoint": {"universal": {"enabled": True, "progress": False, "vocab_size": VOCAB}},
+        "checkpoint": {"universal": {"enabled": True, "progress": False, "vocab_size": VOCAB,
+                                     "async_save": getattr(args, "async_save", False)}},
     }
     engine, _, _, _ = ucp_deepspeed.initialize(
         model=model, optimizer=optimizer, config=cfg,
@@ -298,20 +300,46 @@ def do_load(args: argparse.Namespace) -> None:
             json.dump(results, f, indent=1)
 
 
-def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int) -> None:
-    """Test hook: at `step`, the last rank writes half of its optimizer file, then is SIGKILLed mid-save."""
+def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int, background: bool) -> None:
+    """Test hook: at `step`, the last rank writes half of its optimizer file, then is SIGKILLed mid-save.
+
+    With `background` (async saves) this happens in the writer thread, after `save_checkpoint` returned,
+    and the thread lingers half-way for a while so that training runs on with the write unfinished.
+    """
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+    import ucp_deepspeed.async_save
+
+    def doomed(path: str) -> bool:
+        return f"global_step{step}" in path and dist.get_rank() == dist.get_world_size() - 1 \
+            and path.endswith("optim_states.pt")
+
+    def die(data: memoryview, path: str, linger: float = 0.0) -> None:
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(linger)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if background:
+        original_write = ucp_deepspeed.async_save.write_file
+
+        def write_file(path: str, state: dict, zipfile_serialization: bool) -> None:
+            if doomed(path):
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                die(buf.getbuffer()[: buf.tell()], f"{path}.tmp.partial", linger=2.0)
+            original_write(path, state, zipfile_serialization)
+
+        ucp_deepspeed.async_save.write_file = write_file
+        return
     original = TorchCheckpointEngine.save
 
     def save(self: TorchCheckpointEngine, state_dict: dict, path: str) -> None:
-        if engine.global_steps == step and dist.get_rank() == dist.get_world_size() - 1 \
-                and path.endswith("optim_states.pt"):
+        if doomed(path):
             buf = io.BytesIO()
             torch.save(state_dict, buf)
-            with open(path, "wb") as f:
-                f.write(buf.getbuffer()[: buf.tell() // 2])
-            os.kill(os.getpid(), signal.SIGKILL)
+            die(buf.getbuffer()[: buf.tell()], path)
         original(self, state_dict, path)
 
     TorchCheckpointEngine.save = save
@@ -332,13 +360,14 @@ def do_train(args: argparse.Namespace) -> None:
         if dist.get_rank() == 0:
             torch.save(snap, os.path.join(args.ckpt_dir, f"resumed_step{engine.global_steps}.pt"))
     if args.die_in_save:
-        die_while_saving(engine, args.die_in_save)
+        die_while_saving(engine, args.die_in_save, args.async_save)
     log = []
     while engine.global_steps < args.steps:
         [loss] = train(engine, 1)
         log.append({"step": engine.global_steps, "loss": loss, "world": dist.get_world_size()})
         if dist.get_rank() == 0:
             print(f"step {engine.global_steps} loss {loss:.6f} world {dist.get_world_size()}", flush=True)
+        time.sleep(args.step_delay)
         if engine.global_steps % args.ckpt_every == 0:
             if args.snapshots:
                 snap = snapshot(engine)
@@ -349,6 +378,7 @@ def do_train(args: argparse.Namespace) -> None:
             dist.barrier()
             if dist.get_rank() == 0:
                 prune(args.ckpt_dir, args.keep)
+    engine.wait_for_checkpoint()
     if dist.get_rank() == 0 and args.results:
         with open(args.results, "w") as f:
             json.dump({"resumed": resumed, "log": log, "final_step": engine.global_steps}, f, indent=1)
@@ -369,6 +399,9 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=2, help="train: complete checkpoints to keep")
     parser.add_argument("--snapshots", action="store_true", help="train: store the full state at saves and resumes")
     parser.add_argument("--die-in-save", type=int, default=0, help="train (tests): SIGKILL the last rank mid-save")
+    parser.add_argument("--async-save", action="store_true", help="train: write checkpoints in the background")
+    parser.add_argument("--step-delay", type=float, default=0.0,
+                        help="train: seconds to wait after each step, so a test can kill a node mid-run")
     parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
     parser.add_argument("--out")

@@ -1,10 +1,12 @@
-"""A job killed while saving resumes, through the `deepspeed` launcher at another process count, from the last
-complete checkpoint: the torn one is skipped, the state is bit-exact, and training continues where it was."""
+"""A job killed while saving resumes at another process count from the last complete checkpoint: the torn one
+is skipped, the state is bit-exact, and training continues where it was. Synchronous saves are torn inside
+DeepSpeed's own file write; asynchronous ones in the background writer, after `save_checkpoint` returned."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -18,24 +20,23 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_killed_during_save_resumes_from_last_complete_checkpoint(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    first = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(GPT_WORKER),
-                  *TRAIN, "--ckpt-dir", str(ckpt), "--die-in-save", "6"])
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def _killed_in_save(ckpt: Path, *extra: str) -> dict[int, float]:
+    """Train on 2 ranks until the last rank is SIGKILLed while saving step 6; return the losses printed."""
+    first = _run([*_torchrun(2), str(GPT_WORKER), *TRAIN, "--ckpt-dir", str(ckpt), "--die-in-save", "6", *extra])
     assert first.returncode != 0, "the run was meant to be killed while saving step 6"
     before = {int(line.split()[1]): float(line.split()[3]) for line in first.stdout.splitlines()
               if line.startswith("step ")}
-    assert sorted(before) == [1, 2, 3, 4, 5, 6]
-    assert (ckpt / "latest").read_text().strip() == "global_step6", "DeepSpeed names the torn tag in latest"
-    assert "truncated or corrupt" in incomplete_reason(str(ckpt), "global_step6")
+    assert sorted(before)[:6] == [1, 2, 3, 4, 5, 6]
+    return before
 
-    results = tmp_path / "second.json"
-    second = _run(["deepspeed", "--num_gpus", "3", "--master_port", "29561", str(GPT_WORKER), *TRAIN,
-                   "--ckpt-dir", str(ckpt), "--results", str(results)])
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "skipping incomplete checkpoint global_step6" in second.stdout + second.stderr
+
+def _check_resumed(ckpt: Path, results: Path, before: dict[int, float], live: str) -> None:
     report = json.loads(results.read_text())
-    assert report["resumed"] == {"step": 4, "saved": "zero1 dp=2 fp32", "live": "zero1 dp=3 fp32", "mode": "resharded"}
+    assert report["resumed"] == {"step": 4, "saved": "zero1 dp=2 fp32", "live": live, "mode": "resharded"}
     assert report["final_step"] == 8
     after = {e["step"]: e["loss"] for e in report["log"]}
     assert sorted(after) == [5, 6, 7, 8], "exactly the steps after the checkpoint were run again"
@@ -53,3 +54,30 @@ def test_killed_during_save_resumes_from_last_complete_checkpoint(tmp_path):
     tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("global_step"))
     assert tags == ["global_step6", "global_step8"], f"retention keeps the 2 newest complete tags, found {tags}"
     assert incomplete_reason(str(ckpt), "global_step6") is None, "step 6 was saved again, completely"
+    assert (ckpt / "latest").read_text().strip() == "global_step8"
+
+
+def test_killed_during_save_resumes_from_last_complete_checkpoint(tmp_path):
+    ckpt, results = tmp_path / "ckpt", tmp_path / "second.json"
+    before = _killed_in_save(ckpt)
+    assert (ckpt / "latest").read_text().strip() == "global_step6", "DeepSpeed names the torn tag in latest"
+    assert "truncated or corrupt" in incomplete_reason(str(ckpt), "global_step6")
+
+    second = _run(["deepspeed", "--num_gpus", "3", "--master_port", "29561", str(GPT_WORKER), *TRAIN,
+                   "--ckpt-dir", str(ckpt), "--results", str(results)])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "skipping incomplete checkpoint global_step6" in second.stdout + second.stderr
+    _check_resumed(ckpt, results, before, "zero1 dp=3 fp32")
+
+
+def test_async_save_killed_before_written_is_never_used(tmp_path):
+    ckpt, results = tmp_path / "ckpt", tmp_path / "second.json"
+    before = _killed_in_save(ckpt, "--async-save")
+    assert (ckpt / "latest").read_text().strip() == "global_step4", "latest moves only once every rank has written"
+    assert "missing" in incomplete_reason(str(ckpt), "global_step6")
+    assert not (ckpt / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
+
+    second = _run([*_torchrun(1), str(GPT_WORKER), *TRAIN, "--async-save", "--ckpt-dir", str(ckpt),
+                   "--results", str(results)])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    _check_resumed(ckpt, results, before, "zero1 dp=1 fp32")

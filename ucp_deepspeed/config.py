@@ -28,6 +28,8 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Check the crc32 of every file of a converted copy before reusing it."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0 during conversion."""
+    async_save: bool = False
+    """Write checkpoint files in a background thread: `save_checkpoint` returns once the state is in host memory."""
     vocab_size: int = Field(0, ge=0)
     """Unpadded vocabulary size: vocab-parallel embedding/output rows beyond it are padding, dropped on conversion."""
     layout_rules: str | list[dict[str, Any]] | None = None

@@ -18,6 +18,7 @@ from typing import Any
 import deepspeed
 import torch.distributed as tdist
 
+from ucp_deepspeed.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.capture import UNSUPPORTED, describe, supported, topology
 from ucp_deepspeed.checkpoints import resume_tag
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
@@ -78,10 +79,19 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                                   "(see launch/train_gpt.py and the README)")
     engine._ucp_options = options
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
+    if options.async_save:
+        engine.checkpoint_engine = AsyncCheckpointEngine(engine._config)
+
+    def wait_for_checkpoint() -> None:
+        """Block until a pending async checkpoint is written on every rank and `latest` names it (collective)."""
+        if isinstance(engine.checkpoint_engine, AsyncCheckpointEngine):
+            engine.checkpoint_engine.wait()
+            engine._commit_decoupled_checkpoint()
 
     @functools.wraps(native_save)
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> Any:
+        wait_for_checkpoint()
         client_state = client_state or {}
         tag = f"global_step{engine.global_steps}" if tag is None else tag
         meta = describe(engine, tuple(client_state))
@@ -97,6 +107,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
+        wait_for_checkpoint()
         native = functools.partial(native_load, load_dir, load_module_strict=load_module_strict,
                                    load_optimizer_states=load_optimizer_states,
                                    load_lr_scheduler_states=load_lr_scheduler_states,
@@ -146,6 +157,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     engine.ucp_last_load = None
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+    engine.wait_for_checkpoint = wait_for_checkpoint
     return engine
 
 

@@ -53,20 +53,29 @@ class FileRecord:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str) -> Iterator[BinaryIO]:
-    """A file written under a temporary name: fsynced and renamed into place if the block succeeds, else removed."""
+def atomic_path(path: str) -> Iterator[str]:
+    """A temporary name to write `path` under: fsynced and renamed into place if the block succeeds, else removed."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
     try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[BinaryIO]:
+    """An open file written under a temporary name and moved into place whole (see `atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f
 
 
 def atomic_write(path: str, data: bytes | memoryview) -> None:
