@@ -46,3 +46,38 @@ def test_zero12_fragments_cut_at_partition_borders():
 def test_zero3_fragments_are_per_rank_chunks():
     slot = ParamSlot("w", (7,), group=0, flat=1, offset=4, partition=3)
     assert fragments(slot, zero_stage=3, dp=3) == [Fragment(0, 4, 0, 3), Fragment(1, 4, 3, 3), Fragment(2, 4, 6, 1)]
+
+
+def test_check_n_run_sections_sit_beside_universal():
+    config = {"checkpoint": {"universal": True, "differential": {"policy": "intermittent"},
+                             "quantize": {"bits": 4, "method": "adaptive"}}}
+    ds_config, options = split_config(config)
+    assert ds_config["checkpoint"] == {}, "our keys must not reach DeepSpeed"
+    assert options.differential.policy == "intermittent" and options.quantize.bits == 4
+    assert split_config({"checkpoint": {"universal": True, "quantize": {"expected_restores": 2}}})[1].quantize.bits \
+        is None
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"differential": {"policy": "sometimes"}}, "one_shot"),
+    ({"quantize": {"method": "adaptive"}}, "give `bits`"),
+    ({"quantize": {"bits": 5}}, "bits"),
+    ({"universal": False, "differential": {}}, "need \"checkpoint.universal\" enabled"),
+])
+def test_bad_check_n_run_options_are_clear_errors(section, message):
+    with pytest.raises(ValueError, match=message):
+        split_config({"checkpoint": {"universal": True, **section}})
+
+
+def test_differential_refuses_optimizers_that_move_untouched_rows():
+    import torch
+
+    from ucp_deepspeed.tracking import check_optimizer
+
+    model = torch.nn.Embedding(4, 2)
+    check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    check_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1))
+    for bad in (torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                torch.optim.Adagrad(model.parameters(), weight_decay=0.01)):
+        with pytest.raises(NotImplementedError, match="leaves rows without gradient unchanged"):
+            check_optimizer(bad)

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 
+from ucp_deepspeed.chain import chain, is_element
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
 from ucp_deepspeed.sources.torch_file import TorchFile
@@ -22,6 +23,12 @@ _STEP = re.compile(r"(\d+)$")
 
 def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
     """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete."""
+    if is_element(os.path.join(ckpt_dir, tag)):
+        try:
+            chain(ckpt_dir, tag)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
     try:
         src = NativeCheckpoint(ckpt_dir, tag)
     except CheckpointError as exc:
@@ -72,7 +79,7 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
     """Keep the `keep` newest complete tags; delete older tags, torn ones among them, and their converted copies.
 
     A torn tag newer than the newest complete one is left alone: it may be a save still being written.
-    Returns the deleted tags.
+    Older tags that a kept Check-N-Run delta needs (its chain) are kept too. Returns the deleted tags.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -81,7 +88,9 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
     if not complete:
         return []
     oldest_kept = _order(ckpt_dir, complete[min(keep, len(complete)) - 1])
-    doomed = [t for t in tags if t not in complete[:keep] and _order(ckpt_dir, t) < oldest_kept]
+    needed = {t for kept in complete[:keep] if is_element(os.path.join(ckpt_dir, kept))
+              for t, _ in chain(ckpt_dir, kept)}
+    doomed = [t for t in tags if t not in complete[:keep] and t not in needed and _order(ckpt_dir, t) < oldest_kept]
     for tag in doomed:
         for path in (os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, f"{tag}.universal"),
                      os.path.join(ckpt_dir, f"{tag}_universal")):

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from ucp_deepspeed.chain import is_element, read_element
 from ucp_deepspeed.convert import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.interop import export_deepspeed
@@ -24,7 +25,18 @@ def _size(nbytes: float) -> str:
 
 
 def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
-    """Summary of a universal folder or a native checkpoint, from metadata only (no tensor is read)."""
+    """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only."""
+    if tag is not None and is_element(os.path.join(path, tag)):
+        path = os.path.join(path, tag)
+    if is_element(path):
+        ckpt_dir, tag = os.path.split(os.path.abspath(path))
+        m = read_element(ckpt_dir, tag)
+        params = {n: {"shape": r["shape"], "dtype": r["dtype"], "keys": r["keys"], "trainable": r["trainable"],
+                      "bytes": m["files"][r["file"]]["bytes"], "table": r.get("table")} for n, r in m["params"].items()}
+        return {"kind": "check-n-run", "path": os.path.join(ckpt_dir, tag), "source_topology": m["source"]["topology"],
+                "counters": m["counters"], "param_groups": len(m["param_groups"]), "params": params,
+                "buffers": list(m["buffers"]), "tied": m["tied"], "differential": m["differential"],
+                "total_bytes": sum(f["bytes"] for f in m["files"].values()), "files": len(m["files"])}
     if os.path.isfile(os.path.join(path, MANIFEST)):
         ckpt = UniversalCheckpoint(path)
         m = ckpt.manifest
@@ -63,6 +75,15 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  params: {len(s['params'])} ({len(trainable)} trainable, {numel:,} elements), "
           f"{s['param_groups']} param groups, buffers: {len(s['buffers'])}, tied: {len(s['tied'])}")
     print(f"  files: {s['files']}, {_size(s['total_bytes'])}")
+    diff = s.get("differential")
+    if diff:
+        quant = diff["quantize"]
+        print(f"  check-n-run: {diff['kind']} ({diff['policy'] or 'quantized only'}), chain: "
+              + " -> ".join(diff["chain"]) + (f"; fp32 rows quantized {quant['method']} {quant['bits']} bits"
+                                              if quant else "") + f"; restores so far: {diff['restores']}")
+        for name, p in s["params"].items():
+            if p["table"]:
+                print(f"    table {name}: {p['table']['saved_rows']:,} of {p['table']['rows']:,} rows")
     width = max((len(n) for n in s["params"]), default=4)
     for name, p in s["params"].items():
         size = _size(p["bytes"]) if p["bytes"] is not None else "-"
@@ -73,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ucp` console script."""
     parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint to the universal format")
+    p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint (or materialize a Check-N-Run chain) to the "
+                       "universal format")
     p.add_argument("ckpt_dir")
     p.add_argument("--tag", help="checkpoint tag (default: the one in 'latest')")
     p.add_argument("--output", help="output folder (default: CKPT_DIR/TAG.universal, or CKPT_DIR/TAG_universal "

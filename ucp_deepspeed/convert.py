@@ -23,7 +23,8 @@ from ucp_deepspeed import __version__
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import dropped_padding, merge
 from ucp_deepspeed.plan import FullTensor
-from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.chain import is_element, materialize
+from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
 from ucp_deepspeed.meta import FP32, VALUE
 from ucp_deepspeed.universal import (BUFFERS, MANIFEST, STATE, FileRecord, encode_value, file_record, is_complete,
                                      param_file, stream_tensors, write_manifest, write_object, write_tensors)
@@ -204,7 +205,13 @@ def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> st
 
 def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1,
             progress: bool = True) -> str:
-    """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder."""
+    """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder.
+
+    A Check-N-Run tag is materialized instead: its chain replayed into full tables.
+    """
+    tag = resolve_tag(ckpt_dir, tag)
+    if is_element(os.path.join(ckpt_dir, tag)):
+        return materialize(ckpt_dir, tag, os.path.abspath(output or os.path.join(ckpt_dir, f"{tag}.universal")))
     src = NativeCheckpoint(ckpt_dir, tag)
     try:
         out = os.path.abspath(output or default_output(src))

@@ -20,7 +20,9 @@ import torch.distributed as tdist
 
 from ucp_deepspeed.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.capture import UNSUPPORTED, describe, supported, topology
+from ucp_deepspeed.chain import is_element, materialize
 from ucp_deepspeed.checkpoints import resume_tag
+from ucp_deepspeed.differential import DifferentialSaver
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
@@ -81,6 +83,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
     if options.async_save:
         engine.checkpoint_engine = AsyncCheckpointEngine(engine._config)
+    checkn_run = None
+    if options.differential is not None or options.quantize is not None:
+        diff, quant = options.differential, options.quantize
+        checkn_run = DifferentialSaver(
+            engine, diff.policy if diff else None, (diff.tables if diff else None) or (quant.tables if quant else None),
+            quant.method if quant else None, quant.bits if quant else None, quant.expected_restores if quant else None)
+    engine.ucp_checkn_run = checkn_run
 
     def wait_for_checkpoint() -> None:
         """Block until a pending async checkpoint is written on every rank and `latest` names it (collective)."""
@@ -94,6 +103,9 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         wait_for_checkpoint()
         client_state = client_state or {}
         tag = f"global_step{engine.global_steps}" if tag is None else tag
+        if checkn_run is not None:
+            checkn_run.save(engine, save_dir, str(tag), client_state, save_latest)
+            return True
         meta = describe(engine, tuple(client_state))
         if exclude_frozen_parameters:
             meta = dataclasses.replace(meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"),
@@ -131,6 +143,15 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             tdist.broadcast_object_list(box, src=0)
             tag = box[0]
         tag = resolve_tag(load_dir, tag)
+        if is_element(os.path.join(load_dir, tag)):
+            ckpt = _materialized(engine, load_dir, tag)
+            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            if checkn_run is not None:
+                checkn_run.restored(ckpt.manifest)
+            engine.ucp_last_load = LoadReport("checkn_run", Topology(**ckpt.manifest["source"]["topology"]).describe(),
+                                              live_desc(), ckpt.root)
+            tdist.barrier()
+            return os.path.join(load_dir, tag), client
         meta = read_meta(os.path.join(load_dir, tag), 0)
         saved, live = meta.topology, topology(engine)
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
@@ -191,6 +212,20 @@ def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
         log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
         try:
             import_deepspeed(folder, out)
+        except (CheckpointError, OSError) as exc:
+            failure = _failure(exc)
+    _all_ok(failure)
+    return UniversalCheckpoint(out)
+
+
+def _materialized(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
+    """The full universal copy of a Check-N-Run chain, made once by rank 0."""
+    options: UniversalConfig = engine._ucp_options
+    out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
+    failure = None
+    if tdist.get_rank() == 0:
+        try:
+            materialize(load_dir, tag, out)
         except (CheckpointError, OSError) as exc:
             failure = _failure(exc)
     _all_ok(failure)

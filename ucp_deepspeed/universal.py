@@ -201,6 +201,9 @@ class UniversalCheckpoint:
                 self.manifest: dict[str, Any] = json.load(f)
         except json.JSONDecodeError as exc:
             raise CheckpointError(path, f"manifest is not valid JSON ({exc})") from None
+        if "differential" in self.manifest:
+            raise CheckpointError(path, "a Check-N-Run chain element, which holds only part of some tables: load it "
+                                  "with load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`")
         if self.manifest.get("format") != FORMAT:
             raise CheckpointError(path, f"format {self.manifest.get('format')!r} is not {FORMAT!r}")
         if self.manifest.get("version") != FORMAT_VERSION:

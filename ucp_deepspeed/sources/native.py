@@ -11,6 +11,7 @@ import torch
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.fragments import fragments
 from ucp_deepspeed.meta import (
+    CHECKN_RUN_MARKER,
     ExtraTensor,
     ParamSlot,
     SaveMeta,
@@ -25,12 +26,13 @@ LATEST = "latest"
 
 
 def list_tags(ckpt_dir: str) -> list[str]:
-    """Tag folders in a checkpoint directory that hold DeepSpeed model states."""
+    """Tag folders in a checkpoint directory: DeepSpeed model states, or a Check-N-Run save."""
     if not os.path.isdir(ckpt_dir):
         return []
     return sorted(d for d in os.listdir(ckpt_dir)
                   if os.path.isdir(os.path.join(ckpt_dir, d))
-                  and any(f.endswith("model_states.pt") for f in os.listdir(os.path.join(ckpt_dir, d))))
+                  and any(f.endswith("model_states.pt") or f == CHECKN_RUN_MARKER
+                          for f in os.listdir(os.path.join(ckpt_dir, d))))
 
 
 def resolve_tag(ckpt_dir: str, tag: str | None = None) -> str:

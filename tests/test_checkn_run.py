@@ -1,0 +1,147 @@
+"""Check-N-Run on the universal format, end to end: a DLRM-like model trained under torchrun saves
+differential (and quantized) checkpoints, then resumes at another DP size or ZeRO stage.
+
+Without quantization the resumed fp32 weights and optimizer states are torch.equal to those saved;
+with it, dense parameters and optimizer states still are, and every table row is within the
+quantizer's bound. A missing or corrupt chain element is an error, never a partial restore.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, torch_env, torchrun
+from ucp_deepspeed.chain import chain, materialize
+from ucp_deepspeed.checkpoints import prune, resume_tag
+from ucp_deepspeed.differential import new_baseline_pays
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.quantize import dequantize, quantize
+
+DLRM = ROOT / "launch" / "train_dlrm.py"
+TABLES = ("tables.0.weight", "tables.1.weight", "tables.2.weight")
+CASES = {  # name: (policy, extra options, saved at (dp, zero), resumed at (dp, zero))
+    "one_shot": ("one_shot", [], (2, 1), (1, 2)),
+    "incremental": ("incremental", [], (2, 2), (3, 1)),
+    "intermittent": ("intermittent", [], (2, 1), (2, 3)),
+    "quantized": ("intermittent", ["--bits", "4", "--method", "adaptive"], (2, 1), (1, 1)),
+}
+
+
+def _train(ckpt: Path, policy: str, extra: list[str], dp: int, zero: int, steps: int) -> None:
+    torchrun(dp, "train", "--ckpt-dir", str(ckpt), "--policy", policy, "--zero", str(zero), "--steps", str(steps),
+             "--keep", "10", "--snapshots", *extra, worker=DLRM)
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """For each case, a checkpoint directory after 8 steps with a save every 2 steps."""
+    out = {}
+    for name, (policy, extra, (dp, zero), _) in CASES.items():
+        ckpt = tmp_path_factory.mktemp(name)
+        _train(ckpt, policy, extra, dp, zero, steps=8)
+        out[name] = ckpt
+    return out
+
+
+def _manifest(ckpt: Path, step: int) -> dict:
+    return json.loads((ckpt / f"global_step{step}" / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["one_shot", "incremental", "intermittent", "quantized"])
+def test_resume_from_chain_at_another_layout(saved, tmp_path, name):
+    policy, extra, _, (dp, zero) = CASES[name]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved[name], ckpt)
+    _train(ckpt, policy, extra, dp, zero, steps=10)
+    before = torch.load(ckpt / "saved_step8.pt", weights_only=False)
+    after = torch.load(ckpt / "resumed_step8.pt", weights_only=False)
+    assert sorted(before["fp32"]) == sorted(after["fp32"]) and len(before["fp32"]) == 11
+    assert sorted(before["state"]) == sorted(after["state"]) and len(before["state"]) == 11  # Adagrad's sum
+    for key in before["state"]:
+        assert torch.equal(before["state"][key], after["state"][key]), key
+    for key in before["fp32"]:
+        if name != "quantized" or key not in TABLES:
+            assert torch.equal(before["fp32"][key], after["fp32"][key]), key
+            continue
+        exact, restored = before["fp32"][key], after["fp32"][key]
+        assert not torch.equal(exact, restored), "4-bit rows cannot all be exact"
+        asym = dequantize(quantize(exact, 4, "asymmetric"))
+        err, bound = (restored - exact).pow(2).sum(1), (asym - exact).pow(2).sum(1)
+        assert (err <= bound * (1 + 1e-4) + 1e-10).all(), f"{key}: adaptive error above the asymmetric bound"
+
+
+def test_chain_shapes_follow_the_policy(saved):
+    one_shot = [_manifest(saved["one_shot"], s)["differential"] for s in (2, 4, 6, 8)]
+    assert [d["kind"] for d in one_shot] == ["baseline", "delta", "delta", "delta"]
+    assert all(d["chain"] == ["global_step2", f"global_step{s}"] for d, s in zip(one_shot[1:], (4, 6, 8)))
+    incremental = _manifest(saved["incremental"], 8)
+    assert incremental["differential"]["chain"] == [f"global_step{s}" for s in (2, 4, 6, 8)]
+    for name, rec in incremental["params"].items():
+        if name in TABLES:
+            assert 0 < rec["table"]["saved_rows"] < rec["table"]["rows"] / 2, "a delta holds only changed rows"
+    sizes = {s: sum(f["bytes"] for f in _manifest(saved["one_shot"], s)["files"].values()) for s in (2, 4, 8)}
+    assert sizes[4] < sizes[2] / 2 and sizes[4] <= sizes[8] < sizes[2], "one-shot deltas grow, below a baseline"
+    quantized = _manifest(saved["quantized"], 2)
+    assert quantized["differential"]["quantize"] == {"method": "adaptive", "bits": 4}
+
+
+def test_intermittent_takes_a_baseline_when_the_average_stops_falling():
+    history: list[float] = []
+    kinds = []
+    for fraction in (0.1, 0.2, 0.3, 0.45, 0.1):
+        if new_baseline_pays(history, fraction):
+            kinds.append("baseline")
+            history = []
+        else:
+            kinds.append("delta")
+            history.append(fraction)
+    assert kinds == ["delta", "delta", "delta", "baseline", "delta"]
+
+
+def test_missing_or_corrupt_delta_is_an_error(saved, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["incremental"], ckpt)
+    assert resume_tag(str(ckpt)) == "global_step8"
+    shutil.rmtree(ckpt / "global_step4")
+    with pytest.raises(CheckpointError, match=r"global_step4.*manifest missing"):
+        materialize(str(ckpt), "global_step8", str(tmp_path / "out"))
+    assert resume_tag(str(ckpt)) == "global_step2", "tags whose chain is broken are skipped"
+
+    shutil.copytree(saved["incremental"], ckpt, dirs_exist_ok=True)
+    table = next((ckpt / "global_step6" / "tables").iterdir())
+    data = bytearray(table.read_bytes())
+    data[-3] ^= 0xFF
+    table.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"corrupt chain element.*global_step6.*crc32"):
+        materialize(str(ckpt), "global_step8", str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_retention_keeps_what_the_kept_deltas_need(saved, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["one_shot"], ckpt)
+    deleted = prune(str(ckpt), keep=1)
+    assert sorted(deleted) == ["global_step4", "global_step6"]
+    assert [t for t, _ in chain(str(ckpt), "global_step8")] == ["global_step2", "global_step8"]
+
+
+def test_inspect_shows_the_chain_and_convert_materializes(saved, tmp_path):
+    ckpt = saved["incremental"]
+    shown = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "inspect", str(ckpt / "global_step8")],
+                           env=torch_env(), capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "delta (incremental)" in shown.stdout and "global_step2 -> global_step4 -> global_step6 -> global_step8" \
+        in shown.stdout
+    out = tmp_path / "full"
+    made = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "convert", str(ckpt), "--tag", "global_step8",
+                           "--output", str(out)], env=torch_env(), capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "verify", str(out)], env=torch_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
