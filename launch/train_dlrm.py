@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of row popularity")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="adagrad")
-    parser.add_argument("--policy", choices=["one_shot", "incremental", "intermittent"])
+    parser.add_argument("--policy", choices=["full", "one_shot", "incremental", "intermittent"])
     parser.add_argument("--method", default="adaptive")
     parser.add_argument("--bits", type=int)
     parser.add_argument("--expected-restores", type=int)
@@ -212,13 +212,15 @@ def main() -> None:
             dist.barrier()
         if engine.global_steps == args.stop_at:
             break
+    tracker = engine.ucp_checkn_run.tracker if engine.ucp_checkn_run is not None else None
     eval_loss, eval_auc = evaluate(engine, args)
     if dist.get_rank() == 0:
         print(f"eval loss {eval_loss:.6f} auc {eval_auc:.6f}", flush=True)
         if args.results:
             with open(args.results, "w") as f:
                 json.dump({"resumed": resumed, "log": log, "saves": saves, "final_step": engine.global_steps,
-                           "eval_loss": eval_loss, "eval_auc": eval_auc, "step_seconds": step_time}, f, indent=1)
+                           "eval_loss": eval_loss, "eval_auc": eval_auc, "step_seconds": step_time,
+                           "tracking_seconds": tracker.seconds if tracker is not None else 0.0}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,9 +16,9 @@ class DifferentialConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: Literal["one_shot", "incremental", "intermittent"] = "intermittent"
-    """What each checkpoint holds: rows changed since the baseline, since the previous checkpoint, or the
-    former with a new baseline whenever that is cheaper on average."""
+    policy: Literal["full", "one_shot", "incremental", "intermittent"] = "intermittent"
+    """What each checkpoint holds: every row (`full`), rows changed since the baseline, since the previous
+    checkpoint, or the second with a new baseline whenever that is cheaper on average."""
     tables: list[str] | None = None
     """Module names (regular expressions) of the embedding tables to track; default every nn.Embedding(Bag)."""
 

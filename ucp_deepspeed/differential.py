@@ -8,6 +8,7 @@ be quantized. Three policies decide what each save holds:
 - `one_shot`: one baseline, then every checkpoint holds the rows changed since that baseline;
 - `incremental`: every checkpoint holds the rows changed since the previous one; restoring replays
   the chain from the baseline;
+- `full`: every checkpoint is a baseline (quantization alone, or a reference to measure against);
 - `intermittent`: like one-shot, but a new baseline is taken when the delta about to be written is
   at least the average cost per checkpoint of the current cycle, (1 + f_1 + ... + f_{k-1}) / k in
   units of a full table. Past that point a longer cycle only raises the average, since deltas keep
@@ -33,9 +34,6 @@ from ucp_deepspeed.restore import live_params
 from ucp_deepspeed.tracking import RowTracker, check_optimizer, find_tables, rows_of
 from ucp_deepspeed.universal import atomic_write
 
-POLICIES = ("one_shot", "incremental", "intermittent")
-
-
 def new_baseline_pays(history: list[float], fraction: float) -> bool:
     """Intermittent policy: whether writing a delta of `fraction` costs at least the cycle's average so far.
 
@@ -54,12 +52,13 @@ class DifferentialSaver:
         if not modules:
             raise ValueError("Check-N-Run checkpoints found no nn.Embedding / nn.EmbeddingBag to track"
                              + (f" matching {tables}" if tables else ""))
-        if policy is not None:
+        tracked = policy not in (None, "full")
+        if tracked:
             check_optimizer(engine.optimizer.optimizer)
         placed = live_params(engine)
         self.names = {module: placed[m.weight].name for module, m in modules.items()}
         self.policy, self.method, self.bits, self.expected_restores = policy, method, bits, expected_restores
-        self.tracker = RowTracker(modules) if policy is not None else None
+        self.tracker = RowTracker(modules) if tracked else None
         self.chain: list[str] = []
         self.since_baseline: dict[str, torch.Tensor] = {}
         self.history: list[float] = []
@@ -111,7 +110,7 @@ class DifferentialSaver:
 
     def _plan(self, changed: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
         """Baseline or delta, and the rows each table's delta holds."""
-        if self.policy is None or not self.chain:
+        if self.tracker is None or not self.chain:
             return "baseline", {}
         if self.policy == "incremental":
             return "delta", {m: rows_of(f) for m, f in changed.items()}

@@ -119,6 +119,14 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
+        result = load(load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                      load_module_only, custom_load_fn)
+        if checkn_run is not None and result[0] is not None and engine.ucp_last_load.mode != "checkn_run":
+            checkn_run.restored({})  # the weights no longer match the current chain
+        return result
+
+    def load(load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
+             load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Any) -> tuple:
         wait_for_checkpoint()
         native = functools.partial(native_load, load_dir, load_module_strict=load_module_strict,
                                    load_optimizer_states=load_optimizer_states,

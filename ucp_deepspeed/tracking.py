@@ -12,6 +12,7 @@ exactly "changed". Momentum, Adam or weight decay keep changing rows that were n
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import torch
@@ -56,12 +57,16 @@ class RowTracker:
                                         else m.weight.ds_shape[0], dtype=torch.bool)
                       for name, m in tables.items()}
         self._hooks = [m.register_forward_pre_hook(self._hook(name)) for name, m in tables.items()]
+        self.seconds = 0.0
+        """Time spent flagging rows, so its overhead per step can be reported."""
 
     def _hook(self, name: str) -> Any:
         flags = self.flags[name]
 
         def mark(module: torch.nn.Module, inputs: tuple) -> None:
+            start = time.perf_counter()
             flags[inputs[0].reshape(-1).to(flags.device)] = True
+            self.seconds += time.perf_counter() - start
 
         return mark
 
