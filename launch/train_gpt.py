@@ -379,6 +379,8 @@ def do_train(args: argparse.Namespace) -> None:
             if dist.get_rank() == 0:
                 prune(args.ckpt_dir, args.keep)
     engine.wait_for_checkpoint()
+    if dist.get_rank() == 0 and list_tags(args.ckpt_dir):
+        prune(args.ckpt_dir, args.keep)  # an async save may have finished only now
     if dist.get_rank() == 0 and args.results:
         with open(args.results, "w") as f:
             json.dump({"resumed": resumed, "log": log, "final_step": engine.global_steps}, f, indent=1)
