@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from conftest import GPT_WORKER, load_results, torchrun
 from ucp_deepspeed import CheckpointError, convert
 from ucp_deepspeed.cli import main as cli_main
+from ucp_deepspeed.diff import diff
 from ucp_deepspeed.universal import UniversalCheckpoint
 
 LOSS_RTOL = 1e-5
@@ -148,6 +149,8 @@ def test_universal_is_independent_of_source_layout(gpt_sources, tmp_path):
         assert ma[key] == mb[key], key
     assert ma["source"]["topology"]["tp"] == 2 and mb["source"]["topology"]["tp"] == 1
     assert ta["embedding.word_embeddings.weight"]["fp32"].shape[0] == 70, "vocab padding must be trimmed"
+    native = diff(str(gpt_sources["llama-z1-tp2pp2"]), str(resaved))  # the native files, compared directly
+    assert native.identical and len(native.states) == 3 * len(ta), native
 
 
 @pytest.mark.parametrize("victim,message", [

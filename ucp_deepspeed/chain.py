@@ -68,13 +68,19 @@ def require_rows(path: str, rows: torch.Tensor, total: int) -> None:
         raise CheckpointError(path, f"row index is not sorted, unique and within [0, {total})")
 
 
-def _verify(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> None:
+def crc_problems(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Files of the chain whose crc32 differs from their element's manifest."""
     problems = []
     for tag, manifest in elements:
         root = os.path.join(ckpt_dir, tag)
         for relpath, want in manifest["files"].items():
             if file_record(root, relpath).crc32 != want["crc32"]:
                 problems.append(f"{os.path.join(root, relpath)}: crc32 does not match the manifest")
+    return problems
+
+
+def _verify(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> None:
+    problems = crc_problems(ckpt_dir, elements)
     if problems:
         raise CheckpointError(os.path.join(ckpt_dir, elements[-1][0]), "corrupt chain element: " + "; ".join(problems))
 

@@ -96,4 +96,6 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
                      os.path.join(ckpt_dir, f"{tag}_universal")):
             if os.path.isdir(path):
                 shutil.rmtree(path)
+            if os.path.isfile(f"{path}.lock"):
+                os.unlink(f"{path}.lock")
     return doomed

@@ -1,18 +1,20 @@
-"""The `ucp` command: convert, inspect and verify checkpoints without any model code."""
+"""The `ucp` command: convert, inspect, verify and diff checkpoints without any model code."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 from typing import Any
 
-from ucp_deepspeed.chain import is_element, read_element
+from ucp_deepspeed.chain import chain, crc_problems, is_element, read_element
 from ucp_deepspeed.convert import convert
+from ucp_deepspeed.diff import DiffReport, diff
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.interop import export_deepspeed
-from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
 
 
@@ -90,6 +92,43 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"    {name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']:<9} {size:>9}  {','.join(p['keys'])}")
 
 
+def _verify(path: str, tag: str | None) -> list[str]:
+    """Problems with every file of any kind of checkpoint."""
+    if os.path.isfile(os.path.join(path, MANIFEST)) and not is_element(path):
+        return UniversalCheckpoint(path).verify()
+    if not is_element(path):
+        tag = resolve_tag(path, tag)
+        if not is_element(os.path.join(path, tag)):
+            src = NativeCheckpoint(path, tag)
+            try:
+                return src.verify()
+            finally:
+                src.close()
+        path = os.path.join(path, tag)
+    ckpt_dir, element = os.path.split(os.path.abspath(path))
+    return crc_problems(ckpt_dir, chain(ckpt_dir, element))
+
+
+def _print_diff(report: DiffReport, everything: bool, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"identical": report.identical, "states": [dataclasses.asdict(s) for s in report.states],
+                          "only_a": report.only_a, "only_b": report.only_b, "values": report.values}, indent=1))
+        return
+    shown = [s for s in report.states if everything or not s.equal]
+    width = max((len(f"{s.name}:{s.key}") for s in shown), default=0)
+    for s in shown:
+        status = "equal" if s.equal else f"max abs {s.max_abs:.3g}  max rel {s.max_rel:.3g}"
+        print(f"  {s.name + ':' + s.key:<{width}}  {status}{'  ' + s.note if s.note else ''}")
+    for label, names in (("only in A", report.only_a), ("only in B", report.only_b)):
+        if names:
+            print(f"  {label}: {', '.join(names)}")
+    for line in report.values:
+        print(f"  {line}")
+    same = sum(s.equal for s in report.states)
+    print(f"{len(report.states)} tensor states compared, {same} bit-identical; "
+          + ("checkpoints are identical" if report.identical else "checkpoints differ"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ucp` console script."""
     parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed")
@@ -103,29 +142,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
                    help="ucp: our format; deepspeed: DeepSpeed's universal layout, loadable with load_universal")
     p.add_argument("--workers", type=int, default=2, help="writer threads (default 2)")
+    p.add_argument("--verify-source", action="store_true",
+                   help="check the zip crc32 of every source record first (reads the source once more)")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
     p.add_argument("path")
     p.add_argument("--tag")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = sub.add_parser("verify", help="check every file of a universal checkpoint against its manifest")
+    p = sub.add_parser("verify", help="check every file of a checkpoint: a universal folder against its manifest, "
+                       "a Check-N-Run tag's whole chain, or a native tag's rank files and their zip crc32s")
     p.add_argument("path")
+    p.add_argument("--tag", help="tag of a native or Check-N-Run checkpoint (default: the one in 'latest')")
+    p = sub.add_parser("diff", help="compare two checkpoints of any topology, state by state")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--tag-a")
+    p.add_argument("--tag-b")
+    p.add_argument("--atol", type=float, default=0.0, help="exit 0 if every tensor is within this (default: exact)")
+    p.add_argument("--all", action="store_true", help="list every state, not only those that differ")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
         if args.command == "convert":
-            write = export_deepspeed if args.format == "deepspeed" else convert
-            out = write(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress)
+            if args.format == "deepspeed":
+                out = export_deepspeed(args.ckpt_dir, args.tag, args.output, args.workers,
+                                       progress=not args.no_progress)
+            else:
+                out = convert(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress,
+                              verify_source=args.verify_source)
             print(out)
         elif args.command == "inspect":
             summary = summarize(args.path, args.tag)
             print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
+        elif args.command == "diff":
+            report = diff(args.a, args.b, args.tag_a, args.tag_b)
+            _print_diff(report, args.all, args.json)
+            return 0 if (report.identical or report.within(args.atol)) else 1
         else:
-            problems = UniversalCheckpoint(args.path).verify()
+            problems = _verify(args.path, args.tag)
             for line in problems:
                 print(line)
             print(f"{len(problems)} bad files" if problems else "ok: every file matches the manifest")
             return 1 if problems else 0
     except CheckpointError as exc:
+        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk, a read-only folder: say which file, without a traceback
         print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

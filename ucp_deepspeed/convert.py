@@ -6,11 +6,13 @@ are in memory at a time. The manifest is written once every job has finished.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib.metadata import version as package_version
@@ -77,6 +79,23 @@ def shard_jobs(jobs: list[Job], rank: int, world: int) -> list[Job]:
         if target == rank:
             mine.append(job)
     return mine
+
+
+@contextlib.contextmanager
+def output_lock(out: str) -> Iterator[None]:
+    """Hold `<out>.lock` while converting into `out`: a second converter waits, then finds the work done."""
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    fd = os.open(f"{os.path.abspath(out)}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("ucp: %s is being written by another conversion; waiting for it to finish", out)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def prepare_output(src: NativeCheckpoint, out: str) -> set[str] | None:
@@ -203,8 +222,15 @@ def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> st
     return path
 
 
+def check_source(src: NativeCheckpoint) -> None:
+    """Refuse a source whose rank files fail their zip crc32 checks (reads every byte once)."""
+    problems = src.verify()
+    if problems:
+        raise CheckpointError(src.tag_dir, f"{len(problems)} source file problem(s): " + "; ".join(problems))
+
+
 def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1,
-            progress: bool = True) -> str:
+            progress: bool = True, verify_source: bool = False) -> str:
     """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder.
 
     A Check-N-Run tag is materialized instead: its chain replayed into full tables.
@@ -214,10 +240,13 @@ def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, wo
         return materialize(ckpt_dir, tag, os.path.abspath(output or os.path.join(ckpt_dir, f"{tag}.universal")))
     src = NativeCheckpoint(ckpt_dir, tag)
     try:
+        if verify_source:
+            check_source(src)
         out = os.path.abspath(output or default_output(src))
-        reusable = prepare_output(src, out)
-        if reusable is not None:
-            finish(src, out, run_jobs(src, out, plan_jobs(src), reusable, workers, progress))
+        with output_lock(out):
+            reusable = prepare_output(src, out)
+            if reusable is not None:
+                finish(src, out, run_jobs(src, out, plan_jobs(src), reusable, workers, progress))
         return out
     finally:
         src.close()

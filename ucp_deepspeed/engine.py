@@ -24,7 +24,8 @@ from ucp_deepspeed.chain import is_element, materialize
 from ucp_deepspeed.checkpoints import resume_tag
 from ucp_deepspeed.differential import DifferentialSaver
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
-from ucp_deepspeed.convert import default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs, shard_jobs
+from ucp_deepspeed.convert import (check_source, default_output, finish, output_lock, plan_jobs, prepare_output, remove_output,
+                                   run_jobs, shard_jobs)
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.interop import deepspeed_universal_folder, import_deepspeed
 from ucp_deepspeed.meta import Topology, read_meta, write_meta
@@ -246,10 +247,14 @@ def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
     rank, world = tdist.get_rank(), tdist.get_world_size()
     src = NativeCheckpoint(load_dir, tag)
     out = os.path.join(options.output, tag) if options.output else default_output(src)
+    lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
     try:
         box: list[Any] = [None]
         if rank == 0:
             try:
+                if options.verify_source:
+                    check_source(src)
+                lock.enter_context(output_lock(out))
                 box = [(None, prepare_output(src, out))]
             except (CheckpointError, OSError) as exc:
                 box = [(_failure(exc), None)]
@@ -279,4 +284,5 @@ def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
         _all_ok(failure)
         return UniversalCheckpoint(out)
     finally:
+        lock.close()
         src.close()

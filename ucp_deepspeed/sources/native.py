@@ -21,6 +21,7 @@ from ucp_deepspeed.meta import (
 from ucp_deepspeed.plan import full_tensors
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
+from ucp_deepspeed.sources.torch_file import TorchFile
 
 LATEST = "latest"
 
@@ -154,6 +155,23 @@ class NativeCheckpoint:
         """Every file conversion reads, for fingerprinting."""
         return [p for rank in self.ranks for p in rank.needed] + \
             [os.path.join(self.tag_dir, meta_filename(r)) for r in range(len(self.ranks))]
+
+    def verify(self) -> list[str]:
+        """Every problem with the tag's files: missing, unreadable, or a record failing its zip crc32."""
+        problems = []
+        for path in self.source_files():
+            if not path.endswith(".pt"):
+                continue
+            try:
+                tfile = TorchFile(path)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            try:
+                problems += tfile.verify()
+            finally:
+                tfile.close()
+        return problems
 
     def model_states(self, rank: int = 0) -> ModelStatesFile:
         """Model-states file of data-parallel rank `rank` of the first model-parallel rank."""

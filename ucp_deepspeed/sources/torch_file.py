@@ -16,6 +16,7 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from ucp_deepspeed.errors import CheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
+_CRC_CHUNK = 1 << 24
 _SAFE_BUILTINS = {"set", "frozenset", "slice", "range", "complex", "dict", "list", "tuple", "int", "float",
                   "bool", "str", "bytes", "bytearray"}
 _SAFE_CLASS_PREFIXES = ("deepspeed.", "megatron.", "transformers.", "accelerate.")
@@ -215,6 +217,27 @@ class TorchFile:
                 raise CheckpointError(self.path, f"truncated while reading storage {key}")
             done += got
         return out
+
+    def verify(self) -> list[str]:
+        """Records whose bytes do not match the crc32 the zip directory holds (torch.save writes one per record)."""
+        bad = []
+        for name, info in self._entries.items():
+            if info.compress_type != zipfile.ZIP_STORED:
+                continue
+            key = name[len(f"{self._prefix}data/"):] if name.startswith(f"{self._prefix}data/") else None
+            if key is None:
+                continue
+            base, nbytes = self._data_offset(key)
+            crc, done = 0, 0
+            while done < nbytes:
+                chunk = os.pread(self._fd, min(_CRC_CHUNK, nbytes - done), base + done)
+                if not chunk:
+                    break
+                crc, done = zlib.crc32(chunk, crc), done + len(chunk)
+            if done < nbytes or crc != info.CRC:
+                bad.append(f"{self.path}: record {name} fails its crc32 check"
+                           + (" (truncated)" if done < nbytes else ""))
+        return bad
 
     def close(self) -> None:
         """Release the file descriptor."""

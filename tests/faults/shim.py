@@ -1,0 +1,62 @@
+"""Run the `ucp` CLI with a fault injected into the library's writes (test-only; never imported by the library).
+
+    python shim.py slow SECONDS ARGS...     every parameter file takes SECONDS longer to write
+    python shim.py enospc BYTES ARGS...     writes fail with ENOSPC once BYTES have been written
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from typing import Any
+
+from importlib import import_module
+
+from ucp_deepspeed.cli import main
+
+# by module path: the package exports a function named `convert`, which hides the module as an attribute
+convert_module = import_module("ucp_deepspeed.convert")
+universal_module = import_module("ucp_deepspeed.universal")
+
+
+def slow_writes(seconds: float) -> None:
+    original = convert_module.stream_tensors
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    convert_module.stream_tensors = slow
+
+
+def disk_full_after(limit: float) -> None:
+    written = [0]
+
+    class FullDisk:
+        def __init__(self, path: str, mode: str) -> None:
+            self._f = open(path, mode)
+            self._path = path
+
+        def write(self, data: Any) -> int:
+            written[0] += len(memoryview(data).cast("B"))
+            if written[0] > limit:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._path)
+            return self._f.write(data)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._f, name)
+
+        def __enter__(self) -> "FullDisk":
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self._f.close()
+
+    universal_module.open = FullDisk
+
+
+if __name__ == "__main__":
+    fault, value = sys.argv[1], float(sys.argv[2])
+    {"slow": slow_writes, "enospc": disk_full_after}[fault](value)
+    sys.exit(main(sys.argv[3:]))
