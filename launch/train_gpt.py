@@ -256,6 +256,19 @@ def tied_copies_agree(snap: dict) -> list[str]:
     return diffs
 
 
+def save_logits(engine: deepspeed.DeepSpeedEngine, path: str) -> None:
+    """Logits of the saved weights on fixed tokens (single pipeline stage), for comparison with an export."""
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise SystemExit("--logits needs pp=1")
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(99))
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
+    with torch.no_grad():
+        logits = engine.module(tokens, torch.arange(SEQ).unsqueeze(0), mask)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    if dist.get_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits[..., :VOCAB].clone()}, path)
+
+
 def layout_name(args: argparse.Namespace) -> str:
     moe = f" moe ep{args.ep}" if args.moe else ""
     return f"{args.arch}{moe} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
@@ -266,6 +279,8 @@ def do_save(args: argparse.Namespace) -> None:
     losses = train(engine, STEPS)
     snap = snapshot(engine)
     engine.save_checkpoint(args.out)
+    if args.logits:
+        save_logits(engine, args.logits)
     cont = train(engine, CONT)
     if dist.get_rank() == 0:
         print(f"[{layout_name(args)}] losses {losses} then {cont}; saved {len(snap['fp32'])} params", flush=True)
@@ -410,6 +425,7 @@ def main() -> None:
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--resave")
     parser.add_argument("--results")
+    parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens (pp=1)")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
