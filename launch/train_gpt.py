@@ -364,8 +364,8 @@ def do_train(args: argparse.Namespace) -> None:
     """Train to --steps, checkpointing every --ckpt-every steps and keeping --keep; resume whatever the layout."""
     engine = build(args)
     resumed = None
-    if os.path.isdir(args.ckpt_dir) and list_tags(args.ckpt_dir):
-        engine.load_checkpoint(args.ckpt_dir)
+    if args.init_from or (os.path.isdir(args.ckpt_dir) and list_tags(args.ckpt_dir)):
+        engine.load_checkpoint(args.init_from or args.ckpt_dir)
         report = engine.ucp_last_load
         resumed = {"step": engine.global_steps, "saved": report.saved, "live": report.live, "mode": report.mode}
         if dist.get_rank() == 0:
@@ -373,6 +373,7 @@ def do_train(args: argparse.Namespace) -> None:
     if args.snapshots and resumed is not None:  # the test compares it with the one taken before that save
         snap = snapshot(engine)
         if dist.get_rank() == 0:
+            os.makedirs(args.ckpt_dir, exist_ok=True)
             torch.save(snap, os.path.join(args.ckpt_dir, f"resumed_step{engine.global_steps}.pt"))
     if args.die_in_save:
         die_while_saving(engine, args.die_in_save, args.async_save)
@@ -425,6 +426,8 @@ def main() -> None:
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--resave")
     parser.add_argument("--results")
+    parser.add_argument("--init-from", help="train: start from this checkpoint (e.g. a universal folder from "
+                        "ucp import-hf) instead of resuming from --ckpt-dir")
     parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens (pp=1)")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")

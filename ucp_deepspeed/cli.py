@@ -14,6 +14,7 @@ from ucp_deepspeed.convert import convert
 from ucp_deepspeed.diff import DiffReport, diff
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.hf_export import export_hf
+from ucp_deepspeed.hf_import import import_hf
 from ucp_deepspeed.interop import export_deepspeed
 from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
@@ -157,13 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("export-hf", help="write a megatron-core GPT checkpoint as a Hugging Face transformers folder")
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
-    p.add_argument("--arch", choices=["gpt2", "llama"], required=True)
+    p.add_argument("--arch", choices=["gpt2", "llama", "mixtral"], required=True)
     p.add_argument("--num-heads", type=int, required=True, help="attention heads (not recorded in the checkpoint)")
     p.add_argument("--num-kv-heads", type=int, help="key/value heads, i.e. query groups (default: --num-heads)")
     p.add_argument("--norm-eps", type=float, default=1e-5)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--max-positions", type=int, help="default: the position embedding's rows (gpt2) or 4096")
     p.add_argument("--shard-size", type=float, default=2048, help="MB per safetensors shard (default 2048)")
+    p.add_argument("--experts-per-token", type=int, default=2, help="mixtral: router top-k (default 2)")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("import-hf", help="make a weights-only universal checkpoint of a transformers folder")
+    p.add_argument("hf_dir")
+    p.add_argument("out")
+    p.add_argument("--num-kv-heads", type=int, help="gpt2: fold repeated key/value heads back into this many groups")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("diff", help="compare two checkpoints of any topology, state by state")
     p.add_argument("a")
@@ -189,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export-hf":
             print(export_hf(args.ckpt, args.out, args.arch, args.num_heads, args.num_kv_heads, args.norm_eps,
                             args.rope_theta, args.max_positions, int(args.shard_size * 2**20),
-                            progress=not args.no_progress))
+                            progress=not args.no_progress, experts_per_token=args.experts_per_token))
+        elif args.command == "import-hf":
+            print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
         elif args.command == "diff":
             report = diff(args.a, args.b, args.tag_a, args.tag_b)
             _print_diff(report, args.all, args.json)

@@ -33,8 +33,9 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.meta import FP32, VALUE
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint, atomic_write, stream_tensors
 
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "mixtral")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_EXPERT_FC2 = re.compile(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.\d+\.linear_fc2\.weight")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Shape:
     heads: int
     kv_heads: int
     max_positions: int
+    experts: int
 
     @property
     def head_dim(self) -> int:
@@ -68,14 +70,17 @@ def _shape(ckpt: UniversalCheckpoint, heads: int, kv_heads: int | None, max_posi
     params = ckpt.params
     layers = 1 + max((int(m.group(1)) for n in params if (m := _LAYER.match(n))), default=-1)
     vocab, hidden = params["embedding.word_embeddings.weight"]["shape"]
-    ffn = params["decoder.layers.0.mlp.linear_fc2.weight"]["shape"][1]
+    experts = sum(1 for n in params if _EXPERT_FC2.fullmatch(n))
+    fc2 = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight" if experts else \
+        "decoder.layers.0.mlp.linear_fc2.weight"
+    ffn = params[fc2]["shape"][1]
     kv_heads = kv_heads or heads
     qkv_rows = params["decoder.layers.0.self_attention.linear_qkv.weight"]["shape"][0]
     if hidden % heads or heads % kv_heads or qkv_rows != (heads + 2 * kv_heads) * (hidden // heads):
         raise CheckpointError(ckpt.root, f"{heads} heads and {kv_heads} key/value heads do not fit linear_qkv "
                               f"({qkv_rows} rows for hidden size {hidden}); pass --num-heads / --num-kv-heads")
     positions = params.get("embedding.position_embeddings.weight", {}).get("shape", [max_positions or 4096])[0]
-    return Shape(layers, hidden, ffn, vocab, heads, kv_heads, max_positions or positions)
+    return Shape(layers, hidden, ffn, vocab, heads, kv_heads, max_positions or positions, experts)
 
 
 def _qkv(read: Callable[[str], torch.Tensor], name: str, s: Shape, part: str, repeat: bool) -> torch.Tensor:
@@ -118,22 +123,37 @@ def _gpt2(read: Callable[[str], torch.Tensor], s: Shape) -> list[Entry]:
     return out
 
 
+def _swiglu(read: Callable[[str], torch.Tensor], s: Shape, m: str, h: str, names: tuple[str, str, str]
+            ) -> list[Entry]:
+    """A megatron-core SwiGLU MLP (`m`) as separate gate / up / down projections named `names` under `h`."""
+    fc1 = f"{m}linear_fc1.weight"
+    gate, up, down = names
+    return [Entry(f"{h}{gate}.weight", (s.ffn, s.hidden), lambda: read(fc1)[: s.ffn]),
+            Entry(f"{h}{up}.weight", (s.ffn, s.hidden), lambda: read(fc1)[s.ffn:]),
+            Entry(f"{h}{down}.weight", (s.hidden, s.ffn), lambda: read(f"{m}linear_fc2.weight"))]
+
+
 def _llama(read: Callable[[str], torch.Tensor], s: Shape) -> list[Entry]:
+    """Llama, or Mixtral when the checkpoint has experts: the attention and norms are the same."""
     out = [Entry("model.embed_tokens.weight", (s.vocab, s.hidden), lambda: read("embedding.word_embeddings.weight"))]
     kv = s.kv_heads * s.head_dim
     for i in range(s.layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         qkv = f"{m}self_attention.linear_qkv.weight"
-        fc1 = f"{m}mlp.linear_fc1.weight"
+        if s.experts:
+            out.append(Entry(f"{h}block_sparse_moe.gate.weight", (s.experts, s.hidden),
+                             lambda n=f"{m}mlp.router.weight": read(n)))
+            for e in range(s.experts):
+                out += _swiglu(read, s, f"{m}mlp.experts.local_experts.{e}.", f"{h}block_sparse_moe.experts.{e}.",
+                               ("w1", "w3", "w2"))
+        else:
+            out += _swiglu(read, s, f"{m}mlp.", f"{h}mlp.", ("gate_proj", "up_proj", "down_proj"))
         out += [
             Entry(f"{h}self_attn.q_proj.weight", (s.hidden, s.hidden), lambda n=qkv: _qkv(read, n, s, "q", False)),
             Entry(f"{h}self_attn.k_proj.weight", (kv, s.hidden), lambda n=qkv: _qkv(read, n, s, "k", False)),
             Entry(f"{h}self_attn.v_proj.weight", (kv, s.hidden), lambda n=qkv: _qkv(read, n, s, "v", False)),
             Entry(f"{h}self_attn.o_proj.weight", (s.hidden, s.hidden),
                   lambda n=f"{m}self_attention.linear_proj.weight": read(n)),
-            Entry(f"{h}mlp.gate_proj.weight", (s.ffn, s.hidden), lambda n=fc1: read(n)[: s.ffn]),
-            Entry(f"{h}mlp.up_proj.weight", (s.ffn, s.hidden), lambda n=fc1: read(n)[s.ffn:]),
-            Entry(f"{h}mlp.down_proj.weight", (s.hidden, s.ffn), lambda n=f"{m}mlp.linear_fc2.weight": read(n)),
             Entry(f"{h}input_layernorm.weight", (s.hidden,), lambda n=f"{m}input_layernorm.weight": read(n)),
             Entry(f"{h}post_attention_layernorm.weight", (s.hidden,),
                   lambda n=f"{m}pre_mlp_layernorm.weight": read(n)),
@@ -142,19 +162,22 @@ def _llama(read: Callable[[str], torch.Tensor], s: Shape) -> list[Entry]:
     return out
 
 
-def _config(arch: str, s: Shape, norm_eps: float, rope_theta: float) -> dict:
+def _config(arch: str, s: Shape, norm_eps: float, rope_theta: float, experts_per_token: int) -> dict:
     if arch == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": s.vocab,
                 "n_positions": s.max_positions, "n_embd": s.hidden, "n_layer": s.layers, "n_head": s.heads,
                 "n_inner": s.ffn, "activation_function": "gelu", "layer_norm_epsilon": norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
                 "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+    moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": s.experts,
+           "num_experts_per_tok": experts_per_token, "router_aux_loss_coef": 0.0, "output_router_logits": False,
+           "sliding_window": None} if arch == "mixtral" else {}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": s.vocab,
             "hidden_size": s.hidden, "intermediate_size": s.ffn, "num_hidden_layers": s.layers,
             "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim,
             "max_position_embeddings": s.max_positions, "rms_norm_eps": norm_eps, "rope_theta": rope_theta,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
-            "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+            "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32", **moe}
 
 
 def plan_shards(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
@@ -173,7 +196,7 @@ def plan_shards(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
 
 def export_hf(path: str, out: str, arch: str, num_heads: int, num_kv_heads: int | None = None,
               norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_positions: int | None = None,
-              shard_bytes: int = 2 * 2**30, progress: bool = True) -> str:
+              shard_bytes: int = 2 * 2**30, progress: bool = True, experts_per_token: int = 2) -> str:
     """Write a `transformers` model folder from a universal (or native, converted first) checkpoint."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -181,6 +204,9 @@ def export_hf(path: str, out: str, arch: str, num_heads: int, num_kv_heads: int 
         path = convert(path, progress=progress)
     ckpt = UniversalCheckpoint(path)
     s = _shape(ckpt, num_heads, num_kv_heads, max_positions)
+    if (arch == "mixtral") != bool(s.experts):
+        raise CheckpointError(ckpt.root, f"--arch {arch} does not fit a checkpoint with {s.experts or 'no'} experts "
+                              "per layer (mixtral is for MoE checkpoints, gpt2 and llama for dense ones)")
 
     def read(name: str) -> torch.Tensor:
         if name not in ckpt.params:
@@ -214,5 +240,5 @@ def export_hf(path: str, out: str, arch: str, num_heads: int, num_kv_heads: int 
     atomic_write(os.path.join(out, "model.safetensors.index.json"),
                  json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
     atomic_write(os.path.join(out, "config.json"),
-                 json.dumps(_config(arch, s, norm_eps, rope_theta), indent=1).encode())
+                 json.dumps(_config(arch, s, norm_eps, rope_theta, experts_per_token), indent=1).encode())
     return out

@@ -64,7 +64,8 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
             problems.append(f"{info.name}: checkpoint shape {rec['shape']}, model shape {shape}{hint}")
         elif rec["trainable"] != p.requires_grad:
             problems.append(f"{info.name}: trainable={rec['trainable']} in checkpoint, {p.requires_grad} in model")
-        elif not stage3 and p.requires_grad and id(p) in live_groups and rec["group"] != live_groups[id(p)]:
+        elif not stage3 and p.requires_grad and id(p) in live_groups and rec["group"] != live_groups[id(p)] \
+                and not ckpt.manifest.get("weights_only"):
             problems.append(f"{info.name}: param group {rec['group']} in checkpoint, {live_groups[id(p)]} in model")
     sizes = expert_groups(engine)
     for block in expert_blocks(engine.module):
@@ -77,7 +78,8 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
     missing_buffers = sorted({to_global(n) for n in engine._get_buffer_names()} - set(ckpt.buffers))
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
-    if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups):
+    if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups) \
+            and not ckpt.manifest.get("weights_only"):
         problems.append(f"{len(ckpt.manifest['param_groups'])} param groups in checkpoint, "
                         f"{len(engine.optimizer.optimizer.param_groups)} in optimizer")
     return problems, names
@@ -108,9 +110,9 @@ def check_compatible(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn
 
 def _apply_group_state(opt: Any, group_index: int, ckpt: UniversalCheckpoint, load_optimizer_states: bool,
                        flat: torch.Tensor, bufs: dict[str, torch.Tensor]) -> None:
-    record = ckpt.manifest["param_groups"][group_index]
     if not load_optimizer_states:
         return
+    record = ckpt.manifest["param_groups"][group_index]
     state = opt.optimizer.state[flat]
     state.clear()
     state.update({k: decode_value(v) for k, v in record["scalars"].items()})
@@ -229,7 +231,8 @@ def restore(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool 
     """Load a universal checkpoint into `engine` at its current layout; return the client state."""
     live = live_params(engine)
     check_compatible(engine, ckpt, live)
-    load_optimizer_states = load_optimizer_states and not load_module_only
+    # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
+    load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.get("weights_only")
     if int(engine.zero_optimization_stage()) == 3:
         _restore_zero3(engine, ckpt, live, load_optimizer_states)
     else:
