@@ -16,26 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from bench_convert import env  # benchmarks/bench_convert.py, next to this script
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_dlrm.py"
 POLICIES = ("full", "one_shot", "incremental", "intermittent")
 BITS = (None, 8, 4, 3, 2)
 PAPER = "the paper reports 6-17x less write bandwidth and 2.5-8x less capacity"
-
-
-def env() -> dict[str, str]:
-    out = dict(os.environ)
-    out.setdefault("DS_ACCELERATOR", "cpu")
-    out.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "ucp_torch_extensions"))
-    out.setdefault("OMP_NUM_THREADS", "1")
-    out["PYTHONPATH"] = f"{ROOT}{os.pathsep}{out.get('PYTHONPATH', '')}"
-    return out
 
 
 def train(args: argparse.Namespace, ckpt: Path, *extra: str) -> dict:

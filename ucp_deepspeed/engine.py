@@ -211,19 +211,28 @@ def _all_ok(failure: tuple[str, str] | None) -> None:
         raise CheckpointError(*first)
 
 
+def _on_rank0(work: Any) -> None:
+    """Run `work` on rank 0 only; a failure there is raised on every rank."""
+    failure = None
+    if tdist.get_rank() == 0:
+        try:
+            work()
+        except (CheckpointError, OSError) as exc:
+            failure = _failure(exc)
+    _all_ok(failure)
+
+
 def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
     """Our copy of a DeepSpeed universal folder, made once by rank 0 and reused afterwards."""
     options: UniversalConfig = engine._ucp_options
     name = f"{os.path.basename(os.path.normpath(folder))}.ucp"
     out = os.path.join(options.output, name) if options.output else os.path.join(os.path.dirname(folder), name)
-    failure = None
-    if tdist.get_rank() == 0 and not os.path.isfile(os.path.join(out, MANIFEST)):
-        log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
-        try:
+    def work() -> None:
+        if not os.path.isfile(os.path.join(out, MANIFEST)):
+            log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
             import_deepspeed(folder, out)
-        except (CheckpointError, OSError) as exc:
-            failure = _failure(exc)
-    _all_ok(failure)
+
+    _on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
     return UniversalCheckpoint(out)
 
 
@@ -231,13 +240,7 @@ def _materialized(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
     """The full universal copy of a Check-N-Run chain, made once by rank 0."""
     options: UniversalConfig = engine._ucp_options
     out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
-    failure = None
-    if tdist.get_rank() == 0:
-        try:
-            materialize(load_dir, tag, out)
-        except (CheckpointError, OSError) as exc:
-            failure = _failure(exc)
-    _all_ok(failure)
+    _on_rank0(lambda: materialize(load_dir, tag, out))
     return UniversalCheckpoint(out)
 
 
