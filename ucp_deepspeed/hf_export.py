@@ -18,6 +18,7 @@ megatron-core model.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -208,6 +209,7 @@ def export_hf(path: str, out: str, arch: str, num_heads: int, num_kv_heads: int 
         raise CheckpointError(ckpt.root, f"--arch {arch} does not fit a checkpoint with {s.experts or 'no'} experts "
                               "per layer (mixtral is for MoE checkpoints, gpt2 and llama for dense ones)")
 
+    @functools.lru_cache(maxsize=1)  # q/k/v and gate/up come from one fused tensor: read it once, not 2-3 times
     def read(name: str) -> torch.Tensor:
         if name not in ckpt.params:
             raise CheckpointError(ckpt.root, f"{arch} export needs {name}, which this checkpoint lacks")
