@@ -138,10 +138,25 @@ def micro_batches() -> int:
     return 2 if (GLOBAL_BATCH // ps.get_data_parallel_world_size()) % 2 == 0 else 1
 
 
-def batch(step: int) -> list[torch.Tensor]:
-    """This data-parallel rank's micro-batches of a step; the global batch never depends on the layout."""
+def global_tokens(step: int, data: str) -> torch.Tensor:
+    """The whole global batch of a step, a function of the step alone.
+
+    `random` tokens are uniform, so the loss stays near ln(VOCAB); `markov` tokens follow a fixed
+    successor table 80% of the time, a pattern the model learns, so the loss curve falls.
+    """
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    if data == "markov":
+        successor = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
+        follow = torch.rand(GLOBAL_BATCH, SEQ + 1, generator=g) < 0.8
+        for t in range(1, SEQ + 1):
+            tokens[:, t] = torch.where(follow[:, t], successor[tokens[:, t - 1]], tokens[:, t])
+    return tokens
+
+
+def batch(step: int, data: str = "random") -> list[torch.Tensor]:
+    """This data-parallel rank's micro-batches of a step; the global batch never depends on the layout."""
+    tokens = global_tokens(step, data)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = GLOBAL_BATCH // dp
     return list(tokens[rank * per:(rank + 1) * per].chunk(micro_batches()))
@@ -156,7 +171,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t().contiguous()).mean()
 
 
-def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
+def train(engine: deepspeed.DeepSpeedEngine, steps: int, data: str = "random") -> list[float]:
     """Run `steps` optimizer steps; return the global mean loss of each, on every rank."""
     prev, nxt = stage_ranks()
     first, last = prev is None, nxt is None
@@ -164,7 +179,7 @@ def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
     position_ids = torch.arange(SEQ).unsqueeze(0)
     out_losses = []
     for _ in range(steps):
-        micro = batch(engine.global_steps)
+        micro = batch(engine.global_steps, data)
         total = torch.zeros(())
         for m, tokens in enumerate(micro):
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -365,7 +380,7 @@ def do_train(args: argparse.Namespace) -> None:
     engine = build(args)
     resumed = None
     if args.init_from or (os.path.isdir(args.ckpt_dir) and list_tags(args.ckpt_dir)):
-        engine.load_checkpoint(args.init_from or args.ckpt_dir)
+        engine.load_checkpoint(args.init_from or args.ckpt_dir, tag=args.init_tag)
         report = engine.ucp_last_load
         resumed = {"step": engine.global_steps, "saved": report.saved, "live": report.live, "mode": report.mode}
         if dist.get_rank() == 0:
@@ -379,12 +394,12 @@ def do_train(args: argparse.Namespace) -> None:
         die_while_saving(engine, args.die_in_save, args.async_save)
     log = []
     while engine.global_steps < args.steps:
-        [loss] = train(engine, 1)
+        [loss] = train(engine, 1, args.data)
         log.append({"step": engine.global_steps, "loss": loss, "world": dist.get_world_size()})
         if dist.get_rank() == 0:
             print(f"step {engine.global_steps} loss {loss:.6f} world {dist.get_world_size()}", flush=True)
         time.sleep(args.step_delay)
-        if engine.global_steps % args.ckpt_every == 0:
+        if args.ckpt_every and engine.global_steps % args.ckpt_every == 0:
             if args.snapshots:
                 snap = snapshot(engine)
                 if dist.get_rank() == 0:
@@ -395,7 +410,7 @@ def do_train(args: argparse.Namespace) -> None:
             if dist.get_rank() == 0:
                 prune(args.ckpt_dir, args.keep)
     engine.wait_for_checkpoint()
-    if dist.get_rank() == 0 and list_tags(args.ckpt_dir):
+    if dist.get_rank() == 0 and args.ckpt_every and list_tags(args.ckpt_dir):
         prune(args.ckpt_dir, args.keep)  # an async save may have finished only now
     if dist.get_rank() == 0 and args.results:
         with open(args.results, "w") as f:
@@ -413,7 +428,9 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="MoE MLPs: 4 experts, top-2")
     parser.add_argument("--ckpt-dir", help="train: checkpoint directory, resumed from when it holds a tag")
     parser.add_argument("--steps", type=int, default=8, help="train: last step")
-    parser.add_argument("--ckpt-every", type=int, default=2)
+    parser.add_argument("--ckpt-every", type=int, default=2, help="train: 0 saves nothing")
+    parser.add_argument("--data", choices=["random", "markov"], default="random",
+                        help="train: token distribution (markov is learnable, so the loss falls)")
     parser.add_argument("--keep", type=int, default=2, help="train: complete checkpoints to keep")
     parser.add_argument("--snapshots", action="store_true", help="train: store the full state at saves and resumes")
     parser.add_argument("--die-in-save", type=int, default=0, help="train (tests): SIGKILL the last rank mid-save")
@@ -428,6 +445,7 @@ def main() -> None:
     parser.add_argument("--results")
     parser.add_argument("--init-from", help="train: start from this checkpoint (e.g. a universal folder from "
                         "ucp import-hf) instead of resuming from --ckpt-dir")
+    parser.add_argument("--init-tag", help="train: the tag of --init-from to start from (default: the latest)")
     parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens (pp=1)")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
