@@ -121,8 +121,9 @@ def ds_config(variant: dict, dp: int) -> dict:
 
 
 def build(variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1,
-          experts: int = EXPERTS) -> deepspeed.DeepSpeedEngine:
-    """The engine of a variant; `stock` builds it with plain DeepSpeed loading its universal format."""
+          experts: int = EXPERTS, plain: bool = False) -> deepspeed.DeepSpeedEngine:
+    """The engine of a variant; `stock` builds it with plain DeepSpeed loading its universal format, `plain`
+    with plain DeepSpeed and no ucp_deepspeed at all (its checkpoints carry no ucp metadata)."""
     variant = VARIANTS[variant_name]
     torch.manual_seed(1234)
     model = TinyMoE(ep, hidden, experts) if variant.get("moe") else TinyLM(hidden)
@@ -143,6 +144,9 @@ def build(variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1,
     init = ucp_deepspeed.initialize
     if stock:
         config["checkpoint"] = {"load_universal": True}
+        init = deepspeed.initialize
+    if plain:
+        del config["checkpoint"]
         init = deepspeed.initialize
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config,
                            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
@@ -222,7 +226,7 @@ def client_state(engine: deepspeed.DeepSpeedEngine) -> dict:
 
 def do_save(args: argparse.Namespace) -> None:
     for name in args.variant:
-        engine = build(name, ep=args.ep)
+        engine = build(name, ep=args.ep, plain=args.plain)
         losses = train(engine, STEPS)
         snap = snapshot(engine)
         ckpt = os.path.join(args.out, name)
@@ -311,6 +315,7 @@ def main() -> None:
     parser.add_argument("--mismatch", action="store_true",
                         help="load into a wider model (MoE: twice the experts); expect a clear error")
     parser.add_argument("--stock", action="store_true", help="load DeepSpeed universal folders with plain DeepSpeed")
+    parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")

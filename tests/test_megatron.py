@@ -180,3 +180,31 @@ def test_inspect_shows_full_shapes_of_a_split_checkpoint(gpt_sources, capsys):
     assert params["decoder.layers.3.mlp.linear_fc1.weight"]["shape"] == [192, 64]
     assert params["decoder.layers.3.self_attention.linear_qkv.weight"]["shape"] == [128, 64]
     assert "output_layer.weight" not in params
+
+
+GPT_TP_RULES = [
+    {"match": r"embedding\.word_embeddings\.weight", "layout": "split", "dim": 0, "vocab": 70},
+    {"match": r".*\.(linear_qkv|linear_fc1)\.(weight|bias)", "layout": "split", "dim": 0},
+    {"match": r".*\.(linear_proj|linear_fc2)\.weight", "layout": "split", "dim": 1},
+    {"match": r".*", "layout": "replicated"},
+]
+
+
+def test_tp_checkpoint_without_metadata_needs_rules(gpt_sources, tmp_path, capsys):
+    """A TP=2 checkpoint whose ucp metadata is gone (as if saved by plain DeepSpeed): refused without layout
+    rules, naming the parameters; with rules, converted to exactly what the metadata would have given."""
+    bare = tmp_path / "bare"
+    shutil.copytree(gpt_sources["gpt-z2-tp2dp2"], bare)
+    removed = [p.unlink() for p in bare.glob("*/ucp_meta_mp_rank_*.json")]
+    assert len(removed) == 2
+    assert cli_main(["convert", str(bare), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor-parallel size 2 without ucp_deepspeed metadata" in err
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in err and "--layout-rules" in err
+    assert not list(bare.glob("*.universal"))
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps(GPT_TP_RULES))
+    out = tmp_path / "from_rules"
+    assert cli_main(["convert", str(bare), "--layout-rules", str(rules), "--output", str(out), "--no-progress"]) == 0
+    report = diff(str(out), str(gpt_sources["gpt-z2-tp2dp2"]))
+    assert report.identical and len(report.states) > 40, report

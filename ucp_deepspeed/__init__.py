@@ -14,9 +14,10 @@ from ucp_deepspeed.convert import convert  # noqa: E402  (after __version__, whi
 from ucp_deepspeed.errors import CheckpointError  # noqa: E402
 from ucp_deepspeed.universal import UniversalCheckpoint  # noqa: E402
 
-_LAZY = {"initialize": "ucp_deepspeed.engine", "attach": "ucp_deepspeed.engine", "UniversalConfig": "ucp_deepspeed.config"}
+_LAZY = {"initialize": "ucp_deepspeed.engine", "attach": "ucp_deepspeed.engine", "UniversalConfig": "ucp_deepspeed.config",
+         "install": "ucp_deepspeed.install", "uninstall": "ucp_deepspeed.install"}
 
-__all__ = ["initialize", "attach", "convert", "UniversalCheckpoint", "UniversalConfig", "CheckpointError",
+__all__ = ["initialize", "attach", "install", "uninstall", "convert", "UniversalCheckpoint", "UniversalConfig", "CheckpointError",
            "__version__"]
 
 

@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="writer threads (default 2)")
     p.add_argument("--verify-source", action="store_true",
                    help="check the zip crc32 of every source record first (reads the source once more)")
+    p.add_argument("--layout-rules", metavar="RULES.json",
+                   help="how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
     p.add_argument("path")
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                                        progress=not args.no_progress)
             else:
                 out = convert(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress,
-                              verify_source=args.verify_source)
+                              verify_source=args.verify_source, layout_rules=args.layout_rules)
             print(out)
         elif args.command == "inspect":
             summary = summarize(args.path, args.tag)

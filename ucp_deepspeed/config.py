@@ -91,11 +91,14 @@ def load_config(config: str | dict | None) -> dict[str, Any]:
         return json.load(f)
 
 
-def split_config(config: dict[str, Any]) -> tuple[dict[str, Any], UniversalConfig]:
-    """Separate our options from the config handed to DeepSpeed, validating them."""
+def split_config(config: dict[str, Any], default: bool | dict[str, Any] = False) -> tuple[dict[str, Any], UniversalConfig]:
+    """Separate our options from the config handed to DeepSpeed, validating them.
+
+    `default` stands in for a missing `"checkpoint": {"universal": ...}` (`ucp_deepspeed.install` makes it true).
+    """
     ds_config = copy.deepcopy(config)
     section = ds_config.get("checkpoint", {})
-    raw = section.pop("universal", False) if isinstance(section, dict) else False
+    raw = section.pop("universal", default) if isinstance(section, dict) else default
     checkn_run = {k: section.pop(k) for k in ("differential", "quantize") if isinstance(section, dict) and k in section}
     if isinstance(raw, bool):
         raw = {"enabled": raw}

@@ -230,15 +230,16 @@ def check_source(src: NativeCheckpoint) -> None:
 
 
 def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1,
-            progress: bool = True, verify_source: bool = False) -> str:
+            progress: bool = True, verify_source: bool = False, layout_rules: Any = None) -> str:
     """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder.
 
-    A Check-N-Run tag is materialized instead: its chain replayed into full tables.
+    A Check-N-Run tag is materialized instead: its chain replayed into full tables. `layout_rules`
+    (a JSON file path or a list) describe a tensor-parallel checkpoint saved without our metadata.
     """
     tag = resolve_tag(ckpt_dir, tag)
     if is_element(os.path.join(ckpt_dir, tag)):
         return materialize(ckpt_dir, tag, os.path.abspath(output or os.path.join(ckpt_dir, f"{tag}.universal")))
-    src = NativeCheckpoint(ckpt_dir, tag)
+    src = NativeCheckpoint(ckpt_dir, tag, layout_rules)
     try:
         if verify_source:
             check_source(src)

@@ -28,10 +28,11 @@ from ucp_deepspeed.convert import (check_source, default_output, finish, output_
                                    run_jobs, shard_jobs)
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.interop import deepspeed_universal_folder, import_deepspeed
-from ucp_deepspeed.meta import Topology, read_meta, write_meta
+from ucp_deepspeed.meta import Topology, write_meta
 from ucp_deepspeed.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.restore import restore
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
+from ucp_deepspeed.sources.native import tag_metas
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
 
 log = logging.getLogger("ucp_deepspeed")
@@ -47,23 +48,29 @@ class LoadReport:
     universal_dir: str | None
 
 
-def initialize(args: Any = None, *, config: Any = None, config_params: Any = None, **kwargs: Any) -> tuple:
+# `ucp_deepspeed.install` replaces deepspeed.initialize; ours must still reach DeepSpeed's own.
+_deepspeed_initialize = deepspeed.initialize
+
+
+def initialize(args: Any = None, *, config: Any = None, config_params: Any = None,
+               default_universal: bool | dict[str, Any] = False, **kwargs: Any) -> tuple:
     """`deepspeed.initialize` with universal checkpointing switched on by `"checkpoint": {"universal": true}`.
 
-    With megatron-core's parallel_state initialised (or passed as `mpu`), DeepSpeed gets an
-    adapter for it, so tensor/pipeline/data-parallel groups come from megatron-core.
+    `default_universal` applies when the config has no `checkpoint.universal` entry. With
+    megatron-core's parallel_state initialised (or passed as `mpu`), DeepSpeed gets an adapter for
+    it, so tensor/pipeline/data-parallel groups come from megatron-core.
     """
     raw = config if config is not None else config_params
     if raw is None and getattr(args, "deepspeed_config", None) is not None:
         raw, args.deepspeed_config = args.deepspeed_config, None  # DeepSpeed refuses a config given twice
-    ds_config, options = split_config(load_config(raw))
+    ds_config, options = split_config(load_config(raw), default_universal)
     mpu = kwargs.get("mpu")
     if (mpu is None and megatron_initialized()) or (mpu is not None and mpu is sys.modules.get(
             "megatron.core.parallel_state")):
         kwargs["mpu"] = MegatronMpu()
     with megatron_moe_visible(kwargs.get("model")) if "mpu" in kwargs and kwargs.get("model") is not None \
             else contextlib.nullcontext():
-        result = deepspeed.initialize(args=args, config=ds_config, **kwargs)
+        result = _deepspeed_initialize(args=args, config=ds_config, **kwargs)
     if options.enabled:
         attach(result[0], options)
     return result
@@ -161,7 +168,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                                               live_desc(), ckpt.root)
             tdist.barrier()
             return os.path.join(load_dir, tag), client
-        meta = read_meta(os.path.join(load_dir, tag), 0)
+        metas, _ = tag_metas(os.path.join(load_dir, tag), options.layout_rules)
+        meta = metas[0]
         saved, live = meta.topology, topology(engine)
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
         if saved.same_layout(live) and not megatron_moe_layers(engine.module):
@@ -248,7 +256,7 @@ def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
     """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks."""
     options: UniversalConfig = engine._ucp_options
     rank, world = tdist.get_rank(), tdist.get_world_size()
-    src = NativeCheckpoint(load_dir, tag)
+    src = NativeCheckpoint(load_dir, tag, options.layout_rules)
     out = os.path.join(options.output, tag) if options.output else default_output(src)
     lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
     try:

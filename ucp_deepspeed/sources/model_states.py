@@ -30,6 +30,10 @@ class ModelStatesFile:
         """Names in the saved module state dict (empty at ZeRO-3, which saves no module)."""
         return list(self._obj.get("module") or {})
 
+    def module_tensors(self) -> dict[str, LazyTensor]:
+        """Every tensor of the saved module state dict (skipping non-tensor entries such as `_extra_state`)."""
+        return {k: v for k, v in (self._obj.get("module") or {}).items() if isinstance(v, LazyTensor)}
+
     def frozen_fragment(self, name: str) -> LazyTensor:
         """This rank's ZeRO-3 fragment of a frozen parameter."""
         tensor = (self._obj.get("frozen_param_fragments") or {}).get(name)

@@ -18,7 +18,9 @@ from ucp_deepspeed.meta import (
     meta_filename,
     read_meta,
 )
+from ucp_deepspeed.patterns import parse_rules
 from ucp_deepspeed.plan import full_tensors
+from ucp_deepspeed.sources.infer import infer_metas
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 from ucp_deepspeed.sources.torch_file import TorchFile
@@ -121,29 +123,51 @@ class RankFiles:
             f.close()
 
 
+def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], bool]:
+    """Every model-parallel rank's metadata, and whether it was inferred from DeepSpeed's files alone.
+
+    A tag saved through ucp_deepspeed has our metadata files; one saved by plain DeepSpeed (or HF
+    Trainer, Accelerate) gets metadata rebuilt from DeepSpeed's own bookkeeping, which needs
+    `layout_rules` when it is tensor-parallel.
+    """
+    if not os.path.isfile(os.path.join(tag_dir, meta_filename(0))):
+        return infer_metas(tag_dir, _rules(layout_rules, tag_dir)), True
+    first = read_meta(tag_dir, 0)
+    topo = first.topology
+    missing = [meta_filename(r) for r in range(1, topo.tp * topo.pp)
+               if not os.path.isfile(os.path.join(tag_dir, meta_filename(r)))]
+    if missing:
+        raise CheckpointError(tag_dir, f"saved at {topo.describe()} ({topo.tp * topo.pp} model-parallel "
+                              f"ranks) but metadata is missing: {', '.join(missing)}")
+    metas = [first] + [read_meta(tag_dir, r) for r in range(1, topo.tp * topo.pp)]
+    for r, meta in enumerate(metas):
+        if meta.topology != topo or meta.pp_rank * topo.tp + meta.tp_rank != r:
+            raise CheckpointError(os.path.join(tag_dir, meta_filename(r)),
+                                  f"metadata of model-parallel rank {r} says {meta.topology.describe()} "
+                                  f"tp_rank={meta.tp_rank} pp_rank={meta.pp_rank}; rank 0 says {topo.describe()}")
+    return metas, False
+
+
+def _rules(layout_rules: Any, where: str) -> tuple:
+    try:
+        return parse_rules(layout_rules)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(str(layout_rules) if isinstance(layout_rules, str) else where,
+                              f"bad layout rules: {exc}") from None
+
+
 class NativeCheckpoint:
     """A DeepSpeed checkpoint tag: every model-parallel rank's metadata and lazily opened files."""
 
-    def __init__(self, ckpt_dir: str, tag: str | None = None):
+    def __init__(self, ckpt_dir: str, tag: str | None = None, layout_rules: Any = None):
         self.ckpt_dir = os.path.abspath(ckpt_dir)
         self.tag = resolve_tag(self.ckpt_dir, tag)
         self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
         if not os.path.isdir(self.tag_dir):
             raise CheckpointError(self.tag_dir, "checkpoint tag folder does not exist")
-        first = read_meta(self.tag_dir, 0)
-        topo = first.topology
-        missing = [meta_filename(r) for r in range(1, topo.tp * topo.pp)
-                   if not os.path.isfile(os.path.join(self.tag_dir, meta_filename(r)))]
-        if missing:
-            raise CheckpointError(self.tag_dir, f"saved at {topo.describe()} ({topo.tp * topo.pp} model-parallel "
-                                  f"ranks) but metadata is missing: {', '.join(missing)}")
-        self.metas = [first] + [read_meta(self.tag_dir, r) for r in range(1, topo.tp * topo.pp)]
-        for r, meta in enumerate(self.metas):
-            if meta.topology != topo or meta.pp_rank * topo.tp + meta.tp_rank != r:
-                raise CheckpointError(os.path.join(self.tag_dir, meta_filename(r)),
-                                      f"metadata of model-parallel rank {r} says {meta.topology.describe()} "
-                                      f"tp_rank={meta.tp_rank} pp_rank={meta.pp_rank}; rank 0 says {topo.describe()}")
-        self.meta = first
+        self.metas, self.inferred = tag_metas(self.tag_dir, layout_rules)
+        self.meta = self.metas[0]
+        topo = self.meta.topology
         self.tensors = full_tensors(self.metas, os.path.join(self.tag_dir, meta_filename(0)))
         self.ranks = [RankFiles(self.tag_dir, r, meta) for r, meta in enumerate(self.metas)]
         missing = [os.path.basename(p) for rank in self.ranks for p in rank.needed if not os.path.isfile(p)]
@@ -153,8 +177,8 @@ class NativeCheckpoint:
 
     def source_files(self) -> list[str]:
         """Every file conversion reads, for fingerprinting."""
-        return [p for rank in self.ranks for p in rank.needed] + \
-            [os.path.join(self.tag_dir, meta_filename(r)) for r in range(len(self.ranks))]
+        metas = [] if self.inferred else [os.path.join(self.tag_dir, meta_filename(r)) for r in range(len(self.ranks))]
+        return [p for rank in self.ranks for p in rank.needed] + metas
 
     def verify(self) -> list[str]:
         """Every problem with the tag's files: missing, unreadable, or a record failing its zip crc32."""

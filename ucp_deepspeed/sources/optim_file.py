@@ -74,6 +74,10 @@ class OptimRankFile:
         """Optimizer param group that flat buffer `index` belongs to."""
         return self._flat_to_group.get(index, index) if self._hyperparams is not None else index
 
+    def entry(self, key: str, default: Any = None) -> Any:
+        """A small top-level entry of the ZeRO state dict, materialised (e.g. `param_slice_mappings`)."""
+        return materialize(self._sd[key]) if key in self._sd else default
+
     def wrapper_state(self) -> dict[str, Any]:
         """Loss-scaler and clipping state of DeepSpeed's optimizer wrapper."""
         keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")

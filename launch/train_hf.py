@@ -1,0 +1,202 @@
+"""An unmodified Hugging Face Trainer (or Accelerate) job on DeepSpeed, with ucp_deepspeed installed.
+
+    train --out DIR --zero Z --steps N --save-steps K [--resume CHECKPOINT] [--no-install]
+    accelerate --out DIR --zero Z --steps N --save-at K [--resume STATE_DIR]
+
+The script is an ordinary Trainer script except for `ucp_deepspeed.install()` at the top (and the
+probes the tests read). A tiny GPT-2 built from a config (no hub) trains on deterministic
+Markov-chain tokens. The global batch is 6 sequences at every world size: per-device batch 6 / world.
+
+Probes, written by rank 0 into DIR: `losses.json` (global-mean loss per step), and a snapshot of
+the full fp32 weights, every Adam state and counters at each save (`saved_step<K>.pt`) and right
+after a resume (`resumed_step<K>.pt`), gathered over ZeRO partitions with DeepSpeed's own helpers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+GLOBAL_BATCH = 6
+SEQ = 16
+VOCAB = 64
+SAMPLES = 96
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    """Learnable tokens: each follows a fixed successor table 80% of the time."""
+    g = torch.Generator().manual_seed(5)
+    successor = torch.randperm(VOCAB, generator=g)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    follow = torch.rand(SAMPLES, SEQ, generator=g) < 0.8
+    for t in range(1, SEQ):
+        tokens[:, t] = torch.where(follow[:, t], successor[tokens[:, t - 1]], tokens[:, t])
+    return [{"input_ids": row, "labels": row.clone()} for row in tokens]
+
+
+def model() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1234)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def ds_config(zero: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": zero}}
+
+
+def configure_cpu_state() -> bool:
+    """Name gloo for accelerate on a CPU-only machine; returns whether a state was configured.
+
+    accelerate's device detection finds no GPU, leaves the backend unset, and then counts DeepSpeed's
+    processes as one. A `PartialState` made first, with a backend and DeepSpeed flagged, is the
+    configuration accelerate's `use_configured_state` option exists for.
+    """
+    if torch.cuda.is_available():
+        return False
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return True
+
+
+def snapshot(engine: object) -> dict:
+    """Full fp32 weights, Adam states, step and counters (collective: every rank must call it)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-1/2 link optimizer states to parameters lazily
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    snap: dict = {"fp32": {}, "state": {}}
+    for name, p in engine.module.named_parameters():
+        snap["fp32"][name] = safe_get_full_fp32_param(p).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).clone()
+    base = engine.optimizer.optimizer
+    snap["steps"] = sorted({int(s["step"]) for s in base.state.values() if "step" in s})
+    snap["counters"] = [engine.global_steps, engine.global_samples]
+    return snap
+
+
+def save_probe(out: str, name: str, obj: object) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        torch.save(obj, os.path.join(out, name))
+
+
+def do_train(args: argparse.Namespace) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    losses: dict[int, float] = {}
+
+    class Probe(TrainerCallback):
+        def on_log(self, targs, state, control, logs=None, **kw):  # noqa: ANN001
+            if logs and "loss" in logs:
+                losses[state.global_step] = logs["loss"]
+
+        def on_save(self, targs, state, control, **kw):  # noqa: ANN001
+            save_probe(args.out, f"saved_step{state.global_step}.pt", snapshot(trainer.model_wrapped))
+
+        def on_train_begin(self, targs, state, control, **kw):  # noqa: ANN001
+            if args.resume:
+                save_probe(args.out, f"resumed_step{state.global_step}.pt", snapshot(trainer.model_wrapped))
+
+        def on_step_begin(self, targs, state, control, **kw):  # noqa: ANN001
+            if args.resume and not os.path.exists(os.path.join(args.out, "rng_resumed.pt")):
+                save_probe(args.out, "rng_resumed.pt", torch.random.get_rng_state())  # what the Trainer restored
+
+    targs = TrainingArguments(
+        output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=args.steps,
+        save_strategy="steps", save_steps=args.save_steps, logging_steps=1, learning_rate=2e-3,
+        lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, seed=1234, report_to="none",
+        deepspeed=ds_config(args.zero), dataloader_num_workers=0, disable_tqdm=True, save_only_model=False,
+        accelerator_config={"use_configured_state": configure_cpu_state()})
+    trainer = Trainer(model=model(), args=targs, train_dataset=dataset(), callbacks=[Probe()])
+    trainer.train(resume_from_checkpoint=args.resume)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        engine = trainer.model_wrapped
+        report = getattr(engine, "ucp_last_load", None)
+        with open(os.path.join(args.out, "losses.json"), "w") as f:
+            json.dump({"losses": losses, "global_step": trainer.state.global_step, "world": world,
+                       "load": None if report is None else {"mode": report.mode, "saved": report.saved,
+                                                            "live": report.live}}, f, indent=1)
+
+
+def do_accelerate(args: argparse.Namespace) -> None:
+    """A plain Accelerate loop with a DeepSpeed plugin: save_state at --save-at, load_state on --resume."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, set_seed
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    configure_cpu_state()
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": args.zero}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    set_seed(1234)
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=0.01)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=GLOBAL_BATCH // world, shuffle=False)
+    net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    step, losses = 0, {}
+    if args.resume:
+        accelerator.load_state(args.resume)
+        step = net.global_steps
+        save_probe(args.out, f"resumed_step{step}.pt", snapshot(net))
+    batches = iter(loader)
+    for _ in range(step):
+        next(batches)  # the same samples in the same order: the global batch is fixed
+    while step < args.steps:
+        loss = net(**next(batches)).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        losses[step] = accelerator.reduce(loss.detach(), reduction="mean").item()
+        if step == args.save_at:
+            save_probe(args.out, f"saved_step{step}.pt", snapshot(net))
+            accelerator.save_state(os.path.join(args.out, f"state-{step}"))
+    if accelerator.is_main_process:
+        report = getattr(net, "ucp_last_load", None)
+        with open(os.path.join(args.out, "losses.json"), "w") as f:
+            json.dump({"losses": losses, "global_step": step, "world": world,
+                       "load": None if report is None else {"mode": report.mode, "saved": report.saved,
+                                                            "live": report.live}}, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "accelerate"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--zero", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--save-steps", type=int, default=4)
+    parser.add_argument("--save-at", type=int, default=4)
+    parser.add_argument("--resume", help="checkpoint folder to resume from")
+    parser.add_argument("--no-install", action="store_true", help="leave ucp_deepspeed out (plain DeepSpeed)")
+    args = parser.parse_args()
+    if not args.no_install:
+        import ucp_deepspeed
+
+        ucp_deepspeed.install()
+    os.makedirs(args.out, exist_ok=True)
+    {"train": do_train, "accelerate": do_accelerate}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see launch/train_gpt.py: a C++ thread can abort interpreter teardown after all work is done
