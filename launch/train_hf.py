@@ -112,6 +112,9 @@ def do_train(args: argparse.Namespace) -> None:
             if args.resume:
                 save_probe(args.out, f"resumed_step{state.global_step}.pt", snapshot(trainer.model_wrapped))
 
+        def on_step_end(self, targs, state, control, **kw):  # noqa: ANN001
+            torch.rand(1)  # draw from the CPU generator each step, as dropout would, so a missing RNG restore shows
+
         def on_step_begin(self, targs, state, control, **kw):  # noqa: ANN001
             if args.resume and not os.path.exists(os.path.join(args.out, "rng_resumed.pt")):
                 save_probe(args.out, "rng_resumed.pt", torch.random.get_rng_state())  # what the Trainer restored

@@ -27,10 +27,12 @@ def torch_env() -> dict[str, str]:
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 300, attempts: int = 1,
-             worker: Path = WORKER) -> subprocess.CompletedProcess:
-    """Run a launch/ script under `torchrun --standalone`; fail the test with the output tail on error."""
+             worker: Path = WORKER, module: str | None = None) -> subprocess.CompletedProcess:
+    """Run a launch/ script under `torchrun --standalone` (through `-m module` if given); fail the test with the
+    output tail on error."""
+    runner = ["-m", module] if module else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(worker), *args]
+           *runner, str(worker), *args]
     for attempt in range(1, attempts + 1):
         proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:

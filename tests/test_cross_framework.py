@@ -2,15 +2,20 @@
 
 Plain DeepSpeed checkpoints carry no ucp metadata; `ucp convert` rebuilds it from DeepSpeed's own
 files (param_shapes, shared_params, flat partitions) and the result must load bit-exactly at another
-DP size and ZeRO stage.
+DP size and ZeRO stage. Trainer and Accelerate jobs (launch/train_hf.py, unmodified but for
+`ucp_deepspeed.install()`) resume at another world size or ZeRO stage with every fp32 weight and
+Adam state torch.equal to a gather made at the save, the global step continuing, and the next
+losses within 1e-5 of the uninterrupted run.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import load_results, torchrun
+from conftest import ROOT, load_results, torchrun
 from ucp_deepspeed.cli import main as cli_main
 
 
@@ -38,3 +43,106 @@ def test_plain_deepspeed_checkpoint_converts_and_reshards(plain, tmp_path):
     for r in results:  # fp32 weights, Adam states, step, hyperparameters, buffer, frozen, tied, client_state
         assert r["mode"] == "resharded" and r["diffs"] == [] and r["tensors"] == 32, r
         assert r["max_rel_loss"] < 1e-6, r
+
+
+HF_WORKER = ROOT / "launch" / "train_hf.py"
+LOSS_TOL = 1e-5
+
+
+def _hf(nproc: int, *args: str, module: str | None = None) -> None:
+    torchrun(nproc, *args, worker=HF_WORKER, attempts=2, module=module)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Uninterrupted HF Trainer runs at 2 ranks, ZeRO-2, 8 steps, a checkpoint every 4: the script untouched
+    under `torchrun -m ucp_deepspeed.run`, and plain (a checkpoint that carries no ucp metadata)."""
+    out = tmp_path_factory.mktemp("trainer")
+    _hf(2, "train", "--out", str(out / "installed"), "--zero", "2", "--no-install", module="ucp_deepspeed.run")
+    _hf(2, "train", "--out", str(out / "plain"), "--zero", "2", "--no-install")
+    return out
+
+
+def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
+    """Bit-exact state after the load, counters and step continued, losses of the continuation."""
+    ref = torch.load(source / "saved_step4.pt", weights_only=False)
+    snap = torch.load(resumed / "resumed_step4.pt", weights_only=False)
+    assert sorted(snap["fp32"]) == sorted(ref["fp32"]) and len(ref["state"]) == 2 * len(ref["fp32"])
+    for part in ("fp32", "state"):
+        different = [k for k in ref[part] if not torch.equal(ref[part][k], snap[part][k])]
+        assert not different, f"{part} differs after the load: {different}"
+    assert snap["steps"] == ref["steps"] == [4] and snap["counters"] == ref["counters"]
+    run = json.loads((resumed / "losses.json").read_text())
+    uninterrupted = json.loads((source / "losses.json").read_text())["losses"]
+    assert run["load"] == {"mode": "resharded", "saved": saved, "live": live}
+    assert run["global_step"] == 8 and sorted(run["losses"], key=int) == ["5", "6", "7", "8"]
+    for step, loss in run["losses"].items():
+        assert abs(loss - uninterrupted[step]) <= LOSS_TOL, (step, loss, uninterrupted[step])
+    return run
+
+
+@pytest.mark.parametrize("world,zero", [(1, 2), (3, 2), (2, 3)], ids=["dp1", "dp3", "zero3"])
+def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, world, zero):
+    """`trainer.train(resume_from_checkpoint=...)` at 1 or 3 ranks or ZeRO-3, from a 2-rank ZeRO-2 checkpoint."""
+    source = trainer_runs / "installed"
+    checkpoint = source / "checkpoint-4"
+    assert (checkpoint / "global_step4" / "ucp_meta_mp_rank_00.json").is_file()
+    _hf(world, "train", "--out", str(tmp_path), "--zero", str(zero), "--resume", str(checkpoint))
+    _check_resume(source, tmp_path, "zero2 dp=2 fp32", f"zero{zero} dp={world} fp32")
+    state = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["global_step"] == 8
+    # rank 0 continues from saved process 0's RNG state, also at one process, where the Trainer looks
+    # for rng_state.pth and would restore nothing
+    saved_rng = torch.load(checkpoint / "rng_state_0.pth", weights_only=False)["cpu"]
+    assert torch.equal(torch.load(tmp_path / "rng_resumed.pt", weights_only=False), saved_rng)
+
+
+def test_trainer_resumes_a_checkpoint_saved_without_ucp(trainer_runs, tmp_path):
+    """A Trainer job that never had ucp_deepspeed installed resumes at 3 ranks and ZeRO-1 once it is installed."""
+    source = trainer_runs / "plain"
+    assert not list((source / "checkpoint-4" / "global_step4").glob("ucp_meta_*"))
+    _hf(3, "train", "--out", str(tmp_path), "--zero", "1", "--resume", str(source / "checkpoint-4"))
+    _check_resume(source, tmp_path, "zero2 dp=2 fp32", "zero1 dp=3 fp32")
+
+
+def test_accelerate_resumes_at_another_world_size_and_stage(tmp_path):
+    """A plain Accelerate loop with a DeepSpeed plugin: save_state at 2 ranks ZeRO-2, load_state at 3 ranks ZeRO-3."""
+    _hf(2, "accelerate", "--out", str(tmp_path / "src"), "--zero", "2")
+    _hf(3, "accelerate", "--out", str(tmp_path / "dst"), "--zero", "3", "--resume", str(tmp_path / "src" / "state-4"))
+    _check_resume(tmp_path / "src", tmp_path / "dst", "zero2 dp=2 fp32", "zero3 dp=3 fp32")
+
+
+def test_install_is_idempotent_and_undone_by_uninstall():
+    import deepspeed
+    import transformers.trainer
+
+    import ucp_deepspeed
+    from ucp_deepspeed.integrations import installed
+
+    original, rng = deepspeed.initialize, transformers.trainer.Trainer._load_rng_state
+    assert not installed()
+    try:
+        ucp_deepspeed.install()
+        patched = deepspeed.initialize
+        assert patched is not original and transformers.trainer.Trainer._load_rng_state is not rng
+        ucp_deepspeed.install()
+        assert deepspeed.initialize is patched
+    finally:
+        ucp_deepspeed.uninstall()
+    assert deepspeed.initialize is original and transformers.trainer.Trainer._load_rng_state is rng
+    assert not installed()
+
+
+def test_rng_file_for_another_world_size(tmp_path):
+    from ucp_deepspeed.integrations import saved_rng_file
+
+    for i in range(2):
+        (tmp_path / f"rng_state_{i}.pth").write_bytes(b"")
+    assert saved_rng_file(str(tmp_path), 0, 1) == str(tmp_path / "rng_state_0.pth")
+    assert saved_rng_file(str(tmp_path), 1, 3) == str(tmp_path / "rng_state_1.pth")
+    assert saved_rng_file(str(tmp_path), 2, 3) == str(tmp_path / "rng_state_0.pth")
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "rng_state.pth").write_bytes(b"")
+    assert saved_rng_file(str(single), 1, 2) == str(single / "rng_state.pth")
+    assert saved_rng_file(str(tmp_path / "single"), 0, 1) == str(single / "rng_state.pth")

@@ -15,7 +15,7 @@ from ucp_deepspeed.errors import CheckpointError  # noqa: E402
 from ucp_deepspeed.universal import UniversalCheckpoint  # noqa: E402
 
 _LAZY = {"initialize": "ucp_deepspeed.engine", "attach": "ucp_deepspeed.engine", "UniversalConfig": "ucp_deepspeed.config",
-         "install": "ucp_deepspeed.install", "uninstall": "ucp_deepspeed.install"}
+         "install": "ucp_deepspeed.integrations", "uninstall": "ucp_deepspeed.integrations"}
 
 __all__ = ["initialize", "attach", "install", "uninstall", "convert", "UniversalCheckpoint", "UniversalConfig", "CheckpointError",
            "__version__"]
