@@ -15,6 +15,6 @@ setup(
     packages=find_packages(include=["ucp_deepspeed", "ucp_deepspeed.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.1", "deepspeed>=0.16", "safetensors>=0.4", "pydantic>=2", "tqdm"],
-    extras_require={"megatron": ["megatron-core>=0.16"], "test": ["pytest>=8", "megatron-core>=0.16", "transformers>=4.45", "matplotlib>=3.7"]},
+    extras_require={"megatron": ["megatron-core>=0.16"], "test": ["pytest>=8", "megatron-core>=0.16", "transformers>=4.45", "accelerate>=1.1", "matplotlib>=3.7"]},
     entry_points={"console_scripts": ["ucp=ucp_deepspeed.cli:main"]},
 )
