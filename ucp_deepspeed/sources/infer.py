@@ -164,8 +164,8 @@ def _layouts(names: list[str], tp: int, rules: Sequence[Rule], path: str) -> dic
             out[name] = layout
     if unknown:
         raise CheckpointError(path, f"saved at tensor-parallel size {tp} without ucp_deepspeed metadata, and "
-                              f"{len(unknown)} parameters have no layout rule: {unknown[:12]}"
-                              f"{' ...' if len(unknown) > 12 else ''}. {RULES_HINT}")
+                              f"{len(unknown)} parameters have no layout rule: {', '.join(unknown[:12])}"
+                              f"{f' and {len(unknown) - 12} more' if len(unknown) > 12 else ''}. {RULES_HINT}")
     return out
 
 
