@@ -15,6 +15,7 @@ from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
 from ucp_deepspeed.checkpoints import incomplete_reason, resume_tag
 from ucp_deepspeed.cli import main as ucp
 from ucp_deepspeed.convert import plan_jobs, prepare_output, run_jobs
+from ucp_deepspeed.diff import diff
 from ucp_deepspeed.meta import meta_filename
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.universal import MANIFEST
@@ -110,10 +111,31 @@ def test_missing_latest_lists_tags(z3_copy):
         convert(str(z3_copy), progress=False)
 
 
-def test_missing_metadata(z3_copy):
+def test_missing_metadata_is_rebuilt_from_deepspeed_files(z3_copy, clean_conversion, tmp_path):
+    """Without our metadata the conversion reads DeepSpeed's own bookkeeping, and gets the same tensors."""
     (z3_copy / TAG / meta_filename(0)).unlink()
-    with pytest.raises(CheckpointError, match="ucp_deepspeed metadata is missing"):
+    before = tree_digest(z3_copy / TAG)
+    out = convert(str(z3_copy), output=str(tmp_path / "u"), progress=False)
+    assert tree_digest(z3_copy / TAG) == before
+    report = diff(out, str(clean_conversion))
+    assert report.identical and len(report.states) == 23, report
+
+
+def test_missing_metadata_and_a_rank_file(z3_copy):
+    (z3_copy / TAG / meta_filename(0)).unlink()
+    (z3_copy / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="rank files are missing: zero_pp_rank_1_mp_rank_00_model_states.pt"):
         convert(str(z3_copy), progress=False)
+
+
+def test_missing_metadata_of_a_bf16_optimizer_checkpoint(sources, tmp_path):
+    """BF16_Optimizer's flat layout is not described by DeepSpeed's files: refused, not guessed."""
+    dst = tmp_path / "bf16"
+    shutil.copytree(sources["bf16z1"], dst, ignore=shutil.ignore_patterns("*.universal"))
+    (dst / TAG / meta_filename(0)).unlink()
+    with pytest.raises(CheckpointError, match="BF16_Optimizer"):
+        convert(str(dst), progress=False)
+    assert not list(tmp_path.glob("bf16/*.universal"))
 
 
 def test_unknown_metadata_version(z3_copy):

@@ -33,7 +33,7 @@ DEEPSPEED_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "num_experts", "ds_moe_version"})
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info"})
 
 RULES_HINT = ('Pass layout rules (`ucp convert --layout-rules rules.json`, or "checkpoint": {"universal": '
               '{"layout_rules": ...}}) saying how each parameter was split, e.g. '
@@ -79,6 +79,9 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
     if missing:
         raise CheckpointError(tag_dir, f"saved at tensor-parallel size {tp} but model-states files of "
                               f"{', '.join(missing)} are missing")
+    if len(paths) != tp:  # DeepSpeed before checkpoint_parallel_dimensions: stage files look like more ranks
+        raise CheckpointError(tag_dir, f"{len(paths)} model-parallel ranks' files for tensor-parallel size {tp}: "
+                              "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata")
     return [_infer_rank(tag_dir, paths[r], r, tp, rules) for r in range(tp)]
 
 
