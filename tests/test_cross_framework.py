@@ -27,10 +27,12 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_plain_deepspeed_checkpoint_converts_and_reshards(plain, tmp_path):
+def test_plain_deepspeed_checkpoint_converts_and_reshards(plain, tmp_path, capsys):
     """DP 2->3 and ZeRO 1->3 from checkpoints DeepSpeed saved on its own, converted with `ucp convert`."""
     for name in ("z1", "z3"):
         assert not list((plain / name).glob("*/ucp_meta_*")), "saved through ucp_deepspeed after all"
+        assert cli_main(["inspect", str(plain / name)]) == 0
+        assert "metadata: rebuilt from DeepSpeed's files" in capsys.readouterr().out
         assert cli_main(["convert", str(plain / name), "--no-progress"]) == 0
         assert cli_main(["verify", str(plain / name / "global_step3.universal")]) == 0
     torchrun(3, "load", "--variant", "z1", "--results", str(tmp_path / "z1.json"),

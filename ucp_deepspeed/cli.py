@@ -63,7 +63,8 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
                 "counters": src.model_states(0).counters(), "param_groups": meta.num_groups, "params": params,
                 "buffers": [t.name for t in src.tensors if t.kind == "buffer"],
                 "tied": {k: v for m in src.metas for k, v in m.tied.items()},
-                "total_bytes": sum(os.path.getsize(f) for f in files), "files": len(files)}
+                "total_bytes": sum(os.path.getsize(f) for f in files), "files": len(files),
+                "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed"}
     finally:
         src.close()
 
@@ -73,6 +74,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"{s['kind']} checkpoint: {s['path']}")
     print(f"  saved at: zero{topo['zero_stage']} dp={topo['dp']} tp={topo['tp']} pp={topo['pp']} ep={topo['ep']} "
           f"{topo['dtype']} ({topo['optimizer']})")
+    if "metadata" in s:
+        print(f"  metadata: {s['metadata']}")
     print("  counters: " + ", ".join(f"{k}={v}" for k, v in s["counters"].items()))
     trainable = [p for p in s["params"].values() if p["trainable"]]
     numel = sum(math.prod(p["shape"]) for p in trainable)
