@@ -5,7 +5,8 @@
 
 The script is an ordinary Trainer script except for `ucp_deepspeed.install()` at the top (and the
 probes the tests read). A tiny GPT-2 built from a config (no hub) trains on deterministic
-Markov-chain tokens. The global batch is 6 sequences at every world size: per-device batch 6 / world.
+Markov-chain tokens. The global batch is 6 sequences at every world size: per-device batch
+6 / (world x gradient accumulation steps).
 
 Probes, written by rank 0 into DIR: `losses.json` (global-mean loss per step), and a snapshot of
 the full fp32 weights, every Adam state and counters at each save (`saved_step<K>.pt`) and right
@@ -120,7 +121,8 @@ def do_train(args: argparse.Namespace) -> None:
                 save_probe(args.out, "rng_resumed.pt", torch.random.get_rng_state())  # what the Trainer restored
 
     targs = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=args.steps,
+        output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // (world * args.grad_accum),
+        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps,
         save_strategy="steps", save_steps=args.save_steps, logging_steps=1, learning_rate=2e-3,
         lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, seed=1234, report_to="none",
         deepspeed=ds_config(args.zero), dataloader_num_workers=0, disable_tqdm=True, save_only_model=False,
@@ -188,6 +190,8 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=4)
     parser.add_argument("--resume", help="checkpoint folder to resume from")
+    parser.add_argument("--grad-accum", type=int, default=1, help="train: gradient accumulation steps; the "
+                        "per-device batch shrinks to keep the global batch")
     parser.add_argument("--no-install", action="store_true", help="leave ucp_deepspeed out (plain DeepSpeed)")
     args = parser.parse_args()
     if not args.no_install:

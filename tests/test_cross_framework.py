@@ -83,13 +83,16 @@ def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
     return run
 
 
-@pytest.mark.parametrize("world,zero", [(1, 2), (3, 2), (2, 3)], ids=["dp1", "dp3", "zero3"])
-def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, world, zero):
-    """`trainer.train(resume_from_checkpoint=...)` at 1 or 3 ranks or ZeRO-3, from a 2-rank ZeRO-2 checkpoint."""
+@pytest.mark.parametrize("world,zero,accum", [(1, 2, 1), (3, 2, 1), (2, 3, 1), (1, 2, 2)],
+                         ids=["dp1", "dp3", "zero3", "dp1-accum2"])
+def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, world, zero, accum):
+    """`trainer.train(resume_from_checkpoint=...)` at 1 or 3 ranks or ZeRO-3, from a 2-rank ZeRO-2 checkpoint;
+    at 1 rank also with 2 accumulation steps of half the batch (the same global batch)."""
     source = trainer_runs / "installed"
     checkpoint = source / "checkpoint-4"
     assert (checkpoint / "global_step4" / "ucp_meta_mp_rank_00.json").is_file()
-    _hf(world, "train", "--out", str(tmp_path), "--zero", str(zero), "--resume", str(checkpoint))
+    _hf(world, "train", "--out", str(tmp_path), "--zero", str(zero), "--resume", str(checkpoint),
+        "--grad-accum", str(accum))
     _check_resume(source, tmp_path, "zero2 dp=2 fp32", f"zero{zero} dp={world} fp32")
     state = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8

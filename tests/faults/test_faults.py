@@ -121,6 +121,18 @@ def test_missing_metadata_is_rebuilt_from_deepspeed_files(z3_copy, clean_convers
     assert report.identical and len(report.states) == 23, report
 
 
+def test_missing_metadata_of_a_checkpoint_without_frozen_parameters(sources, tmp_path):
+    """ZeRO-2 saved with exclude_frozen_parameters=True: DeepSpeed's files say so, and the conversion records it."""
+    dst = tmp_path / "nofrozen"
+    shutil.copytree(sources["z2nofrozen"], dst, ignore=shutil.ignore_patterns("*.universal", "*.lock"))
+    (dst / TAG / meta_filename(0)).unlink()
+    bare = convert(str(dst), output=str(tmp_path / "bare"), progress=False)
+    with_meta = convert(str(sources["z2nofrozen"]), output=str(tmp_path / "meta"), progress=False)
+    assert UniversalCheckpoint(bare).manifest["frozen_excluded"] is True
+    report = diff(bare, with_meta)
+    assert report.identical and "scale" not in {s.name for s in report.states}, report
+
+
 def test_missing_metadata_and_a_rank_file(z3_copy):
     (z3_copy / TAG / meta_filename(0)).unlink()
     (z3_copy / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()

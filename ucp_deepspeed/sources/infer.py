@@ -99,6 +99,8 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
         shapes = [{name: tuple(shape) for name, shape in group.items()} for group in states.entry("param_shapes")]
         shared = dict(states.entry("shared_params") or {})
         buffers = list(states.entry("buffer_names") or [])
+        # ZeRO-2/3 record frozen parameters unless saved with exclude_frozen_parameters=True, which writes None
+        frozen_excluded = stage >= 2 and states.entry("frozen_param_shapes") is None
         frozen_shapes = dict(states.entry("frozen_param_shapes") or {})
         frozen_z3 = {n: states.frozen_fragment(n) for n in frozen_shapes} if stage == 3 else {}
         module = states.module_tensors()
@@ -150,7 +152,7 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
     optimizer = "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
     return SaveMeta(topology=Topology(dp=dp, zero_stage=stage, dtype=_dtype(ds_config), tp=tp, optimizer=optimizer),
                     params=tuple(slots), extras=tuple(extras), tied=shared, num_groups=num_groups,
-                    client_state_keys=client_keys, tp_rank=mp_rank,
+                    client_state_keys=client_keys, tp_rank=mp_rank, frozen_excluded=frozen_excluded,
                     versions={"deepspeed": version, "inferred": "from DeepSpeed's files, no ucp metadata"})
 
 
