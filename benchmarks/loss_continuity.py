@@ -20,10 +20,12 @@ steps, resumes at 10, and has three targets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,7 +210,8 @@ def update_readme(text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", default="/tmp/ucp_loss_continuity", help="checkpoints and per-run logs")
+    parser.add_argument("--work", help="folder for checkpoints and per-run logs, kept afterwards "
+                        "(default: a temporary folder, removed at the end)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "loss_continuity"), help="PNGs, CSV, JSON")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--resume-at", type=int, default=100)
@@ -218,14 +221,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.resume_at = 20, 10
-    work, out = Path(args.work), Path(args.out)
-    if work.exists():
-        raise SystemExit(f"{work} exists; remove it or pass another --work")
-    work.mkdir(parents=True)
+    out = Path(args.out)
+    if args.work and Path(args.work).exists() and any(Path(args.work).iterdir()):
+        raise SystemExit(f"{args.work} is not empty; its checkpoints would be resumed instead of trained")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     plan = experiments(args.smoke)
-    logs = run_all(args, work, plan)
+    with contextlib.ExitStack() as stack:
+        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ucp_lc_")))
+        work.mkdir(parents=True, exist_ok=True)
+        logs = run_all(args, work, plan)
     rows = summarize(args, plan, logs)
     write_csv(out / "losses.csv", plan, logs)
     for exp in plan:
