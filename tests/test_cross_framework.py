@@ -136,6 +136,9 @@ def test_install_is_idempotent_and_undone_by_uninstall():
         ucp_deepspeed.uninstall()
     assert deepspeed.initialize is original and transformers.trainer.Trainer._load_rng_state is rng
     assert not installed()
+    with pytest.raises(ValueError, match="workerz"):
+        ucp_deepspeed.install(workerz=2)
+    assert deepspeed.initialize is original and not installed()
 
 
 def test_rng_file_for_another_world_size(tmp_path):

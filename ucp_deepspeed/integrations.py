@@ -24,6 +24,7 @@ from typing import Any
 import deepspeed
 
 from ucp_deepspeed import engine
+from ucp_deepspeed.config import UniversalConfig
 
 log = logging.getLogger("ucp_deepspeed")
 
@@ -41,6 +42,7 @@ def install(**options: Any) -> None:
     original = deepspeed.initialize
     signature = inspect.signature(original)
     default = {"enabled": True, **options}
+    UniversalConfig(**default)  # a bad option fails here, not when the framework builds its engine
 
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> tuple:
