@@ -203,6 +203,9 @@ def test_tp_checkpoint_without_metadata_needs_rules(gpt_sources, tmp_path, capsy
     assert "decoder.layers.0.self_attention.linear_qkv.weight" in err and "--layout-rules" in err
     assert not list(bare.glob("*.universal"))
     rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([{"match": ".*", "layout": "sideways"}]))
+    assert cli_main(["convert", str(bare), "--layout-rules", str(rules), "--no-progress"]) == 2
+    assert f"{rules}: bad layout rules: layout rule 0" in capsys.readouterr().err
     rules.write_text(json.dumps(GPT_TP_RULES))
     out = tmp_path / "from_rules"
     assert cli_main(["convert", str(bare), "--layout-rules", str(rules), "--output", str(out), "--no-progress"]) == 0
