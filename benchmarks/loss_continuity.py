@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import datetime
 import json
 import subprocess
 import sys
@@ -192,8 +193,10 @@ def plot(path: Path, exp: Experiment, logs: dict, resume_at: int) -> None:
     plt.close(fig)
 
 
-def table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"Max |loss difference| against the uninterrupted run over steps {args.resume_at + 1}-{args.steps}:", "",
+def table(report: dict) -> str:
+    rows, first, last = report["runs"], report["resume_at"] + 1, report["steps"]
+    lines = [f"Measured {report['date']}: {report['launches']} launches in {report['seconds']} s on 2 CPU cores. "
+             f"Max |loss difference| against the uninterrupted run over steps {first}-{last}:", "",
              "| experiment | source | resumed at | max abs | max rel |", "|---|---|---|---|---|"]
     lines += [f"| {r['experiment']} | {r['source']} | {r['target']} | {r['max_abs']:.1e} | {r['max_rel']:.1e} |"
               for r in rows]
@@ -235,12 +238,11 @@ def main() -> None:
     write_csv(out / "losses.csv", plan, logs)
     for exp in plan:
         plot(out / f"{exp.name}.png", exp, logs, args.resume_at)
-    elapsed = time.perf_counter() - start
-    (out / "results.json").write_text(json.dumps({"steps": args.steps, "resume_at": args.resume_at,
-                                                  "seconds": round(elapsed), "runs": rows}, indent=1))
-    text = table(rows, args)
-    print(text)
-    print(f"{len(logs)} launches in {elapsed:.0f} s", flush=True)
+    report = {"date": datetime.date.today().isoformat(), "steps": args.steps, "resume_at": args.resume_at,
+              "launches": len(logs), "seconds": round(time.perf_counter() - start), "runs": rows}
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    text = table(report)
+    print(text, flush=True)
     if args.update_readme:
         update_readme(text)
     worst = max(r["max_abs"] for r in rows)
