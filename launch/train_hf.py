@@ -160,14 +160,19 @@ def do_accelerate(args: argparse.Namespace) -> None:
         accelerator.load_state(args.resume)
         step = net.global_steps
         save_probe(args.out, f"resumed_step{step}.pt", snapshot(net))
+        # what each process restored from random_states_<i>.pkl, before this loop draws anything
+        torch.save({"rng": torch.random.get_rng_state(), "step": accelerator.step},
+                   os.path.join(args.out, f"restored_rank{accelerator.process_index}.pt"))
     batches = iter(loader)
     for _ in range(step):
         next(batches)  # the same samples in the same order: the global batch is fixed
     while step < args.steps:
-        loss = net(**next(batches)).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        torch.rand(1)  # a draw per step, as dropout would, so a process that restores no RNG state shows
+        with accelerator.accumulate(net):  # counts accelerator.step, which save_state keeps
+            loss = net(**next(batches)).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
         step += 1
         losses[step] = accelerator.reduce(loss.detach(), reduction="mean").item()
         if step == args.save_at:

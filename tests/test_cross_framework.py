@@ -115,30 +115,41 @@ def test_accelerate_resumes_at_another_world_size_and_stage(tmp_path):
     _hf(2, "accelerate", "--out", str(tmp_path / "src"), "--zero", "2")
     _hf(3, "accelerate", "--out", str(tmp_path / "dst"), "--zero", "3", "--resume", str(tmp_path / "src" / "state-4"))
     _check_resume(tmp_path / "src", tmp_path / "dst", "zero2 dp=2 fp32", "zero3 dp=3 fp32")
+    # the third process has no random_states_2.pkl; it continues from saved process 0's RNG and step
+    for rank, saved in ((0, 0), (1, 1), (2, 0)):
+        states = torch.load(tmp_path / "src" / "state-4" / f"random_states_{saved}.pkl", weights_only=False)
+        restored = torch.load(tmp_path / "dst" / f"restored_rank{rank}.pt", weights_only=False)
+        assert restored["step"] == states["step"] == 4, rank
+        assert torch.equal(restored["rng"], states["torch_manual_seed"]), rank
 
 
 def test_install_is_idempotent_and_undone_by_uninstall():
+    import accelerate.accelerator
     import deepspeed
     import transformers.trainer
 
     import ucp_deepspeed
     from ucp_deepspeed.integrations import installed
 
-    original, rng = deepspeed.initialize, transformers.trainer.Trainer._load_rng_state
+    def patched() -> tuple:
+        return (deepspeed.initialize, transformers.trainer.Trainer._load_rng_state,
+                accelerate.accelerator.load_accelerator_state)
+
+    original = patched()
     assert not installed()
     try:
         ucp_deepspeed.install()
-        patched = deepspeed.initialize
-        assert patched is not original and transformers.trainer.Trainer._load_rng_state is not rng
+        first = patched()
+        assert all(new is not old for new, old in zip(first, original))
         ucp_deepspeed.install()
-        assert deepspeed.initialize is patched
+        assert all(new is old for new, old in zip(patched(), first))
     finally:
         ucp_deepspeed.uninstall()
-    assert deepspeed.initialize is original and transformers.trainer.Trainer._load_rng_state is rng
+    assert all(new is old for new, old in zip(patched(), original))
     assert not installed()
     with pytest.raises(ValueError, match="workerz"):
         ucp_deepspeed.install(workerz=2)
-    assert deepspeed.initialize is original and not installed()
+    assert patched() == original and not installed()
 
 
 def test_rng_file_for_another_world_size(tmp_path):

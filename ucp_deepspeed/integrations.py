@@ -6,9 +6,11 @@ to the training script. A config may still say `"checkpoint": {"universal": fals
 options. Accelerate looks `deepspeed.initialize` up at call time; code that imported the function
 by name before `install()` keeps DeepSpeed's own.
 
-HF Trainer also keeps one RNG file per process (`rng_state_<i>.pth`, or `rng_state.pth` for one
-process). At a new world size some processes would find none, so `install()` also lets such a
-process restore the state of saved process `i mod n` instead of none.
+HF Trainer and Accelerate also keep one RNG file per process (`rng_state_<i>.pth`, or
+`rng_state.pth` for one process; `random_states_<i>.pkl`, which also holds Accelerate's step
+count). At a larger world size the new processes would find none and keep their seeded state, and
+an Accelerate process would also keep step 0 while the others continue. `install()` lets such a
+process restore the files of saved process `i mod n` instead.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import inspect
 import logging
 import os
 import re
-import sys
 import tempfile
 from typing import Any
 
@@ -28,7 +29,7 @@ from ucp_deepspeed.config import UniversalConfig
 
 log = logging.getLogger("ucp_deepspeed")
 
-_saved: dict[str, Any] = {}  # what install() replaced, for uninstall()
+_saved: dict[str, tuple[Any, str, Any]] = {}  # what install() replaced: key -> (owner, attribute, original)
 
 
 def install(**options: Any) -> None:
@@ -49,26 +50,33 @@ def install(**options: Any) -> None:
         bound = signature.bind_partial(*args, **kwargs).arguments
         return engine.initialize(default_universal=default, **bound)
 
-    _saved["initialize"] = original
-    deepspeed.initialize = initialize
-    trainer = sys.modules.get("transformers.trainer")
-    if trainer is None:
-        try:
-            import transformers.trainer as trainer
-        except ImportError:
-            return
-    _saved["_load_rng_state"] = trainer.Trainer._load_rng_state
-    trainer.Trainer._load_rng_state = _load_rng_state_any_world(trainer.Trainer._load_rng_state)
+    _replace("initialize", deepspeed, "initialize", initialize)
+    try:
+        import transformers.trainer as trainer
+    except ImportError:
+        pass
+    else:
+        _replace("trainer_rng", trainer.Trainer, "_load_rng_state",
+                 _load_rng_state_any_world(trainer.Trainer._load_rng_state))
+    try:
+        import accelerate.accelerator as accelerator  # Accelerator.load_state calls this module's name
+    except ImportError:
+        pass
+    else:
+        _replace("accelerate_state", accelerator, "load_accelerator_state",
+                 _load_accelerator_state_any_world(accelerator.load_accelerator_state))
 
 
 def uninstall() -> None:
-    """Give `deepspeed.initialize` (and the Trainer's RNG restore) back their original behaviour."""
-    if "initialize" in _saved:
-        deepspeed.initialize = _saved.pop("initialize")
-    if "_load_rng_state" in _saved:
-        import transformers.trainer as trainer
+    """Give `deepspeed.initialize` and the frameworks' RNG restores back their original behaviour."""
+    for key in list(_saved):
+        owner, attribute, original = _saved.pop(key)
+        setattr(owner, attribute, original)
 
-        trainer.Trainer._load_rng_state = _saved.pop("_load_rng_state")
+
+def _replace(key: str, owner: Any, attribute: str, new: Any) -> None:
+    _saved[key] = (owner, attribute, getattr(owner, attribute))
+    setattr(owner, attribute, new)
 
 
 def installed() -> bool:
@@ -76,15 +84,23 @@ def installed() -> bool:
     return "initialize" in _saved
 
 
+def saved_process_index(directory: str, stem: str, suffix: str, process_index: int) -> int | None:
+    """Whose per-process file `<stem>_<i><suffix>` a process restores: its own, else saved process i mod n's."""
+    pattern = re.compile(rf"{re.escape(stem)}_(\d+){re.escape(suffix)}")
+    saved = sorted(int(m.group(1)) for f in os.listdir(directory) if (m := pattern.fullmatch(f)))
+    if not saved:
+        return None
+    return process_index if process_index in saved else saved[process_index % len(saved)]
+
+
 def saved_rng_file(checkpoint: str, process_index: int, world_size: int) -> str | None:
     """The Trainer RNG file a process should restore at this world size: its own, else saved process i mod n."""
-    own = os.path.join(checkpoint, f"rng_state_{process_index}.pth" if world_size > 1 else "rng_state.pth")
-    if os.path.isfile(own):
-        return own
-    saved = sorted(int(m.group(1)) for f in os.listdir(checkpoint) if (m := re.fullmatch(r"rng_state_(\d+)\.pth", f)))
-    if saved:
-        return os.path.join(checkpoint, f"rng_state_{saved[process_index % len(saved)]}.pth")
     single = os.path.join(checkpoint, "rng_state.pth")
+    if world_size == 1 and os.path.isfile(single):
+        return single
+    index = saved_process_index(checkpoint, "rng_state", ".pth", process_index)
+    if index is not None:
+        return os.path.join(checkpoint, f"rng_state_{index}.pth")
     return single if os.path.isfile(single) else None
 
 
@@ -105,3 +121,20 @@ def _load_rng_state_any_world(original: Any) -> Any:
             return original(self, tmp)
 
     return _load_rng_state
+
+
+def _load_accelerator_state_any_world(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load_accelerator_state(*args: Any, **kwargs: Any) -> dict:
+        bound = signature.bind(*args, **kwargs)
+        directory, index = os.fspath(bound.arguments["input_dir"]), bound.arguments["process_index"]
+        found = saved_process_index(directory, "random_states", ".pkl", index) if os.path.isdir(directory) else None
+        if found is not None and found != index:
+            log.info("ucp: process %d restores the random states saved as random_states_%d.pkl (saved at "
+                     "another world size)", index, found)
+            bound.arguments["process_index"] = found  # accelerate uses it only to name that file
+        return original(*bound.args, **bound.kwargs)
+
+    return load_accelerator_state
