@@ -14,7 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ucp_deepspeed", "ucp_deepspeed.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.1", "deepspeed>=0.16", "safetensors>=0.4", "pydantic>=2", "tqdm"],
-    extras_require={"megatron": ["megatron-core>=0.16"], "test": ["pytest>=8", "megatron-core>=0.16", "transformers>=4.45", "accelerate>=1.1", "matplotlib>=3.7"]},
+    install_requires=["torch>=2.5", "deepspeed>=0.16", "safetensors>=0.4", "pydantic>=2", "tqdm", "isal>=1.6"],
+    extras_require={"megatron": ["megatron-core>=0.16"], "test": ["pytest>=8", "hypothesis>=6", "megatron-core>=0.16", "transformers>=4.45", "accelerate>=1.1", "matplotlib>=3.7"]},
     entry_points={"console_scripts": ["ucp=ucp_deepspeed.cli:main"]},
 )

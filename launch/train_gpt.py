@@ -354,12 +354,12 @@ def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int, background: b
     if background:
         original_write = ucp_deepspeed.async_save.write_file
 
-        def write_file(path: str, state: dict, zipfile_serialization: bool) -> None:
+        def write_file(path: str, state: dict, zipfile_serialization: bool, save_id: str = "") -> None:
             if doomed(path):
                 buf = io.BytesIO()
                 torch.save(state, buf)
                 die(buf.getbuffer()[: buf.tell()], f"{path}.tmp.partial", linger=2.0)
-            original_write(path, state, zipfile_serialization)
+            original_write(path, state, zipfile_serialization, save_id)
 
         ucp_deepspeed.async_save.write_file = write_file
         return

@@ -7,6 +7,8 @@ Used by launch/demo.sh and by the end-to-end tests (one torchrun launch per layo
     load  --source DIR/NAME ... --variant NAME: build the engine at this launch's layout, load,
           compare every state with the reference using torch.equal, continue CONT steps, compare
           losses; rank 0 writes one JSON result per source to --results
+    load --expect-error --source DIR[#TAG] ...: load each (damaged or hostile) checkpoint and record
+          the error every rank raised (they must agree), or null if it loaded
 
 One launch handles several checkpoints, because each launch pays for importing DeepSpeed.
 """
@@ -36,6 +38,7 @@ CONT = 3
 VARIANTS = {
     "z0": {"stage": 0, "dtype": "fp32"},
     "z1": {"stage": 1, "dtype": "fp32"},
+    "z1b": {"stage": 1, "dtype": "fp32", "seed": 99, "early": 2},  # another run of z1; also saved at step 2
     "z2": {"stage": 2, "dtype": "fp32"},
     "z3": {"stage": 3, "dtype": "fp32"},
     "bf16z1": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True},
@@ -125,7 +128,7 @@ def build(variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1,
     """The engine of a variant; `stock` builds it with plain DeepSpeed loading its universal format, `plain`
     with plain DeepSpeed and no ucp_deepspeed at all (its checkpoints carry no ucp metadata)."""
     variant = VARIANTS[variant_name]
-    torch.manual_seed(1234)
+    torch.manual_seed(variant.get("seed", 1234))
     model = TinyMoE(ep, hidden, experts) if variant.get("moe") else TinyLM(hidden)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
@@ -227,9 +230,13 @@ def client_state(engine: deepspeed.DeepSpeedEngine) -> dict:
 def do_save(args: argparse.Namespace) -> None:
     for name in args.variant:
         engine = build(name, ep=args.ep, plain=args.plain)
-        losses = train(engine, STEPS)
-        snap = snapshot(engine)
         ckpt = os.path.join(args.out, name)
+        early = VARIANTS[name].get("early", 0)
+        if early:
+            train(engine, early)
+            engine.save_checkpoint(ckpt, client_state=client_state(engine))
+        losses = train(engine, STEPS - early)
+        snap = snapshot(engine)
         engine.save_checkpoint(ckpt, client_state=client_state(engine),
                                exclude_frozen_parameters=VARIANTS[name].get("exclude_frozen", False))
         if dist.get_rank() == 0:
@@ -275,7 +282,28 @@ def do_stock(args: argparse.Namespace) -> None:
                        "tensors": count_tensors({**snaps[0], "lp": {}, "buffers": {}})}, f, indent=1)
 
 
+def do_expect_error(args: argparse.Namespace) -> None:
+    """Load each source (`DIR` or `DIR#TAG`) that should fail; every rank must raise the same error."""
+    outcomes = []
+    for source in args.source:
+        load_dir, _, tag = source.partition("#")
+        engine = build(args.variant[0])
+        try:
+            engine.load_checkpoint(load_dir, tag=tag or None)
+            error = None
+        except ucp_deepspeed.CheckpointError as exc:
+            error = str(exc)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)
+        outcomes.append({"source": source, "errors": everyone})
+    if dist.get_rank() == 0:
+        with open(args.results, "w") as f:
+            json.dump(outcomes, f, indent=1)
+
+
 def do_load(args: argparse.Namespace) -> None:
+    if args.expect_error:
+        return do_expect_error(args)
     if args.mismatch:
         return do_mismatch(args)
     if args.stock:
@@ -315,6 +343,7 @@ def main() -> None:
     parser.add_argument("--mismatch", action="store_true",
                         help="load into a wider model (MoE: twice the experts); expect a clear error")
     parser.add_argument("--stock", action="store_true", help="load DeepSpeed universal folders with plain DeepSpeed")
+    parser.add_argument("--expect-error", action="store_true", help="load damaged checkpoints; record each error")
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
     args = parser.parse_args()

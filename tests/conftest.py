@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_tiny.py"
 GPT_WORKER = ROOT / "launch" / "train_gpt.py"
 SOURCE_DP = 2
-SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "sgdz2", "z2nofrozen")
+SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "sgdz2", "z2nofrozen", "z1b")
 
 
 def torch_env() -> dict[str, str]:
@@ -41,6 +43,22 @@ def torchrun(nproc: int, *args: str, timeout: int = 300, attempts: int = 1,
         if attempt < attempts:
             print(f"torchrun {' '.join(args)} failed on attempt {attempt}, retrying:\n{tail}", file=sys.stderr)
     pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{tail}")
+
+
+def swap_pickle(path: Path, data: bytes) -> None:
+    """Replace a real torch file's pickle with `data`, keeping its tensor records (the zip CRCs match)."""
+    with zipfile.ZipFile(path) as zf:
+        entries = [(i.filename, zf.read(i)) for i in zf.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, content in entries:
+            zf.writestr(name, data if name.endswith("data.pkl") else content)
+
+
+def popen_payload(target: Path) -> bytes:
+    """The exploit of issue 17: a global under an allowed prefix whose dotted name is `subprocess.Popen`,
+    called to create `target`."""
+    args = pickle.dumps((["sh", "-c", f"touch {target}"],), protocol=2)[2:-1]
+    return b"\x80\x02cdeepspeed.launcher.runner\nsubprocess.Popen\n" + args + b"R."
 
 
 def load_results(path: Path) -> list[dict]:

@@ -69,7 +69,7 @@ def test_background_writes_then_commit(tmp_path):
 
 
 def test_failed_write_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
-    def disk_full(path: str, state: dict, zipfile_serialization: bool) -> None:
+    def disk_full(path: str, state: dict, zipfile_serialization: bool, save_id: str = "") -> None:
         with ucp_deepspeed.async_save.atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
                 f.write(b"partial")

@@ -118,7 +118,7 @@ def test_missing_or_corrupt_delta_is_an_error(saved, tmp_path):
     data = bytearray(table.read_bytes())
     data[-3] ^= 0xFF
     table.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"corrupt chain element.*global_step6.*crc32"):
+    with pytest.raises(CheckpointError, match=r"global_step6/tables/.*fails its crc32 check"):
         materialize(str(ckpt), "global_step8", str(tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
@@ -145,3 +145,29 @@ def test_inspect_shows_the_chain_and_convert_materializes(saved, tmp_path):
     verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "verify", str(out)], env=torch_env(),
                             capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_reused_full_copy_and_replaced_elements_are_caught(saved, tmp_path, capsys):
+    """A load reuses `<tag>.universal`, the chain's full copy: its reads are checked like any universal folder's,
+    and `ucp verify` covers it. An element replaced by another run's save of the same tag breaks the chain."""
+    from ucp_deepspeed.cli import main as cli_main
+    from ucp_deepspeed.universal import UniversalCheckpoint
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["one_shot"], ckpt)
+    copy = Path(materialize(str(ckpt), "global_step8", str(ckpt / "global_step8.universal")))
+    victim = copy / "params" / f"{TABLES[0]}.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-9] ^= 0x10
+    victim.write_bytes(bytes(data))
+    assert materialize(str(ckpt), "global_step8", str(copy)) == str(copy), "an unchanged chain reuses its copy"
+    with pytest.raises(CheckpointError, match="fails its crc32 check") as err:
+        UniversalCheckpoint(str(copy)).read(TABLES[0], "fp32")
+    assert err.value.path == str(victim)
+    assert cli_main(["verify", str(ckpt), "--tag", "global_step8"]) == 1
+    assert str(victim) in capsys.readouterr().out
+
+    shutil.rmtree(ckpt / "global_step2")
+    shutil.copytree(saved["intermittent"] / "global_step2", ckpt / "global_step2")  # another run's baseline
+    with pytest.raises(CheckpointError, match="was replaced after the chain was written"):
+        chain(str(ckpt), "global_step8")

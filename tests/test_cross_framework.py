@@ -10,12 +10,15 @@ losses within 1e-5 of the uninterrupted run.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, load_results, torchrun
+from conftest import ROOT, load_results, popen_payload, swap_pickle, torch_env, torchrun
 from ucp_deepspeed.cli import main as cli_main
 
 
@@ -100,6 +103,21 @@ def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, 
     # for rng_state.pth and would restore nothing
     saved_rng = torch.load(checkpoint / "rng_state_0.pth", weights_only=False)["cpu"]
     assert torch.equal(torch.load(tmp_path / "rng_resumed.pt", weights_only=False), saved_rng)
+
+
+def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
+    """A Trainer resume at the saved layout runs DeepSpeed's own load, which reads through ucp_deepspeed's checks:
+    a crafted pickle in the model states is refused on every rank, and nothing it names runs."""
+    source = tmp_path / "source"
+    shutil.copytree(trainer_runs / "installed" / "checkpoint-4", source)
+    swap_pickle(source / "global_step4" / "mp_rank_00_model_states.pt", popen_payload(tmp_path / "pwned"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HF_WORKER),
+           "train", "--out", str(tmp_path / "out"), "--zero", "2", "--resume", str(source)]
+    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    refusal = "mp_rank_00_model_states.pt: refusing to unpickle global 'deepspeed.launcher.runner.subprocess.Popen'"
+    assert (proc.stdout + proc.stderr).count(refusal) >= 2, (proc.stdout + proc.stderr)[-3000:]  # both ranks
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_trainer_resumes_a_checkpoint_saved_without_ucp(trainer_runs, tmp_path):

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from ucp_deepspeed import convert
 from ucp_deepspeed.cli import main as cli_main
 from ucp_deepspeed.diff import diff
+from ucp_deepspeed.universal import record_bytes
 
 
 def test_diff_finds_exactly_what_changed(sources, tmp_path, capsys):
@@ -26,6 +27,9 @@ def test_diff_finds_exactly_what_changed(sources, tmp_path, capsys):
     tensors = load_file(path)
     tensors["exp_avg"].view(-1)[3] += 0.25
     save_file(tensors, path)  # same shapes and dtypes, so the same size as the manifest says
+    relpath = manifest["params"][name]["file"]
+    manifest["files"][relpath] = record_bytes(relpath, path.read_bytes()).to_json()  # as if saved that way
+    (changed / "manifest.json").write_text(json.dumps(manifest))
 
     report = diff(copy, str(changed))
     differing = [s for s in report.states if not s.equal]

@@ -22,6 +22,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.sources.torch_file import stamp
 from ucp_deepspeed.universal import atomic_path
 
 
@@ -49,10 +50,13 @@ def snapshot(obj: Any, storages: dict[tuple, torch.UntypedStorage] | None = None
     return copy.deepcopy(obj)
 
 
-def write_file(path: str, state: Any, zipfile_serialization: bool) -> None:
-    """`torch.save` one checkpoint file atomically (module-level so tests can interrupt it)."""
+def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str = "") -> None:
+    """`torch.save` one checkpoint file atomically, stamped with its save id (module-level so tests can
+    interrupt it)."""
     with atomic_path(path) as tmp:
         torch.save(state, tmp, _use_new_zipfile_serialization=zipfile_serialization)
+        if save_id:
+            stamp(tmp, save_id)
 
 
 class AsyncCheckpointEngine(TorchCheckpointEngine):
@@ -61,6 +65,7 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
     def __init__(self, config_params: object = None) -> None:
         super().__init__(config_params)
         self.name = "UcpAsyncCheckpointEngine"
+        self.stamps_itself = True  # the file exists only once the writer thread has written it
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-async-save")
         self._writes: list[tuple[str, Future]] = []
         self._pending: CheckpointCommitInfo | None = None
@@ -80,7 +85,9 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
     def save(self, state_dict: dict, path: str) -> None:
         """Copy to host memory now, write later."""
         state = snapshot(state_dict)
-        self._writes.append((path, self._writer.submit(write_file, path, state, self.zipfile_serialization)))
+        guard = getattr(self, "ucp_guard", None)
+        self._writes.append((path, self._writer.submit(write_file, path, state, self.zipfile_serialization,
+                                                       guard.save_id if guard is not None else "")))
 
     def wait(self) -> None:
         """Block until this rank's queued files are written (or have failed)."""

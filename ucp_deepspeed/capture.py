@@ -128,7 +128,8 @@ def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
             out.append(slot)
             continue
         for ep_rank, ranks in sorted(files[group].items()):
-            out.append(dataclasses.replace(slot, name=block.rename(local, ep_rank), ranks=ranks))
+            name = block.rename(local, ep_rank)  # `local` stays the name in the module of the ranks holding it
+            out.append(dataclasses.replace(slot, name=name, local=local if local != name else "", ranks=ranks))
     return out
 
 

@@ -3,9 +3,10 @@
 Every Check-N-Run save (see `differential.py`) is a tag folder in the universal format, marked by
 `.ucp_checkn_run` (written first) and completed by its manifest (written last). The manifest's
 `differential` section says whether the folder is a baseline or a delta and lists, in `chain`, the
-tags a restore needs, baseline first. A delta's tables hold only some rows (`rows`), possibly with
-quantized fp32 values. `materialize` checks every file of the chain (presence, size, crc32) and
-writes the full tables, plus copies of the dense files, as an ordinary universal checkpoint.
+tags a restore needs, baseline first, and in `chain_ids` their save ids. A delta's tables hold only
+some rows (`rows`), possibly with quantized fp32 values. `materialize` reads every file of the chain
+through its block CRCs and writes the full tables, plus copies of the dense files, as an ordinary
+universal checkpoint.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import shutil
 from typing import Any
 
 import torch
-from safetensors import safe_open
-
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.meta import CHECKN_RUN_MARKER as MARKER, FP32
 from ucp_deepspeed.quantize import dequantize, from_tensors
-from ucp_deepspeed.universal import BUFFERS, MANIFEST, STATE, file_record, param_file, write_manifest, write_tensors
+from ucp_deepspeed.checksum import crc32
+from ucp_deepspeed.paths import INTENT
+from ucp_deepspeed.universal import (BUFFERS, MANIFEST, STATE, Folder, atomic_write, copy_checked, param_file,
+                                     read_manifest, write_manifest, write_tensors)
 
 
 def is_element(tag_dir: str) -> bool:
@@ -32,31 +34,38 @@ def is_element(tag_dir: str) -> bool:
 def read_element(ckpt_dir: str, tag: str) -> dict[str, Any]:
     """One chain element's manifest, after checking that every file it lists is there at its size."""
     root = os.path.join(ckpt_dir, tag)
+    manifest = read_manifest(root)
     path = os.path.join(root, MANIFEST)
-    if not os.path.isfile(path):
-        raise CheckpointError(path, "manifest missing: the checkpoint was not written completely")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(path, f"manifest is not valid JSON ({exc})") from None
-    if "differential" not in manifest:
+    if not isinstance(manifest.get("differential"), dict):
         raise CheckpointError(path, "not a Check-N-Run checkpoint (no 'differential' section)")
-    for relpath, want in manifest["files"].items():
+    for relpath, want in Folder(root, manifest).records.items():
         file = os.path.join(root, relpath)
         if not os.path.isfile(file):
             raise CheckpointError(file, f"file of chain element {tag} is missing")
-        if os.path.getsize(file) != want["bytes"]:
-            raise CheckpointError(file, f"size {os.path.getsize(file)} differs from manifest ({want['bytes']}): "
+        if os.path.getsize(file) != want.nbytes:
+            raise CheckpointError(file, f"size {os.path.getsize(file)} differs from manifest ({want.nbytes}): "
                                   "truncated or replaced")
     return manifest
 
 
 def chain(ckpt_dir: str, tag: str) -> list[tuple[str, dict[str, Any]]]:
-    """The elements a restore of `tag` needs, baseline first, each checked for presence and size."""
+    """The elements a restore of `tag` needs, baseline first, each checked for presence and size.
+
+    Each element's manifest records its own save id and the ids of the elements before it, so an
+    element replaced by one from another run (or an older save of the same tag) is refused.
+    """
     target = read_element(ckpt_dir, tag)
-    tags = target["differential"]["chain"]
+    section = target["differential"]
+    tags = section.get("chain")
+    ids = section.get("chain_ids")
+    if not isinstance(tags, list) or not tags or tags[-1] != tag or (ids is not None and len(ids) != len(tags)):
+        raise CheckpointError(os.path.join(ckpt_dir, tag, MANIFEST), "malformed chain in the 'differential' section")
     elements = [(t, read_element(ckpt_dir, t) if t != tag else target) for t in tags]
+    for i, (t, manifest) in enumerate(elements):
+        if ids is not None and manifest.get("save_id") != ids[i]:
+            raise CheckpointError(os.path.join(ckpt_dir, t, MANIFEST),
+                                  f"is save {manifest.get('save_id')}, but {tag} was written on top of save {ids[i]}: "
+                                  "this element was replaced after the chain was written")
     if elements[0][1]["differential"]["kind"] != "baseline":
         raise CheckpointError(os.path.join(ckpt_dir, tags[0]), "first element of the chain is not a baseline")
     return elements
@@ -69,28 +78,16 @@ def require_rows(path: str, rows: torch.Tensor, total: int) -> None:
 
 
 def crc_problems(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Files of the chain whose crc32 differs from their element's manifest."""
-    problems = []
-    for tag, manifest in elements:
-        root = os.path.join(ckpt_dir, tag)
-        for relpath, want in manifest["files"].items():
-            if file_record(root, relpath).crc32 != want["crc32"]:
-                problems.append(f"{os.path.join(root, relpath)}: crc32 does not match the manifest")
-    return problems
+    """Files of the chain whose blocks do not match their element's manifest."""
+    return [p for tag, manifest in elements for p in Folder(os.path.join(ckpt_dir, tag), manifest).verify()]
 
 
-def _verify(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> None:
-    problems = crc_problems(ckpt_dir, elements)
-    if problems:
-        raise CheckpointError(os.path.join(ckpt_dir, elements[-1][0]), "corrupt chain element: " + "; ".join(problems))
-
-
-def _table_rows(root: str, name: str, record: dict[str, Any]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+def _table_rows(folder: Folder, name: str, record: dict[str, Any]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """Row index (None: all rows) and fp32 (dequantized) and state values of one table in one element."""
-    path = os.path.join(root, record["file"])
+    handle = folder.file(record["file"])
+    path = handle.path
     table = record["table"]
-    with safe_open(path, framework="pt") as f:
-        stored = {k: f.get_tensor(k) for k in f.keys()}
+    stored = {k: handle.full(k) for k in handle.keys()}
     rows = stored.pop("rows", None)
     if table["partial"] != (rows is not None):
         raise CheckpointError(path, "row index presence does not match the manifest")
@@ -116,44 +113,56 @@ def _table_rows(root: str, name: str, record: dict[str, Any]) -> tuple[torch.Ten
 
 
 def materialize(ckpt_dir: str, tag: str, out: str) -> str:
-    """Replay the chain of `tag` into a plain universal checkpoint at `out` (reused if already made)."""
+    """Replay the chain of `tag` into a plain universal checkpoint at `out` (reused if already made).
+
+    Every file of the chain is read through its manifest's block CRCs as it is replayed.
+    """
     elements = chain(ckpt_dir, tag)
-    fingerprint = [[t, file_record(os.path.join(ckpt_dir, t), MANIFEST).crc32] for t, _ in elements]
-    done = os.path.join(out, MANIFEST)
-    if os.path.isfile(done):
-        with open(done) as f:
-            if json.load(f).get("source", {}).get("chain") == fingerprint:
-                return out
+    fingerprint = [[t, manifest.get("save_id") or _manifest_crc(os.path.join(ckpt_dir, t))] for t, manifest in elements]
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        if read_manifest(out).get("source", {}).get("chain") == fingerprint:
+            return out
         shutil.rmtree(out)
-    _verify(ckpt_dir, elements)
+    folders = [(t, Folder(os.path.join(ckpt_dir, t), manifest), manifest) for t, manifest in elements]
     target = elements[-1][1]
-    root = os.path.join(ckpt_dir, tag)
+    here = folders[-1][1]
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, INTENT)):
+        raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
     os.makedirs(out, exist_ok=True)
+    atomic_write(os.path.join(out, INTENT), json.dumps({"source": os.path.join(ckpt_dir, tag),
+                                                        "chain": fingerprint}).encode())
     records, params = [], {}
-    for name, record in target["params"].items():
-        record = dict(record)
-        if "table" in record:
-            full: dict[str, torch.Tensor] = {}
-            for t, manifest in elements:
-                rows, values = _table_rows(os.path.join(ckpt_dir, t), name, manifest["params"][name])
-                if rows is None:
-                    full = values
-                else:
-                    for key, value in values.items():
-                        full[key][rows] = value
-            record.pop("table")
-            record["file"] = param_file(name)
-            records.append(write_tensors(out, record["file"], full))
-        else:
-            os.makedirs(os.path.dirname(os.path.join(out, record["file"])), exist_ok=True)
-            shutil.copyfile(os.path.join(root, record["file"]), os.path.join(out, record["file"]))
-            records.append(file_record(out, record["file"]))
-        params[name] = record
-    for relpath in (BUFFERS, STATE):
-        shutil.copyfile(os.path.join(root, relpath), os.path.join(out, relpath))
-        records.append(file_record(out, relpath))
-    body = {k: v for k, v in target.items() if k not in ("differential", "files", "format", "version")}
+    try:
+        for name, record in target["params"].items():
+            record = dict(record)
+            if "table" in record:
+                full: dict[str, torch.Tensor] = {}
+                for t, folder, manifest in folders:
+                    rows, values = _table_rows(folder, name, manifest["params"][name])
+                    if rows is None:
+                        full = {k: v.clone() for k, v in values.items()}
+                    else:
+                        for key, value in values.items():
+                            full[key][rows] = value
+                record.pop("table")
+                record["file"] = param_file(name)
+                records.append(write_tensors(out, record["file"], full))
+            else:
+                records.append(copy_checked(here, record["file"], out))
+            params[name] = record
+        for relpath in (BUFFERS, STATE):
+            records.append(copy_checked(here, relpath, out))
+    finally:
+        for _, folder, _ in folders:
+            folder.close()
+    body = {k: v for k, v in target.items() if k not in ("differential", "files", "format", "version", "block_size")}
     body["params"] = params
     body["source"] = dict(body["source"], chain=fingerprint, differential=target["differential"])
     write_manifest(out, body, records)
+    os.unlink(os.path.join(out, INTENT))
     return out
+
+
+def _manifest_crc(root: str) -> str:
+    with open(os.path.join(root, MANIFEST), "rb") as f:
+        return f"{crc32(f.read()):08x}"

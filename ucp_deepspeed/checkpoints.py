@@ -2,8 +2,9 @@
 
 A job killed while saving leaves a tag folder with missing or truncated rank files, and DeepSpeed
 may already have pointed `latest` at it. A tag counts as complete when every model-parallel rank's
-metadata is there and every rank file opens as a whole torch archive (its zip directory and its
-pickle read without error; tensor bytes are checked by the archive's own sizes when read).
+metadata is there and every rank file opens as a whole torch archive of this save (its zip
+directory and pickle read and check out, it carries the save id, and it agrees with the metadata;
+tensor bytes are checked against their CRCs when read).
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import shutil
 from ucp_deepspeed.chain import chain, is_element
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
-from ucp_deepspeed.sources.torch_file import TorchFile
 
 log = logging.getLogger("ucp_deepspeed")
 _STEP = re.compile(r"(\d+)$")
@@ -30,17 +30,9 @@ def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
             return str(exc)
         return None
     try:
-        src = NativeCheckpoint(ckpt_dir, tag)
+        NativeCheckpoint(ckpt_dir, tag).close()
     except CheckpointError as exc:
         return str(exc)
-    try:
-        for path in src.source_files():
-            if path.endswith(".pt"):
-                TorchFile(path).close()
-    except CheckpointError as exc:
-        return str(exc)
-    finally:
-        src.close()
     return None
 
 
@@ -96,6 +88,4 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
                      os.path.join(ckpt_dir, f"{tag}_universal")):
             if os.path.isdir(path):
                 shutil.rmtree(path)
-            if os.path.isfile(f"{path}.lock"):
-                os.unlink(f"{path}.lock")
     return doomed

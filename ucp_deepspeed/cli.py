@@ -9,14 +9,15 @@ import os
 import sys
 from typing import Any
 
-from ucp_deepspeed.chain import chain, crc_problems, is_element, read_element
+from ucp_deepspeed.chain import chain, crc_problems, read_element
 from ucp_deepspeed.convert import convert
 from ucp_deepspeed.diff import DiffReport, diff
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.hf_export import export_hf
 from ucp_deepspeed.hf_import import import_hf
 from ucp_deepspeed.interop import export_deepspeed
-from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
+from ucp_deepspeed.paths import locate
+from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint
 
 
@@ -30,19 +31,17 @@ def _size(nbytes: float) -> str:
 
 def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
     """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only."""
-    if tag is not None and is_element(os.path.join(path, tag)):
-        path = os.path.join(path, tag)
-    if is_element(path):
-        ckpt_dir, tag = os.path.split(os.path.abspath(path))
-        m = read_element(ckpt_dir, tag)
+    found = locate(path, tag)
+    if found.kind == "checkn_run":
+        m = read_element(found.root, found.tag)
         params = {n: {"shape": r["shape"], "dtype": r["dtype"], "keys": r["keys"], "trainable": r["trainable"],
                       "bytes": m["files"][r["file"]]["bytes"], "table": r.get("table")} for n, r in m["params"].items()}
-        return {"kind": "check-n-run", "path": os.path.join(ckpt_dir, tag), "source_topology": m["source"]["topology"],
+        return {"kind": "check-n-run", "path": found.path, "source_topology": m["source"]["topology"],
                 "counters": m["counters"], "param_groups": len(m["param_groups"]), "params": params,
                 "buffers": list(m["buffers"]), "tied": m["tied"], "differential": m["differential"],
                 "total_bytes": sum(f["bytes"] for f in m["files"].values()), "files": len(m["files"])}
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        ckpt = UniversalCheckpoint(path)
+    if found.kind == "universal":
+        ckpt = UniversalCheckpoint(found.path)
         m = ckpt.manifest
         params = {n: {"shape": r["shape"], "dtype": r["dtype"], "keys": r["keys"], "trainable": r["trainable"],
                       "bytes": m["files"][r["file"]]["bytes"]} for n, r in ckpt.params.items()}
@@ -50,7 +49,10 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
                 "counters": m["counters"], "param_groups": len(m["param_groups"]), "params": params,
                 "buffers": list(ckpt.buffers), "tied": m["tied"],
                 "total_bytes": sum(f["bytes"] for f in m["files"].values()), "files": len(m["files"])}
-    src = NativeCheckpoint(path, tag)
+    if found.kind == "ds_universal":
+        raise CheckpointError(found.path, "is in DeepSpeed's universal layout; import it first with "
+                              "load_checkpoint, or inspect the checkpoint it was made from")
+    src = NativeCheckpoint(found.root, found.tag)
     try:
         meta = src.meta
         keys = ["fp32"] + src.state_keys()
@@ -97,21 +99,27 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"    {name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']:<9} {size:>9}  {','.join(p['keys'])}")
 
 
-def _verify(path: str, tag: str | None) -> list[str]:
-    """Problems with every file of any kind of checkpoint."""
-    if os.path.isfile(os.path.join(path, MANIFEST)) and not is_element(path):
-        return UniversalCheckpoint(path).verify()
-    if not is_element(path):
-        tag = resolve_tag(path, tag)
-        if not is_element(os.path.join(path, tag)):
-            src = NativeCheckpoint(path, tag)
-            try:
-                return src.verify()
-            finally:
-                src.close()
-        path = os.path.join(path, tag)
-    ckpt_dir, element = os.path.split(os.path.abspath(path))
-    return crc_problems(ckpt_dir, chain(ckpt_dir, element))
+def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
+    """Problems with every file of any kind of checkpoint, and what was checked."""
+    found = locate(path, tag)
+    if found.kind == "universal":
+        return UniversalCheckpoint(found.path).verify(), "every file matches the manifest's block CRCs"
+    if found.kind == "ds_universal":
+        raise CheckpointError(found.path, "is in DeepSpeed's universal layout, which records no checksums")
+    if found.kind == "native":
+        src = NativeCheckpoint(found.root, found.tag)
+        try:
+            return src.verify(), ("every rank file matches the CRCs in its zip directory, carries this save's id "
+                                  "and agrees with the metadata")
+        finally:
+            src.close()
+    problems = crc_problems(found.root, chain(found.root, found.tag))
+    copy = os.path.join(found.root, f"{found.tag}.universal")
+    what = "every file of the chain matches its manifest"
+    if os.path.isfile(os.path.join(copy, MANIFEST)):  # loads reuse this full copy of the chain
+        problems += UniversalCheckpoint(copy).verify()
+        what += ", and so does the chain's full copy " + copy
+    return problems, what
 
 
 def _print_diff(report: DiffReport, everything: bool, as_json: bool) -> None:
@@ -147,11 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
                    help="ucp: our format; deepspeed: DeepSpeed's universal layout, loadable with load_universal")
     p.add_argument("--workers", type=int, default=2, help="writer threads (default 2)")
-    p.add_argument("--verify-source", action="store_true",
-                   help="check the zip crc32 of every source record first (reads the source once more)")
     p.add_argument("--layout-rules", metavar="RULES.json",
                    help="how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
     p.add_argument("path")
     p.add_argument("--tag")
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                        progress=not args.no_progress)
             else:
                 out = convert(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress,
-                              verify_source=args.verify_source, layout_rules=args.layout_rules)
+                              layout_rules=args.layout_rules)
             print(out)
         elif args.command == "inspect":
             summary = summarize(args.path, args.tag)
@@ -209,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             _print_diff(report, args.all, args.json)
             return 0 if (report.identical or report.within(args.atol)) else 1
         else:
-            problems = _verify(args.path, args.tag)
+            problems, what = _verify(args.path, args.tag)
             for line in problems:
                 print(line)
-            print(f"{len(problems)} bad files" if problems else "ok: every file matches the manifest")
+            print(f"{len(problems)} bad files" if problems else f"ok: {what}")
             return 1 if problems else 0
     except CheckpointError as exc:
         print(f"ucp {args.command}: error: {exc}", file=sys.stderr)

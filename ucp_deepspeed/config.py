@@ -58,9 +58,7 @@ class UniversalConfig(DeepSpeedConfigModel):
     keep: bool = True
     """Keep the converted copy after loading, so the next reshard of the same tag skips conversion."""
     verify: bool = True
-    """Check the crc32 of every file of a converted copy before reusing it."""
-    verify_source: bool = False
-    """Check the zip crc32 of every record of the source files before converting (reads them once more)."""
+    """Check every byte a load reads against its CRC (native files, converted copies); off only to measure the cost."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0 during conversion."""
     async_save: bool = False

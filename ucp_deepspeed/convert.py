@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -28,10 +30,12 @@ from ucp_deepspeed.plan import FullTensor
 from ucp_deepspeed.chain import is_element, materialize
 from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
 from ucp_deepspeed.meta import FP32, VALUE
-from ucp_deepspeed.universal import (BUFFERS, MANIFEST, STATE, FileRecord, encode_value, file_record, is_complete,
-                                     param_file, stream_tensors, write_manifest, write_object, write_tensors)
+from ucp_deepspeed.paths import INTENT, check_output
+from ucp_deepspeed.universal import (BUFFERS, MANIFEST, STATE, CheckedFile, FileRecord, atomic_write, encode_value,
+                                     is_complete, param_file, read_manifest, stream_tensors, write_manifest,
+                                     write_object, write_tensors)
 
-INTENT = ".ucp_source.json"
+JOURNAL = ".ucp_journal."
 log = logging.getLogger("ucp_deepspeed")
 
 
@@ -51,11 +55,13 @@ def default_output(src: NativeCheckpoint) -> str:
 
 
 def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
-    """Identity of the source files (name, size, mtime), so a stale conversion is never reused."""
-    out = []
+    """Identity of the source files (name, size, mtime) and its save id, so a stale conversion is never reused."""
+    out: list[list[Any]] = []
     for path in sorted(src.source_files()):
         st = os.stat(path)
         out.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+    if src.meta.save_id:
+        out.append(["save_id", src.meta.save_id])
     return out
 
 
@@ -82,11 +88,12 @@ def shard_jobs(jobs: list[Job], rank: int, world: int) -> list[Job]:
 
 
 @contextlib.contextmanager
-def output_lock(out: str) -> Iterator[None]:
-    """Hold `<out>.lock` while converting into `out`: a second converter waits, then finds the work done."""
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    fd = os.open(f"{os.path.abspath(out)}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+def claimed(out: str, sources: list[str]) -> Iterator[None]:
+    """Check that `out` may be written (never inside a source, see `check_output`), then hold a lock on the
+    folder itself while converting into it: a second converter waits, then finds the work done."""
+    check_output(out, sources)
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -98,32 +105,96 @@ def output_lock(out: str) -> Iterator[None]:
         os.close(fd)
 
 
-def prepare_output(src: NativeCheckpoint, out: str) -> set[str] | None:
-    """Get `out` ready; return finished files that can be reused, or None if the conversion is complete."""
+class Journal:
+    """Records of finished output files, appended as each one is renamed into place.
+
+    A rerun after a kill reuses a leftover file only if it still matches the CRCs recorded when it
+    was written; anything else is deleted and written again. One journal file per process, so the
+    ranks of a loading job never share one.
+    """
+
+    def __init__(self, out: str):
+        self.path = os.path.join(out, f"{JOURNAL}{socket.gethostname()}.{os.getpid()}")
+        self._lock = threading.Lock()
+
+    def add(self, record: FileRecord) -> None:
+        """Note a finished file (not fsynced: a lost line only costs rewriting that file)."""
+        line = json.dumps({"path": record.path, **record.to_json()}) + "\n"
+        with self._lock, open(self.path, "a") as f:
+            f.write(line)
+
+    @staticmethod
+    def read(out: str) -> dict[str, FileRecord]:
+        """Every record in the journals of `out`; a torn last line is ignored."""
+        found: dict[str, FileRecord] = {}
+        for name in os.listdir(out):
+            if not name.startswith(JOURNAL):
+                continue
+            with open(os.path.join(out, name)) as f:
+                for line in f:
+                    try:
+                        raw = json.loads(line)
+                        found[raw["path"]] = FileRecord.from_json(raw["path"], raw, out)
+                    except (ValueError, KeyError, TypeError, CheckpointError):
+                        continue
+        return found
+
+    @staticmethod
+    def remove(out: str) -> None:
+        """Delete the journals once the manifest holds the records."""
+        for name in os.listdir(out):
+            if name.startswith(JOURNAL):
+                os.unlink(os.path.join(out, name))
+
+
+def _still_good(out: str, record: FileRecord) -> bool:
+    try:
+        handle = CheckedFile(out, record)
+    except CheckpointError:
+        return False
+    try:
+        handle.verify()
+        return True
+    except CheckpointError:
+        return False
+    finally:
+        handle.close()
+
+
+def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | None:
+    """Get `out` ready; return finished files that can be reused (checked), or None if the conversion is complete."""
     want = fingerprint(src)
     intent_path = os.path.join(out, INTENT)
     if is_complete(out):
-        with open(os.path.join(out, MANIFEST)) as f:
-            if json.load(f).get("source", {}).get("fingerprint") == want:
-                return None
+        if read_manifest(out).get("source", {}).get("fingerprint") == want:
+            return None
         raise CheckpointError(out, "holds a finished conversion of a different checkpoint; remove it or pick another output")
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(intent_path):
         raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
-    reusable: set[str] = set()
+    reusable: dict[str, FileRecord] = {}
     if os.path.isfile(intent_path):
         with open(intent_path) as f:
-            same_source = json.load(f) == {"source": src.tag_dir, "fingerprint": want}
+            try:
+                same_source = json.load(f) == {"source": src.tag_dir, "fingerprint": want}
+            except json.JSONDecodeError:
+                same_source = False
+        journal = Journal.read(out) if same_source else {}
         for dirpath, _, files in os.walk(out):
             for fname in files:
                 path = os.path.join(dirpath, fname)
                 rel = os.path.relpath(path, out)
-                if ".tmp." in fname or (not same_source and rel != INTENT):
+                if rel == INTENT or (fname.startswith(JOURNAL) and same_source):
+                    continue
+                record = journal.get(rel)
+                if record is not None and ".tmp." not in fname and _still_good(out, record):
+                    reusable[rel] = record
+                else:
                     os.unlink(path)
-                elif rel != INTENT:
-                    reusable.add(rel)
+        if reusable:
+            log.info("ucp: %s: reusing %d files an interrupted conversion finished (their CRCs still match)", out,
+                     len(reusable))
     os.makedirs(os.path.join(out, "params"), exist_ok=True)
-    with open(intent_path, "w") as f:
-        json.dump({"source": src.tag_dir, "fingerprint": want}, f)
+    atomic_write(intent_path, json.dumps({"source": src.tag_dir, "fingerprint": want}).encode())
     return reusable
 
 
@@ -158,20 +229,22 @@ def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
     })
 
 
-def run_jobs(src: NativeCheckpoint, out: str, jobs: list[Job], reusable: set[str], workers: int = 1,
+def run_jobs(src: NativeCheckpoint, out: str, jobs: list[Job], reusable: dict[str, FileRecord], workers: int = 1,
              progress: bool = True) -> list[FileRecord]:
-    """Produce the files of `jobs` (reusing finished ones) with `workers` threads, showing progress."""
-    records = []
-    todo = []
-    for job in jobs:
-        if job.relpath in reusable:
-            records.append(file_record(out, job.relpath))
-        else:
-            todo.append(job)
+    """Produce the files of `jobs` (reusing checked leftovers) with `workers` threads, showing progress."""
+    records = [reusable[j.relpath] for j in jobs if j.relpath in reusable]
+    todo = [j for j in jobs if j.relpath not in reusable]
+    journal = Journal(out)
     bar = tqdm(total=sum(j.nbytes for j in todo), unit="B", unit_scale=True, desc="ucp convert",
                disable=not progress or not todo)
+
+    def run(job: Job) -> FileRecord:
+        record = _run_job(src, out, job)
+        journal.add(record)
+        return record
+
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for job, record in zip(todo, pool.map(lambda j: _run_job(src, out, j), todo)):
+        for job, record in zip(todo, pool.map(run, todo)):
             bar.update(job.nbytes)
             records.append(record)
     bar.close()
@@ -211,7 +284,7 @@ def build_manifest(src: NativeCheckpoint) -> dict[str, Any]:
 
 
 def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> str:
-    """Write the manifest, which marks the conversion complete, and drop the intent file."""
+    """Write the manifest, which marks the conversion complete, and drop the intent file and journals."""
     records = list(records)
     expected = {j.relpath for j in plan_jobs(src)}
     missing = expected - {r.path for r in records}
@@ -219,35 +292,35 @@ def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> st
         raise CheckpointError(out, f"conversion incomplete, {len(missing)} files not produced: {sorted(missing)[:5]}")
     path = write_manifest(out, build_manifest(src), records)
     os.unlink(os.path.join(out, INTENT))
+    Journal.remove(out)
     return path
 
 
-def check_source(src: NativeCheckpoint) -> None:
-    """Refuse a source whose rank files fail their zip crc32 checks (reads every byte once)."""
-    problems = src.verify()
-    if problems:
-        raise CheckpointError(src.tag_dir, f"{len(problems)} source file problem(s): " + "; ".join(problems))
-
-
 def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1,
-            progress: bool = True, verify_source: bool = False, layout_rules: Any = None) -> str:
+            progress: bool = True, layout_rules: Any = None, verify: bool = True) -> str:
     """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder.
 
-    A Check-N-Run tag is materialized instead: its chain replayed into full tables. `layout_rules`
-    (a JSON file path or a list) describe a tensor-parallel checkpoint saved without our metadata.
+    Every byte read from the source is checked against its archive's CRC-32 before the manifest is
+    written. A Check-N-Run tag is materialized instead: its chain replayed into full tables.
+    `layout_rules` (a JSON file path or a list) describe a tensor-parallel checkpoint saved without
+    our metadata. `verify=False` skips the CRC checks of the source reads, to measure their cost.
     """
     tag = resolve_tag(ckpt_dir, tag)
     if is_element(os.path.join(ckpt_dir, tag)):
-        return materialize(ckpt_dir, tag, os.path.abspath(output or os.path.join(ckpt_dir, f"{tag}.universal")))
-    src = NativeCheckpoint(ckpt_dir, tag, layout_rules)
+        out = os.path.abspath(output or os.path.join(ckpt_dir, f"{tag}.universal"))
+        with claimed(out, [os.path.join(ckpt_dir, tag)]):
+            return materialize(ckpt_dir, tag, out)
+    src = NativeCheckpoint(ckpt_dir, tag, layout_rules, verify=verify)
     try:
-        if verify_source:
-            check_source(src)
         out = os.path.abspath(output or default_output(src))
-        with output_lock(out):
+        with claimed(out, [src.tag_dir]):
             reusable = prepare_output(src, out)
-            if reusable is not None:
-                finish(src, out, run_jobs(src, out, plan_jobs(src), reusable, workers, progress))
+            if reusable is None:
+                log.info("ucp: %s already holds this conversion (same source files); nothing to do", out)
+            else:
+                records = run_jobs(src, out, plan_jobs(src), reusable, workers, progress)
+                src.check_reads()
+                finish(src, out, records)
         return out
     finally:
         src.close()

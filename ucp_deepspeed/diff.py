@@ -95,6 +95,7 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], 
             return assemble(src, t, key) if t.kind == "param" else assemble(src, t)
 
         yield build_manifest(src), read_native
+        src.check_reads()  # what was compared must be what was saved
     finally:
         src.close()
 

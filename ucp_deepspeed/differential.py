@@ -60,6 +60,7 @@ class DifferentialSaver:
         self.policy, self.method, self.bits, self.expected_restores = policy, method, bits, expected_restores
         self.tracker = RowTracker(modules) if tracked else None
         self.chain: list[str] = []
+        self.chain_ids: list[str] = []
         self.since_baseline: dict[str, torch.Tensor] = {}
         self.history: list[float] = []
         self.restores = 0
@@ -72,7 +73,8 @@ class DifferentialSaver:
         exceeded = self.expected_restores is not None and self.restores > self.expected_restores
         return 8 if exceeded else self.bits
 
-    def save(self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool) -> int:
+    def save(self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool,
+             save_id: str) -> int:
         """Write checkpoint `tag` under the policy (collective); returns the bytes written (rank 0)."""
         changed = self.tracker.take() if self.tracker is not None else {}
         for module, flags in changed.items():
@@ -82,6 +84,8 @@ class DifferentialSaver:
         tables = {self.names[m]: TableSave(rows.get(m), self.method, bits) for m in self.names}
         chain = [tag] if kind == "baseline" else \
             (self.chain + [tag] if self.policy == "incremental" else [self.chain[0], tag])
+        ids = [save_id] if kind == "baseline" else \
+            (self.chain_ids + [save_id] if self.policy == "incremental" else [self.chain_ids[0], save_id])
         out = os.path.join(save_dir, tag)
         if dist.get_rank() == 0:
             if os.path.isdir(out):
@@ -89,14 +93,16 @@ class DifferentialSaver:
             os.makedirs(out)
             atomic_write(os.path.join(out, CHECKN_RUN_MARKER), b"")
         dist.barrier()
-        extra = {"differential": {"kind": kind, "policy": self.policy, "chain": chain, "restores": self.restores,
+        extra = {"save_id": save_id,
+                 "differential": {"kind": kind, "policy": self.policy, "chain": chain, "chain_ids": ids,
+                                  "restores": self.restores,
                                   "quantize": {"method": self.method, "bits": bits} if self.method else None,
                                   "changed_fraction": self._fraction(changed) if changed else None}}
         _, nbytes = write_live(engine, out, client_state, tables, extra)
         if dist.get_rank() == 0 and save_latest:
             atomic_write(os.path.join(save_dir, "latest"), tag.encode())
         dist.barrier()
-        self.chain = chain
+        self.chain, self.chain_ids = chain, ids
         if kind == "baseline":
             self.since_baseline = {m: torch.zeros_like(f) for m, f in self.since_baseline.items()}
             self.history = []
@@ -122,7 +128,7 @@ class DifferentialSaver:
         """After a restore from `manifest`: count a lossy restore, and make the next save a baseline."""
         section = manifest.get("source", {}).get("differential") or {}
         self.restores = int(section.get("restores", 0)) + (1 if section.get("quantize") else 0)
-        self.chain, self.since_baseline, self.history = [], {}, []
+        self.chain, self.chain_ids, self.since_baseline, self.history = [], [], {}, []
         if self.tracker is not None:
             for flags in self.tracker.flags.values():
                 flags.zero_()

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,14 +23,17 @@ import torch.distributed as tdist
 from ucp_deepspeed.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.capture import UNSUPPORTED, describe, supported, topology
 from ucp_deepspeed.chain import is_element, materialize
-from ucp_deepspeed.checkpoints import resume_tag
+from ucp_deepspeed.checkpoints import incomplete_reason, resume_tag
 from ucp_deepspeed.differential import DifferentialSaver
 from ucp_deepspeed.config import UniversalConfig, load_config, split_config
-from ucp_deepspeed.convert import (check_source, default_output, finish, output_lock, plan_jobs, prepare_output, remove_output,
-                                   run_jobs, shard_jobs)
+from ucp_deepspeed.convert import (claimed, default_output, finish, plan_jobs, prepare_output, remove_output, run_jobs,
+                                   shard_jobs)
+from ucp_deepspeed.collective import all_ok, failure_of, on_rank0
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.interop import deepspeed_universal_folder, import_deepspeed
 from ucp_deepspeed.meta import Topology, write_meta
+from ucp_deepspeed.native_io import guard
+from ucp_deepspeed.paths import read_latest
 from ucp_deepspeed.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.restore import restore
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
@@ -91,6 +96,11 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
     if options.async_save:
         engine.checkpoint_engine = AsyncCheckpointEngine(engine._config)
+    files = guard(engine, options.verify)
+    # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
+    box = [uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(box, src=0)
+    run_id, saves = box[0], itertools.count(1)
     checkn_run = None
     if options.differential is not None or options.quantize is not None:
         diff, quant = options.differential, options.quantize
@@ -111,17 +121,22 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         wait_for_checkpoint()
         client_state = client_state or {}
         tag = f"global_step{engine.global_steps}" if tag is None else tag
+        save_id = f"{run_id}-{next(saves)}"
         if checkn_run is not None:
-            checkn_run.save(engine, save_dir, str(tag), client_state, save_latest)
+            checkn_run.save(engine, save_dir, str(tag), client_state, save_latest, save_id)
             return True
-        meta = describe(engine, tuple(client_state))
+        files.save_id = save_id
+        meta = dataclasses.replace(describe(engine, tuple(client_state)), save_id=save_id)
         if exclude_frozen_parameters:
             meta = dataclasses.replace(meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"),
                                        frozen_excluded=True)
         if _dp_rank(engine) == 0:
             write_meta(meta, os.path.join(save_dir, str(tag)), engine.checkpoint_mp_rank)
-        return native_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                           exclude_frozen_parameters=exclude_frozen_parameters)
+        try:
+            return native_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            files.save_id = ""
 
     @functools.wraps(native_load)
     def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -147,17 +162,20 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             engine.ucp_last_load = LoadReport("imported", "deepspeed universal", live_desc(), ckpt.root)
             return ds_folder, client
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
-            ckpt = UniversalCheckpoint(load_dir)
+            ckpt = UniversalCheckpoint(load_dir, verify=options.verify)
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
             engine.ucp_last_load = LoadReport("universal", Topology(**ckpt.manifest["source"]["topology"]).describe(),
                                               live_desc(), load_dir)
             return load_dir, client
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
-            return native(tag=tag)
+            return checked(native, tag=tag)
+        checked_tag = tag is None
         if tag is None:  # a save killed part-way leaves a torn tag, possibly already named by `latest`
-            box = [resume_tag(load_dir) if tdist.get_rank() == 0 else None]  # one rank opens the files, not all
+            box = [_pick_tag(load_dir) if tdist.get_rank() == 0 else None]  # one rank opens the files, not all
             tdist.broadcast_object_list(box, src=0)
-            tag = box[0]
+            tag, failure = box[0]
+            if failure:
+                raise CheckpointError(*failure)
         tag = resolve_tag(load_dir, tag)
         if is_element(os.path.join(load_dir, tag)):
             ckpt = _materialized(engine, load_dir, tag)
@@ -173,8 +191,11 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         saved, live = meta.topology, topology(engine)
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
         if saved.same_layout(live) and not megatron_moe_layers(engine.module):
+            if not checked_tag:  # resume_tag has already opened and checked every file of the tag it picked
+                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())
             engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)
-            path, client = native(tag=tag)
+            files.expect(os.path.join(load_dir, tag), meta.save_id)
+            path, client = checked(native, tag=tag)
             # DeepSpeed mixes its own bookkeeping into client_state; return only what the user saved
             return path, {k: v for k, v in (client or {}).items() if k in meta.client_state_keys}
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
@@ -192,6 +213,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     def live_desc() -> str:
         return topology(engine).describe()
 
+    def checked(native_load: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's own load, then on every rank the first damaged record any rank read, if one did."""
+        result = native_load(**kwargs)
+        problem = files.take_problem()
+        all_ok((problem.path, problem.reason) if problem else None)
+        return result
+
     engine.ucp_last_load = None
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
@@ -199,35 +227,19 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     return engine
 
 
+def _pick_tag(load_dir: str) -> tuple[str | None, tuple[str, str] | None]:
+    """The tag to resume from, or why there is none (the newest tag's problem)."""
+    tag = resume_tag(load_dir)
+    if tag is not None:
+        return tag, None
+    newest = read_latest(load_dir) if os.path.isfile(os.path.join(load_dir, "latest")) else list_tags(load_dir)[-1]
+    reason = incomplete_reason(load_dir, newest) or "unreadable"
+    return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
+
+
 def _dp_rank(engine: Any) -> int:
     return tdist.get_rank(group=engine.optimizer.dp_process_group) if hasattr(engine.optimizer, "dp_process_group") \
         else tdist.get_rank()
-
-
-def _failure(exc: Exception) -> tuple[str, str]:
-    if isinstance(exc, CheckpointError):
-        return exc.path, exc.reason
-    return str(getattr(exc, "filename", None) or ""), f"{type(exc).__name__}: {exc}"
-
-
-def _all_ok(failure: tuple[str, str] | None) -> None:
-    """Raise the same error on every rank if any rank failed, so none waits forever in a collective."""
-    failures: list[Any] = [None] * tdist.get_world_size()
-    tdist.all_gather_object(failures, failure)
-    first = next((f for f in failures if f), None)
-    if first:
-        raise CheckpointError(*first)
-
-
-def _on_rank0(work: Any) -> None:
-    """Run `work` on rank 0 only; a failure there is raised on every rank."""
-    failure = None
-    if tdist.get_rank() == 0:
-        try:
-            work()
-        except (CheckpointError, OSError) as exc:
-            failure = _failure(exc)
-    _all_ok(failure)
 
 
 def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
@@ -235,65 +247,78 @@ def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
     options: UniversalConfig = engine._ucp_options
     name = f"{os.path.basename(os.path.normpath(folder))}.ucp"
     out = os.path.join(options.output, name) if options.output else os.path.join(os.path.dirname(folder), name)
-    def work() -> None:
-        if not os.path.isfile(os.path.join(out, MANIFEST)):
-            log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
-            import_deepspeed(folder, out)
 
-    _on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
-    return UniversalCheckpoint(out)
+    def work() -> None:
+        with claimed(out, [folder]):
+            if not os.path.isfile(os.path.join(out, MANIFEST)):
+                log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
+                import_deepspeed(folder, out)
+
+    on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
+    return UniversalCheckpoint(out, verify=options.verify)
 
 
 def _materialized(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
-    """The full universal copy of a Check-N-Run chain, made once by rank 0."""
+    """The full universal copy of a Check-N-Run chain, made once by rank 0; its blocks are checked as they
+    are read, like any universal folder."""
     options: UniversalConfig = engine._ucp_options
     out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
-    _on_rank0(lambda: materialize(load_dir, tag, out))
-    return UniversalCheckpoint(out)
+
+    def work() -> None:
+        with claimed(out, [os.path.join(load_dir, tag)]):
+            materialize(load_dir, tag, out)
+
+    on_rank0(work)
+    return UniversalCheckpoint(out, verify=options.verify)
 
 
 def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
-    """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks."""
+    """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks.
+
+    Rank 0 checks the tag's files against its metadata and owns the output folder. Every rank
+    converts its share of the parameters; what each read is then checked on rank 0 against the
+    source archives' CRCs before the manifest is written.
+    """
     options: UniversalConfig = engine._ucp_options
     rank, world = tdist.get_rank(), tdist.get_world_size()
-    src = NativeCheckpoint(load_dir, tag, options.layout_rules)
+    src, failure = None, None
+    try:
+        src = NativeCheckpoint(load_dir, tag, options.layout_rules, check=rank == 0, verify=options.verify)
+    except (CheckpointError, OSError) as exc:
+        failure = failure_of(exc)
+    all_ok(failure)
     out = os.path.join(options.output, tag) if options.output else default_output(src)
     lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
     try:
         box: list[Any] = [None]
         if rank == 0:
             try:
-                if options.verify_source:
-                    check_source(src)
-                lock.enter_context(output_lock(out))
+                lock.enter_context(claimed(out, [src.tag_dir]))
                 box = [(None, prepare_output(src, out))]
             except (CheckpointError, OSError) as exc:
-                box = [(_failure(exc), None)]
+                box = [(failure_of(exc), None)]
         tdist.broadcast_object_list(box, src=0)
         failure, reusable = box[0]
-        _all_ok(failure)
+        all_ok(failure)
         if reusable is None:
-            ckpt = UniversalCheckpoint(out)
-            if options.verify:
-                problems = ckpt.verify(sorted(ckpt.manifest["files"])[rank::world])
-                _all_ok((out, "converted copy failed verification: " + "; ".join(problems)) if problems else None)
-            return ckpt
+            return UniversalCheckpoint(out, verify=options.verify)
         records, failure = [], None
         try:
             jobs = shard_jobs(plan_jobs(src), rank, world)
             records = run_jobs(src, out, jobs, reusable, options.workers, options.progress and rank == 0)
         except (CheckpointError, OSError) as exc:
-            failure = _failure(exc)
-        _all_ok(failure)
+            failure = failure_of(exc)
+        all_ok(failure)
         gathered: list[Any] = [None] * world
-        tdist.all_gather_object(gathered, records)
+        tdist.all_gather_object(gathered, (records, src.pieces()))
         if rank == 0:
             try:
-                finish(src, out, [r for part in gathered for r in part])
+                src.check_reads([pieces for _, pieces in gathered])
+                finish(src, out, [r for part, _ in gathered for r in part])
             except (CheckpointError, OSError) as exc:
-                failure = _failure(exc)
-        _all_ok(failure)
-        return UniversalCheckpoint(out)
+                failure = failure_of(exc)
+        all_ok(failure)
+        return UniversalCheckpoint(out, verify=options.verify)
     finally:
         lock.close()
         src.close()

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from ucp_deepspeed.convert import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.meta import FP32, VALUE
+from ucp_deepspeed.paths import check_output, locate
 from ucp_deepspeed.universal import MANIFEST, UniversalCheckpoint, atomic_write, stream_tensors
 
 ARCHS = ("gpt2", "llama", "mixtral")
@@ -201,6 +202,7 @@ def export_hf(path: str, out: str, arch: str, num_heads: int, num_kv_heads: int 
     """Write a `transformers` model folder from a universal (or native, converted first) checkpoint."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    check_output(out, [locate(path).path])
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         path = convert(path, progress=progress)
     ckpt = UniversalCheckpoint(path)

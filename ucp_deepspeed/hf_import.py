@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ucp_deepspeed import __version__
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.meta import FP32
+from ucp_deepspeed.paths import check_output
 from ucp_deepspeed.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
 
 
@@ -127,6 +128,7 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
                               "megatron-core models here share the embedding with the output layer")
     read = _reader(hf_dir)
     makers = _gpt2(read, config, num_kv_heads or config["n_head"]) if kind == "gpt2" else _llama(read, config)
+    check_output(out, [hf_dir])
     if os.path.isdir(out) and os.listdir(out):
         raise CheckpointError(out, "exists and is not empty; refusing to write into it")
     records, params = [], {}

@@ -30,7 +30,9 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.plan import FullTensor
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.model_states import ModelStatesFile
-from ucp_deepspeed.sources.torch_file import TorchFile, materialize
+from ucp_deepspeed.compat import rebuild
+from ucp_deepspeed.paths import check_output
+from ucp_deepspeed.sources.torch_file import load_file, plain
 from ucp_deepspeed.meta import FP32, VALUE
 from ucp_deepspeed.universal import (BUFFERS, STATE, FileRecord, atomic_write, encode_value, param_file,
                                      write_manifest, write_object, write_tensors)
@@ -79,6 +81,7 @@ def export_deepspeed(ckpt_dir: str, tag: str | None = None, output: str | None =
     src = NativeCheckpoint(ckpt_dir, tag)
     try:
         out = os.path.abspath(output or default_deepspeed_output(src))
+        check_output(out, [src.tag_dir])
         if os.path.exists(out) and os.listdir(out):
             raise CheckpointError(out, "exists and is not empty; refusing to write into it")
         _, scalars = src.optimizer_groups()
@@ -98,7 +101,9 @@ def export_deepspeed(ckpt_dir: str, tag: str | None = None, output: str | None =
             for _ in pool.map(write_param, trainable):
                 bar.update()
         bar.close()
-        _save_pt(os.path.join(out, ZERO, OPTIMIZER_STATE), src.optim(0).global_state())
+        src.check_reads()
+        _save_pt(os.path.join(out, ZERO, OPTIMIZER_STATE),
+                 {k: rebuild(v) for k, v in src.optim(0).global_state().items()})
         for rank in src.ranks:
             for path in rank.model_paths:
                 shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
@@ -117,14 +122,6 @@ def deepspeed_universal_folder(path: str) -> str | None:
     return path if os.path.isfile(os.path.join(path, ZERO, OPTIMIZER_STATE)) else None
 
 
-def _load_pt(path: str) -> Any:
-    tfile = TorchFile(path)
-    try:
-        return materialize(tfile.obj)
-    finally:
-        tfile.close()
-
-
 def import_deepspeed(folder: str, output: str) -> str:
     """Rewrite a DeepSpeed universal folder in our format (with a manifest saying what was inferred)."""
     model_files = sorted(f for f in os.listdir(folder) if f.endswith("model_states.pt"))
@@ -132,12 +129,13 @@ def import_deepspeed(folder: str, output: str) -> str:
         raise CheckpointError(folder, "no *model_states.pt in this DeepSpeed universal folder; its param groups, "
                               "buffers and frozen parameters cannot be recovered")
     model_path = os.path.join(folder, model_files[0])
+    check_output(output, [folder])
     model = ModelStatesFile(model_path)
     try:
         groups = [list(g) for g in model.entry("param_shapes", [])]
         if not groups:
             raise CheckpointError(model_path, "no param_shapes; cannot tell trainable parameters and their groups")
-        optim_state = _load_pt(os.path.join(folder, ZERO, OPTIMIZER_STATE))
+        optim_state = load_file(os.path.join(folder, ZERO, OPTIMIZER_STATE))
         records: list[FileRecord] = []
         params: dict[str, Any] = {}
         scalars: dict[int, dict[str, Any]] = {}
@@ -151,9 +149,9 @@ def import_deepspeed(folder: str, output: str) -> str:
                 for fname in sorted(os.listdir(pdir)):
                     key = fname.removesuffix(".pt")
                     if key == "step":
-                        scalars.setdefault(g, {"step": _load_pt(os.path.join(pdir, fname))})
+                        scalars.setdefault(g, {"step": load_file(os.path.join(pdir, fname))})
                     else:
-                        tensors[key] = _load_pt(os.path.join(pdir, fname))[PARAM].float().contiguous()
+                        tensors[key] = load_file(os.path.join(pdir, fname))[PARAM].float().contiguous()
                 if FP32 not in tensors:
                     raise CheckpointError(pdir, "no fp32.pt")
                 keys = [FP32] + sorted(k for k in tensors if k != FP32)
@@ -173,8 +171,8 @@ def import_deepspeed(folder: str, output: str) -> str:
                             "group": None, "trainable": False, "file": param_file(name), "keys": [VALUE]}
         buffers = {n: model.module_tensor(n).load() for n in buffer_names}
         records.append(write_tensors(output, BUFFERS, buffers))
-        client = {k: model.entry(k) for k in model.keys() if k not in _DS_MODEL_KEYS}
-        wrapper = {k: optim_state[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+        client = model.client_state(tuple(k for k in model.keys() if k not in _DS_MODEL_KEYS))
+        wrapper = {k: plain(optim_state[k]) for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
                    if k in optim_state}
         records.append(write_object(output, STATE, {"lr_scheduler": model.lr_scheduler(), "client_state": client,
                                                      "optimizer_wrapper": wrapper}))
@@ -198,6 +196,7 @@ def import_deepspeed(folder: str, output: str) -> str:
             "notes": [f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
                       f"taken from {model_files[0]}: DeepSpeed's universal folder does not record them"],
         }
+        model.file.check_reads()
         write_manifest(output, manifest, records)
         return output
     finally:

@@ -106,7 +106,10 @@ class ExtraTensor:
 
 @dataclass(frozen=True)
 class SaveMeta:
-    """Everything conversion needs about one model-parallel rank's part of a checkpoint."""
+    """Everything conversion needs about one model-parallel rank's part of a checkpoint.
+
+    `save_id` is carried by every file the save wrote (`torch_file.stamp`), binding them together.
+    """
 
     topology: Topology
     params: tuple[ParamSlot, ...]
@@ -118,6 +121,7 @@ class SaveMeta:
     tp_rank: int = 0
     pp_rank: int = 0
     frozen_excluded: bool = False
+    save_id: str = ""
     version: int = META_VERSION
 
     def to_json(self) -> str:
@@ -146,6 +150,7 @@ class SaveMeta:
                 tp_rank=raw.get("tp_rank", 0),
                 pp_rank=raw.get("pp_rank", 0),
                 frozen_excluded=raw.get("frozen_excluded", False),
+                save_id=str(raw.get("save_id", "")),
                 version=raw["version"],
             )
         except (KeyError, TypeError, ValueError) as exc:

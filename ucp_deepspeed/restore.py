@@ -14,6 +14,8 @@ import torch
 from deepspeed import comm as dist
 
 from ucp_deepspeed.capture import expert_groups, infos, model_parallel, namer
+from ucp_deepspeed.collective import guarded
+from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import Layout
 from ucp_deepspeed.patterns import expert_blocks
@@ -196,6 +198,11 @@ def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.P
             start = dist.get_rank(group=p.ds_process_group) * partition
             numel = max(0, min(partition, p.ds_numel - start))
             p.ds_tensor.data.narrow(0, 0, numel).copy_(read(p, VALUE, start, numel))
+
+
+def _gather_zero3(engine: Any) -> None:
+    """ZeRO-3 re-gathers persistent parameters from the restored partitions (collective)."""
+    opt = engine.optimizer
     if opt.persistent_parameters:
         opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
     opt.invalidate_secondary_tensor()
@@ -222,24 +229,34 @@ def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_sche
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key, value in state.get("optimizer_wrapper", {}).items():
         if hasattr(engine.optimizer, key):
-            setattr(engine.optimizer, key, value)
+            setattr(engine.optimizer, key, rebuild(value))
     return state.get("client_state", {})
 
 
 def restore(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool = True,
             load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict[str, Any]:
-    """Load a universal checkpoint into `engine` at its current layout; return the client state."""
+    """Load a universal checkpoint into `engine` at its current layout; return the client state.
+
+    Ranks read different parts of the checkpoint, so a damaged block may fail on some ranks only:
+    every read happens before the next collective, and the first failure is raised on all ranks.
+    """
     live = live_params(engine)
     check_compatible(engine, ckpt, live)
     # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
     load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.get("weights_only")
-    if int(engine.zero_optimization_stage()) == 3:
-        _restore_zero3(engine, ckpt, live, load_optimizer_states)
-    else:
-        _restore_zero12(engine, ckpt, live, load_optimizer_states)
-    if load_optimizer_states:
-        _apply_hyperparams(engine.optimizer, ckpt)
-    _restore_module_extras(engine, ckpt, live)
-    if load_module_only:
-        return {}
-    return _restore_training_state(engine, ckpt, load_lr_scheduler_states)
+    stage3 = int(engine.zero_optimization_stage()) == 3
+
+    def read_everything() -> dict[str, Any]:
+        if stage3:
+            _restore_zero3(engine, ckpt, live, load_optimizer_states)
+        else:
+            _restore_zero12(engine, ckpt, live, load_optimizer_states)
+        if load_optimizer_states:
+            _apply_hyperparams(engine.optimizer, ckpt)
+        _restore_module_extras(engine, ckpt, live)
+        return {} if load_module_only else _restore_training_state(engine, ckpt, load_lr_scheduler_states)
+
+    client = guarded(read_everything)
+    if stage3:
+        _gather_zero3(engine)
+    return client

@@ -3,9 +3,12 @@
     <out>/params/<name>.safetensors   fp32 master + optimizer states (trainable) or `value` (frozen)
     <out>/buffers.safetensors         persistent module buffers, in their own dtypes
     <out>/state.pt                    LR scheduler, client_state, optimizer-wrapper state
-    <out>/manifest.json               version, origin topology, tables, crc32 of every file
+    <out>/manifest.json               version, origin topology, tables, and for every file its
+                                      size, CRC-32 and one CRC-32 per MiB block
 
-The manifest is the commit marker: a folder without it is an unfinished conversion.
+The manifest is the commit marker: a folder without it is an unfinished conversion. Every read
+checks the blocks it touches against the manifest (`Folder`), so a load verifies exactly the
+bytes it uses, however the folder was named, at the cost of at most two extra blocks per read.
 """
 from __future__ import annotations
 
@@ -16,22 +19,22 @@ import math
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as st_save
 
+from ucp_deepspeed.checksum import BLOCK, BlockHasher, block_crcs, crc32
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.layout import Layout, split
 from ucp_deepspeed.meta import VALUE
-from ucp_deepspeed.sources.torch_file import TorchFile, materialize
+from ucp_deepspeed.sources.torch_file import load_file
 
 FORMAT = "ucp_deepspeed/universal"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-block CRCs; version-1 folders are read with a whole-file check on first use
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 BUFFERS = "buffers.safetensors"
 STATE = "state.pt"
@@ -45,11 +48,42 @@ def param_file(name: str) -> str:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A finished output file: its relative path, size and crc32."""
+    """A finished output file: its relative path, size, CRC-32, and the CRC-32 of each `BLOCK` of it."""
 
     path: str
     nbytes: int
     crc32: str
+    blocks: str = ""  # 8 hex digits per block
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's entry for this file."""
+        return {"bytes": self.nbytes, "crc32": self.crc32, "blocks": self.blocks}
+
+    @classmethod
+    def from_json(cls, path: str, raw: Any, where: str) -> FileRecord:
+        """Parse a manifest entry, naming `where` if it is malformed."""
+        try:
+            record = cls(path, int(raw["bytes"]), str(raw["crc32"]), str(raw.get("blocks", "")))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(where, f"manifest entry of {path} is malformed") from None
+        if record.blocks and len(record.blocks) != 8 * max(1, -(-record.nbytes // BLOCK)):
+            raise CheckpointError(where, f"manifest entry of {path} has {len(record.blocks) // 8} block CRCs for "
+                                  f"{record.nbytes} bytes")
+        return record
+
+
+def _hex(crc: int) -> str:
+    return f"{crc:08x}"
+
+
+def record_of(relpath: str, nbytes: int, crc: int, blocks: Sequence[int]) -> FileRecord:
+    """A `FileRecord` from CRCs computed while writing."""
+    return FileRecord(relpath, nbytes, _hex(crc), "".join(map(_hex, blocks or [0])))
+
+
+def record_bytes(relpath: str, data: bytes | memoryview) -> FileRecord:
+    """The record of a file whose bytes are in memory."""
+    return record_of(relpath, len(data), crc32(data), block_crcs(data))
 
 
 @contextlib.contextmanager
@@ -84,16 +118,21 @@ def atomic_write(path: str, data: bytes | memoryview) -> None:
         f.write(data)
 
 
+def write_bytes(root: str, relpath: str, data: bytes | memoryview) -> FileRecord:
+    """Write one output file atomically and return its record."""
+    atomic_write(os.path.join(root, relpath), data)
+    return record_bytes(relpath, data)
+
+
 def write_tensors(root: str, relpath: str, tensors: dict[str, torch.Tensor]) -> FileRecord:
     """Write tensors to one safetensors file atomically and return its record."""
-    data = st_save({k: v.contiguous() for k, v in tensors.items()})
-    atomic_write(os.path.join(root, relpath), data)
-    return FileRecord(relpath, len(data), f"{zlib.crc32(data):08x}")
+    return write_bytes(root, relpath, st_save({k: v.contiguous() for k, v in tensors.items()}))
 
 
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
+_DTYPE_OF = {v: k for k, v in _ST_DTYPE.items()}
 
 
 def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -101,7 +140,8 @@ def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype
     """Write a safetensors file one tensor at a time: `produce(key)` is called in order and then dropped.
 
     The header is computed from the declared dtypes and shapes, so at most one tensor is in memory
-    and its bytes go to the file without a serialised copy. Written atomically, like every file.
+    and its bytes go to the file without a serialised copy. Written atomically, like every file;
+    the CRCs are computed on the bytes as they go out.
     """
     header, offset = {}, 0
     for key, dtype, shape in entries:
@@ -111,9 +151,10 @@ def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     prefix = struct.pack("<Q", len(head)) + head
+    hasher = BlockHasher()
     with atomic_file(os.path.join(root, relpath)) as f:
         f.write(prefix)
-        crc = zlib.crc32(prefix)
+        hasher.update(prefix)
         for key, dtype, shape in entries:
             tensor = produce(key)
             if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
@@ -121,34 +162,23 @@ def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype
                                  f"declared {dtype} {tuple(shape)}")
             data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
             f.write(data)
-            crc = zlib.crc32(data, crc)
+            hasher.update(data)
             del tensor, data
-    return FileRecord(relpath, len(prefix) + offset, f"{crc:08x}")
+    crc, blocks = hasher.finish()
+    return record_of(relpath, hasher.total, crc, blocks)
 
 
 def write_object(root: str, relpath: str, obj: Any) -> FileRecord:
     """Write a picklable object (scheduler, client state) with torch.save, atomically."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    data = buf.getbuffer()
-    atomic_write(os.path.join(root, relpath), data)
-    return FileRecord(relpath, len(data), f"{zlib.crc32(data):08x}")
-
-
-def file_record(root: str, relpath: str) -> FileRecord:
-    """Record of a file already on disk (used when resuming an interrupted conversion)."""
-    path = os.path.join(root, relpath)
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return FileRecord(relpath, os.path.getsize(path), f"{crc:08x}")
+    return write_bytes(root, relpath, buf.getbuffer())
 
 
 def write_manifest(root: str, manifest: dict[str, Any], records: Iterable[FileRecord]) -> str:
     """Write the manifest last, atomically: from this moment the conversion counts as complete."""
-    body = dict(manifest, format=FORMAT, version=FORMAT_VERSION,
-                files={r.path: {"bytes": r.nbytes, "crc32": r.crc32} for r in sorted(records, key=lambda r: r.path)})
+    body = dict(manifest, format=FORMAT, version=FORMAT_VERSION, block_size=BLOCK,
+                files={r.path: r.to_json() for r in sorted(records, key=lambda r: r.path)})
     path = os.path.join(root, MANIFEST)
     atomic_write(path, json.dumps(body, indent=1).encode())
     dir_fd = os.open(root, os.O_RDONLY)
@@ -157,6 +187,232 @@ def write_manifest(root: str, manifest: dict[str, Any], records: Iterable[FileRe
     finally:
         os.close(dir_fd)
     return path
+
+
+def read_manifest(root: str) -> dict[str, Any]:
+    """A folder's manifest, parsed and checked for format and version (not yet for its contents)."""
+    path = os.path.join(root, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(path, "manifest missing: not a universal checkpoint, or an unfinished conversion")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(path, f"manifest is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(path, f"format {found!r} is not {FORMAT!r}")
+    if manifest.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(path, f"unknown format version {manifest.get('version')!r}; "
+                              f"this ucp_deepspeed reads versions {', '.join(map(str, READABLE_VERSIONS))}")
+    if manifest.get("version") >= 2 and manifest.get("block_size") != BLOCK:
+        raise CheckpointError(path, f"block size {manifest.get('block_size')!r}, expected {BLOCK}")
+    if not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(path, "manifest has no file table")
+    return manifest
+
+
+class CheckedFile:
+    """One file of a manifest, read by byte range; every block a read touches is checked once."""
+
+    def __init__(self, root: str, record: FileRecord, verify: bool = True):
+        self.path = os.path.join(root, record.path)
+        self.record = record
+        self.verify_reads = verify
+        self._fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(self.path, "file listed in the manifest is missing") from None
+        size = os.fstat(self._fd).st_size
+        if size != record.nbytes:
+            self.close()
+            raise CheckpointError(self.path, f"size {size} differs from manifest ({record.nbytes}): "
+                                  "truncated or replaced")
+        self._good: set[int] = set()
+        self._lock = threading.Lock()
+        self._header: dict[str, Any] | None = None
+        self._data_start = 0
+        if not verify:
+            self._good = set(range(max(1, -(-record.nbytes // BLOCK))))
+        elif not record.blocks:  # a version-1 manifest has one CRC for the whole file
+            try:
+                self._check_whole()
+            except CheckpointError:
+                self.close()
+                raise
+
+    def _check_whole(self) -> None:
+        crc, pos = 0, 0
+        while pos < self.record.nbytes:
+            chunk = os.pread(self._fd, min(_CHUNK, self.record.nbytes - pos), pos)
+            crc, pos = crc32(chunk, crc), pos + len(chunk)
+        if _hex(crc) != self.record.crc32:
+            raise CheckpointError(self.path, f"crc32 {_hex(crc)} does not match the manifest ({self.record.crc32})")
+        self._good = set(range(-(-self.record.nbytes // BLOCK)))
+
+    def read(self, offset: int, length: int) -> torch.Tensor:
+        """Bytes [offset, offset+length) as a uint8 tensor, after checking the CRC of every block they fall in."""
+        if offset < 0 or length < 0 or offset + length > self.record.nbytes:
+            raise CheckpointError(self.path, f"read of bytes [{offset}, {offset + length}) outside the file")
+        if not length:
+            return torch.empty(0, dtype=torch.uint8)
+        first, last = offset // BLOCK, (offset + length - 1) // BLOCK
+        begin, end = first * BLOCK, min((last + 1) * BLOCK, self.record.nbytes)
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], begin + done)
+            if got <= 0:
+                raise CheckpointError(self.path, "truncated while reading")
+            done += got
+        with self._lock:
+            fresh = [b for b in range(first, last + 1) if b not in self._good]
+        for b in fresh:
+            lo = (b - first) * BLOCK
+            got = _hex(crc32(view[lo:lo + BLOCK]))
+            if got != self.record.blocks[8 * b:8 * b + 8]:
+                raise CheckpointError(self.path, f"block {b} (bytes {b * BLOCK}-{min((b + 1) * BLOCK, self.record.nbytes)}) "
+                                      "fails its crc32 check: the file was damaged after it was written")
+        with self._lock:
+            self._good.update(fresh)
+        return buf[offset - begin:offset - begin + length]
+
+    def verify(self) -> None:
+        """Check every block."""
+        for start in range(0, self.record.nbytes, _CHUNK):
+            self.read(start, min(_CHUNK, self.record.nbytes - start))
+
+    def header(self) -> dict[str, Any]:
+        """The safetensors header: key -> dtype, shape and byte range, validated against the file size."""
+        if self._header is None:
+            if self.record.nbytes < 8:
+                raise CheckpointError(self.path, "too short for a safetensors file")
+            (size,) = struct.unpack("<Q", self.read(0, 8).numpy().tobytes())
+            if size > self.record.nbytes - 8:
+                raise CheckpointError(self.path, f"safetensors header of {size} bytes does not fit the file")
+            try:
+                raw = json.loads(self.read(8, size).numpy().tobytes())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(self.path, f"safetensors header is not valid JSON ({exc})") from None
+            self._data_start = 8 + size
+            header = {}
+            for key, entry in raw.items():
+                if key == "__metadata__":
+                    continue
+                try:
+                    dtype = _DTYPE_OF[entry["dtype"]]
+                    shape = tuple(int(d) for d in entry["shape"])
+                    lo, hi = (int(x) for x in entry["data_offsets"])
+                except (KeyError, TypeError, ValueError):
+                    raise CheckpointError(self.path, f"safetensors entry {key!r} is malformed") from None
+                if min(shape, default=0) < 0 or hi - lo != math.prod(shape) * dtype.itemsize or lo < 0 \
+                        or self._data_start + hi > self.record.nbytes:
+                    raise CheckpointError(self.path, f"safetensors entry {key!r} does not fit its shape or the file")
+                header[key] = (dtype, shape, self._data_start + lo)
+            self._header = header
+        return self._header
+
+    def keys(self) -> list[str]:
+        """Tensor names in the file."""
+        return list(self.header())
+
+    def tensor(self, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
+        """Elements [start, start+numel) of a tensor, flattened (all of them by default)."""
+        if key not in self.header():
+            raise CheckpointError(self.path, f"no tensor {key!r}")
+        dtype, shape, base = self.header()[key]
+        total = math.prod(shape)
+        numel = total - start if numel is None else numel
+        if start < 0 or numel < 0 or start + numel > total:
+            raise CheckpointError(self.path, f"{key}: elements [{start}, {start + numel}) outside {total}")
+        if not numel:
+            return torch.empty(0, dtype=dtype)
+        return self.read(base + start * dtype.itemsize, numel * dtype.itemsize).view(dtype)
+
+    def full(self, key: str) -> torch.Tensor:
+        """A whole tensor with its shape."""
+        self.header()
+        return self.tensor(key).reshape(self.header()[key][1])
+
+    def close(self) -> None:
+        """Release the file descriptor."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Folder:
+    """The files a manifest lists, opened on first use for checked reads."""
+
+    def __init__(self, root: str, manifest: dict[str, Any], verify: bool = True):
+        self.root = os.path.abspath(root)
+        self.verify_reads = verify
+        where = os.path.join(self.root, MANIFEST)
+        self.records = {p: FileRecord.from_json(p, r, where) for p, r in manifest["files"].items()}
+        self._open: dict[str, CheckedFile] = {}
+        self._lock = threading.Lock()
+
+    def file(self, relpath: str) -> CheckedFile:
+        """A listed file, opened once."""
+        with self._lock:
+            if relpath not in self._open:
+                if relpath not in self.records:
+                    raise CheckpointError(os.path.join(self.root, relpath), "file is not listed in the manifest")
+                self._open[relpath] = CheckedFile(self.root, self.records[relpath], self.verify_reads)
+            return self._open[relpath]
+
+    def load_object(self, relpath: str) -> Any:
+        """A whole torch file of the folder (its blocks checked first), unpickled safely."""
+        self.file(relpath).verify()
+        return load_file(os.path.join(self.root, relpath))
+
+    def verify(self, relpaths: Iterable[str] | None = None) -> list[str]:
+        """Check every block of the given files (all by default); return one line per problem."""
+        problems = []
+        for relpath in (self.records if relpaths is None else relpaths):
+            handle = None
+            try:
+                handle = CheckedFile(self.root, self.records[relpath])
+                handle.verify()
+            except CheckpointError as exc:
+                problems.append(str(exc))
+            finally:
+                if handle is not None:
+                    handle.close()
+        return problems
+
+    def close(self) -> None:
+        """Release every open file."""
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+
+def copy_checked(src: Folder, relpath: str, root: str, dest: str | None = None) -> FileRecord:
+    """Copy one file of `src` into `root` (as `dest`), checking its blocks as they are read."""
+    source = src.file(relpath)
+    dest = dest or relpath
+    hasher = BlockHasher()
+    with atomic_file(os.path.join(root, dest)) as f:
+        for start in range(0, source.record.nbytes, _CHUNK):
+            data = source.read(start, min(_CHUNK, source.record.nbytes - start)).numpy()
+            f.write(data)
+            hasher.update(data)
+    crc, blocks = hasher.finish()
+    return record_of(dest, hasher.total, crc, blocks)
+
+
+def torch_dtype(name: Any) -> torch.dtype:
+    """The torch dtype a manifest names, refusing anything else torch has under that name."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(str(name), "is not a torch dtype")
+    return dtype
 
 
 def encode_value(value: Any) -> Any:
@@ -175,7 +431,7 @@ def encode_value(value: Any) -> Any:
 def decode_value(value: Any) -> Any:
     """Inverse of `encode_value`."""
     if isinstance(value, dict) and "tensor" in value:
-        return torch.tensor(value["value"], dtype=getattr(torch, value["tensor"]))
+        return torch.tensor(value["value"], dtype=torch_dtype(value["tensor"]))
     if isinstance(value, dict) and "tuple" in value:
         return tuple(decode_value(v) for v in value["tuple"])
     if isinstance(value, list):
@@ -189,72 +445,51 @@ def is_complete(root: str) -> bool:
 
 
 class UniversalCheckpoint:
-    """A finished universal checkpoint, opened for slice reads."""
+    """A finished universal checkpoint, opened for checked slice reads (`verify=False` skips the checks,
+    to measure what they cost)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, verify: bool = True):
         self.root = os.path.abspath(root)
-        path = os.path.join(self.root, MANIFEST)
-        if not os.path.isfile(path):
-            raise CheckpointError(path, "manifest missing: not a universal checkpoint, or an unfinished conversion")
-        try:
-            with open(path) as f:
-                self.manifest: dict[str, Any] = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(path, f"manifest is not valid JSON ({exc})") from None
+        self.manifest: dict[str, Any] = read_manifest(self.root)
+        where = os.path.join(self.root, MANIFEST)
         if "differential" in self.manifest:
-            raise CheckpointError(path, "a Check-N-Run chain element, which holds only part of some tables: load it "
+            raise CheckpointError(where, "a Check-N-Run chain element, which holds only part of some tables: load it "
                                   "with load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`")
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointError(path, f"format {self.manifest.get('format')!r} is not {FORMAT!r}")
-        if self.manifest.get("version") != FORMAT_VERSION:
-            raise CheckpointError(path, f"unknown format version {self.manifest.get('version')!r}; "
-                                  f"this ucp_deepspeed reads version {FORMAT_VERSION}")
-        self.params: dict[str, dict[str, Any]] = self.manifest["params"]
-        self.buffers: dict[str, dict[str, Any]] = self.manifest["buffers"]
-        self._handles: dict[str, Any] = {}
+        try:
+            self.params: dict[str, dict[str, Any]] = dict(self.manifest["params"])
+            self.buffers: dict[str, dict[str, Any]] = dict(self.manifest["buffers"])
+            for name, rec in self.params.items():
+                if rec["file"] not in self.manifest["files"] or not isinstance(rec["keys"], list) \
+                        or not all(type(d) is int and d >= 0 for d in rec["shape"]):
+                    raise ValueError(name)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(where, f"manifest tables are malformed (at {exc})") from None
+        self.folder = Folder(self.root, self.manifest, verify)
 
-    def _checked_path(self, relpath: str) -> str:
-        path = os.path.join(self.root, relpath)
-        if relpath not in self.manifest["files"]:
-            raise CheckpointError(path, "file is not listed in the manifest")
-        expected = self.manifest["files"][relpath]["bytes"]
-        if not os.path.isfile(path):
-            raise CheckpointError(path, "file listed in the manifest is missing")
-        if os.path.getsize(path) != expected:
-            raise CheckpointError(path, f"size {os.path.getsize(path)} differs from manifest ({expected}): "
-                                  "truncated or replaced")
-        return path
-
-    def _open(self, relpath: str) -> Any:
-        if relpath not in self._handles:
-            path = self._checked_path(relpath)
-            try:
-                self._handles[relpath] = safe_open(path, framework="pt")
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(path, f"cannot open safetensors file ({exc})") from None
-        return self._handles[relpath]
+    def _param_file(self, name: str, key: str) -> CheckedFile:
+        record = self.params[name]
+        handle = self.folder.file(record["file"])
+        if key not in record["keys"]:
+            raise CheckpointError(handle.path, f"{name} has no state {key!r} in the manifest")
+        dtype, shape, _ = handle.header().get(key, (None, None, 0))
+        if shape is None or list(shape) != list(record["shape"]):
+            raise CheckpointError(handle.path, f"{name}:{key} is {shape} in the file, {record['shape']} in the manifest")
+        return handle
 
     def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
-        """Elements [start, start+numel) of a parameter state, flattened; reads only the rows covering them."""
-        record = self.params[name]
-        handle = self._open(record["file"])
-        shape = record["shape"]
-        total = math.prod(shape)
-        numel = total - start if numel is None else numel
-        if not shape or numel == total:
-            return handle.get_tensor(key).reshape(-1)[start:start + numel]
-        row = total // shape[0]
-        first, last = start // row, -(-(start + numel) // row)
-        rows = handle.get_slice(key)[first:last]
-        return rows.reshape(-1)[start - first * row:start - first * row + numel]
+        """Elements [start, start+numel) of a parameter state, flattened; reads only the blocks covering them."""
+        return self._param_file(name, key).tensor(key, start, numel)
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """Entries [start, start+length) along `dim` of a parameter state."""
-        handle = self._open(self.params[name]["file"])
-        if not self.params[name]["shape"]:
-            return handle.get_tensor(key).reshape(1)
-        index = (slice(None),) * dim + (slice(start, start + length),)
-        return handle.get_slice(key)[index]
+        handle = self._param_file(name, key)
+        shape = self.params[name]["shape"]
+        if not shape:
+            return handle.tensor(key).reshape(1)
+        if dim == 0:
+            row = math.prod(shape[1:])
+            return handle.tensor(key, start * row, length * row).reshape(length, *shape[1:])
+        return handle.full(key).narrow(dim, start, length)
 
     def read_local(self, name: str, key: str, layout: Layout, local_shape: Sequence[int], rank: int, tp: int,
                    start: int = 0, numel: int | None = None) -> torch.Tensor:
@@ -266,7 +501,7 @@ class UniversalCheckpoint:
         total = math.prod(local_shape)
         numel = total - start if numel is None else numel
         pieces = layout.pieces(local_shape, rank, tp)
-        dtype = torch.float32 if key != VALUE else getattr(torch, self.params[name]["dtype"])
+        dtype = torch.float32 if key != VALUE else torch_dtype(self.params[name]["dtype"])
         if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
             row = math.prod(local_shape[1:])
             kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
@@ -281,29 +516,16 @@ class UniversalCheckpoint:
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A whole module buffer."""
-        return self._open(BUFFERS).get_tensor(name)
+        return self.folder.file(BUFFERS).full(name)
 
     def load_state(self) -> dict[str, Any]:
         """The non-tensor training state: scheduler, client state, optimizer-wrapper state."""
-        tfile = TorchFile(self._checked_path(STATE))
-        try:
-            return materialize(tfile.obj)
-        finally:
-            tfile.close()
+        return self.folder.load_object(STATE)
 
     def verify(self, relpaths: Iterable[str] | None = None) -> list[str]:
-        """Check sizes and crc32 of the given files (all by default); return one line per problem."""
-        files = self.manifest["files"]
-        problems = []
-        for relpath in (files if relpaths is None else relpaths):
-            want = files[relpath]
-            path = os.path.join(self.root, relpath)
-            if not os.path.isfile(path):
-                problems.append(f"{path}: missing")
-                continue
-            got = file_record(self.root, relpath)
-            if got.nbytes != want["bytes"]:
-                problems.append(f"{path}: {got.nbytes} bytes, manifest says {want['bytes']}")
-            elif got.crc32 != want["crc32"]:
-                problems.append(f"{path}: crc32 {got.crc32} does not match manifest {want['crc32']}")
-        return problems
+        """Check every block of the given files (all by default); return one line per problem."""
+        return self.folder.verify(relpaths)
+
+    def close(self) -> None:
+        """Release every open file."""
+        self.folder.close()

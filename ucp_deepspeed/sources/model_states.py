@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize
+from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize, plain
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
@@ -12,9 +12,10 @@ COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 class ModelStatesFile:
     """One `*model_states.pt` file, opened lazily."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, verify: bool = True):
         self.path = path
-        self._file = TorchFile(path)
+        self._file = TorchFile(path, verify)
+        self.save_id = self._file.save_id
         if not isinstance(self._file.obj, dict) or "module" not in self._file.obj:
             raise CheckpointError(path, "no 'module' entry; not a DeepSpeed model-states file")
         self._obj: dict[str, Any] = self._file.obj
@@ -55,14 +56,19 @@ class ModelStatesFile:
 
     def lr_scheduler(self) -> Any:
         """The LR scheduler state dict, if one was saved."""
-        return materialize(self._obj.get("lr_scheduler"))
+        return plain(self._obj.get("lr_scheduler"))
 
     def client_state(self, keys: tuple[str, ...]) -> dict[str, Any]:
         """The user's `client_state` entries, which DeepSpeed merges into the top level."""
         missing = [k for k in keys if k not in self._obj]
         if missing:
             raise CheckpointError(self.path, f"client_state keys {missing} recorded in metadata are missing")
-        return {k: materialize(self._obj[k]) for k in keys}
+        return {k: plain(self._obj[k]) for k in keys}
+
+    @property
+    def file(self) -> TorchFile:
+        """The archive, for checking what was read from it."""
+        return self._file
 
     def close(self) -> None:
         """Release the underlying file."""

@@ -11,54 +11,31 @@ import torch
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.fragments import fragments
 from ucp_deepspeed.meta import (
-    CHECKN_RUN_MARKER,
     ExtraTensor,
     ParamSlot,
     SaveMeta,
     meta_filename,
     read_meta,
 )
+from ucp_deepspeed.paths import read_latest
 from ucp_deepspeed.patterns import parse_rules
 from ucp_deepspeed.plan import full_tensors
+from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, fail
 from ucp_deepspeed.sources.infer import infer_metas
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 from ucp_deepspeed.sources.torch_file import TorchFile
 
-LATEST = "latest"
-
-
-def list_tags(ckpt_dir: str) -> list[str]:
-    """Tag folders in a checkpoint directory: DeepSpeed model states, or a Check-N-Run save."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    return sorted(d for d in os.listdir(ckpt_dir)
-                  if os.path.isdir(os.path.join(ckpt_dir, d))
-                  and any(f.endswith("model_states.pt") or f == CHECKN_RUN_MARKER
-                          for f in os.listdir(os.path.join(ckpt_dir, d))))
-
-
 def resolve_tag(ckpt_dir: str, tag: str | None = None) -> str:
     """The tag to use: the one given, or the one named in `latest`; a clear error otherwise."""
-    if tag is not None:
-        return str(tag)
-    latest = os.path.join(ckpt_dir, LATEST)
-    if not os.path.isfile(latest):
-        found = list_tags(ckpt_dir)
-        hint = f"; tags present: {', '.join(found)} (pass one with --tag)" if found else ""
-        raise CheckpointError(latest, f"no 'latest' file, so the tag to load is unknown{hint}")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not tag:
-        raise CheckpointError(latest, "'latest' is empty")
-    return tag
+    return str(tag) if tag is not None else read_latest(ckpt_dir)
 
 
 class RankFiles:
     """The files of one model-parallel rank (one tensor/pipeline coordinate), opened lazily."""
 
-    def __init__(self, tag_dir: str, mp_rank: int, meta: SaveMeta):
-        self.tag_dir, self.mp_rank, self.meta = tag_dir, mp_rank, meta
+    def __init__(self, tag_dir: str, mp_rank: int, meta: SaveMeta, verify: bool = True):
+        self.tag_dir, self.mp_rank, self.meta, self.verify = tag_dir, mp_rank, meta, verify
         topo = meta.topology
         prefix = "bf16_" if topo.dtype == "bf16" else ""
         self.optim_paths = [os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
@@ -77,15 +54,31 @@ class RankFiles:
         """The optimizer file of data-parallel rank `rank`, opened once."""
         with self._lock:
             if rank not in self._optim:
-                self._optim[rank] = OptimRankFile(self.optim_paths[rank], self.meta.topology.zero_stage)
+                self._optim[rank] = self._bound(OptimRankFile(self.optim_paths[rank], self.meta.topology.zero_stage,
+                                                              self.verify))
             return self._optim[rank]
 
     def model_states(self, rank: int = 0) -> ModelStatesFile:
         """The model-states file of data-parallel rank `rank` (there is only one below ZeRO-3)."""
         with self._lock:
             if rank not in self._model:
-                self._model[rank] = ModelStatesFile(self.model_paths[rank])
+                self._model[rank] = self._bound(ModelStatesFile(self.model_paths[rank], self.verify))
             return self._model[rank]
+
+    def _bound(self, opened: Any) -> Any:
+        """A file is used only if it carries this save's id (when the save recorded one)."""
+        want = self.meta.save_id
+        if want and opened.save_id != want:
+            opened.close()
+            found = f"save id {opened.save_id}" if opened.save_id else "no save id"
+            raise CheckpointError(opened.path, f"belongs to another save: it carries {found}, and the metadata of "
+                                  f"this tag records save id {want} (a file copied from another run or step?)")
+        return opened
+
+    def files(self) -> list[Any]:
+        """Every rank file opened so far."""
+        with self._lock:
+            return list(self._optim.values()) + list(self._model.values())
 
     def read_param(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """One state (`fp32` or an optimizer key) of this rank's share of a parameter, from every DP rank."""
@@ -157,9 +150,15 @@ def _rules(layout_rules: Any, where: str) -> tuple:
 
 
 class NativeCheckpoint:
-    """A DeepSpeed checkpoint tag: every model-parallel rank's metadata and lazily opened files."""
+    """A DeepSpeed checkpoint tag: every model-parallel rank's metadata and lazily opened files.
 
-    def __init__(self, ckpt_dir: str, tag: str | None = None, layout_rules: Any = None):
+    With `check` (the default) every rank file's pickle is read at once and checked against the
+    metadata; a loading job does that on one rank only. `verify=False` skips the CRC checks of
+    tensor reads, to measure their cost.
+    """
+
+    def __init__(self, ckpt_dir: str, tag: str | None = None, layout_rules: Any = None, check: bool = True,
+                 verify: bool = True):
         self.ckpt_dir = os.path.abspath(ckpt_dir)
         self.tag = resolve_tag(self.ckpt_dir, tag)
         self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
@@ -169,11 +168,61 @@ class NativeCheckpoint:
         self.meta = self.metas[0]
         topo = self.meta.topology
         self.tensors = full_tensors(self.metas, os.path.join(self.tag_dir, meta_filename(0)))
-        self.ranks = [RankFiles(self.tag_dir, r, meta) for r, meta in enumerate(self.metas)]
+        self.ranks = [RankFiles(self.tag_dir, r, meta, verify) for r, meta in enumerate(self.metas)]
         missing = [os.path.basename(p) for rank in self.ranks for p in rank.needed if not os.path.isfile(p)]
         if missing:
             raise CheckpointError(self.tag_dir, f"saved at {topo.describe()} but rank files are missing: "
                                   f"{', '.join(missing)}")
+        if check:
+            try:
+                self._check_files()
+            except (CheckpointError, ValueError):
+                self.close()
+                raise
+
+    def _check_files(self) -> None:
+        """Open every rank file (pickles only) and check it against the metadata: bound to this save,
+        shapes, partitions and steps agreeing. Raises before anything is converted."""
+        for rank in self.ranks:
+            topo = rank.meta.topology
+            problems = [(rank.model_paths[d], p) for d in range(len(rank.model_paths))
+                        for p in check_model_states(rank.meta, rank.model_states(d), len(self.ranks))]
+            if topo.zero_stage > 0:
+                optims = [rank.optim(d) for d in range(topo.dp)]
+                try:
+                    problems += [(o.path, p) for d, o in enumerate(optims) for p in check_optim(rank.meta, o, d)]
+                except ValueError as exc:  # fragments that cannot cover a parameter
+                    problems.append((rank.optim_paths[0], str(exc)))
+                problems += [(self.tag_dir, p) for p in check_steps(optims)]
+            if problems:
+                first = problems[0][0]
+                fail(first, [p if path == first else f"{os.path.basename(path)}: {p}" for path, p in problems])
+
+    def pieces(self) -> dict[str, dict[str, list[tuple[int, int, int]]]]:
+        """What was read from each rank file, by path and record, for a CRC check here or on another rank."""
+        return {f.path: f.file.pieces() for rank in self.ranks for f in rank.files()}
+
+    def check_reads(self, more: list[dict[str, dict[str, list[tuple[int, int, int]]]]] = ()) -> None:
+        """Raise if anything read from the rank files (here, or by other processes: `more`) fails its CRC-32."""
+        opened = {f.path: f for rank in self.ranks for f in rank.files()}
+        extra: dict[str, dict[str, list[tuple[int, int, int]]]] = {}
+        for part in more:
+            for path, records in part.items():
+                for name, pieces in records.items():
+                    extra.setdefault(path, {}).setdefault(name, []).extend(pieces)
+        for path in sorted(set(opened) | set(extra)):
+            handle = opened.get(path) or self._open_path(path)
+            handle.file.check_reads(extra.get(path))
+
+    def _open_path(self, path: str) -> Any:
+        for rank in self.ranks:
+            for r, p in enumerate(rank.optim_paths):
+                if p == path:
+                    return rank.optim(r)
+            for r, p in enumerate(rank.model_paths):
+                if p == path:
+                    return rank.model_states(r)
+        raise CheckpointError(path, "is not a file of this checkpoint")
 
     def source_files(self) -> list[str]:
         """Every file conversion reads, for fingerprinting."""

@@ -9,17 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize
+from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize, plain
 from ucp_deepspeed.meta import FP32
 
 
 class OptimRankFile:
     """The optimizer file of one data-parallel rank, opened lazily."""
 
-    def __init__(self, path: str, zero_stage: int):
+    def __init__(self, path: str, zero_stage: int, verify: bool = True):
         self.path = path
         self.zero_stage = zero_stage
-        self._file = TorchFile(path)
+        self._file = TorchFile(path, verify)
+        self.save_id = self._file.save_id
         top = self._file.obj
         sd = top.get("optimizer_state_dict") if isinstance(top, dict) else None
         if not isinstance(sd, dict):
@@ -79,9 +80,9 @@ class OptimRankFile:
         return materialize(self._sd[key]) if key in self._sd else default
 
     def wrapper_state(self) -> dict[str, Any]:
-        """Loss-scaler and clipping state of DeepSpeed's optimizer wrapper."""
+        """Loss-scaler and clipping state of DeepSpeed's optimizer wrapper, as plain data."""
         keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
-        return {k: materialize(self._sd[k]) for k in keys if k in self._sd}
+        return {k: plain(self._sd[k]) for k in keys if k in self._sd}
 
     def global_state(self) -> dict[str, Any]:
         """Everything in the file except the per-rank tensors, plus param_groups: DeepSpeed's `optimizer_state.pt`."""
@@ -92,6 +93,11 @@ class OptimRankFile:
         if isinstance(base, dict):
             out["param_groups"] = materialize(base["param_groups"])
         return out
+
+    @property
+    def file(self) -> TorchFile:
+        """The archive, for checking what was read from it."""
+        return self._file
 
     def close(self) -> None:
         """Release the underlying file."""

@@ -1,0 +1,45 @@
+"""Error fan-out for the ranks of a loading job: one rank's failure is raised on every rank.
+
+A rank that raises alone leaves the others waiting in the next collective, so every step that can
+fail on some ranks only (reading files, converting a share of the parameters) ends in `all_ok`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from ucp_deepspeed.errors import CheckpointError
+
+
+def failure_of(exc: BaseException) -> tuple[str, str]:
+    """(path, reason) of a failure, to send to the other ranks."""
+    if isinstance(exc, CheckpointError):
+        return exc.path, exc.reason
+    return str(getattr(exc, "filename", None) or ""), f"{type(exc).__name__}: {exc}"
+
+
+def all_ok(failure: tuple[str, str] | None) -> None:
+    """Raise the same error on every rank if any rank failed (collective)."""
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f), None)
+    if first:
+        raise CheckpointError(*first)
+
+
+def guarded(work: Callable[[], Any]) -> Any:
+    """Run `work` on every rank; a `CheckpointError` or `OSError` on any rank is raised on all (collective)."""
+    result, failure = None, None
+    try:
+        result = work()
+    except (CheckpointError, OSError) as exc:
+        failure = failure_of(exc)
+    all_ok(failure)
+    return result
+
+
+def on_rank0(work: Callable[[], Any]) -> None:
+    """Run `work` on rank 0 only; a failure there is raised on every rank (collective)."""
+    guarded(work if dist.get_rank() == 0 else lambda: None)
