@@ -25,7 +25,7 @@ import torch
 
 from ucp_deepspeed.checksum import combine_pieces, crc32
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.safe_pickle import PickledObject, SafeUnpickler, StorageType, TensorType
+from ucp_deepspeed.safe_pickle import PickledObject, SafeUnpickler, StorageType, TensorType, UnsafePickle
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 _CHUNK = 1 << 24
@@ -210,6 +210,8 @@ class TorchFile:
             self.obj = SafeUnpickler(data, self._persistent_load, extra).load()
         except CheckpointError:
             raise
+        except UnsafePickle as exc:
+            raise CheckpointError(self.path, str(exc)) from None
         except Exception as exc:  # a damaged or hostile stream raises many exception types
             raise CheckpointError(self.path, f"cannot unpickle ({type(exc).__name__}: {exc})") from None
         stamp_name = f"{self._prefix}{SAVE_ID_RECORD}"
