@@ -130,12 +130,12 @@ def ours(ckpt: Path, workers: int, verify: bool = True) -> dict:
     """`ucp convert`; with `verify=False` the same conversion through the Python API without the source CRC checks."""
     out = ckpt / "global_step1.universal"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "ucp_deepspeed.cli", "convert", str(ckpt), "--workers", str(workers), "--no-progress"]
+    cmd = [sys.executable, "-m", "ucp_deepspeed.tools.cli", "convert", str(ckpt), "--workers", str(workers), "--no-progress"]
     if not verify:
         cmd = [sys.executable, "-c", "import sys; from ucp_deepspeed import convert; "
                f"convert(sys.argv[1], workers={workers}, progress=False, verify=False)", str(ckpt)]
     result = measure(cmd, watch=out)
-    verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "verify", str(out)], env=env(),
+    verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.tools.cli", "verify", str(out)], env=env(),
                             capture_output=True, text=True)
     if verify.returncode != 0:
         raise RuntimeError(f"ucp verify failed after conversion:\n{verify.stdout}{verify.stderr}")

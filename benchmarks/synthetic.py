@@ -27,10 +27,10 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 import ucp_deepspeed
-from ucp_deepspeed.async_save import AsyncCheckpointEngine
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 
 HIDDEN = 1024
 VOCAB = 32768

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
-from ucp_deepspeed.checkpoints import prune
 from ucp_deepspeed.sources import list_tags
+from ucp_deepspeed.sources.tags import prune
 
 DENSE = 8
 BAG = 3  # lookups per table per sample

@@ -38,11 +38,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 import ucp_deepspeed
-import ucp_deepspeed.mpu
-from ucp_deepspeed.capture import infos
-from ucp_deepspeed.checkpoints import prune
+import ucp_deepspeed.runtime.mpu
+from ucp_deepspeed.geometry.layout import merge
+from ucp_deepspeed.runtime.capture import infos
 from ucp_deepspeed.sources import list_tags
-from ucp_deepspeed.layout import merge
+from ucp_deepspeed.sources.tags import prune
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import megatron_cpu  # noqa: E402  (CPU stand-ins for megatron-core's CUDA-only helpers)
@@ -106,7 +106,7 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
     groups = [{"params": decay, "weight_decay": 0.1, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95), "name": "no_decay"}]
-    if ucp_deepspeed.mpu.register_megatron_experts(model):  # experts get their own expert-data-parallel groups
+    if ucp_deepspeed.runtime.mpu.register_megatron_experts(model):  # experts get their own expert-data-parallel groups
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = torch.optim.AdamW(groups, lr=1e-3)
     cfg = {
@@ -338,7 +338,7 @@ def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int, background: b
     """
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    import ucp_deepspeed.async_save
+    import ucp_deepspeed.runtime.async_save
 
     def doomed(path: str) -> bool:
         return f"global_step{step}" in path and dist.get_rank() == dist.get_world_size() - 1 \
@@ -352,7 +352,7 @@ def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int, background: b
         os.kill(os.getpid(), signal.SIGKILL)
 
     if background:
-        original_write = ucp_deepspeed.async_save.write_file
+        original_write = ucp_deepspeed.runtime.async_save.write_file
 
         def write_file(path: str, state: dict, zipfile_serialization: bool, save_id: str = "") -> None:
             if doomed(path):
@@ -361,7 +361,7 @@ def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int, background: b
                 die(buf.getbuffer()[: buf.tell()], f"{path}.tmp.partial", linger=2.0)
             original_write(path, state, zipfile_serialization, save_id)
 
-        ucp_deepspeed.async_save.write_file = write_file
+        ucp_deepspeed.runtime.async_save.write_file = write_file
         return
     original = TorchCheckpointEngine.save
 

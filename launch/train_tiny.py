@@ -23,11 +23,11 @@ import sys
 import deepspeed
 import torch
 import torch.distributed as dist
+from compare import compare  # launch/compare.py, next to this script
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
-from compare import compare  # launch/compare.py, next to this script
-from ucp_deepspeed.capture import infos
+from ucp_deepspeed.runtime.capture import infos
 
 GLOBAL_BATCH = 12
 SEQ = 6

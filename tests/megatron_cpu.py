@@ -88,7 +88,6 @@ def seed(base: int) -> None:
 def install() -> None:
     """Swap megatron-core's CUDA-only helpers for CPU ones; call after initialize_model_parallel."""
     from megatron.core import parallel_state as ps
-
     from megatron.core.transformer.moe import moe_utils
 
     ps._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()

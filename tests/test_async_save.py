@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-import ucp_deepspeed.async_save
-from ucp_deepspeed.async_save import AsyncCheckpointEngine, snapshot
+import ucp_deepspeed.runtime.async_save
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine, snapshot
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,12 +70,12 @@ def test_background_writes_then_commit(tmp_path):
 
 def test_failed_write_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
     def disk_full(path: str, state: dict, zipfile_serialization: bool, save_id: str = "") -> None:
-        with ucp_deepspeed.async_save.atomic_path(path) as tmp:
+        with ucp_deepspeed.runtime.async_save.atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
                 f.write(b"partial")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tmp)
 
-    monkeypatch.setattr(ucp_deepspeed.async_save, "write_file", disk_full)
+    monkeypatch.setattr(ucp_deepspeed.runtime.async_save, "write_file", disk_full)
     engine = AsyncCheckpointEngine()
     engine.create(CheckpointCommitInfo(tag="global_step4", save_dir=str(tmp_path), save_latest=True))
     path = str(tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, torch_env, torchrun
-from ucp_deepspeed.chain import chain, materialize
-from ucp_deepspeed.checkpoints import prune, resume_tag
-from ucp_deepspeed.differential import new_baseline_pays
+
+from ucp_deepspeed.checkn_run.chain import chain, materialize
+from ucp_deepspeed.checkn_run.differential import new_baseline_pays
+from ucp_deepspeed.checkn_run.quantize import dequantize, quantize
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.quantize import dequantize, quantize
+from ucp_deepspeed.sources.tags import prune, resume_tag
 
 DLRM = ROOT / "launch" / "train_dlrm.py"
 TABLES = ("tables.0.weight", "tables.1.weight", "tables.2.weight")
@@ -133,16 +133,16 @@ def test_retention_keeps_what_the_kept_deltas_need(saved, tmp_path):
 
 def test_inspect_shows_the_chain_and_convert_materializes(saved, tmp_path):
     ckpt = saved["incremental"]
-    shown = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "inspect", str(ckpt / "global_step8")],
+    shown = subprocess.run([sys.executable, "-m", "ucp_deepspeed.tools.cli", "inspect", str(ckpt / "global_step8")],
                            env=torch_env(), capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert "delta (incremental)" in shown.stdout and "global_step2 -> global_step4 -> global_step6 -> global_step8" \
         in shown.stdout
     out = tmp_path / "full"
-    made = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "convert", str(ckpt), "--tag", "global_step8",
+    made = subprocess.run([sys.executable, "-m", "ucp_deepspeed.tools.cli", "convert", str(ckpt), "--tag", "global_step8",
                            "--output", str(out)], env=torch_env(), capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
-    verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.cli", "verify", str(out)], env=torch_env(),
+    verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.tools.cli", "verify", str(out)], env=torch_env(),
                             capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
@@ -150,8 +150,8 @@ def test_inspect_shows_the_chain_and_convert_materializes(saved, tmp_path):
 def test_reused_full_copy_and_replaced_elements_are_caught(saved, tmp_path, capsys):
     """A load reuses `<tag>.universal`, the chain's full copy: its reads are checked like any universal folder's,
     and `ucp verify` covers it. An element replaced by another run's save of the same tag breaks the chain."""
-    from ucp_deepspeed.cli import main as cli_main
-    from ucp_deepspeed.universal import UniversalCheckpoint
+    from ucp_deepspeed.format.universal import UniversalCheckpoint
+    from ucp_deepspeed.tools.cli import main as cli_main
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved["one_shot"], ckpt)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ucp_deepspeed.config import load_config, split_config
-from ucp_deepspeed.fragments import Fragment, fragments
-from ucp_deepspeed.meta import ParamSlot
+from ucp_deepspeed.format.metadata import ParamSlot
+from ucp_deepspeed.geometry.fragments import Fragment, fragments
+from ucp_deepspeed.runtime.config import load_config, split_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
 
@@ -72,7 +72,7 @@ def test_bad_check_n_run_options_are_clear_errors(section, message):
 def test_differential_refuses_optimizers_that_move_untouched_rows():
     import torch
 
-    from ucp_deepspeed.tracking import check_optimizer
+    from ucp_deepspeed.checkn_run.tracking import check_optimizer
 
     model = torch.nn.Embedding(4, 2)
     check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))

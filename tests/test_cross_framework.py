@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, load_results, popen_payload, swap_pickle, torch_env, torchrun
-from ucp_deepspeed.cli import main as cli_main
+
+from ucp_deepspeed.tools.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_install_is_idempotent_and_undone_by_uninstall():
     import transformers.trainer
 
     import ucp_deepspeed
-    from ucp_deepspeed.integrations import installed
+    from ucp_deepspeed.runtime.integrations import installed
 
     def patched() -> tuple:
         return (deepspeed.initialize, transformers.trainer.Trainer._load_rng_state,
@@ -171,7 +171,7 @@ def test_install_is_idempotent_and_undone_by_uninstall():
 
 
 def test_rng_file_for_another_world_size(tmp_path):
-    from ucp_deepspeed.integrations import saved_rng_file
+    from ucp_deepspeed.runtime.integrations import saved_rng_file
 
     for i in range(2):
         (tmp_path / f"rng_state_{i}.pth").write_bytes(b"")

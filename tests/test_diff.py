@@ -7,9 +7,9 @@ import shutil
 from safetensors.torch import load_file, save_file
 
 from ucp_deepspeed import convert
-from ucp_deepspeed.cli import main as cli_main
-from ucp_deepspeed.diff import diff
-from ucp_deepspeed.universal import record_bytes
+from ucp_deepspeed.format.universal import record_bytes
+from ucp_deepspeed.tools.cli import main as cli_main
+from ucp_deepspeed.tools.compare import diff
 
 
 def test_diff_finds_exactly_what_changed(sources, tmp_path, capsys):

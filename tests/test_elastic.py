@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from conftest import ROOT, torch_env
 
 ELASTIC = ROOT / "launch" / "elastic.sh"

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import GPT_WORKER, torchrun
-from ucp_deepspeed.cli import main as ucp
-from ucp_deepspeed.diff import diff
-from ucp_deepspeed.universal import UniversalCheckpoint
+
+from ucp_deepspeed.format.universal import UniversalCheckpoint
+from ucp_deepspeed.tools.cli import main as ucp
+from ucp_deepspeed.tools.compare import diff
 
 transformers = pytest.importorskip("transformers")
 

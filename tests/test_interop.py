@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import load_results, torch_env, torchrun
-from ucp_deepspeed.cli import main as cli_main
+
+from ucp_deepspeed.tools.cli import main as cli_main
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucp_deepspeed.layout import Layout, dropped_padding, merge, split
-from ucp_deepspeed.patterns import param_infos, parse_rules
+from ucp_deepspeed.geometry.layout import Layout, dropped_padding, merge, split
+from ucp_deepspeed.naming.patterns import param_infos, parse_rules
 
 LAYOUTS = {
     "replicated": (Layout(), (6, 8)),

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import GPT_WORKER, load_results, torchrun
 from safetensors.torch import load_file
 
-from conftest import GPT_WORKER, load_results, torchrun
 from ucp_deepspeed import CheckpointError, convert
-from ucp_deepspeed.cli import main as cli_main
-from ucp_deepspeed.diff import diff
-from ucp_deepspeed.universal import UniversalCheckpoint
+from ucp_deepspeed.format.universal import UniversalCheckpoint
+from ucp_deepspeed.tools.cli import main as cli_main
+from ucp_deepspeed.tools.compare import diff
 
 LOSS_RTOL = 1e-5
 

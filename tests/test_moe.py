@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import load_results, torchrun
 
 LOSS_RTOL = 1e-5

@@ -4,8 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucp_deepspeed.quantize import BITS, METHODS, choose_bits, dequantize, error_bound, from_tensors, pack, quantize, \
-    unpack
+from ucp_deepspeed.checkn_run.quantize import (
+    BITS,
+    METHODS,
+    choose_bits,
+    dequantize,
+    error_bound,
+    from_tensors,
+    pack,
+    quantize,
+    unpack,
+)
 
 
 def _rows(n: int = 5000, dim: int = 24) -> torch.Tensor:

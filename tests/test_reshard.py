@@ -7,11 +7,10 @@ what was gathered before saving; the next losses must match the uninterrupted ru
 """
 from __future__ import annotations
 
-import pytest
-
 import subprocess
 import sys
 
+import pytest
 from conftest import WORKER, load_results, torch_env, torchrun
 
 FP32_LOSS_RTOL = 1e-6

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import GPT_WORKER, torch_env
-from ucp_deepspeed.checkpoints import incomplete_reason
+
+from ucp_deepspeed.sources.tags import incomplete_reason
 
 TRAIN = ["train", "--arch", "gpt", "--steps", "8", "--ckpt-every", "2", "--keep", "2", "--snapshots"]
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from ucp_deepspeed.convert import convert
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.universal import UniversalCheckpoint
+from ucp_deepspeed.version import __version__
 
-from ucp_deepspeed.convert import convert  # noqa: E402  (after __version__, which convert imports)
-from ucp_deepspeed.errors import CheckpointError  # noqa: E402
-from ucp_deepspeed.universal import UniversalCheckpoint  # noqa: E402
-
-_LAZY = {"initialize": "ucp_deepspeed.engine", "attach": "ucp_deepspeed.engine", "UniversalConfig": "ucp_deepspeed.config",
-         "install": "ucp_deepspeed.integrations", "uninstall": "ucp_deepspeed.integrations"}
+_LAZY = {"initialize": "ucp_deepspeed.runtime.engine", "attach": "ucp_deepspeed.runtime.engine", "UniversalConfig": "ucp_deepspeed.runtime.config",
+         "install": "ucp_deepspeed.runtime.integrations", "uninstall": "ucp_deepspeed.runtime.integrations"}
 
 __all__ = ["initialize", "attach", "install", "uninstall", "convert", "UniversalCheckpoint", "UniversalConfig", "CheckpointError",
            "__version__"]

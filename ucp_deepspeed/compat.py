@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.safe_pickle import DEEPSPEED_CLASSES, PickledObject, user_allowed
+from ucp_deepspeed.io.safe_pickle import DEEPSPEED_CLASSES, PickledObject, user_allowed
 
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 

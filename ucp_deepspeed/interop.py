@@ -24,18 +24,27 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ucp_deepspeed import __version__
-from ucp_deepspeed.convert import assemble
+from ucp_deepspeed.compat import rebuild
+from ucp_deepspeed.convert.core import assemble
+from ucp_deepspeed.convert.plan import FullTensor
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.plan import FullTensor
+from ucp_deepspeed.format.metadata import FP32, VALUE
+from ucp_deepspeed.format.paths import check_output
+from ucp_deepspeed.format.universal import (
+    BUFFERS,
+    STATE,
+    FileRecord,
+    atomic_write,
+    encode_value,
+    param_file,
+    write_manifest,
+    write_object,
+    write_tensors,
+)
+from ucp_deepspeed.io.torch_file import load_file, plain
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.model_states import ModelStatesFile
-from ucp_deepspeed.compat import rebuild
-from ucp_deepspeed.paths import check_output
-from ucp_deepspeed.sources.torch_file import load_file, plain
-from ucp_deepspeed.meta import FP32, VALUE
-from ucp_deepspeed.universal import (BUFFERS, STATE, FileRecord, atomic_write, encode_value, param_file,
-                                     write_manifest, write_object, write_tensors)
+from ucp_deepspeed.version import __version__
 
 # key names of deepspeed.checkpoint.constants, spelled out so the `ucp` command need not import DeepSpeed
 PARAM, CAT_DIM, VOCAB_TENSOR, PARAM_N_SUB_PARAMS = "param", "cat_dim", "vocab_tensor", "param_n_sub_params"

@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-from ucp_deepspeed.integrations import install
+from ucp_deepspeed.runtime.integrations import install
 
 
 def main(argv: list[str] | None = None) -> None:

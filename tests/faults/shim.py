@@ -9,15 +9,14 @@ import errno
 import os
 import sys
 import time
+from importlib import import_module
 from typing import Any
 
-from importlib import import_module
-
-from ucp_deepspeed.cli import main
+from ucp_deepspeed.tools.cli import main
 
 # by module path: the package exports a function named `convert`, which hides the module as an attribute
-convert_module = import_module("ucp_deepspeed.convert")
-universal_module = import_module("ucp_deepspeed.universal")
+convert_module = import_module("ucp_deepspeed.convert.core")
+universal_module = import_module("ucp_deepspeed.format.universal")
 
 
 def slow_writes(seconds: float) -> None:

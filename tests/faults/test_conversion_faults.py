@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import torch_env
+
 from ucp_deepspeed import UniversalCheckpoint, convert
-from ucp_deepspeed.diff import diff
-from ucp_deepspeed.universal import MANIFEST
+from ucp_deepspeed.format.universal import MANIFEST
+from ucp_deepspeed.tools.compare import diff
 
 SHIM = Path(__file__).with_name("shim.py")
 TAG = "global_step3"
@@ -31,7 +31,7 @@ def digest(root: Path) -> dict[str, str]:
 
 def ucp(*args: str, fault: tuple[str, float] | None = None, prefix: tuple[str, ...] = (),
         wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
-    cmd = [*prefix, sys.executable, *([str(SHIM), fault[0], str(fault[1])] if fault else ["-m", "ucp_deepspeed.cli"]),
+    cmd = [*prefix, sys.executable, *([str(SHIM), fault[0], str(fault[1])] if fault else ["-m", "ucp_deepspeed.tools.cli"]),
            *args]
     if not wait:
         return subprocess.Popen(cmd, env=torch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_results, torchrun
+
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
-from ucp_deepspeed.checkpoints import incomplete_reason, resume_tag
-from ucp_deepspeed.cli import main as ucp
-from ucp_deepspeed.convert import plan_jobs, prepare_output, run_jobs
-from ucp_deepspeed.diff import diff
-from ucp_deepspeed.meta import meta_filename
+from ucp_deepspeed.convert.core import plan_jobs, prepare_output, run_jobs
+from ucp_deepspeed.format.metadata import meta_filename
+from ucp_deepspeed.format.universal import MANIFEST
 from ucp_deepspeed.sources import NativeCheckpoint
-from ucp_deepspeed.universal import MANIFEST
+from ucp_deepspeed.sources.tags import incomplete_reason, resume_tag
+from ucp_deepspeed.tools.cli import main as ucp
+from ucp_deepspeed.tools.compare import diff
 
 TAG = "global_step3"
 

@@ -21,19 +21,19 @@ import struct
 import zipfile
 from pathlib import Path
 
+import canary
 import pytest
 import torch
+from conftest import swap_pickle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import canary
-from conftest import swap_pickle
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
-from ucp_deepspeed.cli import main as ucp
-from ucp_deepspeed.native_io import safe_load
-from ucp_deepspeed.safe_pickle import ALLOW_ENV
-from ucp_deepspeed.sources.torch_file import TorchFile
-from ucp_deepspeed.universal import MANIFEST, STATE, record_bytes
+from ucp_deepspeed.format.universal import MANIFEST, STATE, record_bytes
+from ucp_deepspeed.io.safe_pickle import ALLOW_ENV
+from ucp_deepspeed.io.torch_file import TorchFile
+from ucp_deepspeed.runtime.native_io import safe_load
+from ucp_deepspeed.tools.cli import main as ucp
 
 TAG = "global_step3"
 

@@ -14,14 +14,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import load_results, popen_payload, swap_pickle, torchrun
+
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
-from ucp_deepspeed.cli import main as ucp
-from ucp_deepspeed.convert import Journal, plan_jobs, prepare_output, run_jobs
-from ucp_deepspeed.meta import meta_filename
+from ucp_deepspeed.convert.core import Journal, plan_jobs, prepare_output, run_jobs
+from ucp_deepspeed.format.metadata import meta_filename
+from ucp_deepspeed.format.universal import MANIFEST
 from ucp_deepspeed.sources import NativeCheckpoint
-from ucp_deepspeed.universal import MANIFEST
+from ucp_deepspeed.tools.cli import main as ucp
 
 TAG = "global_step3"
 OPTIM1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.fragments import fragments
-from ucp_deepspeed.meta import FP32, SaveMeta
+from ucp_deepspeed.format.metadata import FP32, SaveMeta
+from ucp_deepspeed.geometry.fragments import fragments
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 

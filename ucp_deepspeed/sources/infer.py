@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.layout import REPLICATED
-from ucp_deepspeed.meta import FP32, ExtraTensor, ParamSlot, SaveMeta, Topology
-from ucp_deepspeed.patterns import Rule
+from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta, Topology
+from ucp_deepspeed.geometry.layout import REPLICATED
+from ucp_deepspeed.naming.patterns import Rule
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize, plain
+from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize, plain
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 

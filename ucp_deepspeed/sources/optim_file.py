@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.sources.torch_file import LazyTensor, TorchFile, materialize, plain
-from ucp_deepspeed.meta import FP32
+from ucp_deepspeed.format.metadata import FP32
+from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize, plain
 
 
 class OptimRankFile:

@@ -1,0 +1,1 @@
+"""Check-N-Run (NSDI'22) differential and quantized checkpoints, plugged into the runtime as an extension."""

@@ -1,0 +1,180 @@
+"""A Check-N-Run chain on disk: reading its elements and replaying them into a universal checkpoint.
+
+Every Check-N-Run save (see `differential.py`) is a tag folder in the universal format, marked by
+`.ucp_checkn_run` (written first) and completed by its manifest (written last). The manifest's
+`differential` section says whether the folder is a baseline or a delta and lists, in `chain`, the
+tags a restore needs, baseline first, and in `chain_ids` their save ids. A delta's tables hold only
+some rows (`rows`), possibly with quantized fp32 values. `materialize` reads every file of the chain
+through its block CRCs and writes the full tables, plus copies of the dense files, as an ordinary
+universal checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from ucp_deepspeed.checkn_run.quantize import dequantize, from_tensors
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.metadata import CHECKN_RUN_MARKER as MARKER
+from ucp_deepspeed.format.metadata import FP32
+from ucp_deepspeed.format.paths import INTENT
+from ucp_deepspeed.format.universal import (
+    BUFFERS,
+    MANIFEST,
+    STATE,
+    Folder,
+    atomic_write,
+    copy_checked,
+    param_file,
+    read_manifest,
+    write_manifest,
+    write_tensors,
+)
+from ucp_deepspeed.io.checksum import crc32
+
+
+def is_element(tag_dir: str) -> bool:
+    """Whether a tag folder was written by a Check-N-Run save (complete or not)."""
+    return os.path.isfile(os.path.join(tag_dir, MARKER))
+
+
+def read_element(ckpt_dir: str, tag: str) -> dict[str, Any]:
+    """One chain element's manifest, after checking that every file it lists is there at its size."""
+    root = os.path.join(ckpt_dir, tag)
+    manifest = read_manifest(root)
+    path = os.path.join(root, MANIFEST)
+    if not isinstance(manifest.get("differential"), dict):
+        raise CheckpointError(path, "not a Check-N-Run checkpoint (no 'differential' section)")
+    for relpath, want in Folder(root, manifest).records.items():
+        file = os.path.join(root, relpath)
+        if not os.path.isfile(file):
+            raise CheckpointError(file, f"file of chain element {tag} is missing")
+        if os.path.getsize(file) != want.nbytes:
+            raise CheckpointError(file, f"size {os.path.getsize(file)} differs from manifest ({want.nbytes}): "
+                                  "truncated or replaced")
+    return manifest
+
+
+def chain(ckpt_dir: str, tag: str) -> list[tuple[str, dict[str, Any]]]:
+    """The elements a restore of `tag` needs, baseline first, each checked for presence and size.
+
+    Each element's manifest records its own save id and the ids of the elements before it, so an
+    element replaced by one from another run (or an older save of the same tag) is refused.
+    """
+    target = read_element(ckpt_dir, tag)
+    section = target["differential"]
+    tags = section.get("chain")
+    ids = section.get("chain_ids")
+    if not isinstance(tags, list) or not tags or tags[-1] != tag or (ids is not None and len(ids) != len(tags)):
+        raise CheckpointError(os.path.join(ckpt_dir, tag, MANIFEST), "malformed chain in the 'differential' section")
+    elements = [(t, read_element(ckpt_dir, t) if t != tag else target) for t in tags]
+    for i, (t, manifest) in enumerate(elements):
+        if ids is not None and manifest.get("save_id") != ids[i]:
+            raise CheckpointError(os.path.join(ckpt_dir, t, MANIFEST),
+                                  f"is save {manifest.get('save_id')}, but {tag} was written on top of save {ids[i]}: "
+                                  "this element was replaced after the chain was written")
+    if elements[0][1]["differential"]["kind"] != "baseline":
+        raise CheckpointError(os.path.join(ckpt_dir, tags[0]), "first element of the chain is not a baseline")
+    return elements
+
+
+def require_rows(path: str, rows: torch.Tensor, total: int) -> None:
+    """A delta's row index must be sorted, unique and in range, or the file is corrupt."""
+    if rows.numel() and (rows[0] < 0 or rows[-1] >= total or not bool((rows[1:] > rows[:-1]).all())):
+        raise CheckpointError(path, f"row index is not sorted, unique and within [0, {total})")
+
+
+def crc_problems(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Files of the chain whose blocks do not match their element's manifest."""
+    return [p for tag, manifest in elements for p in Folder(os.path.join(ckpt_dir, tag), manifest).verify()]
+
+
+def _table_rows(folder: Folder, name: str, record: dict[str, Any]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Row index (None: all rows) and fp32 (dequantized) and state values of one table in one element."""
+    handle = folder.file(record["file"])
+    path = handle.path
+    table = record["table"]
+    stored = {k: handle.full(k) for k in handle.keys()}
+    rows = stored.pop("rows", None)
+    if table["partial"] != (rows is not None):
+        raise CheckpointError(path, "row index presence does not match the manifest")
+    if rows is not None:
+        require_rows(path, rows, table["rows"])
+    count = table["saved_rows"]
+    width = record["shape"][1:]
+    values = {}
+    for key in record["keys"]:
+        quant = table["quantize"]
+        if key == FP32 and quant:
+            q = from_tensors(quant["method"], quant["bits"], (count, math.prod(width)),
+                             {"codes": stored[f"{FP32}.codes"], "params": stored[f"{FP32}.params"]})
+            values[key] = dequantize(q).reshape(count, *width)
+        elif key in stored:
+            values[key] = stored[key]
+        else:
+            raise CheckpointError(path, f"table {name} lacks state {key!r}")
+        if values[key].shape[0] != count:
+            raise CheckpointError(path, f"table {name} state {key!r} has {values[key].shape[0]} rows, "
+                                  f"manifest says {count}")
+    return rows, values
+
+
+def materialize(ckpt_dir: str, tag: str, out: str) -> str:
+    """Replay the chain of `tag` into a plain universal checkpoint at `out` (reused if already made).
+
+    Every file of the chain is read through its manifest's block CRCs as it is replayed.
+    """
+    elements = chain(ckpt_dir, tag)
+    fingerprint = [[t, manifest.get("save_id") or _manifest_crc(os.path.join(ckpt_dir, t))] for t, manifest in elements]
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        if read_manifest(out).get("source", {}).get("chain") == fingerprint:
+            return out
+        shutil.rmtree(out)
+    folders = [(t, Folder(os.path.join(ckpt_dir, t), manifest), manifest) for t, manifest in elements]
+    target = elements[-1][1]
+    here = folders[-1][1]
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, INTENT)):
+        raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
+    os.makedirs(out, exist_ok=True)
+    atomic_write(os.path.join(out, INTENT), json.dumps({"source": os.path.join(ckpt_dir, tag),
+                                                        "chain": fingerprint}).encode())
+    records, params = [], {}
+    try:
+        for name, record in target["params"].items():
+            record = dict(record)
+            if "table" in record:
+                full: dict[str, torch.Tensor] = {}
+                for t, folder, manifest in folders:
+                    rows, values = _table_rows(folder, name, manifest["params"][name])
+                    if rows is None:
+                        full = {k: v.clone() for k, v in values.items()}
+                    else:
+                        for key, value in values.items():
+                            full[key][rows] = value
+                record.pop("table")
+                record["file"] = param_file(name)
+                records.append(write_tensors(out, record["file"], full))
+            else:
+                records.append(copy_checked(here, record["file"], out))
+            params[name] = record
+        for relpath in (BUFFERS, STATE):
+            records.append(copy_checked(here, relpath, out))
+    finally:
+        for _, folder, _ in folders:
+            folder.close()
+    body = {k: v for k, v in target.items() if k not in ("differential", "files", "format", "version", "block_size")}
+    body["params"] = params
+    body["source"] = dict(body["source"], chain=fingerprint, differential=target["differential"])
+    write_manifest(out, body, records)
+    os.unlink(os.path.join(out, INTENT))
+    return out
+
+
+def _manifest_crc(root: str) -> str:
+    with open(os.path.join(root, MANIFEST), "rb") as f:
+        return f"{crc32(f.read()):08x}"

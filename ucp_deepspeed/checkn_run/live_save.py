@@ -1,0 +1,169 @@
+"""Write a universal checkpoint straight from a live engine, with embedding tables optionally partial.
+
+Check-N-Run checkpoints skip DeepSpeed's native files: every rank takes part in gathering each
+parameter's full fp32 value and optimizer states (one parameter at a time), and rank 0 writes the
+universal files. A table entry can hold only some rows (a differential checkpoint) and its fp32
+rows can be quantized; optimizer states of those rows stay exact. Dense parameters are always whole.
+
+    tables/<name>.safetensors   rows (int64, absent when all rows are saved), fp32 or
+                                fp32.codes + fp32.params (quantized), and one tensor per state
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from importlib.metadata import version as package_version
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+from ucp_deepspeed.checkn_run.quantize import quantize
+from ucp_deepspeed.format.metadata import FP32, VALUE
+from ucp_deepspeed.format.universal import (
+    BUFFERS,
+    STATE,
+    FileRecord,
+    encode_value,
+    param_file,
+    write_manifest,
+    write_object,
+    write_tensors,
+)
+from ucp_deepspeed.runtime.capture import describe, model_parallel, namer, topology
+from ucp_deepspeed.runtime.restore import live_params
+from ucp_deepspeed.version import __version__
+
+
+@dataclass(frozen=True)
+class TableSave:
+    """What to store of one table: which rows (None: all) and how to quantize their fp32 values."""
+
+    rows: torch.Tensor | None
+    method: str | None = None
+    bits: int | None = None
+
+
+def table_file(name: str) -> str:
+    """Relative path of a table's rows file."""
+    return f"tables/{name}.safetensors"
+
+
+def check_supported(engine: Any) -> None:
+    """Live saves gather whole parameters over data parallelism only."""
+    mp = model_parallel(engine)
+    if mp.tp > 1 or mp.pp > 1 or topology(engine).ep > 1:
+        raise NotImplementedError("Check-N-Run checkpoints (differential or quantized) support data parallelism "
+                                  "with any ZeRO stage; tensor, pipeline and expert parallelism are not supported")
+
+
+def _state_keys(engine: Any) -> list[str]:
+    for state in engine.optimizer.optimizer.state.values():
+        return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
+    return []
+
+
+def _param_groups(engine: Any) -> list[dict[str, Any]]:
+    base = engine.optimizer.optimizer
+    groups = []
+    for group in base.param_groups:
+        scalars = {}
+        for p in group["params"]:
+            if base.state.get(p):
+                scalars = {k: v for k, v in base.state[p].items() if not (torch.is_tensor(v) and v.dim() > 0)}
+                break
+        groups.append({"hyperparams": {k: encode_value(v) for k, v in group.items() if k != "params"},
+                       "scalars": {k: encode_value(v) for k, v in scalars.items()}})
+    return groups
+
+
+def _dtype(p: torch.Tensor) -> str:
+    return str(p.ds_tensor.dtype if hasattr(p, "ds_id") else p.dtype).removeprefix("torch.")
+
+
+def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict[str, TableSave],
+               extra: dict[str, Any]) -> tuple[str | None, int]:
+    """Write `out` from the live engine (collective); returns the manifest path on rank 0 and bytes written."""
+    check_supported(engine)
+    rank0 = dist.get_rank() == 0
+    keys = _state_keys(engine)
+    groups = {slot.name: slot.group for slot in describe(engine).params}
+    placed = live_params(engine)
+    records: list[FileRecord] = []
+    params: dict[str, Any] = {}
+    for p, info in placed.items():
+        name = info.name
+        shape = list(info.shape)
+        if not p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                value = p.detach().cpu().clone()
+            if rank0:
+                records.append(write_tensors(out, param_file(name), {VALUE: value}))
+            params[name] = {"shape": shape, "dtype": _dtype(p), "group": 0, "trainable": False,
+                            "file": param_file(name), "keys": [VALUE]}
+            continue
+        state = {FP32: safe_get_full_fp32_param(p).detach().cpu().reshape(shape)}
+        for key in keys:
+            state[key] = safe_get_full_optimizer_state(p, key).detach().cpu().reshape(shape)
+        record = {"shape": shape, "dtype": _dtype(p), "group": groups[name], "trainable": True,
+                  "keys": [FP32, *keys]}
+        if name in tables:
+            spec = tables[name]
+            record.update(file=table_file(name), table=_table_record(spec, shape[0]))
+            if rank0:
+                records.append(write_tensors(out, table_file(name), _table_tensors(state, spec)))
+        else:
+            record["file"] = param_file(name)
+            if rank0:
+                records.append(write_tensors(out, param_file(name), state))
+        params[name] = record
+    to_global = namer(engine)
+    buffers = dict(engine.module.named_buffers())
+    names = engine._get_buffer_names()
+    if not rank0:
+        return None, 0
+    records.append(write_tensors(out, BUFFERS, {to_global(n): buffers[n].detach().cpu() for n in names}))
+    records.append(write_object(out, STATE, {
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "client_state": client_state,
+        "optimizer_wrapper": {k: getattr(engine.optimizer, k) for k in
+                              ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+                              if hasattr(engine.optimizer, k)},
+    }))
+    manifest = {
+        "created_by": {"ucp_deepspeed": __version__, "deepspeed": package_version("deepspeed"),
+                       "torch": torch.__version__},
+        "source": {"path": out, "tag": os.path.basename(out), "topology": asdict(topology(engine)),
+                   "versions": {"base_optimizer": type(engine.optimizer.optimizer).__name__}, "fingerprint": []},
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "skipped_steps": engine.skipped_steps},
+        "param_groups": _param_groups(engine),
+        "params": params,
+        "buffers": {to_global(n): {"shape": list(buffers[n].shape), "dtype": _dtype(buffers[n])} for n in names},
+        "tied": {},
+        "frozen_excluded": False,
+        **extra,
+    }
+    return write_manifest(out, manifest, records), sum(r.nbytes for r in records)
+
+
+def _table_record(spec: TableSave, total: int) -> dict[str, Any]:
+    return {"rows": total, "saved_rows": total if spec.rows is None else int(spec.rows.numel()),
+            "partial": spec.rows is not None,
+            "quantize": {"method": spec.method, "bits": spec.bits} if spec.method else None}
+
+
+def _table_tensors(state: dict[str, torch.Tensor], spec: TableSave) -> dict[str, torch.Tensor]:
+    rows = spec.rows
+    picked = {k: (v if rows is None else v[rows]) for k, v in state.items()}
+    out = {} if rows is None else {"rows": rows.to(torch.int64)}
+    for key, value in picked.items():
+        if key == FP32 and spec.method:
+            q = quantize(value.reshape(value.shape[0], math.prod(value.shape[1:])), spec.bits, spec.method)
+            out.update({f"{FP32}.{k}": v for k, v in q.tensors().items()})
+        else:
+            out[key] = value.contiguous()
+    return out

@@ -1,0 +1,189 @@
+"""Save-time metadata: what conversion needs to know that DeepSpeed's own files leave implicit.
+
+Written next to DeepSpeed's files as `ucp_meta_mp_rank_XX.json`, one per model-parallel rank, so a
+checkpoint can be converted with no model code and no flags.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.geometry.layout import REPLICATED, Layout
+
+META_VERSION = 1
+FP32 = "fp32"      # state name of the fp32 master weight, next to optimizer states such as exp_avg
+VALUE = "value"    # state name of a frozen parameter's only tensor
+
+
+CHECKN_RUN_MARKER = ".ucp_checkn_run"  # first file of a Check-N-Run tag folder, before any tensor file
+
+
+def meta_filename(mp_rank: int = 0) -> str:
+    """Name of the metadata file of one model-parallel rank, mirroring DeepSpeed's naming."""
+    return f"ucp_meta_mp_rank_{mp_rank:02d}.json"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The parallel layout and numerics a checkpoint was saved with."""
+
+    dp: int
+    zero_stage: int
+    dtype: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    optimizer: str = ""
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. `zero2 dp=4 fp32`."""
+        parts = [f"zero{self.zero_stage}", f"dp={self.dp}"]
+        parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v != 1]
+        return " ".join(parts + [self.dtype])
+
+    def same_layout(self, other: Topology) -> bool:
+        """True when DeepSpeed's native loader can read a checkpoint of `other` directly."""
+        return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == \
+               (other.dp, other.tp, other.pp, other.ep, other.zero_stage, other.optimizer)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where a trainable parameter's fp32 master and optimizer states live in the flat buffers.
+
+    ZeRO-1/2: `offset` is the element offset in the un-partitioned flat buffer `flat`, which is split
+    into contiguous chunks of `partition` elements, one per data-parallel rank.
+    ZeRO-3: every rank holds `partition` elements of this parameter (rank r: elements
+    [r*partition, (r+1)*partition)) at element `offset` of its flat sub-group `flat`.
+    `name` is the global name in the full model, `local` the name in this rank's module when it
+    differs (pipeline stages number layers locally); `shape` is the local, tensor-parallel shape.
+    An `alias` is a second copy of another parameter (a tied output layer on the last stage).
+    `ranks` lists the data-parallel ranks whose files hold partitions 0, 1, ... when they are not
+    all ranks in order: an expert's partitions live in its expert-data-parallel group's files.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    group: int
+    flat: int
+    offset: int
+    partition: int
+    layout: Layout = REPLICATED
+    local: str = ""
+    alias: bool = False
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of this rank's (tensor-parallel) parameter."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ExtraTensor:
+    """A tensor the optimizer does not own: a frozen parameter or a persistent buffer.
+
+    `partition` is non-zero for ZeRO-3 frozen parameters, which are stored as per-rank fragments.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    partition: int = 0
+    layout: Layout = REPLICATED
+    local: str = ""
+
+    @property
+    def local_name(self) -> str:
+        """Name in this rank's module."""
+        return self.local or self.name
+
+
+@dataclass(frozen=True)
+class SaveMeta:
+    """Everything conversion needs about one model-parallel rank's part of a checkpoint.
+
+    `save_id` is carried by every file the save wrote (`torch_file.stamp`), binding them together.
+    """
+
+    topology: Topology
+    params: tuple[ParamSlot, ...]
+    extras: tuple[ExtraTensor, ...]
+    tied: dict[str, str] = field(default_factory=dict)
+    num_groups: int = 1
+    client_state_keys: tuple[str, ...] = ()
+    versions: dict[str, str] = field(default_factory=dict)
+    tp_rank: int = 0
+    pp_rank: int = 0
+    frozen_excluded: bool = False
+    save_id: str = ""
+    version: int = META_VERSION
+
+    def to_json(self) -> str:
+        """Serialise to the JSON stored in the checkpoint folder."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, path: str) -> SaveMeta:
+        """Parse and validate a metadata file, naming `path` in any error."""
+        try:
+            raw: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(path, f"metadata is not valid JSON ({exc})") from None
+        if raw.get("version") != META_VERSION:
+            raise CheckpointError(path, f"unknown metadata version {raw.get('version')!r}; "
+                                  f"this ucp_deepspeed reads version {META_VERSION}")
+        try:
+            return cls(
+                topology=Topology(**raw["topology"]),
+                params=tuple(ParamSlot(**_tensor_fields(p)) for p in raw["params"]),
+                extras=tuple(ExtraTensor(**_tensor_fields(e)) for e in raw["extras"]),
+                tied=dict(raw["tied"]),
+                num_groups=raw["num_groups"],
+                client_state_keys=tuple(raw["client_state_keys"]),
+                versions=dict(raw["versions"]),
+                tp_rank=raw.get("tp_rank", 0),
+                pp_rank=raw.get("pp_rank", 0),
+                frozen_excluded=raw.get("frozen_excluded", False),
+                save_id=str(raw.get("save_id", "")),
+                version=raw["version"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(path, f"metadata is missing or has malformed fields ({exc})") from None
+
+
+def _tensor_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    out = {**raw, "shape": tuple(raw["shape"])}
+    if "ranks" in raw:
+        out["ranks"] = tuple(raw["ranks"])
+    if "layout" in raw:
+        out["layout"] = Layout(**{**raw["layout"], "parts": tuple(raw["layout"].get("parts", ()))})
+    return out
+
+
+def write_meta(meta: SaveMeta, tag_dir: str, mp_rank: int = 0) -> str:
+    """Atomically write the metadata of one model-parallel rank into a checkpoint tag folder."""
+    os.makedirs(tag_dir, exist_ok=True)
+    path = os.path.join(tag_dir, meta_filename(mp_rank))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(meta.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_meta(tag_dir: str, mp_rank: int = 0) -> SaveMeta:
+    """Read the metadata of one model-parallel rank from a checkpoint tag folder."""
+    path = os.path.join(tag_dir, meta_filename(mp_rank))
+    if not os.path.isfile(path):
+        raise CheckpointError(path, "ucp_deepspeed metadata is missing; was this checkpoint saved through "
+                              "ucp_deepspeed.initialize with \"checkpoint\": {\"universal\": true}?")
+    with open(path) as f:
+        return SaveMeta.from_json(f.read(), path)

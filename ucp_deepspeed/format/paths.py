@@ -1,0 +1,132 @@
+"""What a path on disk holds, decided in one place, and where an output may go.
+
+Kinds, by the files that mark them (nothing is unpickled to decide):
+
+    native        a DeepSpeed checkpoint directory (`latest`, tag folders of `*model_states.pt`), or one tag folder
+    checkn_run    a Check-N-Run tag folder (`.ucp_checkn_run`), or a directory whose `latest` names one
+    universal     a finished universal folder (`manifest.json`)
+    unfinished    a conversion that was interrupted (`.ucp_source.json`, no manifest)
+    ds_universal  DeepSpeed's own universal layout (`zero/optimizer_state.pt`, or `latest_universal`)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.metadata import CHECKN_RUN_MARKER
+
+MANIFEST = "manifest.json"
+INTENT = ".ucp_source.json"
+LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
+DS_OPTIMIZER_STATE = os.path.join("zero", "optimizer_state.pt")
+
+
+def is_tag_folder(path: str) -> bool:
+    """A DeepSpeed tag folder (model-states files) or a Check-N-Run tag folder."""
+    if not os.path.isdir(path):
+        return False
+    return any(f.endswith("model_states.pt") or f == CHECKN_RUN_MARKER for f in os.listdir(path))
+
+
+def is_checkn_run(path: str) -> bool:
+    """A tag folder written by a Check-N-Run save (complete or not)."""
+    return os.path.isfile(os.path.join(path, CHECKN_RUN_MARKER))
+
+
+def list_tags(ckpt_dir: str) -> list[str]:
+    """Tag folders in a checkpoint directory: DeepSpeed model states, or a Check-N-Run save."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(d for d in os.listdir(ckpt_dir) if is_tag_folder(os.path.join(ckpt_dir, d)))
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """A directory DeepSpeed saves into: it has `latest` or tag folders."""
+    return os.path.isfile(os.path.join(path, LATEST)) or bool(list_tags(path))
+
+
+def is_ds_universal(path: str) -> bool:
+    """A folder in DeepSpeed's universal layout."""
+    return os.path.isfile(os.path.join(path, DS_OPTIMIZER_STATE))
+
+
+@dataclass(frozen=True)
+class Located:
+    """A path resolved to one checkpoint: its kind, the checkpoint directory and tag (None for folders)."""
+
+    kind: str
+    root: str
+    tag: str | None = None
+
+    @property
+    def path(self) -> str:
+        """The folder that holds this checkpoint's files."""
+        return os.path.join(self.root, self.tag) if self.tag else self.root
+
+
+def read_latest(ckpt_dir: str) -> str:
+    """The tag `latest` names; a clear error when it is missing or empty."""
+    latest = os.path.join(ckpt_dir, LATEST)
+    if not os.path.isfile(latest):
+        found = list_tags(ckpt_dir)
+        hint = f"; tags present: {', '.join(found)} (pass one with --tag)" if found else ""
+        raise CheckpointError(latest, f"no 'latest' file, so the tag to load is unknown{hint}")
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not tag:
+        raise CheckpointError(latest, "'latest' is empty")
+    return tag
+
+
+def locate(path: str, tag: str | None = None) -> Located:
+    """Decide what `path` (and `tag`) names; one clear error when it names nothing we can read."""
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(path, "does not exist")
+    if not os.path.isdir(path):
+        raise CheckpointError(path, "is a file; give a checkpoint directory, a tag folder or a universal folder")
+    if tag is None:
+        if os.path.isfile(os.path.join(path, MANIFEST)) and not is_checkn_run(path):
+            return Located("universal", path)
+        if os.path.isfile(os.path.join(path, INTENT)):
+            raise CheckpointError(path, "is an unfinished conversion (no manifest.json): it was interrupted; run "
+                                  "`ucp convert` again to finish it, or delete the folder")
+        if is_ds_universal(path):
+            return Located("ds_universal", path)
+        if is_tag_folder(path):
+            root, name = os.path.split(path)
+            return Located("checkn_run" if is_checkn_run(path) else "native", root, name)
+        if not is_checkpoint_dir(path) and os.path.isfile(os.path.join(path, LATEST_UNIVERSAL)):
+            return Located("ds_universal", path)
+        if not is_checkpoint_dir(path):
+            raise CheckpointError(path, "holds no checkpoint: no 'latest', no tag folders, no manifest.json")
+        tag = read_latest(path)
+    tag_dir = os.path.join(path, tag)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(tag_dir, "checkpoint tag folder does not exist")
+    return Located("checkn_run" if is_checkn_run(tag_dir) else "native", path, tag)
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_output(out: str, sources: Iterable[str]) -> None:
+    """Refuse an output that would write into a checkpoint: a source, a tag folder, a checkpoint directory
+    itself, or any folder inside a tag or a universal folder. Outputs beside a tag are fine."""
+    real = os.path.realpath(out)
+    for source in sources:
+        src = os.path.realpath(source)
+        if _inside(real, src) or _inside(src, real):
+            raise CheckpointError(out, f"{'is inside' if _inside(real, src) else 'contains'} the source {source}; "
+                                  "a source is never written: pick an output outside it")
+    if os.path.isdir(real) and (is_tag_folder(real) or is_checkpoint_dir(real) or is_ds_universal(real)):
+        raise CheckpointError(out, "is a checkpoint folder; writing into it would change what it holds")
+    parent = os.path.dirname(real)
+    while parent and parent != os.path.dirname(parent):
+        if is_tag_folder(parent) or is_ds_universal(parent) or os.path.isfile(os.path.join(parent, MANIFEST)):
+            raise CheckpointError(out, f"is inside the checkpoint folder {parent}; writing there would change it")
+        parent = os.path.dirname(parent)

@@ -1,0 +1,1 @@
+"""Hugging Face transformers checkpoints in and out of the universal format."""

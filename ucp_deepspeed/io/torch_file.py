@@ -1,0 +1,425 @@
+"""Read a `torch.save` zip archive lazily and safely: parse the pickle, read tensor bytes on demand.
+
+`torch.load` materialises every tensor of a file, and it runs whatever code the pickle names.
+Here the pickle is parsed by `safe_pickle.SafeUnpickler` (no code from the file runs) and each
+tensor comes back as a `LazyTensor` that knows where its bytes sit inside the archive; a read of
+an element range is one `pread`.
+
+Every read is checked. A zip directory holds a CRC-32 per record; each read computes the CRC of
+the bytes it got, and `check_reads` assembles those pieces per record (reading only bytes that no
+read covered, such as padding) and compares them with the directory. The archive may also carry
+a save id (`.data/ucp_save_id`, see `stamp`) that binds it to the other files of one save.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io.checksum import combine_pieces, crc32
+from ucp_deepspeed.io.safe_pickle import PickledObject, SafeUnpickler, StorageType, TensorType, UnsafePickle
+
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
+_CHUNK = 1 << 24
+SAVE_ID_RECORD = ".data/ucp_save_id"
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor stored in a torch zip file, described by where its bytes are, not loaded."""
+
+    file: "TorchFile" = field(repr=False, compare=False)
+    key: str
+    dtype: torch.dtype
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def numel(self) -> int:
+        """Number of elements, like `torch.Tensor.numel`."""
+        return math.prod(self.shape)
+
+    def is_contiguous(self) -> bool:
+        """Whether the elements are laid out densely in row-major order."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def read(self, start: int = 0, numel: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read elements [start, start+numel) of the flattened tensor with one pread, into `out` if given."""
+        total = self.numel()
+        numel = total - start if numel is None else numel
+        if start < 0 or numel < 0 or start + numel > total:
+            raise CheckpointError(self.file.path, f"read of [{start}, {start + numel}) outside tensor of {total} elements")
+        if not self.is_contiguous():
+            part = self.load().reshape(-1)[start:start + numel]
+            return out.copy_(part) if out is not None else part.clone()
+        return self.file.read_storage(self.key, self.dtype, self.storage_offset + start, numel, out)
+
+    def load(self) -> torch.Tensor:
+        """Read the whole tensor with its shape and strides."""
+        if self.is_contiguous():
+            return self.read().reshape(self.shape)
+        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if self.numel() else 0
+        flat = self.file.read_storage(self.key, self.dtype, self.storage_offset, span)
+        return torch.as_strided(flat, self.shape, self.stride).clone()
+
+
+class _Storage:
+    """Stand-in for a storage in the pickle: only its key and dtype matter."""
+
+    __slots__ = ("key", "dtype")
+
+    def __init__(self, key: str, dtype: torch.dtype):
+        self.key = key
+        self.dtype = dtype
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (tuple, list, torch.Size)) and all(type(v) is int and v >= 0 for v in value)
+
+
+class _Records:
+    """Where each record of a zip archive is, and the CRC-32 pieces of what was read from it."""
+
+    def __init__(self, path: str, fd: int, size: int, infos: list[zipfile.ZipInfo], verify: bool = True):
+        self.path, self._fd, self._size, self.verify = path, fd, size, verify
+        self.infos = {i.filename: i for i in infos}
+        self._offsets: dict[str, int] = {}
+        self._pieces: dict[str, list[tuple[int, int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def data_range(self, name: str) -> tuple[int, int]:
+        """(file offset, length) of a record's bytes."""
+        info = self.infos.get(name)
+        if info is None:
+            raise CheckpointError(self.path, f"record '{name}' missing from archive")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(self.path, f"record '{name}' is compressed; expected torch's stored layout")
+        if name not in self._offsets:
+            header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
+            if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+                raise CheckpointError(self.path, f"corrupt zip header for '{name}'")
+            fields = _LOCAL_HEADER.unpack(header)
+            self._offsets[name] = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+        base, length = self._offsets[name], info.file_size
+        if base + length > self._size:
+            raise CheckpointError(self.path, f"truncated: record '{name}' ends at byte {base + length} of "
+                                  f"{self._size}")
+        return base, length
+
+    def pread_into(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointError(self.path, f"truncated: nothing to read at byte {offset + done}")
+            done += got
+
+    def pread(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.pread_into(memoryview(out), offset)
+        return bytes(out)
+
+    def note(self, name: str, start: int, data: memoryview) -> None:
+        """Remember the CRC of bytes [start, start+len) of a record, just read."""
+        if not self.verify:
+            return
+        piece = (start, len(data), crc32(data))
+        with self._lock:
+            self._pieces.setdefault(name, []).append(piece)
+
+    def pieces(self) -> dict[str, list[tuple[int, int, int]]]:
+        with self._lock:
+            return {name: list(p) for name, p in self._pieces.items()}
+
+    def add(self, pieces: dict[str, list[tuple[int, int, int]]]) -> None:
+        with self._lock:
+            for name, more in pieces.items():
+                if name not in self.infos:
+                    raise CheckpointError(self.path, f"record '{name}' missing from archive")
+                self._pieces.setdefault(name, []).extend(more)
+
+    def check(self, names: list[str] | None = None) -> list[str]:
+        """Records (those read from, by default) whose bytes do not match their CRC-32; reads only what no
+        read covered."""
+        with self._lock:
+            todo = {n: list(self._pieces.get(n, ())) for n in (self._pieces if names is None else names)}
+        problems = []
+        for name, pieces in todo.items():
+            info = self.infos[name]
+            try:
+                base, length = self.data_range(name)
+                got = combine_pieces(length, pieces, lambda s, n, base=base: self.pread(base + s, n))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            if got != info.CRC:
+                problems.append(f"{self.path}: record {name} fails its crc32 check")
+            with self._lock:
+                self._pieces[name] = [(0, length, got)] if got == info.CRC else []
+        return problems
+
+
+class TorchFile:
+    """One `torch.save` zip file: its unpickled object with `LazyTensor` leaves, and checked byte-range reads.
+
+    `verify=False` skips the CRC checks of tensor reads, to measure what they cost; the pickle is
+    always checked.
+    """
+
+    def __init__(self, path: str, verify: bool = True):
+        self.path = str(path)
+        self._fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(self.path, "file is missing") from None
+        except OSError as exc:
+            raise CheckpointError(self.path, f"cannot open ({exc.strerror})") from None
+        self.size = os.fstat(self._fd).st_size
+        try:
+            with zipfile.ZipFile(self.path) as zf:
+                infos = zf.infolist()
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+            self.close()
+            raise CheckpointError(self.path, f"truncated or corrupt torch file ({exc})") from None
+        pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+        if pkl is None:
+            self.close()
+            raise CheckpointError(self.path, "not a torch.save archive (no data.pkl)")
+        self._prefix = pkl.filename[: -len("data.pkl")]
+        self._records = _Records(self.path, self._fd, self.size, infos, verify)
+        data = self._read_record(pkl.filename)
+        extra = {("torch._utils", "_rebuild_tensor_v2"): self._rebuild_tensor,
+                 ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+                 ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+                 ("torch._tensor", "_rebuild_from_type_v2"): self._rebuild_from_type}
+        try:
+            self.obj = SafeUnpickler(data, self._persistent_load, extra).load()
+        except CheckpointError:
+            raise
+        except UnsafePickle as exc:
+            raise CheckpointError(self.path, str(exc)) from None
+        except Exception as exc:  # a damaged or hostile stream raises many exception types
+            raise CheckpointError(self.path, f"cannot unpickle ({type(exc).__name__}: {exc})") from None
+        stamp_name = f"{self._prefix}{SAVE_ID_RECORD}"
+        self.save_id = self._read_record(stamp_name).decode("ascii", "replace") \
+            if stamp_name in self._records.infos else None
+
+    def _read_record(self, name: str) -> bytes:
+        """A whole small record (the pickle, the save id), checked against its CRC-32 before use."""
+        base, length = self._records.data_range(name)
+        data = self._records.pread(base, length)
+        if crc32(data) != self._records.infos[name].CRC:
+            raise CheckpointError(self.path, f"record {name} fails its crc32 check")
+        return data
+
+    def _rebuild_tensor(self, storage: Any, storage_offset: Any, size: Any, stride: Any, *_args: Any) -> LazyTensor:
+        if not isinstance(storage, _Storage) or type(storage_offset) is not int or storage_offset < 0 \
+                or not _ints(size) or not _ints(stride) or len(size) != len(stride):
+            raise CheckpointError(self.path, "malformed tensor record in the pickle")
+        return LazyTensor(self, storage.key, storage.dtype, storage_offset, tuple(size), tuple(stride))
+
+    def _rebuild_from_type(self, func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
+        if func not in (self._rebuild_tensor, _rebuild_parameter) or not isinstance(_new_type, TensorType) \
+                or type(args) is not tuple:
+            raise CheckpointError(self.path, "_rebuild_from_type_v2 of something other than a tensor")
+        return func(*args)
+
+    def _persistent_load(self, pid: Any) -> _Storage:
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage" or not isinstance(pid[1], StorageType) \
+                or not isinstance(pid[2], str):
+            raise CheckpointError(self.path, f"unknown persistent id {pid!r}"[:300])
+        return _Storage(pid[2], pid[1].dtype)
+
+    def read_storage(self, key: str, dtype: torch.dtype, start: int, numel: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read `numel` elements of storage `key` from element `start`, straight into `out` if given."""
+        itemsize = dtype.itemsize
+        name = f"{self._prefix}data/{key}"
+        base, nbytes = self._records.data_range(name)
+        begin, length = start * itemsize, numel * itemsize
+        if begin + length > nbytes:
+            raise CheckpointError(self.path, f"truncated: storage {key} needs bytes up to {begin + length}, "
+                                  f"its record holds {nbytes}")
+        if out is None:
+            out = torch.empty(numel, dtype=dtype)
+        elif out.dtype != dtype or out.numel() != numel or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"read target must be a contiguous CPU {dtype} tensor of {numel} elements")
+        view = memoryview(out.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        self._records.pread_into(view, base + begin)
+        self._records.note(name, begin, view)
+        return out
+
+    def pieces(self) -> dict[str, list[tuple[int, int, int]]]:
+        """(start, length, crc32) of every read so far, by record: to be checked here or by another process."""
+        return self._records.pieces()
+
+    def check_reads(self, more: dict[str, list[tuple[int, int, int]]] | None = None) -> None:
+        """Raise if any record read from so far (here, or in `more` pieces read elsewhere) fails its CRC-32.
+
+        Reads only bytes that no read covered, such as padding.
+        """
+        self._records.add(more or {})
+        problems = self._records.check()
+        if problems:
+            raise CheckpointError(self.path, "; ".join(p.removeprefix(f"{self.path}: ") for p in problems))
+
+    def verify(self) -> list[str]:
+        """Every record whose bytes do not match the CRC-32 in the zip directory (reads the whole file)."""
+        names = [n for n, i in self._records.infos.items() if i.compress_type == zipfile.ZIP_STORED]
+        return self._records.check(names)
+
+    def close(self) -> None:
+        """Release the file descriptor."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _rebuild_parameter(data: Any, *_args: Any) -> LazyTensor:
+    if not isinstance(data, LazyTensor):
+        raise CheckpointError("<pickle>", "a parameter whose data is not a tensor")
+    return data
+
+
+def materialize(obj: Any) -> Any:
+    """Replace every `LazyTensor` inside a nested structure with the loaded tensor."""
+    if isinstance(obj, LazyTensor):
+        return obj.load()
+    if isinstance(obj, dict):
+        out = obj.copy()
+        for k, v in obj.items():
+            out[k] = materialize(v)
+        return out
+    if isinstance(obj, list):
+        return [materialize(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(materialize(v) for v in obj)
+    return obj
+
+
+def plain(obj: Any) -> Any:
+    """`materialize`, with DeepSpeed stand-ins turned into plain data, so the result can be `torch.save`d."""
+    obj = materialize(obj)
+    if isinstance(obj, PickledObject):
+        return obj.to_data()
+    if isinstance(obj, dict):
+        out = obj.copy()
+        for k, v in obj.items():
+            out[k] = plain(v)
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(plain(v) for v in obj)
+    return obj
+
+
+def load_file(path: str) -> Any:
+    """A whole small torch file (scheduler or client state), unpickled safely, every byte checked."""
+    tfile = TorchFile(path)
+    try:
+        obj = materialize(tfile.obj)
+        tfile.check_reads()
+        return obj
+    finally:
+        tfile.close()
+
+
+def stamp(path: str, save_id: str) -> None:
+    """Add the save id record to a torch archive just written, binding it to the other files of its save.
+
+    The record is appended after torch's records and the zip directory is rewritten after it;
+    `torch.load` reads the archive as before and ignores the record.
+    """
+    with zipfile.ZipFile(path, "a") as zf:
+        pkl = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
+        if pkl is None:
+            raise CheckpointError(path, "not a torch.save archive (no data.pkl); cannot record the save id")
+        zf.writestr(pkl[: -len("data.pkl")] + SAVE_ID_RECORD, save_id.encode("ascii"))
+
+
+def save_id_of(path: str) -> str | None:
+    """The save id recorded in a torch archive, or None (reads the zip directory and one small record)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            name = next((n for n in zf.namelist() if n.endswith(SAVE_ID_RECORD)), None)
+            return zf.read(name).decode("ascii", "replace") if name else None
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointError(path, f"truncated or corrupt torch file ({exc})") from None
+
+
+class VerifyingReader(io.RawIOBase):
+    """A file object for `torch.load` that checks the CRC-32 of every record torch reads from it.
+
+    torch reads each record through `seek` + `readinto`; the bytes are checked as they arrive,
+    so verification costs no second read. Call `check` after the load.
+    """
+
+    def __init__(self, path: str, verify: bool = True):
+        super().__init__()
+        self.path = path
+        self._file = open(path, "rb", buffering=0)
+        size = os.fstat(self._file.fileno()).st_size
+        try:
+            with zipfile.ZipFile(path) as zf:
+                infos = zf.infolist()
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+            self._file.close()
+            raise CheckpointError(path, f"truncated or corrupt torch file ({exc})") from None
+        self._records = _Records(path, self._file.fileno(), size, infos, verify)
+        spans = []
+        for info in infos:
+            if info.compress_type == zipfile.ZIP_STORED and info.file_size:
+                base, length = self._records.data_range(info.filename)
+                spans.append((base, base + length, info.filename))
+        self._spans = sorted(spans)
+        self.save_id = next((self._records.pread(*self._records.data_range(n)).decode("ascii", "replace")
+                             for n in self._records.infos if n.endswith(SAVE_ID_RECORD)), None)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        pos = self._file.tell()
+        got = self._file.readinto(buffer)
+        if got:
+            view = memoryview(buffer).cast("B")[:got]
+            for begin, end, name in self._spans:
+                lo, hi = max(begin, pos), min(end, pos + got)
+                if lo < hi:
+                    self._records.note(name, lo - begin, view[lo - pos:hi - pos])
+        return got
+
+    def check(self) -> None:
+        """Raise if a record torch read fails its CRC-32."""
+        problems = self._records.check()
+        if problems:
+            raise CheckpointError(self.path, "; ".join(p.removeprefix(f"{self.path}: ") for p in problems))
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()

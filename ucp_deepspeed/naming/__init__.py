@@ -1,0 +1,1 @@
+"""What each parameter is called across the whole model: layout rules, megatron-core names, experts."""

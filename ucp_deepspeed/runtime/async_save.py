@@ -1,0 +1,123 @@
+"""Asynchronous checkpoints: training stalls only while the state is copied to host memory.
+
+DeepSpeed's save path hands each file's state dict to the engine's checkpoint engine. This one
+copies every tensor in it to host memory, a snapshot that later optimizer steps cannot change. A
+writer thread then `torch.save`s the snapshot to `<file>.tmp...`, fsyncs it and renames it into
+place, so a file exists only when it is whole: a tag whose writes a crash cut short is incomplete,
+and `resume_tag` skips it. DeepSpeed drives such "decoupled" engines from the optimizer step: at each
+step it asks whether the pending checkpoint is ready. All ranks agree through one small all-reduce,
+and only when every rank has written all its files does rank 0 point `latest` at the new tag.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.universal import atomic_path
+from ucp_deepspeed.io.torch_file import stamp
+
+
+def snapshot(obj: Any, storages: dict[tuple, torch.UntypedStorage] | None = None) -> Any:
+    """A host-memory copy of a state dict; tensors that shared a storage still share one, as torch.save keeps them."""
+    storages = {} if storages is None else storages
+    if isinstance(obj, torch.Tensor):
+        source = obj.untyped_storage()
+        key = (source.device, source.data_ptr(), source.nbytes())
+        storage = storages.get(key)
+        if storage is None:
+            storage = storages[key] = source.cpu() if source.device.type != "cpu" else source.clone()
+        copied = torch.empty(0, dtype=obj.dtype).set_(storage, obj.storage_offset(), obj.size(), obj.stride())
+        return torch.nn.Parameter(copied, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else copied
+    if isinstance(obj, dict):
+        copied = copy.copy(obj)  # keeps OrderedDict / defaultdict
+        for key, value in obj.items():
+            copied[key] = snapshot(value, storages)
+        return copied
+    if isinstance(obj, list):
+        return [snapshot(v, storages) for v in obj]
+    if isinstance(obj, tuple):
+        items = [snapshot(v, storages) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return copy.deepcopy(obj)
+
+
+def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str = "") -> None:
+    """`torch.save` one checkpoint file atomically, stamped with its save id (module-level so tests can
+    interrupt it)."""
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp, _use_new_zipfile_serialization=zipfile_serialization)
+        if save_id:
+            stamp(tmp, save_id)
+
+
+class AsyncCheckpointEngine(TorchCheckpointEngine):
+    """A DeepSpeed checkpoint engine that snapshots to host memory and writes in a background thread."""
+
+    def __init__(self, config_params: object = None) -> None:
+        super().__init__(config_params)
+        self.name = "UcpAsyncCheckpointEngine"
+        self.stamps_itself = True  # the file exists only once the writer thread has written it
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-async-save")
+        self._writes: list[tuple[str, Future]] = []
+        self._pending: CheckpointCommitInfo | None = None
+
+    def is_decoupled(self) -> bool:
+        """Tell DeepSpeed to leave `latest` alone at save time and ask `get_commit_info` at each step."""
+        return True
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """Start a checkpoint; the caller has committed the previous one (see `engine.wait_for_checkpoint`)."""
+        if self._pending is not None:
+            raise CheckpointError(os.path.join(info.save_dir, str(info.tag)),
+                                  f"save started while {self._pending.tag} is still being written; "
+                                  "call engine.wait_for_checkpoint() first")
+        self._pending = info
+
+    def save(self, state_dict: dict, path: str) -> None:
+        """Copy to host memory now, write later."""
+        state = snapshot(state_dict)
+        guard = getattr(self, "ucp_guard", None)
+        self._writes.append((path, self._writer.submit(write_file, path, state, self.zipfile_serialization,
+                                                       guard.save_id if guard is not None else "")))
+
+    def wait(self) -> None:
+        """Block until this rank's queued files are written (or have failed)."""
+        for _, future in self._writes:
+            future.exception()
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """The pending checkpoint once every rank has written it, else None; collective while one is pending."""
+        if self._pending is None:
+            return None
+        done = [future.done() for _, future in self._writes]  # read once: a write may finish meanwhile
+        failures = [f"{path}: {future.exception()}" for (path, future), finished in zip(self._writes, done)
+                    if finished and future.exception() is not None]
+        counts = torch.tensor([done.count(False), len(failures)], dtype=torch.int64,
+                              device=get_accelerator().current_device_name())
+        dist.all_reduce(counts)
+        unfinished, failed = counts.tolist()
+        if failed:
+            mine = "; ".join(failures) or "this rank's files were written"
+            raise CheckpointError(os.path.join(self._pending.save_dir, str(self._pending.tag)),
+                                  f"async save: {failed} file(s) failed to write, so `latest` was not moved ({mine})")
+        return self._pending if unfinished == 0 else None
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Forget the finished checkpoint; DeepSpeed then writes `latest` on rank 0."""
+        self.wait()
+        self._writes, self._pending = [], None
+        return True
+
+    def cleanup(self) -> None:
+        """Finish this rank's writes when the engine is destroyed; `latest` moves only through a commit."""
+        self.wait()
+        self._writer.shutdown(wait=True)

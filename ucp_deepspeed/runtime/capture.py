@@ -1,0 +1,219 @@
+"""Describe a live DeepSpeed engine's layout as `SaveMeta`, at save time.
+
+DeepSpeed's files hold flat buffers without saying where each parameter sits in them (per-param
+alignment padding and round-robin reordering make that non-trivial to reconstruct). The engine
+knows, so we ask it once per save.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta, Topology
+from ucp_deepspeed.naming.patterns import ParamInfo, expert_blocks, global_namer, param_infos, parse_rules
+from ucp_deepspeed.version import __version__
+
+UNSUPPORTED = ("universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, "
+               "or bf16's BF16_Optimizer)")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_dtype(engine: Any) -> str:
+    """Training precision of an engine: fp32, bf16 or fp16."""
+    if engine.bfloat16_enabled():
+        return "bf16"
+    return "fp16" if engine.fp16_enabled() else "fp32"
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """This rank's tensor- and pipeline-parallel coordinates, as DeepSpeed's `mpu` reports them."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+
+
+def model_parallel(engine: Any) -> ModelParallel:
+    """Tensor/pipeline coordinates of an engine: 1x1 without an mpu; an old-style mpu's model parallel is TP."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return ModelParallel()
+    if hasattr(mpu, "get_tensor_model_parallel_world_size"):
+        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    else:
+        tp, tp_rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+    if hasattr(mpu, "get_pipeline_model_parallel_world_size"):
+        return ModelParallel(tp, tp_rank, mpu.get_pipeline_model_parallel_world_size(),
+                             mpu.get_pipeline_model_parallel_rank())
+    return ModelParallel(tp, tp_rank)
+
+
+def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
+    """(expert-parallel size, this rank's expert-parallel rank) of each DeepSpeed MoE expert group."""
+    from deepspeed.utils import groups
+
+    return {b.group: (groups._get_expert_parallel_world_size(b.group), groups._get_expert_parallel_rank(b.group))
+            for b in expert_blocks(engine.module)}
+
+
+def namer(engine: Any) -> Callable[[str], str]:
+    """Local-to-global parameter and buffer names of this rank's module (pipeline stage, expert-parallel rank)."""
+    return global_namer(engine.module, {g: rank for g, (_, rank) in expert_groups(engine).items()})
+
+
+def topology(engine: Any) -> Topology:
+    """The live engine's parallel layout."""
+    mp = model_parallel(engine)
+    ep = max((size for size, _ in expert_groups(engine).values()), default=1)
+    return Topology(dp=engine.dp_world_size, zero_stage=int(engine.zero_optimization_stage()),
+                    dtype=engine_dtype(engine), tp=mp.tp, pp=mp.pp, ep=ep, optimizer=type(engine.optimizer).__name__)
+
+
+def infos(engine: Any) -> dict[str, ParamInfo]:
+    """Global name and tensor-parallel layout of every parameter of the engine's module, by local name."""
+    options = getattr(engine, "_ucp_options", None)
+    rules = parse_rules(options.layout_rules) if options is not None else ()
+    vocab = options.vocab_size if options is not None else 0
+    ep_ranks = {g: rank for g, (_, rank) in expert_groups(engine).items()}
+    try:
+        return param_infos(engine.module, engine.module.named_parameters(), model_parallel(engine).tp, rules, vocab,
+                           ep_ranks)
+    except ValueError as exc:
+        raise CheckpointError("checkpoint.universal.layout_rules", str(exc)) from None
+
+
+def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
+    """Per expert group: expert-parallel rank -> data-parallel ranks (file indices) of its expert-data-parallel
+    group, in partition order. Those files hold that rank's experts; gathered from every rank."""
+    from deepspeed.utils import groups
+
+    mine = {g: (rank, groups._get_expert_data_parallel_rank(g)) for g, (_, rank) in expert_groups(engine).items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (engine.checkpoint_mp_rank, dist.get_rank(group=engine.optimizer.dp_process_group),
+                                      mine))
+    out: dict[str, dict[int, list[tuple[int, int]]]] = {}
+    for mp_rank, dp_rank, groups_of_rank in everyone:
+        if mp_rank != engine.checkpoint_mp_rank:
+            continue
+        for g, (ep_rank, edp_rank) in groups_of_rank.items():
+            out.setdefault(g, {}).setdefault(ep_rank, []).append((edp_rank, dp_rank))
+    return {g: {ep: tuple(dp for _, dp in sorted(members)) for ep, members in by_ep.items()} for g, by_ep in out.items()}
+
+
+def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
+    """Expert slots for every expert-parallel rank, from this rank's own: same flat layout, other experts and files."""
+    blocks = expert_blocks(engine.module)
+    if not blocks:
+        return slots
+    files = _expert_file_ranks(engine)
+    group_of_flat = {i: g.get("name") for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")}
+    out = []
+    for slot in slots:
+        local = slot.local or slot.name
+        block = next((b for b in blocks if b.expert_of(local) is not None), None)
+        group = group_of_flat.get(slot.flat)
+        if block is None or group is None:
+            out.append(slot)
+            continue
+        for ep_rank, ranks in sorted(files[group].items()):
+            name = block.rename(local, ep_rank)  # `local` stays the name in the module of the ranks holding it
+            out.append(dataclasses.replace(slot, name=name, local=local if local != name else "", ranks=ranks))
+    return out
+
+
+def _slot(info: ParamInfo, local: str, **fields: Any) -> ParamSlot:
+    return ParamSlot(info.name, layout=info.layout, local=local if local != info.name else "", alias=info.alias,
+                     **fields)
+
+
+def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
+    slots = []
+    is_bf16_opt = hasattr(opt, "bf16_groups")
+    for i, flat in enumerate(opt.bf16_groups_flat if is_bf16_opt else opt.bit16_groups_flat):
+        dp = dist.get_world_size(group=opt.real_dp_process_group[i])
+        partition = flat.numel() // dp
+        if is_bf16_opt:
+            params = opt.bf16_groups[i]
+            offsets, offset = [], 0
+            for p in params:
+                offsets.append(offset)
+                offset += p.numel()
+        else:
+            params, offsets = opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]
+        for p, off in zip(params, offsets):
+            slots.append(_slot(placed[names[p]], names[p], shape=tuple(p.shape), group=i, flat=i, offset=int(off),
+                               partition=int(partition)))
+    return slots
+
+
+def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
+    slots = []
+    for sub, params in enumerate(opt.fp16_groups):
+        group = opt.sub_group_to_group_id[sub]
+        for p in params:
+            flat, offset, _ = opt.grad_position[opt.get_param_id(p)]
+            slots.append(_slot(placed[names[p]], names[p], shape=tuple(p.ds_shape), group=group, flat=int(flat),
+                               offset=int(offset), partition=int(p.partition_numel())))
+    return slots
+
+
+def supported(engine: Any) -> bool:
+    """Whether the engine's optimizer keeps flat fp32 partitions this package knows how to describe."""
+    return int(engine.zero_optimization_stage()) in (1, 2, 3) or hasattr(engine.optimizer, "bf16_groups")
+
+
+def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
+    """Build the save-time metadata of a live engine."""
+    module = engine.module
+    names = {p: n for n, p in module.named_parameters()}
+    placed = infos(engine)
+    to_global = namer(engine)
+    stage = int(engine.zero_optimization_stage())
+    if stage == 3:
+        slots = _zero3_slots(engine.optimizer, names, placed)
+    elif supported(engine):
+        slots = _all_expert_ranks(engine, _zero12_slots(engine.optimizer, names, placed))
+    else:
+        raise NotImplementedError(UNSUPPORTED)
+    owned = {s.local or s.name for s in slots}
+    extras = []
+    for name, p in module.named_parameters():
+        if name in owned:
+            continue
+        z3 = hasattr(p, "ds_id")
+        info = placed[name]
+        extras.append(ExtraTensor(info.name, tuple(p.ds_shape if z3 else p.shape),
+                                  _dtype_name(p.ds_tensor.dtype if z3 else p.dtype), "frozen",
+                                  int(p.partition_numel()) if z3 else 0, info.layout,
+                                  name if name != info.name else ""))
+    buffers = dict(module.named_buffers())
+    for name in engine._get_buffer_names():
+        buf = buffers[name]
+        extras.append(ExtraTensor(to_global(name), tuple(buf.shape), _dtype_name(buf.dtype), "buffer",
+                                  local=name if name != to_global(name) else ""))
+    tied: dict[str, str] = {}
+    owner_of: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in owner_of:
+            tied[to_global(name)] = to_global(owner_of[id(p)])
+        else:
+            owner_of[id(p)] = name
+    tied.update({s.local: s.name for s in slots if s.alias})
+    mp = model_parallel(engine)
+    return SaveMeta(topology=topology(engine), params=tuple(slots), extras=tuple(extras), tied=tied,
+                    num_groups=len(engine.optimizer.optimizer.param_groups),
+                    client_state_keys=tuple(client_state_keys), tp_rank=mp.tp_rank, pp_rank=mp.pp_rank,
+                    versions={"ucp_deepspeed": __version__, "deepspeed": deepspeed.__version__,
+                              "torch": torch.__version__, "base_optimizer": type(engine.optimizer.optimizer).__name__})

@@ -1,0 +1,112 @@
+"""The `"checkpoint": {"universal": ...}` section of ds_config, validated in DeepSpeed's style."""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ucp_deepspeed.naming.patterns import parse_rules
+
+
+class DifferentialConfig(DeepSpeedConfigModel):
+    """`"checkpoint": {"differential": ...}`: Check-N-Run differential checkpoints of embedding tables."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Literal["full", "one_shot", "incremental", "intermittent"] = "intermittent"
+    """What each checkpoint holds: every row (`full`), rows changed since the baseline, since the previous
+    checkpoint, or the second with a new baseline whenever that is cheaper on average."""
+    tables: list[str] | None = None
+    """Module names (regular expressions) of the embedding tables to track; default every nn.Embedding(Bag)."""
+
+
+class QuantizeConfig(DeepSpeedConfigModel):
+    """`"checkpoint": {"quantize": ...}`: Check-N-Run quantization of checkpointed embedding rows."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["symmetric", "asymmetric", "adaptive", "kmeans"] = "adaptive"
+    """Row-wise quantizer (see ucp_deepspeed/quantize.py)."""
+    bits: Literal[2, 3, 4, 8] | None = None
+    """Bit width; default chosen from `expected_restores`."""
+    expected_restores: int | None = Field(None, ge=0)
+    """How many restores the job expects: picks the bit width, and 8 bits are used once exceeded."""
+    tables: list[str] | None = None
+    """Tables to quantize when no differential section names them; default every nn.Embedding(Bag)."""
+
+    @model_validator(mode="after")
+    def _needs_width(self) -> "QuantizeConfig":
+        if self.bits is None and self.expected_restores is None:
+            raise ValueError("give `bits` (2, 3, 4 or 8) or `expected_restores` to choose them from")
+        return self
+
+
+class UniversalConfig(DeepSpeedConfigModel):
+    """Options of universal checkpointing; `"universal": true` is short for `{"enabled": true}`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    """Save ucp metadata and reshard on load when the topology changed."""
+    workers: int = Field(1, ge=1)
+    """Writer threads per rank during conversion."""
+    output: str | None = None
+    """Folder for converted copies (`<output>/<tag>`); default `<checkpoint dir>/<tag>.universal`."""
+    keep: bool = True
+    """Keep the converted copy after loading, so the next reshard of the same tag skips conversion."""
+    verify: bool = True
+    """Check every byte a load reads against its CRC (native files, converted copies); off only to measure the cost."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0 during conversion."""
+    async_save: bool = False
+    """Write checkpoint files in a background thread: `save_checkpoint` returns once the state is in host memory."""
+    differential: DifferentialConfig | None = None
+    """From `"checkpoint": {"differential": ...}`."""
+    quantize: QuantizeConfig | None = None
+    """From `"checkpoint": {"quantize": ...}`."""
+    vocab_size: int = Field(0, ge=0)
+    """Unpadded vocabulary size: vocab-parallel embedding/output rows beyond it are padding, dropped on conversion."""
+    layout_rules: str | list[dict[str, Any]] | None = None
+    """Layout rules (a list, or a JSON file path) for tensor-parallel models that are not megatron-core."""
+
+    @field_validator("layout_rules")
+    @classmethod
+    def _rules_parse(cls, value: Any) -> Any:
+        parse_rules(value)
+        return value
+
+
+def load_config(config: str | dict | None) -> dict[str, Any]:
+    """Read a ds_config given as a path or a dict (copied, never mutated)."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    with open(config) as f:
+        return json.load(f)
+
+
+def split_config(config: dict[str, Any], default: bool | dict[str, Any] = False) -> tuple[dict[str, Any], UniversalConfig]:
+    """Separate our options from the config handed to DeepSpeed, validating them.
+
+    `default` stands in for a missing `"checkpoint": {"universal": ...}` (`ucp_deepspeed.install` makes it true).
+    """
+    ds_config = copy.deepcopy(config)
+    section = ds_config.get("checkpoint", {})
+    raw = section.pop("universal", default) if isinstance(section, dict) else default
+    checkn_run = {k: section.pop(k) for k in ("differential", "quantize") if isinstance(section, dict) and k in section}
+    if isinstance(raw, bool):
+        raw = {"enabled": raw}
+    elif not isinstance(raw, dict):
+        raise ValueError(f'"checkpoint.universal" must be true/false or an object, got {raw!r}')
+    else:
+        raw = {"enabled": True, **raw}
+    if checkn_run and not raw.get("enabled", False):
+        raise ValueError('"checkpoint.differential" and "checkpoint.quantize" need "checkpoint.universal" enabled')
+    try:
+        return ds_config, UniversalConfig(**{**raw, **checkn_run})
+    except ValidationError as exc:
+        raise ValueError(f'invalid "checkpoint" config: {exc}') from None

@@ -1,0 +1,332 @@
+"""Wire universal checkpointing into a DeepSpeed engine's save_checkpoint / load_checkpoint.
+
+`initialize` is `deepspeed.initialize` plus `attach`, which wraps the engine's two checkpoint
+methods on the instance: save also writes our metadata; load takes DeepSpeed's native path when
+the topology is unchanged and converts + reshards otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch.distributed as tdist
+
+from ucp_deepspeed.checkn_run.chain import is_element, materialize
+from ucp_deepspeed.checkn_run.differential import DifferentialSaver
+from ucp_deepspeed.convert.core import (
+    claimed,
+    default_output,
+    finish,
+    plan_jobs,
+    prepare_output,
+    remove_output,
+    run_jobs,
+    shard_jobs,
+)
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.metadata import Topology, write_meta
+from ucp_deepspeed.format.paths import read_latest
+from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
+from ucp_deepspeed.interop import deepspeed_universal_folder, import_deepspeed
+from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
+from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, supported, topology
+from ucp_deepspeed.runtime.collective import all_ok, failure_of, on_rank0
+from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
+from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
+from ucp_deepspeed.runtime.native_io import guard
+from ucp_deepspeed.runtime.restore import restore
+from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
+from ucp_deepspeed.sources.native import tag_metas
+from ucp_deepspeed.sources.tags import incomplete_reason, resume_tag
+
+log = logging.getLogger("ucp_deepspeed")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What the last `load_checkpoint` did, kept on the engine as `engine.ucp_last_load`."""
+
+    mode: str
+    saved: str
+    live: str
+    universal_dir: str | None
+
+
+# `ucp_deepspeed.install` replaces deepspeed.initialize; ours must still reach DeepSpeed's own.
+_deepspeed_initialize = deepspeed.initialize
+
+
+def initialize(args: Any = None, *, config: Any = None, config_params: Any = None,
+               default_universal: bool | dict[str, Any] = False, **kwargs: Any) -> tuple:
+    """`deepspeed.initialize` with universal checkpointing switched on by `"checkpoint": {"universal": true}`.
+
+    `default_universal` applies when the config has no `checkpoint.universal` entry. With
+    megatron-core's parallel_state initialised (or passed as `mpu`), DeepSpeed gets an adapter for
+    it, so tensor/pipeline/data-parallel groups come from megatron-core.
+    """
+    raw = config if config is not None else config_params
+    if raw is None and getattr(args, "deepspeed_config", None) is not None:
+        raw, args.deepspeed_config = args.deepspeed_config, None  # DeepSpeed refuses a config given twice
+    ds_config, options = split_config(load_config(raw), default_universal)
+    mpu = kwargs.get("mpu")
+    if (mpu is None and megatron_initialized()) or (mpu is not None and mpu is sys.modules.get(
+            "megatron.core.parallel_state")):
+        kwargs["mpu"] = MegatronMpu()
+    with megatron_moe_visible(kwargs.get("model")) if "mpu" in kwargs and kwargs.get("model") is not None \
+            else contextlib.nullcontext():
+        result = _deepspeed_initialize(args=args, config=ds_config, **kwargs)
+    if options.enabled:
+        attach(result[0], options)
+    return result
+
+
+def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
+    """Make an existing engine save ucp metadata and load checkpoints of any topology."""
+    options = options or UniversalConfig(enabled=True)
+    if getattr(engine, "_ucp_options", None) is not None:
+        return engine
+    if not supported(engine):
+        raise NotImplementedError(UNSUPPORTED)  # refuse now rather than at the first save, mid-training
+    if isinstance(engine, deepspeed.PipelineEngine):
+        raise NotImplementedError("DeepSpeed's PipelineEngine stores module weights in per-layer files, which "
+                                  "ucp_deepspeed does not read yet; pipeline megatron-core GPTModel stages instead "
+                                  "(see launch/train_gpt.py and the README)")
+    engine._ucp_options = options
+    native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
+    if options.async_save:
+        engine.checkpoint_engine = AsyncCheckpointEngine(engine._config)
+    files = guard(engine, options.verify)
+    # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
+    box = [uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(box, src=0)
+    run_id, saves = box[0], itertools.count(1)
+    checkn_run = None
+    if options.differential is not None or options.quantize is not None:
+        diff, quant = options.differential, options.quantize
+        checkn_run = DifferentialSaver(
+            engine, diff.policy if diff else None, (diff.tables if diff else None) or (quant.tables if quant else None),
+            quant.method if quant else None, quant.bits if quant else None, quant.expected_restores if quant else None)
+    engine.ucp_checkn_run = checkn_run
+
+    def wait_for_checkpoint() -> None:
+        """Block until a pending async checkpoint is written on every rank and `latest` names it (collective)."""
+        if isinstance(engine.checkpoint_engine, AsyncCheckpointEngine):
+            engine.checkpoint_engine.wait()
+            engine._commit_decoupled_checkpoint()
+
+    @functools.wraps(native_save)
+    def save_checkpoint(save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> Any:
+        wait_for_checkpoint()
+        client_state = client_state or {}
+        tag = f"global_step{engine.global_steps}" if tag is None else tag
+        save_id = f"{run_id}-{next(saves)}"
+        if checkn_run is not None:
+            checkn_run.save(engine, save_dir, str(tag), client_state, save_latest, save_id)
+            return True
+        files.save_id = save_id
+        meta = dataclasses.replace(describe(engine, tuple(client_state)), save_id=save_id)
+        if exclude_frozen_parameters:
+            meta = dataclasses.replace(meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"),
+                                       frozen_excluded=True)
+        if _dp_rank(engine) == 0:
+            write_meta(meta, os.path.join(save_dir, str(tag)), engine.checkpoint_mp_rank)
+        try:
+            return native_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            files.save_id = ""
+
+    @functools.wraps(native_load)
+    def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
+        result = load(load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                      load_module_only, custom_load_fn)
+        if checkn_run is not None and result[0] is not None and engine.ucp_last_load.mode != "checkn_run":
+            checkn_run.restored({})  # the weights no longer match the current chain
+        return result
+
+    def load(load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
+             load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Any) -> tuple:
+        wait_for_checkpoint()
+        native = functools.partial(native_load, load_dir, load_module_strict=load_module_strict,
+                                   load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        ds_folder = deepspeed_universal_folder(load_dir)
+        if ds_folder is not None and (engine.load_universal_checkpoint() or ds_folder == load_dir):
+            ckpt = _imported(engine, ds_folder)
+            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            engine.ucp_last_load = LoadReport("imported", "deepspeed universal", live_desc(), ckpt.root)
+            return ds_folder, client
+        if os.path.isfile(os.path.join(load_dir, MANIFEST)):
+            ckpt = UniversalCheckpoint(load_dir, verify=options.verify)
+            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            engine.ucp_last_load = LoadReport("universal", Topology(**ckpt.manifest["source"]["topology"]).describe(),
+                                              live_desc(), load_dir)
+            return load_dir, client
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
+            return checked(native, tag=tag)
+        checked_tag = tag is None
+        if tag is None:  # a save killed part-way leaves a torn tag, possibly already named by `latest`
+            box = [_pick_tag(load_dir) if tdist.get_rank() == 0 else None]  # one rank opens the files, not all
+            tdist.broadcast_object_list(box, src=0)
+            tag, failure = box[0]
+            if failure:
+                raise CheckpointError(*failure)
+        tag = resolve_tag(load_dir, tag)
+        if is_element(os.path.join(load_dir, tag)):
+            ckpt = _materialized(engine, load_dir, tag)
+            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            if checkn_run is not None:
+                checkn_run.restored(ckpt.manifest)
+            engine.ucp_last_load = LoadReport("checkn_run", Topology(**ckpt.manifest["source"]["topology"]).describe(),
+                                              live_desc(), ckpt.root)
+            tdist.barrier()
+            return os.path.join(load_dir, tag), client
+        metas, _ = tag_metas(os.path.join(load_dir, tag), options.layout_rules)
+        meta = metas[0]
+        saved, live = meta.topology, topology(engine)
+        # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
+        if saved.same_layout(live) and not megatron_moe_layers(engine.module):
+            if not checked_tag:  # resume_tag has already opened and checked every file of the tag it picked
+                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())
+            engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)
+            files.expect(os.path.join(load_dir, tag), meta.save_id)
+            path, client = checked(native, tag=tag)
+            # DeepSpeed mixes its own bookkeeping into client_state; return only what the user saved
+            return path, {k: v for k, v in (client or {}).items() if k in meta.client_state_keys}
+        log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
+        if custom_load_fn is not None:
+            log.warning("ucp: custom_load_fn is not called when resharding; every tensor is restored from the "
+                        "universal checkpoint")
+        ckpt = _converted(engine, load_dir, tag)
+        client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), ckpt.root)
+        tdist.barrier()
+        if not options.keep and tdist.get_rank() == 0:
+            remove_output(ckpt.root)
+        return os.path.join(load_dir, tag), client
+
+    def live_desc() -> str:
+        return topology(engine).describe()
+
+    def checked(native_load: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's own load, then on every rank the first damaged record any rank read, if one did."""
+        result = native_load(**kwargs)
+        problem = files.take_problem()
+        all_ok((problem.path, problem.reason) if problem else None)
+        return result
+
+    engine.ucp_last_load = None
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    engine.wait_for_checkpoint = wait_for_checkpoint
+    return engine
+
+
+def _pick_tag(load_dir: str) -> tuple[str | None, tuple[str, str] | None]:
+    """The tag to resume from, or why there is none (the newest tag's problem)."""
+    tag = resume_tag(load_dir)
+    if tag is not None:
+        return tag, None
+    newest = read_latest(load_dir) if os.path.isfile(os.path.join(load_dir, "latest")) else list_tags(load_dir)[-1]
+    reason = incomplete_reason(load_dir, newest) or "unreadable"
+    return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
+
+
+def _dp_rank(engine: Any) -> int:
+    return tdist.get_rank(group=engine.optimizer.dp_process_group) if hasattr(engine.optimizer, "dp_process_group") \
+        else tdist.get_rank()
+
+
+def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
+    """Our copy of a DeepSpeed universal folder, made once by rank 0 and reused afterwards."""
+    options: UniversalConfig = engine._ucp_options
+    name = f"{os.path.basename(os.path.normpath(folder))}.ucp"
+    out = os.path.join(options.output, name) if options.output else os.path.join(os.path.dirname(folder), name)
+
+    def work() -> None:
+        with claimed(out, [folder]):
+            if not os.path.isfile(os.path.join(out, MANIFEST)):
+                log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
+                import_deepspeed(folder, out)
+
+    on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
+    return UniversalCheckpoint(out, verify=options.verify)
+
+
+def _materialized(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
+    """The full universal copy of a Check-N-Run chain, made once by rank 0; its blocks are checked as they
+    are read, like any universal folder."""
+    options: UniversalConfig = engine._ucp_options
+    out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
+
+    def work() -> None:
+        with claimed(out, [os.path.join(load_dir, tag)]):
+            materialize(load_dir, tag, out)
+
+    on_rank0(work)
+    return UniversalCheckpoint(out, verify=options.verify)
+
+
+def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
+    """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks.
+
+    Rank 0 checks the tag's files against its metadata and owns the output folder. Every rank
+    converts its share of the parameters; what each read is then checked on rank 0 against the
+    source archives' CRCs before the manifest is written.
+    """
+    options: UniversalConfig = engine._ucp_options
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    src, failure = None, None
+    try:
+        src = NativeCheckpoint(load_dir, tag, options.layout_rules, check=rank == 0, verify=options.verify)
+    except (CheckpointError, OSError) as exc:
+        failure = failure_of(exc)
+    all_ok(failure)
+    out = os.path.join(options.output, tag) if options.output else default_output(src)
+    lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
+    try:
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                lock.enter_context(claimed(out, [src.tag_dir]))
+                box = [(None, prepare_output(src, out))]
+            except (CheckpointError, OSError) as exc:
+                box = [(failure_of(exc), None)]
+        tdist.broadcast_object_list(box, src=0)
+        failure, reusable = box[0]
+        all_ok(failure)
+        if reusable is None:
+            return UniversalCheckpoint(out, verify=options.verify)
+        records, failure = [], None
+        try:
+            jobs = shard_jobs(plan_jobs(src), rank, world)
+            records = run_jobs(src, out, jobs, reusable, options.workers, options.progress and rank == 0)
+        except (CheckpointError, OSError) as exc:
+            failure = failure_of(exc)
+        all_ok(failure)
+        gathered: list[Any] = [None] * world
+        tdist.all_gather_object(gathered, (records, src.pieces()))
+        if rank == 0:
+            try:
+                src.check_reads([pieces for _, pieces in gathered])
+                finish(src, out, [r for part, _ in gathered for r in part])
+            except (CheckpointError, OSError) as exc:
+                failure = failure_of(exc)
+        all_ok(failure)
+        return UniversalCheckpoint(out, verify=options.verify)
+    finally:
+        lock.close()
+        src.close()

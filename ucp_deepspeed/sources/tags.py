@@ -1,0 +1,91 @@
+"""Which tag of a checkpoint directory to resume from: the newest one that was written completely.
+
+A job killed while saving leaves a tag folder with missing or truncated rank files, and DeepSpeed
+may already have pointed `latest` at it. A tag counts as complete when every model-parallel rank's
+metadata is there and every rank file opens as a whole torch archive of this save (its zip
+directory and pickle read and check out, it carries the save id, and it agrees with the metadata;
+tensor bytes are checked against their CRCs when read).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+from ucp_deepspeed.checkn_run.chain import chain, is_element
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.sources import NativeCheckpoint, list_tags
+
+log = logging.getLogger("ucp_deepspeed")
+_STEP = re.compile(r"(\d+)$")
+
+
+def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
+    """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete."""
+    if is_element(os.path.join(ckpt_dir, tag)):
+        try:
+            chain(ckpt_dir, tag)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+    try:
+        NativeCheckpoint(ckpt_dir, tag).close()
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _order(ckpt_dir: str, tag: str) -> tuple[int, float]:
+    found = _STEP.search(tag)
+    return (int(found.group(1)) if found else -1, os.path.getmtime(os.path.join(ckpt_dir, tag)))
+
+
+def newest_complete(ckpt_dir: str) -> str | None:
+    """The newest complete tag (by trailing step number, then folder time); torn ones are logged and skipped."""
+    for tag in sorted(list_tags(ckpt_dir), key=lambda t: _order(ckpt_dir, t), reverse=True):
+        reason = incomplete_reason(ckpt_dir, tag)
+        if reason is None:
+            return tag
+        log.warning("ucp: skipping incomplete checkpoint %s: %s", tag, reason)
+    return None
+
+
+def resume_tag(ckpt_dir: str) -> str | None:
+    """The tag to resume from: the one `latest` names if it is complete, else the newest complete one."""
+    latest_path = os.path.join(ckpt_dir, "latest")
+    latest = None
+    if os.path.isfile(latest_path):
+        with open(latest_path) as f:
+            latest = f.read().strip() or None
+    if latest is not None:
+        reason = incomplete_reason(ckpt_dir, latest)
+        if reason is None:
+            return latest
+        log.warning("ucp: 'latest' names %s, which is incomplete (%s); looking for an older complete one",
+                    latest, reason)
+    return newest_complete(ckpt_dir)
+
+
+def prune(ckpt_dir: str, keep: int) -> list[str]:
+    """Keep the `keep` newest complete tags; delete older tags, torn ones among them, and their converted copies.
+
+    A torn tag newer than the newest complete one is left alone: it may be a save still being written.
+    Older tags that a kept Check-N-Run delta needs (its chain) are kept too. Returns the deleted tags.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    tags = sorted(list_tags(ckpt_dir), key=lambda t: _order(ckpt_dir, t), reverse=True)
+    complete = [t for t in tags if incomplete_reason(ckpt_dir, t) is None]
+    if not complete:
+        return []
+    oldest_kept = _order(ckpt_dir, complete[min(keep, len(complete)) - 1])
+    needed = {t for kept in complete[:keep] if is_element(os.path.join(ckpt_dir, kept))
+              for t, _ in chain(ckpt_dir, kept)}
+    doomed = [t for t in tags if t not in complete[:keep] and t not in needed and _order(ckpt_dir, t) < oldest_kept]
+    for tag in doomed:
+        for path in (os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, f"{tag}.universal"),
+                     os.path.join(ckpt_dir, f"{tag}_universal")):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+    return doomed

@@ -1,0 +1,1 @@
+"""The `ucp` command: convert, inspect, verify, compare and the Hugging Face bridges."""

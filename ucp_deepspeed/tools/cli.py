@@ -1,0 +1,233 @@
+"""The `ucp` command: convert, inspect, verify and diff checkpoints without any model code."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from ucp_deepspeed.checkn_run.chain import chain, crc_problems, read_element
+from ucp_deepspeed.convert.core import convert
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.paths import locate
+from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
+from ucp_deepspeed.hf.export import export_hf
+from ucp_deepspeed.hf.import_ import import_hf
+from ucp_deepspeed.interop import export_deepspeed
+from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.tools.compare import DiffReport, diff
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1024 or unit == "TB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return ""
+
+
+def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
+    """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only."""
+    found = locate(path, tag)
+    if found.kind == "checkn_run":
+        m = read_element(found.root, found.tag)
+        params = {n: {"shape": r["shape"], "dtype": r["dtype"], "keys": r["keys"], "trainable": r["trainable"],
+                      "bytes": m["files"][r["file"]]["bytes"], "table": r.get("table")} for n, r in m["params"].items()}
+        return {"kind": "check-n-run", "path": found.path, "source_topology": m["source"]["topology"],
+                "counters": m["counters"], "param_groups": len(m["param_groups"]), "params": params,
+                "buffers": list(m["buffers"]), "tied": m["tied"], "differential": m["differential"],
+                "total_bytes": sum(f["bytes"] for f in m["files"].values()), "files": len(m["files"])}
+    if found.kind == "universal":
+        ckpt = UniversalCheckpoint(found.path)
+        m = ckpt.manifest
+        params = {n: {"shape": r["shape"], "dtype": r["dtype"], "keys": r["keys"], "trainable": r["trainable"],
+                      "bytes": m["files"][r["file"]]["bytes"]} for n, r in ckpt.params.items()}
+        return {"kind": "universal", "path": ckpt.root, "source_topology": m["source"]["topology"],
+                "counters": m["counters"], "param_groups": len(m["param_groups"]), "params": params,
+                "buffers": list(ckpt.buffers), "tied": m["tied"],
+                "total_bytes": sum(f["bytes"] for f in m["files"].values()), "files": len(m["files"])}
+    if found.kind == "ds_universal":
+        raise CheckpointError(found.path, "is in DeepSpeed's universal layout; import it first with "
+                              "load_checkpoint, or inspect the checkpoint it was made from")
+    src = NativeCheckpoint(found.root, found.tag)
+    try:
+        meta = src.meta
+        keys = ["fp32"] + src.state_keys()
+        params = {t.name: {"shape": list(t.shape), "dtype": t.dtype, "keys": keys if t.kind == "param" else ["value"],
+                           "trainable": t.kind == "param",
+                           "bytes": t.nbytes * (len(keys) if t.kind == "param" else 1)}
+                  for t in src.tensors if t.kind != "buffer"}
+        files = src.source_files()
+        return {"kind": "deepspeed", "path": src.tag_dir, "tag": src.tag, "source_topology": meta.topology.__dict__,
+                "counters": src.model_states(0).counters(), "param_groups": meta.num_groups, "params": params,
+                "buffers": [t.name for t in src.tensors if t.kind == "buffer"],
+                "tied": {k: v for m in src.metas for k, v in m.tied.items()},
+                "total_bytes": sum(os.path.getsize(f) for f in files), "files": len(files),
+                "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed"}
+    finally:
+        src.close()
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    topo = s["source_topology"]
+    print(f"{s['kind']} checkpoint: {s['path']}")
+    print(f"  saved at: zero{topo['zero_stage']} dp={topo['dp']} tp={topo['tp']} pp={topo['pp']} ep={topo['ep']} "
+          f"{topo['dtype']} ({topo['optimizer']})")
+    if "metadata" in s:
+        print(f"  metadata: {s['metadata']}")
+    print("  counters: " + ", ".join(f"{k}={v}" for k, v in s["counters"].items()))
+    trainable = [p for p in s["params"].values() if p["trainable"]]
+    numel = sum(math.prod(p["shape"]) for p in trainable)
+    print(f"  params: {len(s['params'])} ({len(trainable)} trainable, {numel:,} elements), "
+          f"{s['param_groups']} param groups, buffers: {len(s['buffers'])}, tied: {len(s['tied'])}")
+    print(f"  files: {s['files']}, {_size(s['total_bytes'])}")
+    diff = s.get("differential")
+    if diff:
+        quant = diff["quantize"]
+        print(f"  check-n-run: {diff['kind']} ({diff['policy'] or 'quantized only'}), chain: "
+              + " -> ".join(diff["chain"]) + (f"; fp32 rows quantized {quant['method']} {quant['bits']} bits"
+                                              if quant else "") + f"; restores so far: {diff['restores']}")
+        for name, p in s["params"].items():
+            if p["table"]:
+                print(f"    table {name}: {p['table']['saved_rows']:,} of {p['table']['rows']:,} rows")
+    width = max((len(n) for n in s["params"]), default=4)
+    for name, p in s["params"].items():
+        size = _size(p["bytes"]) if p["bytes"] is not None else "-"
+        print(f"    {name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']:<9} {size:>9}  {','.join(p['keys'])}")
+
+
+def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
+    """Problems with every file of any kind of checkpoint, and what was checked."""
+    found = locate(path, tag)
+    if found.kind == "universal":
+        return UniversalCheckpoint(found.path).verify(), "every file matches the manifest's block CRCs"
+    if found.kind == "ds_universal":
+        raise CheckpointError(found.path, "is in DeepSpeed's universal layout, which records no checksums")
+    if found.kind == "native":
+        src = NativeCheckpoint(found.root, found.tag)
+        try:
+            return src.verify(), ("every rank file matches the CRCs in its zip directory, carries this save's id "
+                                  "and agrees with the metadata")
+        finally:
+            src.close()
+    problems = crc_problems(found.root, chain(found.root, found.tag))
+    copy = os.path.join(found.root, f"{found.tag}.universal")
+    what = "every file of the chain matches its manifest"
+    if os.path.isfile(os.path.join(copy, MANIFEST)):  # loads reuse this full copy of the chain
+        problems += UniversalCheckpoint(copy).verify()
+        what += ", and so does the chain's full copy " + copy
+    return problems, what
+
+
+def _print_diff(report: DiffReport, everything: bool, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"identical": report.identical, "states": [dataclasses.asdict(s) for s in report.states],
+                          "only_a": report.only_a, "only_b": report.only_b, "values": report.values}, indent=1))
+        return
+    shown = [s for s in report.states if everything or not s.equal]
+    width = max((len(f"{s.name}:{s.key}") for s in shown), default=0)
+    for s in shown:
+        status = "equal" if s.equal else f"max abs {s.max_abs:.3g}  max rel {s.max_rel:.3g}"
+        print(f"  {s.name + ':' + s.key:<{width}}  {status}{'  ' + s.note if s.note else ''}")
+    for label, names in (("only in A", report.only_a), ("only in B", report.only_b)):
+        if names:
+            print(f"  {label}: {', '.join(names)}")
+    for line in report.values:
+        print(f"  {line}")
+    same = sum(s.equal for s in report.states)
+    print(f"{len(report.states)} tensor states compared, {same} bit-identical; "
+          + ("checkpoints are identical" if report.identical else "checkpoints differ"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ucp` console script."""
+    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint (or materialize a Check-N-Run chain) to the "
+                       "universal format")
+    p.add_argument("ckpt_dir")
+    p.add_argument("--tag", help="checkpoint tag (default: the one in 'latest')")
+    p.add_argument("--output", help="output folder (default: CKPT_DIR/TAG.universal, or CKPT_DIR/TAG_universal "
+                   "for --format deepspeed)")
+    p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
+                   help="ucp: our format; deepspeed: DeepSpeed's universal layout, loadable with load_universal")
+    p.add_argument("--workers", type=int, default=2, help="writer threads (default 2)")
+    p.add_argument("--layout-rules", metavar="RULES.json",
+                   help="how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
+    p.add_argument("path")
+    p.add_argument("--tag")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("verify", help="check every file of a checkpoint: a universal folder against its manifest, "
+                       "a Check-N-Run tag's whole chain, or a native tag's rank files and their zip crc32s")
+    p.add_argument("path")
+    p.add_argument("--tag", help="tag of a native or Check-N-Run checkpoint (default: the one in 'latest')")
+    p = sub.add_parser("export-hf", help="write a megatron-core GPT checkpoint as a Hugging Face transformers folder")
+    p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
+    p.add_argument("out")
+    p.add_argument("--arch", choices=["gpt2", "llama", "mixtral"], required=True)
+    p.add_argument("--num-heads", type=int, required=True, help="attention heads (not recorded in the checkpoint)")
+    p.add_argument("--num-kv-heads", type=int, help="key/value heads, i.e. query groups (default: --num-heads)")
+    p.add_argument("--norm-eps", type=float, default=1e-5)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--max-positions", type=int, help="default: the position embedding's rows (gpt2) or 4096")
+    p.add_argument("--shard-size", type=float, default=2048, help="MB per safetensors shard (default 2048)")
+    p.add_argument("--experts-per-token", type=int, default=2, help="mixtral: router top-k (default 2)")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("import-hf", help="make a weights-only universal checkpoint of a transformers folder")
+    p.add_argument("hf_dir")
+    p.add_argument("out")
+    p.add_argument("--num-kv-heads", type=int, help="gpt2: fold repeated key/value heads back into this many groups")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("diff", help="compare two checkpoints of any topology, state by state")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--tag-a")
+    p.add_argument("--tag-b")
+    p.add_argument("--atol", type=float, default=0.0, help="exit 0 if every tensor is within this (default: exact)")
+    p.add_argument("--all", action="store_true", help="list every state, not only those that differ")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "convert":
+            if args.format == "deepspeed":
+                out = export_deepspeed(args.ckpt_dir, args.tag, args.output, args.workers,
+                                       progress=not args.no_progress)
+            else:
+                out = convert(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress,
+                              layout_rules=args.layout_rules)
+            print(out)
+        elif args.command == "inspect":
+            summary = summarize(args.path, args.tag)
+            print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
+        elif args.command == "export-hf":
+            print(export_hf(args.ckpt, args.out, args.arch, args.num_heads, args.num_kv_heads, args.norm_eps,
+                            args.rope_theta, args.max_positions, int(args.shard_size * 2**20),
+                            progress=not args.no_progress, experts_per_token=args.experts_per_token))
+        elif args.command == "import-hf":
+            print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
+        elif args.command == "diff":
+            report = diff(args.a, args.b, args.tag_a, args.tag_b)
+            _print_diff(report, args.all, args.json)
+            return 0 if (report.identical or report.within(args.atol)) else 1
+        else:
+            problems, what = _verify(args.path, args.tag)
+            for line in problems:
+                print(line)
+            print(f"{len(problems)} bad files" if problems else f"ok: {what}")
+            return 1 if problems else 0
+    except CheckpointError as exc:
+        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk, a read-only folder: say which file, without a traceback
+        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
