@@ -1,6 +1,6 @@
 """Check-N-Run measured as in the paper, on a DLRM-like model trained with DeepSpeed (launch/train_dlrm.py).
 
-    python benchmarks/bench_checkn_run.py [--update-readme] [--smoke]
+    python benchmarks/bench_checkn_run.py [--update-docs] [--smoke]
 
 1. Bytes written per checkpoint and storage held after 11 checkpoints, for every policy x bit width,
    against full fp32 checkpoints written the same way.
@@ -9,8 +9,8 @@
    quantized checkpoint, train to 2N, and compare held-out loss and AUC with an uninterrupted run.
 
 Tables of about 1M rows x 32 (4 tables, Zipf-distributed lookups), plain SGD as in DLRM's reference
-implementation, one rank. Results go to benchmarks/checkn_run.json and, with --update-readme, into
-README.md between the `cnr:start` / `cnr:end` markers.
+implementation, one rank. Results go to benchmarks/checkn_run.json and, with --update-docs, into
+docs/benchmarks.md between the `cnr:start` / `cnr:end` markers.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from bench_convert import env  # benchmarks/bench_convert.py, next to this script
+from docs_table import update_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_dlrm.py"
@@ -145,19 +146,11 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(text: str) -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    start, end = "<!-- cnr:start -->\n", "<!-- cnr:end -->"
-    head, rest = body.split(start)
-    readme.write_text(head + start + text + end + rest.split(end, 1)[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="/tmp/ucp_cnr_bench")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and one configuration of each, for CI")
-    parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--update-docs", action="store_true")
     parser.add_argument("--parts", default="storage,tracking,accuracy",
                         help="which measurements to run; the others are kept from benchmarks/checkn_run.json")
     args = parser.parse_args()
@@ -187,8 +180,8 @@ def main() -> None:
     print(text)
     if not args.smoke:
         saved.write_text(json.dumps(report, indent=1))
-        if args.update_readme:
-            update_readme(text)
+        if args.update_docs:
+            update_doc("benchmarks.md", "cnr", text)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_convert.py                    # full run (~300M-parameter sources, 3 sizes)
     python benchmarks/bench_convert.py --smoke            # tiny sizes: checks that everything still runs
-    python benchmarks/bench_convert.py --update-readme    # also rewrite the table in README.md
+    python benchmarks/bench_convert.py --update-docs      # also rewrite the tables in docs/
 
 Every tool runs as a subprocess. A sampler thread polls the process tree every 0.1 s for the sum of
 resident memory, the bytes passed to write(), and the size of the output folder (which holds
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from docs_table import update_doc  # benchmarks/docs_table.py, next to this script
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "synthetic.py"
@@ -303,16 +304,6 @@ def integrity_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(text: str, marker: str = "bench") -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    new = re.sub(rf"(<!-- {marker}:start -->\n).*?(<!-- {marker}:end -->)", lambda m: m.group(1) + text + m.group(2),
-                 body, flags=re.S)
-    if new == body and text not in body:
-        raise SystemExit(f"README.md has no <!-- {marker}:start --> / <!-- {marker}:end --> markers")
-    readme.write_text(new)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # ZeRO-3 at 300M does not fit: four CPU ranks gathering parameters for the training step exceed 24 GiB
@@ -323,7 +314,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     parser.add_argument("--keep", action="store_true", help="keep the source checkpoints")
     parser.add_argument("--merge", action="store_true", help="add to benchmarks/results.json instead of replacing it")
-    parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args()
     results = ROOT / "benchmarks" / "results.json"
     if args.smoke:
@@ -338,10 +329,10 @@ def main() -> None:
     text = table(report)
     integrity = integrity_table(report) if report.get("loads") else ""
     print(text + "\n" + integrity)
-    if args.update_readme and not args.smoke:
-        update_readme(text)
+    if args.update_docs and not args.smoke:
+        update_doc("benchmarks.md", "bench", text)
         if integrity:
-            update_readme(integrity, "integrity")
+            update_doc("reference/security.md", "integrity", integrity)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The Universal Checkpointing paper's loss-continuity experiment, reproduced with ucp_deepspeed.
 
-    python benchmarks/loss_continuity.py [--update-readme] [--smoke]
+    python benchmarks/loss_continuity.py [--update-docs] [--smoke]
 
 A tiny megatron-core GPT (launch/train_gpt.py, fp32, learnable Markov-chain tokens) trains without
 interruption at a source layout and saves at the resume step. Each target layout loads that
@@ -12,7 +12,7 @@ saw, and its loss curve should lie on the uninterrupted one.
 2. many sources to one target (TP=1 PP=1 DP=2);
 3. MoE: EP=2 to EP=1 and EP=4.
 
-Writes to --out (benchmarks/loss_continuity/ by default): a PNG per experiment, losses.csv with
+Writes a PNG per experiment to --figures (docs/img/ by default), and to --out (benchmarks/loss_continuity/): losses.csv with
 every step of every run, and results.json with the max |loss difference| of each resumed run over
 the steps after the resume. Exits 1 if any difference exceeds --bound. --smoke (for CI) runs 20
 steps, resumes at 10, and has three targets.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_convert import env  # benchmarks/bench_convert.py, next to this script
+from docs_table import update_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_gpt.py"
@@ -203,31 +204,26 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(text: str) -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    start, end = "<!-- lc:start -->\n", "<!-- lc:end -->"
-    head, rest = body.split(start)
-    readme.write_text(head + start + text + end + rest.split(end, 1)[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", help="folder for checkpoints and per-run logs, kept afterwards "
                         "(default: a temporary folder, removed at the end)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "loss_continuity"), help="PNGs, CSV, JSON")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "loss_continuity"), help="CSV and JSON")
+    parser.add_argument("--figures", help="where the PNGs go (default: docs/img, or --out with --smoke)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--resume-at", type=int, default=100)
     parser.add_argument("--bound", type=float, default=1e-5, help="largest max |loss difference| that passes")
     parser.add_argument("--smoke", action="store_true", help="20 steps, resume at 10, three targets (CI)")
-    parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.resume_at = 20, 10
     out = Path(args.out)
     if args.work and Path(args.work).exists() and any(Path(args.work).iterdir()):
         raise SystemExit(f"{args.work} is not empty; its checkpoints would be resumed instead of trained")
+    figures = Path(args.figures or (out if args.smoke else ROOT / "docs" / "img"))
     out.mkdir(parents=True, exist_ok=True)
+    figures.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     plan = experiments(args.smoke)
     with contextlib.ExitStack() as stack:
@@ -237,14 +233,14 @@ def main() -> None:
     rows = summarize(args, plan, logs)
     write_csv(out / "losses.csv", plan, logs)
     for exp in plan:
-        plot(out / f"{exp.name}.png", exp, logs, args.resume_at)
+        plot(figures / f"{exp.name}.png", exp, logs, args.resume_at)
     report = {"date": datetime.date.today().isoformat(), "steps": args.steps, "resume_at": args.resume_at,
               "launches": len(logs), "seconds": round(time.perf_counter() - start), "runs": rows}
     (out / "results.json").write_text(json.dumps(report, indent=1))
     text = table(report)
     print(text, flush=True)
-    if args.update_readme:
-        update_readme(text)
+    if args.update_docs:
+        update_doc("benchmarks.md", "lc", text)
     worst = max(r["max_abs"] for r in rows)
     if worst > args.bound:
         raise SystemExit(f"max |loss difference| {worst:.2e} exceeds the bound {args.bound:.0e}")

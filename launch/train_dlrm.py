@@ -212,7 +212,7 @@ def main() -> None:
             dist.barrier()
         if engine.global_steps == args.stop_at:
             break
-    tracker = engine.ucp_checkn_run.tracker if engine.ucp_checkn_run is not None else None
+    tracker = engine.ucp_saver.tracker if engine.ucp_saver is not None else None
     eval_loss, eval_auc = evaluate(engine, args)
     if dist.get_rank() == 0:
         print(f"eval loss {eval_loss:.6f} auc {eval_auc:.6f}", flush=True)

@@ -44,8 +44,7 @@ from ucp_deepspeed.runtime.capture import infos
 from ucp_deepspeed.sources import list_tags
 from ucp_deepspeed.sources.tags import prune
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import megatron_cpu  # noqa: E402  (CPU stand-ins for megatron-core's CUDA-only helpers)
+import megatron_cpu  # noqa: E402  (beside this script: CPU stand-ins for megatron-core's CUDA-only helpers)
 from compare import compare  # noqa: E402  (launch/compare.py, next to this script)
 
 VOCAB = 70             # padded to a multiple of 8 * tp: 72 at tp=1, 80 at tp=2

@@ -53,8 +53,8 @@ def test_check_n_run_sections_sit_beside_universal():
                              "quantize": {"bits": 4, "method": "adaptive"}}}
     ds_config, options = split_config(config)
     assert ds_config["checkpoint"] == {}, "our keys must not reach DeepSpeed"
-    assert options.differential.policy == "intermittent" and options.quantize.bits == 4
-    assert split_config({"checkpoint": {"universal": True, "quantize": {"expected_restores": 2}}})[1].quantize.bits \
+    assert options.extensions["differential"].policy == "intermittent" and options.extensions["quantize"].bits == 4
+    assert split_config({"checkpoint": {"universal": True, "quantize": {"expected_restores": 2}}})[1].extensions["quantize"].bits \
         is None
 
 

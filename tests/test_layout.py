@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ucp_deepspeed.geometry.layout import Layout, dropped_padding, merge, split
-from ucp_deepspeed.naming.patterns import param_infos, parse_rules
+from ucp_deepspeed.naming.model import param_infos
+from ucp_deepspeed.naming.rules import parse_rules
 
 LAYOUTS = {
     "replicated": (Layout(), (6, 8)),

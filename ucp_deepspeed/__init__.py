@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# extensions register their tag kinds, config sections, savers and foreign formats on import
+from ucp_deepspeed import checkn_run, interop  # noqa: E402, F401  (registration only)
 from ucp_deepspeed.convert import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.universal import UniversalCheckpoint

@@ -1,11 +1,19 @@
-"""Every reach into DeepSpeed's internals that reading and writing its files needs, each named once.
+"""Every reach into DeepSpeed, megatron-core and transformers internals, each behind one small named function.
 
-`tests/test_compat.py` has a canary per function: a DeepSpeed upgrade that moves one of these
-fails there by name, not somewhere inside a multi-rank reshard test.
+The rest of the package reads and writes framework state only through here: private optimizer
+attributes (flat groups, `_hp_mapping`, ZeRO-3 sub-groups), `ds_*` parameter attributes, engine
+privates, DeepSpeed's expert-group registries and its MoE type check, megatron-core's tensor-parallel
+attributes, and the classes DeepSpeed pickles. `tests/test_compat.py` has a one-process canary per
+function: an upgrade that moves one of these fails there by name, not inside a multi-rank reshard test.
+DeepSpeed, megatron-core and transformers are imported inside the functions that need them, so the
+`ucp` command imports none of them.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
@@ -54,3 +62,253 @@ def rebuild(value: Any) -> Any:
     if isinstance(state, dict):
         obj.__dict__.update(state)
     return obj
+
+
+# --- DeepSpeed engines and ZeRO optimizers -------------------------------------------------------
+
+
+def buffer_names(engine: Any) -> list[str]:
+    """The module buffers DeepSpeed saves (persistent ones), by local name."""
+    return list(engine._get_buffer_names())
+
+
+def engine_config(engine: Any) -> Any:
+    """The engine's parsed `DeepSpeedConfig` (what a checkpoint engine is built from)."""
+    return engine._config
+
+
+def commit_decoupled_checkpoint(engine: Any) -> None:
+    """Let DeepSpeed finish a save whose files a decoupled checkpoint engine wrote (moves `latest`)."""
+    engine._commit_decoupled_checkpoint()
+
+
+def is_zero3_param(p: Any) -> bool:
+    """Whether ZeRO-3 partitioned this parameter (its data is then a placeholder)."""
+    return hasattr(p, "ds_id")
+
+
+def full_shape(p: Any) -> tuple[int, ...]:
+    """A parameter's full shape, also when ZeRO-3 partitioned it."""
+    return tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+
+
+def storage_dtype(p: Any) -> Any:
+    """The dtype a parameter is stored in, also when ZeRO-3 partitioned it."""
+    return p.ds_tensor.dtype if is_zero3_param(p) else p.dtype
+
+
+def zero3_partition(p: Any) -> tuple[Any, int, int]:
+    """(this rank's partition tensor, its first element in the flattened parameter, its valid length)."""
+    import torch.distributed as dist
+
+    partition = p.ds_tensor.numel()
+    start = dist.get_rank(group=p.ds_process_group) * partition
+    return p.ds_tensor, start, max(0, min(partition, p.ds_numel - start))
+
+
+def is_bf16_optimizer(opt: Any) -> bool:
+    """DeepSpeed's BF16_Optimizer (ZeRO-0/1 with bf16), whose flat groups have their own names."""
+    return hasattr(opt, "bf16_groups")
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """One param group of a ZeRO-1/2 (or BF16) optimizer: its parameters laid end to end in a flat buffer,
+    of which this rank holds the fp32 partition `fp32`."""
+
+    params: list[Any]
+    offsets: list[int]
+    numel: int
+    dp: int
+    fp32: Any
+
+
+def zero12_groups(opt: Any) -> list[FlatGroup]:
+    """The flat groups of a ZeRO-1/2 or BF16 optimizer, in param-group order."""
+    import torch.distributed as dist
+
+    bf16 = is_bf16_optimizer(opt)
+    out = []
+    for i, flat in enumerate(opt.bf16_groups_flat if bf16 else opt.bit16_groups_flat):
+        if bf16:
+            params = list(opt.bf16_groups[i])
+            offsets = [sum(p.numel() for p in params[:k]) for k in range(len(params))]
+        else:
+            params, offsets = list(opt.round_robin_bit16_groups[i]), [int(o) for o in opt.round_robin_bit16_offsets[i]]
+        fp32 = opt.fp32_groups_flat_partition[i] if bf16 else opt.single_partition_of_fp32_groups[i]
+        out.append(FlatGroup(params, offsets, flat.numel(), dist.get_world_size(group=opt.real_dp_process_group[i]),
+                             fp32))
+    return out
+
+
+def zero12_fragment(lp: Any) -> tuple[int, int, int, Any] | None:
+    """(first element in the parameter, first element in the rank's fp32 partition, length, the fp32 view)
+    of the piece of a ZeRO-1/2 parameter this rank owns; None when it owns none."""
+    mapping = lp._hp_mapping
+    if mapping is None:
+        return None
+    return (mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, mapping.lp_fragment_address.numel,
+            mapping.hp_fragment)
+
+
+def relink_optimizer_states(opt: Any) -> None:
+    """After optimizer states were replaced: make the per-parameter views (`safe_get_full_optimizer_state`)
+    point at the new tensors."""
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """One ZeRO-3 sub-group: its parameters, the param group it belongs to, and this rank's flat fp32
+    partition and low-precision copy."""
+
+    group: int
+    params: list[Any]
+    fp32: Any
+    lp: Any
+
+
+def zero3_subgroups(opt: Any) -> list[SubGroup]:
+    """The sub-groups of a ZeRO-3 optimizer, in order."""
+    return [SubGroup(int(opt.sub_group_to_group_id[i]), list(params), opt.fp32_partitioned_groups_flat[i],
+                     opt.fp16_partitioned_groups_flat[i]) for i, params in enumerate(opt.fp16_groups)]
+
+
+def zero3_position(opt: Any, p: Any) -> tuple[int, int, int, int]:
+    """(sub-group, offset in its flat buffer, partition size, first element this rank holds) of a ZeRO-3 parameter."""
+    flat, offset, partition = opt.grad_position[opt.get_param_id(p)]
+    return int(flat), int(offset), int(partition), int(opt._get_param_partition_rank(p)) * int(partition)
+
+
+def zero3_regather(opt: Any) -> None:
+    """After partitions were rewritten: re-gather persistent parameters and drop secondary copies (collective)."""
+    if opt.persistent_parameters:
+        opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+    opt.invalidate_secondary_tensor()
+
+
+# --- Mixture of experts: DeepSpeed's expert groups and megatron-core's MoE layers ---------------------
+
+
+def expert_parallel(group: str) -> tuple[int, int, int]:
+    """(expert-parallel size, expert-parallel rank, expert-data-parallel rank) of a DeepSpeed expert group."""
+    from deepspeed.utils import groups
+
+    return (groups._get_expert_parallel_world_size(group), groups._get_expert_parallel_rank(group),
+            groups._get_expert_data_parallel_rank(group))
+
+
+def register_expert_groups(name: str, ep_group: Any, edp_group: Any) -> None:
+    """Register existing expert-parallel / expert-data-parallel process groups with DeepSpeed under `name`."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    for registry, ranks, group in ((groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ep_group),
+                                   (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+                                    edp_group)):
+        registry[name] = group
+        ranks[name] = dist.get_process_group_ranks(group)
+
+
+def is_megatron_moe(module: Any) -> bool:
+    """A megatron-core `MoELayer`."""
+    return type(module).__name__ == "MoELayer" and type(module).__module__.startswith("megatron.core.transformer.moe")
+
+
+class _MoEOrMegatron(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        from deepspeed.moe.layer import MoE
+
+        return isinstance(obj, MoE) or is_megatron_moe(obj)
+
+
+class _MoEClass(metaclass=_MoEOrMegatron):
+    """Matches DeepSpeed's MoE layer and megatron-core's, for DeepSpeed's `has_moe_layers` check."""
+
+
+@contextlib.contextmanager
+def deepspeed_sees_megatron_moe() -> Iterator[None]:
+    """While an engine is built, DeepSpeed's engine module counts megatron-core MoE layers as its own MoE.
+
+    DeepSpeed decides `has_moe_layers` with `isinstance(module, MoE)` on the name `MoE` in
+    `deepspeed.runtime.engine`; only that lookup is widened, and only inside this block.
+    """
+    from deepspeed.runtime import engine as ds_engine
+
+    original = ds_engine.MoE
+    ds_engine.MoE = _MoEClass
+    try:
+        yield
+    finally:
+        ds_engine.MoE = original
+
+
+def expert_container(module: Any) -> tuple[str, int, str] | None:
+    """(path of the local experts inside `module`, how many, expert group name) for a DeepSpeed `MoE` or a
+    registered megatron-core `MoELayer`; None for anything else."""
+    if not (hasattr(module, "num_local_experts") and hasattr(module, "expert_group_name")):
+        return None
+    kind = type(module).__module__
+    if kind.startswith("deepspeed.moe"):
+        return "deepspeed_moe.experts.deepspeed_experts.", int(module.num_local_experts), module.expert_group_name
+    if kind.startswith("megatron.core.transformer.moe"):
+        return "experts.local_experts.", int(module.num_local_experts), module.expert_group_name
+    return None
+
+
+# --- megatron-core modules and their tensor-parallel attributes ---------------------------------------
+
+
+def is_megatron_module(module: Any) -> bool:
+    """A module defined by megatron-core (its parameters carry tensor-parallel attributes)."""
+    return type(module).__module__.startswith("megatron.core")
+
+
+def megatron_split(p: Any) -> tuple[int, int, bool] | None:
+    """(split dim, fused parts, is the vocab-parallel embedding/output) of a megatron-core tensor-parallel
+    parameter; None when it is replicated."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    return int(p.partition_dim), int(getattr(p, "partition_stride", 1)), bool(
+        getattr(p, "is_embedding_or_output_parameter", False))
+
+
+def megatron_layer_number(module: Any) -> int | None:
+    """The 1-based global layer number of a megatron-core transformer layer; None for other modules."""
+    number = getattr(module, "layer_number", None)
+    return number if isinstance(number, int) and is_megatron_module(module) else None
+
+
+def megatron_tied_output_stage(module: Any) -> bool:
+    """A megatron-core model on a last pipeline stage (not also the first) whose output layer is a copy of
+    the word embedding."""
+    return is_megatron_module(module) and bool(getattr(module, "share_embeddings_and_output_weights", False)) \
+        and bool(getattr(module, "post_process", False)) and not getattr(module, "pre_process", True)
+
+
+# --- transformers and accelerate: the two restores `install()` widens to other world sizes ------------
+
+
+def trainer_rng_restore() -> tuple[Any, str] | None:
+    """(owner, attribute) of the HF Trainer's per-process RNG restore (a private method); None without transformers."""
+    try:
+        import transformers.trainer as trainer
+    except ImportError:
+        return None
+    return trainer.Trainer, "_load_rng_state"
+
+
+def accelerate_state_restore() -> tuple[Any, str] | None:
+    """(owner, attribute) of the function `Accelerator.load_state` calls by its module-level name; None without
+    accelerate."""
+    try:
+        import accelerate.accelerator as accelerator
+    except ImportError:
+        return None
+    return accelerator, "load_accelerator_state"
+
+
+def zero3_partition_numel(p: Any) -> int:
+    """How many elements of a ZeRO-3 parameter each rank's partition holds (padding included)."""
+    return int(p.partition_numel())

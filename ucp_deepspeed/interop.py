@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.convert.core import assemble
-from ucp_deepspeed.convert.plan import FullTensor
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.paths import check_output
@@ -42,8 +41,11 @@ from ucp_deepspeed.format.universal import (
     write_tensors,
 )
 from ucp_deepspeed.io.torch_file import load_file, plain
+from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
 from ucp_deepspeed.sources.model_states import ModelStatesFile
+from ucp_deepspeed.sources.plan import FullTensor
 from ucp_deepspeed.version import __version__
 
 # key names of deepspeed.checkpoint.constants, spelled out so the `ucp` command need not import DeepSpeed
@@ -51,12 +53,6 @@ PARAM, CAT_DIM, VOCAB_TENSOR, PARAM_N_SUB_PARAMS = "param", "cat_dim", "vocab_te
 LATEST_UNIVERSAL = "latest_universal"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
-# what DeepSpeed itself puts at the top level of a model-states file; everything else is client_state
-_DS_MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                  "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-                  "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-                  "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ep_world_size",
-                  "moe_world_size", "ds_autotp_universal_checkpoint_info"}
 
 
 def _save_pt(path: str, obj: Any) -> None:
@@ -180,7 +176,7 @@ def import_deepspeed(folder: str, output: str) -> str:
                             "group": None, "trainable": False, "file": param_file(name), "keys": [VALUE]}
         buffers = {n: model.module_tensor(n).load() for n in buffer_names}
         records.append(write_tensors(output, BUFFERS, buffers))
-        client = model.client_state(tuple(k for k in model.keys() if k not in _DS_MODEL_KEYS))
+        client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
         wrapper = {k: plain(optim_state[k]) for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
                    if k in optim_state}
         records.append(write_object(output, STATE, {"lr_scheduler": model.lr_scheduler(), "client_state": client,
@@ -210,3 +206,15 @@ def import_deepspeed(folder: str, output: str) -> str:
         return output
     finally:
         model.close()
+
+
+def _loaded_folder(engine: Any, load_dir: str) -> str | None:
+    """The DeepSpeed universal folder a load of `load_dir` means: named directly, or asked for with
+    DeepSpeed's own `load_universal` switch."""
+    folder = deepspeed_universal_folder(load_dir)
+    if folder is not None and (folder == load_dir or engine.load_universal_checkpoint()):
+        return folder
+    return None
+
+
+register_foreign_format(ForeignFormat("deepspeed universal", _loaded_folder, import_deepspeed))

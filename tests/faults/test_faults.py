@@ -12,7 +12,9 @@ import torch
 from conftest import load_results, torchrun
 
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
-from ucp_deepspeed.convert.core import plan_jobs, prepare_output, run_jobs
+from ucp_deepspeed.convert.core import run_jobs
+from ucp_deepspeed.convert.output import prepare_output
+from ucp_deepspeed.convert.plan import plan_jobs
 from ucp_deepspeed.format.metadata import meta_filename
 from ucp_deepspeed.format.universal import MANIFEST
 from ucp_deepspeed.sources import NativeCheckpoint

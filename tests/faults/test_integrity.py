@@ -17,7 +17,9 @@ import pytest
 from conftest import load_results, popen_payload, swap_pickle, torchrun
 
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
-from ucp_deepspeed.convert.core import Journal, plan_jobs, prepare_output, run_jobs
+from ucp_deepspeed.convert.core import run_jobs
+from ucp_deepspeed.convert.output import Journal, prepare_output
+from ucp_deepspeed.convert.plan import plan_jobs
 from ucp_deepspeed.format.metadata import meta_filename
 from ucp_deepspeed.format.universal import MANIFEST
 from ucp_deepspeed.sources import NativeCheckpoint

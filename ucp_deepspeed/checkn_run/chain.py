@@ -20,7 +20,6 @@ import torch
 
 from ucp_deepspeed.checkn_run.quantize import dequantize, from_tensors
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.metadata import CHECKN_RUN_MARKER as MARKER
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import INTENT
 from ucp_deepspeed.format.universal import (
@@ -36,6 +35,8 @@ from ucp_deepspeed.format.universal import (
     write_tensors,
 )
 from ucp_deepspeed.io.checksum import crc32
+
+MARKER = ".ucp_checkn_run"  # written first into a Check-N-Run tag folder, before any tensor file
 
 
 def is_element(tag_dir: str) -> bool:

@@ -27,12 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ucp_deepspeed.checkn_run.chain import MARKER
 from ucp_deepspeed.checkn_run.live_save import TableSave, check_supported, write_live
 from ucp_deepspeed.checkn_run.quantize import choose_bits
 from ucp_deepspeed.checkn_run.tracking import RowTracker, check_optimizer, find_tables, rows_of
-from ucp_deepspeed.format.metadata import CHECKN_RUN_MARKER
 from ucp_deepspeed.format.universal import atomic_write
-from ucp_deepspeed.runtime.restore import live_params
+from ucp_deepspeed.runtime.capture import live_params
 
 
 def new_baseline_pays(history: list[float], fraction: float) -> bool:
@@ -92,7 +92,7 @@ class DifferentialSaver:
             if os.path.isdir(out):
                 shutil.rmtree(out)
             os.makedirs(out)
-            atomic_write(os.path.join(out, CHECKN_RUN_MARKER), b"")
+            atomic_write(os.path.join(out, MARKER), b"")
         dist.barrier()
         extra = {"save_id": save_id,
                  "differential": {"kind": kind, "policy": self.policy, "chain": chain, "chain_ids": ids,

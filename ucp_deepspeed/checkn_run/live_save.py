@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.checkn_run.quantize import quantize
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import (
@@ -33,8 +34,7 @@ from ucp_deepspeed.format.universal import (
     write_object,
     write_tensors,
 )
-from ucp_deepspeed.runtime.capture import describe, model_parallel, namer, topology
-from ucp_deepspeed.runtime.restore import live_params
+from ucp_deepspeed.runtime.capture import live_params, model_parallel, namer, param_groups, topology
 from ucp_deepspeed.version import __version__
 
 
@@ -81,7 +81,7 @@ def _param_groups(engine: Any) -> list[dict[str, Any]]:
 
 
 def _dtype(p: torch.Tensor) -> str:
-    return str(p.ds_tensor.dtype if hasattr(p, "ds_id") else p.dtype).removeprefix("torch.")
+    return str(compat.storage_dtype(p)).removeprefix("torch.")
 
 
 def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict[str, TableSave],
@@ -90,7 +90,7 @@ def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict
     check_supported(engine)
     rank0 = dist.get_rank() == 0
     keys = _state_keys(engine)
-    groups = {slot.name: slot.group for slot in describe(engine).params}
+    groups = param_groups(engine)
     placed = live_params(engine)
     records: list[FileRecord] = []
     params: dict[str, Any] = {}
@@ -98,7 +98,7 @@ def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict
         name = info.name
         shape = list(info.shape)
         if not p.requires_grad:
-            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+            with deepspeed.zero.GatheredParameters([p], enabled=compat.is_zero3_param(p)):
                 value = p.detach().cpu().clone()
             if rank0:
                 records.append(write_tensors(out, param_file(name), {VALUE: value}))
@@ -108,7 +108,7 @@ def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict
         state = {FP32: safe_get_full_fp32_param(p).detach().cpu().reshape(shape)}
         for key in keys:
             state[key] = safe_get_full_optimizer_state(p, key).detach().cpu().reshape(shape)
-        record = {"shape": shape, "dtype": _dtype(p), "group": groups[name], "trainable": True,
+        record = {"shape": shape, "dtype": _dtype(p), "group": groups[p], "trainable": True,
                   "keys": [FP32, *keys]}
         if name in tables:
             spec = tables[name]
@@ -122,7 +122,7 @@ def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict
         params[name] = record
     to_global = namer(engine)
     buffers = dict(engine.module.named_buffers())
-    names = engine._get_buffer_names()
+    names = compat.buffer_names(engine)
     if not rank0:
         return None, 0
     records.append(write_tensors(out, BUFFERS, {to_global(n): buffers[n].detach().cpu() for n in names}))

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from ucp_deepspeed import compat
+
 
 def find_tables(module: torch.nn.Module, patterns: list[str] | None) -> dict[str, torch.nn.Module]:
     """Embedding modules to track, by module name: all of them, or those matching one of `patterns`."""
@@ -52,8 +54,7 @@ class RowTracker:
 
     def __init__(self, tables: dict[str, torch.nn.Module]) -> None:
         self.tables = tables
-        self.flags = {name: torch.zeros(m.weight.shape[0] if not hasattr(m.weight, "ds_shape")
-                                        else m.weight.ds_shape[0], dtype=torch.bool)
+        self.flags = {name: torch.zeros(compat.full_shape(m.weight)[0], dtype=torch.bool)
                       for name, m in tables.items()}
         self._hooks = [m.register_forward_pre_hook(self._hook(name)) for name, m in tables.items()]
         self.seconds = 0.0

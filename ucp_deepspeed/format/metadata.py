@@ -19,7 +19,6 @@ FP32 = "fp32"      # state name of the fp32 master weight, next to optimizer sta
 VALUE = "value"    # state name of a frozen parameter's only tensor
 
 
-CHECKN_RUN_MARKER = ".ucp_checkn_run"  # first file of a Check-N-Run tag folder, before any tensor file
 
 
 def meta_filename(mp_rank: int = 0) -> str:

@@ -3,7 +3,7 @@
 Kinds, by the files that mark them (nothing is unpickled to decide):
 
     native        a DeepSpeed checkpoint directory (`latest`, tag folders of `*model_states.pt`), or one tag folder
-    checkn_run    a Check-N-Run tag folder (`.ucp_checkn_run`), or a directory whose `latest` names one
+    <kind>        a tag folder of a kind an extension registered (`kinds.py`; Check-N-Run's is `checkn_run`)
     universal     a finished universal folder (`manifest.json`)
     unfinished    a conversion that was interrupted (`.ucp_source.json`, no manifest)
     ds_universal  DeepSpeed's own universal layout (`zero/optimizer_state.pt`, or `latest_universal`)
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.metadata import CHECKN_RUN_MARKER
+from ucp_deepspeed.format.kinds import kind_of, markers
 
 MANIFEST = "manifest.json"
 INTENT = ".ucp_source.json"
@@ -25,15 +25,17 @@ DS_OPTIMIZER_STATE = os.path.join("zero", "optimizer_state.pt")
 
 
 def is_tag_folder(path: str) -> bool:
-    """A DeepSpeed tag folder (model-states files) or a Check-N-Run tag folder."""
+    """A DeepSpeed tag folder (model-states files) or a tag folder of a registered kind (e.g. Check-N-Run)."""
     if not os.path.isdir(path):
         return False
-    return any(f.endswith("model_states.pt") or f == CHECKN_RUN_MARKER for f in os.listdir(path))
+    marks = markers()
+    return any(f.endswith("model_states.pt") or f in marks for f in os.listdir(path))
 
 
-def is_checkn_run(path: str) -> bool:
-    """A tag folder written by a Check-N-Run save (complete or not)."""
-    return os.path.isfile(os.path.join(path, CHECKN_RUN_MARKER))
+def tag_kind_name(tag_dir: str) -> str:
+    """`native` for a DeepSpeed tag folder, else the name of the registered kind that marks it."""
+    kind = kind_of(tag_dir)
+    return "native" if kind is None else kind.name
 
 
 def list_tags(ckpt_dir: str) -> list[str]:
@@ -89,7 +91,7 @@ def locate(path: str, tag: str | None = None) -> Located:
     if not os.path.isdir(path):
         raise CheckpointError(path, "is a file; give a checkpoint directory, a tag folder or a universal folder")
     if tag is None:
-        if os.path.isfile(os.path.join(path, MANIFEST)) and not is_checkn_run(path):
+        if os.path.isfile(os.path.join(path, MANIFEST)) and kind_of(path) is None:
             return Located("universal", path)
         if os.path.isfile(os.path.join(path, INTENT)):
             raise CheckpointError(path, "is an unfinished conversion (no manifest.json): it was interrupted; run "
@@ -98,7 +100,7 @@ def locate(path: str, tag: str | None = None) -> Located:
             return Located("ds_universal", path)
         if is_tag_folder(path):
             root, name = os.path.split(path)
-            return Located("checkn_run" if is_checkn_run(path) else "native", root, name)
+            return Located(tag_kind_name(path), root, name)
         if not is_checkpoint_dir(path) and os.path.isfile(os.path.join(path, LATEST_UNIVERSAL)):
             return Located("ds_universal", path)
         if not is_checkpoint_dir(path):
@@ -107,7 +109,7 @@ def locate(path: str, tag: str | None = None) -> Located:
     tag_dir = os.path.join(path, tag)
     if not os.path.isdir(tag_dir):
         raise CheckpointError(tag_dir, "checkpoint tag folder does not exist")
-    return Located("checkn_run" if is_checkn_run(tag_dir) else "native", path, tag)
+    return Located(tag_kind_name(tag_dir), path, tag)
 
 
 def _inside(child: str, parent: str) -> bool:

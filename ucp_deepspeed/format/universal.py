@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
 from ucp_deepspeed.io.checksum import BLOCK, BlockHasher, block_crcs, crc32
@@ -452,9 +453,10 @@ class UniversalCheckpoint:
         self.root = os.path.abspath(root)
         self.manifest: dict[str, Any] = read_manifest(self.root)
         where = os.path.join(self.root, MANIFEST)
-        if "differential" in self.manifest:
-            raise CheckpointError(where, "a Check-N-Run chain element, which holds only part of some tables: load it "
-                                  "with load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`")
+        kind = kind_of(self.root)
+        if kind is not None:
+            raise CheckpointError(where, f"a {kind.name} tag, which may hold only part of the state: load it with "
+                                  "load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`")
         try:
             self.params: dict[str, dict[str, Any]] = dict(self.manifest["params"])
             self.buffers: dict[str, dict[str, Any]] = dict(self.manifest["buffers"])

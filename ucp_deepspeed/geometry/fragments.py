@@ -8,8 +8,17 @@ ZeRO's layout leaks into the rest of the code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from ucp_deepspeed.format.metadata import ParamSlot
+
+class ParamSlot(Protocol):
+    """Where a parameter sits in ZeRO's flat buffers: the save metadata's `ParamSlot` has these fields."""
+
+    name: str
+    offset: int
+    numel: int
+    partition: int
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,9 @@
 """Export a megatron-core GPT's universal checkpoint as a Hugging Face `transformers` model folder.
 
 The universal format already holds whole tensors under megatron-core's global names, with vocab
-padding removed, so an export is a renaming plus three un-fusings:
-
-- `linear_qkv` holds, per query group, that group's query heads, then its key head, then its value
-  head (`[q_1 .. q_h/g, k, v]` x g along dim 0). It is split into q, k and v. GPT-2 has no
-  grouped-query attention, so each key/value head is repeated for the query heads of its group
-  (exactly what grouped-query attention computes).
-- SwiGLU's `linear_fc1` is `[gate; up]` along dim 0 and becomes `gate_proj` and `up_proj`.
-- GPT-2's `Conv1D` layers store `[in, out]`, the transpose of megatron-core's `[out, in]`.
+padding removed, so an export is the architecture's name table (`hf/names.py`) read from
+megatron-core's side: renamings, plus the un-fusing of `linear_qkv` into q/k/v, of SwiGLU's
+`linear_fc1` into gate and up, and GPT-2's transposed `Conv1D` weights.
 
 The output is `config.json`, `model-0000k-of-0000n.safetensors` shards and
 `model.safetensors.index.json`, written atomically. Shards are planned from the manifest's shapes
@@ -34,6 +29,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.paths import check_output, locate
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, atomic_write, stream_tensors
+from ucp_deepspeed.hf.names import Heads, Link, hf_shapes, links, to_hf
 
 ARCHS = ("gpt2", "llama", "mixtral")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -85,82 +81,20 @@ def _shape(ckpt: UniversalCheckpoint, heads: int, kv_heads: int | None, max_posi
     return Shape(layers, hidden, ffn, vocab, heads, kv_heads, max_positions or positions, experts)
 
 
-def _qkv(read: Callable[[str], torch.Tensor], name: str, s: Shape, part: str, repeat: bool) -> torch.Tensor:
-    """Query, key or value rows of a fused megatron-core QKV weight or bias, by head."""
-    fused = read(name)
-    per_group = s.heads // s.kv_heads
-    grouped = fused.reshape(s.kv_heads, per_group + 2, s.head_dim, *fused.shape[1:])
-    if part == "q":
-        return grouped[:, :per_group].reshape(s.heads * s.head_dim, *fused.shape[1:])
-    one = grouped[:, per_group if part == "k" else per_group + 1]
-    if repeat:
-        one = one.repeat_interleave(per_group, dim=0)
-    return one.reshape(-1, *fused.shape[1:])
+def entries(arch: str, read: Callable[[str], torch.Tensor], ckpt: UniversalCheckpoint, s: Shape) -> list[Entry]:
+    """Every tensor of the exported model, from the architecture's name table, in file order."""
+    heads = Heads(s.heads, s.kv_heads)
 
+    def make(link: Link, j: int) -> torch.Tensor:
+        return to_hf(link, read(link.mcore), heads)[j]
 
-def _gpt2(read: Callable[[str], torch.Tensor], s: Shape) -> list[Entry]:
-    out = [Entry("transformer.wte.weight", (s.vocab, s.hidden), lambda: read("embedding.word_embeddings.weight")),
-           Entry("transformer.wpe.weight", (s.max_positions, s.hidden),
-                 lambda: read("embedding.position_embeddings.weight"))]
-    for i in range(s.layers):
-        m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        qkv = f"{m}self_attention.linear_qkv."
-
-        def c_attn(key: str, qkv: str = qkv) -> torch.Tensor:
-            parts = [_qkv(read, qkv + key, s, p, repeat=True) for p in "qkv"]
-            return torch.cat(parts, 0).t().contiguous() if key == "weight" else torch.cat(parts, 0)
-
-        pairs = [(f"{h}ln_1.{k}", f"{m}input_layernorm.{k}") for k in ("weight", "bias")]
-        pairs += [(f"{h}ln_2.{k}", f"{m}pre_mlp_layernorm.{k}") for k in ("weight", "bias")]
-        out += [Entry(hf, (s.hidden,), lambda n=mg: read(n)) for hf, mg in pairs]
-        out += [Entry(f"{h}attn.c_attn.weight", (s.hidden, 3 * s.hidden), lambda f=c_attn: f("weight")),
-                Entry(f"{h}attn.c_attn.bias", (3 * s.hidden,), lambda f=c_attn: f("bias"))]
-        for hf, mg, shape in ((f"{h}attn.c_proj", f"{m}self_attention.linear_proj", (s.hidden, s.hidden)),
-                              (f"{h}mlp.c_fc", f"{m}mlp.linear_fc1", (s.hidden, s.ffn)),
-                              (f"{h}mlp.c_proj", f"{m}mlp.linear_fc2", (s.ffn, s.hidden))):
-            out.append(Entry(f"{hf}.weight", shape, lambda n=f"{mg}.weight": read(n).t().contiguous()))
-            out.append(Entry(f"{hf}.bias", (shape[1],), lambda n=f"{mg}.bias": read(n)))
-    out += [Entry(f"transformer.ln_f.{k}", (s.hidden,), lambda n=f"decoder.final_layernorm.{k}": read(n))
-            for k in ("weight", "bias")]
-    return out
-
-
-def _swiglu(read: Callable[[str], torch.Tensor], s: Shape, m: str, h: str, names: tuple[str, str, str]
-            ) -> list[Entry]:
-    """A megatron-core SwiGLU MLP (`m`) as separate gate / up / down projections named `names` under `h`."""
-    fc1 = f"{m}linear_fc1.weight"
-    gate, up, down = names
-    return [Entry(f"{h}{gate}.weight", (s.ffn, s.hidden), lambda: read(fc1)[: s.ffn]),
-            Entry(f"{h}{up}.weight", (s.ffn, s.hidden), lambda: read(fc1)[s.ffn:]),
-            Entry(f"{h}{down}.weight", (s.hidden, s.ffn), lambda: read(f"{m}linear_fc2.weight"))]
-
-
-def _llama(read: Callable[[str], torch.Tensor], s: Shape) -> list[Entry]:
-    """Llama, or Mixtral when the checkpoint has experts: the attention and norms are the same."""
-    out = [Entry("model.embed_tokens.weight", (s.vocab, s.hidden), lambda: read("embedding.word_embeddings.weight"))]
-    kv = s.kv_heads * s.head_dim
-    for i in range(s.layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = f"{m}self_attention.linear_qkv.weight"
-        if s.experts:
-            out.append(Entry(f"{h}block_sparse_moe.gate.weight", (s.experts, s.hidden),
-                             lambda n=f"{m}mlp.router.weight": read(n)))
-            for e in range(s.experts):
-                out += _swiglu(read, s, f"{m}mlp.experts.local_experts.{e}.", f"{h}block_sparse_moe.experts.{e}.",
-                               ("w1", "w3", "w2"))
-        else:
-            out += _swiglu(read, s, f"{m}mlp.", f"{h}mlp.", ("gate_proj", "up_proj", "down_proj"))
-        out += [
-            Entry(f"{h}self_attn.q_proj.weight", (s.hidden, s.hidden), lambda n=qkv: _qkv(read, n, s, "q", False)),
-            Entry(f"{h}self_attn.k_proj.weight", (kv, s.hidden), lambda n=qkv: _qkv(read, n, s, "k", False)),
-            Entry(f"{h}self_attn.v_proj.weight", (kv, s.hidden), lambda n=qkv: _qkv(read, n, s, "v", False)),
-            Entry(f"{h}self_attn.o_proj.weight", (s.hidden, s.hidden),
-                  lambda n=f"{m}self_attention.linear_proj.weight": read(n)),
-            Entry(f"{h}input_layernorm.weight", (s.hidden,), lambda n=f"{m}input_layernorm.weight": read(n)),
-            Entry(f"{h}post_attention_layernorm.weight", (s.hidden,),
-                  lambda n=f"{m}pre_mlp_layernorm.weight": read(n)),
-        ]
-    out.append(Entry("model.norm.weight", (s.hidden,), lambda: read("decoder.final_layernorm.weight")))
+    out = []
+    for link in links(arch, s.layers, s.experts):
+        if link.mcore not in ckpt.params:
+            raise CheckpointError(ckpt.root, f"{arch} export needs {link.mcore}, which this checkpoint lacks")
+        shapes = hf_shapes(link, tuple(ckpt.params[link.mcore]["shape"]), heads)
+        out += [Entry(name, shape, functools.partial(make, link, j))
+                for j, (name, shape) in enumerate(zip(link.hf, shapes))]
     return out
 
 
@@ -219,11 +153,11 @@ def export_hf(path: str, out: str, arch: str, num_heads: int, num_kv_heads: int 
         key = FP32 if FP32 in record["keys"] else VALUE
         return ckpt.read(name, key).reshape(record["shape"]).to(torch.float32)
 
-    entries = _gpt2(read, s) if arch == "gpt2" else _llama(read, s)
-    shards = plan_shards(entries, shard_bytes)
+    tensors = entries(arch, read, ckpt, s)
+    shards = plan_shards(tensors, shard_bytes)
     os.makedirs(out, exist_ok=True)
     weight_map, total = {}, 0
-    bar = tqdm(total=sum(math.prod(e.shape) * 4 for e in entries), unit="B", unit_scale=True, desc="ucp export-hf",
+    bar = tqdm(total=sum(math.prod(e.shape) * 4 for e in tensors), unit="B", unit_scale=True, desc="ucp export-hf",
                disable=not progress)
     for index, shard in enumerate(shards, 1):
         fname = f"model-{index:05d}-of-{len(shards):05d}.safetensors"

@@ -15,9 +15,13 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta, Topology
-from ucp_deepspeed.naming.patterns import ParamInfo, expert_blocks, global_namer, param_infos, parse_rules
+from ucp_deepspeed.geometry.layout import Layout
+from ucp_deepspeed.naming.experts import expert_blocks
+from ucp_deepspeed.naming.model import ParamInfo, global_namer, param_infos
+from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.version import __version__
 
 UNSUPPORTED = ("universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, "
@@ -62,10 +66,7 @@ def model_parallel(engine: Any) -> ModelParallel:
 
 def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
     """(expert-parallel size, this rank's expert-parallel rank) of each DeepSpeed MoE expert group."""
-    from deepspeed.utils import groups
-
-    return {b.group: (groups._get_expert_parallel_world_size(b.group), groups._get_expert_parallel_rank(b.group))
-            for b in expert_blocks(engine.module)}
+    return {b.group: compat.expert_parallel(b.group)[:2] for b in expert_blocks(engine.module)}
 
 
 def namer(engine: Any) -> Callable[[str], str]:
@@ -94,12 +95,26 @@ def infos(engine: Any) -> dict[str, ParamInfo]:
         raise CheckpointError("checkpoint.universal.layout_rules", str(exc)) from None
 
 
+@dataclass(frozen=True)
+class LiveParam:
+    """A parameter of the live module: its global name, tensor-parallel layout and local shape."""
+
+    name: str
+    layout: Layout
+    shape: tuple[int, ...]
+
+
+def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
+    """Every parameter of the engine's module, placed in the full model."""
+    placed = infos(engine)
+    return {p: LiveParam(placed[n].name, placed[n].layout, compat.full_shape(p))
+            for n, p in engine.module.named_parameters()}
+
+
 def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
     """Per expert group: expert-parallel rank -> data-parallel ranks (file indices) of its expert-data-parallel
     group, in partition order. Those files hold that rank's experts; gathered from every rank."""
-    from deepspeed.utils import groups
-
-    mine = {g: (rank, groups._get_expert_data_parallel_rank(g)) for g, (_, rank) in expert_groups(engine).items()}
+    mine = {g: (rank, compat.expert_parallel(g)[2]) for g, (_, rank) in expert_groups(engine).items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (engine.checkpoint_mp_rank, dist.get_rank(group=engine.optimizer.dp_process_group),
                                       mine))
@@ -140,19 +155,9 @@ def _slot(info: ParamInfo, local: str, **fields: Any) -> ParamSlot:
 
 def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
     slots = []
-    is_bf16_opt = hasattr(opt, "bf16_groups")
-    for i, flat in enumerate(opt.bf16_groups_flat if is_bf16_opt else opt.bit16_groups_flat):
-        dp = dist.get_world_size(group=opt.real_dp_process_group[i])
-        partition = flat.numel() // dp
-        if is_bf16_opt:
-            params = opt.bf16_groups[i]
-            offsets, offset = [], 0
-            for p in params:
-                offsets.append(offset)
-                offset += p.numel()
-        else:
-            params, offsets = opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]
-        for p, off in zip(params, offsets):
+    for i, group in enumerate(compat.zero12_groups(opt)):
+        partition = group.numel // group.dp
+        for p, off in zip(group.params, group.offsets):
             slots.append(_slot(placed[names[p]], names[p], shape=tuple(p.shape), group=i, flat=i, offset=int(off),
                                partition=int(partition)))
     return slots
@@ -160,18 +165,25 @@ def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[P
 
 def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
     slots = []
-    for sub, params in enumerate(opt.fp16_groups):
-        group = opt.sub_group_to_group_id[sub]
-        for p in params:
-            flat, offset, _ = opt.grad_position[opt.get_param_id(p)]
-            slots.append(_slot(placed[names[p]], names[p], shape=tuple(p.ds_shape), group=group, flat=int(flat),
-                               offset=int(offset), partition=int(p.partition_numel())))
+    for sub in compat.zero3_subgroups(opt):
+        for p in sub.params:
+            flat, offset, partition, _ = compat.zero3_position(opt, p)
+            slots.append(_slot(placed[names[p]], names[p], shape=compat.full_shape(p), group=sub.group, flat=flat,
+                               offset=offset, partition=partition))
     return slots
+
+
+def param_groups(engine: Any) -> dict[Any, int]:
+    """Each trainable parameter's optimizer param group, without a collective (unlike `describe`)."""
+    opt = engine.optimizer
+    if int(engine.zero_optimization_stage()) == 3:
+        return {p: sub.group for sub in compat.zero3_subgroups(opt) for p in sub.params}
+    return {p: i for i, group in enumerate(compat.zero12_groups(opt)) for p in group.params}
 
 
 def supported(engine: Any) -> bool:
     """Whether the engine's optimizer keeps flat fp32 partitions this package knows how to describe."""
-    return int(engine.zero_optimization_stage()) in (1, 2, 3) or hasattr(engine.optimizer, "bf16_groups")
+    return int(engine.zero_optimization_stage()) in (1, 2, 3) or compat.is_bf16_optimizer(engine.optimizer)
 
 
 def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
@@ -192,14 +204,13 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     for name, p in module.named_parameters():
         if name in owned:
             continue
-        z3 = hasattr(p, "ds_id")
+        z3 = compat.is_zero3_param(p)
         info = placed[name]
-        extras.append(ExtraTensor(info.name, tuple(p.ds_shape if z3 else p.shape),
-                                  _dtype_name(p.ds_tensor.dtype if z3 else p.dtype), "frozen",
-                                  int(p.partition_numel()) if z3 else 0, info.layout,
+        extras.append(ExtraTensor(info.name, compat.full_shape(p), _dtype_name(compat.storage_dtype(p)), "frozen",
+                                  compat.zero3_partition_numel(p) if z3 else 0, info.layout,
                                   name if name != info.name else ""))
     buffers = dict(module.named_buffers())
-    for name in engine._get_buffer_names():
+    for name in compat.buffer_names(engine):
         buf = buffers[name]
         extras.append(ExtraTensor(to_global(name), tuple(buf.shape), _dtype_name(buf.dtype), "buffer",
                                   local=name if name != to_global(name) else ""))

@@ -3,45 +3,13 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Literal
+from typing import Any
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from ucp_deepspeed.naming.patterns import parse_rules
-
-
-class DifferentialConfig(DeepSpeedConfigModel):
-    """`"checkpoint": {"differential": ...}`: Check-N-Run differential checkpoints of embedding tables."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    policy: Literal["full", "one_shot", "incremental", "intermittent"] = "intermittent"
-    """What each checkpoint holds: every row (`full`), rows changed since the baseline, since the previous
-    checkpoint, or the second with a new baseline whenever that is cheaper on average."""
-    tables: list[str] | None = None
-    """Module names (regular expressions) of the embedding tables to track; default every nn.Embedding(Bag)."""
-
-
-class QuantizeConfig(DeepSpeedConfigModel):
-    """`"checkpoint": {"quantize": ...}`: Check-N-Run quantization of checkpointed embedding rows."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    method: Literal["symmetric", "asymmetric", "adaptive", "kmeans"] = "adaptive"
-    """Row-wise quantizer (see ucp_deepspeed/quantize.py)."""
-    bits: Literal[2, 3, 4, 8] | None = None
-    """Bit width; default chosen from `expected_restores`."""
-    expected_restores: int | None = Field(None, ge=0)
-    """How many restores the job expects: picks the bit width, and 8 bits are used once exceeded."""
-    tables: list[str] | None = None
-    """Tables to quantize when no differential section names them; default every nn.Embedding(Bag)."""
-
-    @model_validator(mode="after")
-    def _needs_width(self) -> "QuantizeConfig":
-        if self.bits is None and self.expected_restores is None:
-            raise ValueError("give `bits` (2, 3, 4 or 8) or `expected_restores` to choose them from")
-        return self
+from ucp_deepspeed.naming.rules import parse_rules
+from ucp_deepspeed.runtime.plugins import sections
 
 
 class UniversalConfig(DeepSpeedConfigModel):
@@ -63,10 +31,8 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Show a tqdm progress bar on rank 0 during conversion."""
     async_save: bool = False
     """Write checkpoint files in a background thread: `save_checkpoint` returns once the state is in host memory."""
-    differential: DifferentialConfig | None = None
-    """From `"checkpoint": {"differential": ...}`."""
-    quantize: QuantizeConfig | None = None
-    """From `"checkpoint": {"quantize": ...}`."""
+    extensions: dict[str, Any] = Field(default_factory=dict)
+    """Sections extensions registered (`plugins.register_section`), e.g. Check-N-Run's `differential`, by name."""
     vocab_size: int = Field(0, ge=0)
     """Unpadded vocabulary size: vocab-parallel embedding/output rows beyond it are padding, dropped on conversion."""
     layout_rules: str | list[dict[str, Any]] | None = None
@@ -97,16 +63,17 @@ def split_config(config: dict[str, Any], default: bool | dict[str, Any] = False)
     ds_config = copy.deepcopy(config)
     section = ds_config.get("checkpoint", {})
     raw = section.pop("universal", default) if isinstance(section, dict) else default
-    checkn_run = {k: section.pop(k) for k in ("differential", "quantize") if isinstance(section, dict) and k in section}
+    registered = sections()
+    extra = {k: section.pop(k) for k in list(registered) if isinstance(section, dict) and k in section}
     if isinstance(raw, bool):
         raw = {"enabled": raw}
     elif not isinstance(raw, dict):
         raise ValueError(f'"checkpoint.universal" must be true/false or an object, got {raw!r}')
     else:
         raw = {"enabled": True, **raw}
-    if checkn_run and not raw.get("enabled", False):
-        raise ValueError('"checkpoint.differential" and "checkpoint.quantize" need "checkpoint.universal" enabled')
+    if extra and not raw.get("enabled", False):
+        raise ValueError(" and ".join(f'"checkpoint.{k}"' for k in extra) + ' need "checkpoint.universal" enabled')
     try:
-        return ds_config, UniversalConfig(**{**raw, **checkn_run})
+        return ds_config, UniversalConfig(**raw, extensions={k: registered[k].model_validate(v) for k, v in extra.items()})
     except ValidationError as exc:
         raise ValueError(f'invalid "checkpoint" config: {exc}') from None

@@ -20,29 +20,22 @@ from typing import Any
 import deepspeed
 import torch.distributed as tdist
 
-from ucp_deepspeed.checkn_run.chain import is_element, materialize
-from ucp_deepspeed.checkn_run.differential import DifferentialSaver
-from ucp_deepspeed.convert.core import (
-    claimed,
-    default_output,
-    finish,
-    plan_jobs,
-    prepare_output,
-    remove_output,
-    run_jobs,
-    shard_jobs,
-)
+from ucp_deepspeed import compat
+from ucp_deepspeed.convert.core import finish, run_jobs
+from ucp_deepspeed.convert.output import claimed, default_output, prepare_output, remove_output
+from ucp_deepspeed.convert.plan import plan_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.kinds import TagKind, kind_of
 from ucp_deepspeed.format.metadata import Topology, write_meta
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
-from ucp_deepspeed.interop import deepspeed_universal_folder, import_deepspeed
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, supported, topology
 from ucp_deepspeed.runtime.collective import all_ok, failure_of, on_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.runtime.native_io import guard
+from ucp_deepspeed.runtime.plugins import ForeignFormat, foreign_formats, make_saver
 from ucp_deepspeed.runtime.restore import restore
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
 from ucp_deepspeed.sources.native import tag_metas
@@ -59,6 +52,8 @@ class LoadReport:
     saved: str
     live: str
     universal_dir: str | None
+    kind: str | None = None
+    """The registered tag kind (e.g. `checkn_run`) when the load restored one of an extension's tags."""
 
 
 # `ucp_deepspeed.install` replaces deepspeed.initialize; ours must still reach DeepSpeed's own.
@@ -103,25 +98,20 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     engine._ucp_options = options
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
     if options.async_save:
-        engine.checkpoint_engine = AsyncCheckpointEngine(engine._config)
+        engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine))
     files = guard(engine, options.verify)
     # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
     box = [uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None]
     tdist.broadcast_object_list(box, src=0)
     run_id, saves = box[0], itertools.count(1)
-    checkn_run = None
-    if options.differential is not None or options.quantize is not None:
-        diff, quant = options.differential, options.quantize
-        checkn_run = DifferentialSaver(
-            engine, diff.policy if diff else None, (diff.tables if diff else None) or (quant.tables if quant else None),
-            quant.method if quant else None, quant.bits if quant else None, quant.expected_restores if quant else None)
-    engine.ucp_checkn_run = checkn_run
+    saver = make_saver(engine, options)  # an extension's save in place of DeepSpeed's (Check-N-Run)
+    engine.ucp_saver = saver
 
     def wait_for_checkpoint() -> None:
         """Block until a pending async checkpoint is written on every rank and `latest` names it (collective)."""
         if isinstance(engine.checkpoint_engine, AsyncCheckpointEngine):
             engine.checkpoint_engine.wait()
-            engine._commit_decoupled_checkpoint()
+            compat.commit_decoupled_checkpoint(engine)
 
     @functools.wraps(native_save)
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
@@ -130,8 +120,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         client_state = client_state or {}
         tag = f"global_step{engine.global_steps}" if tag is None else tag
         save_id = f"{run_id}-{next(saves)}"
-        if checkn_run is not None:
-            checkn_run.save(engine, save_dir, str(tag), client_state, save_latest, save_id)
+        if saver is not None:
+            saver.save(engine, save_dir, str(tag), client_state, save_latest, save_id)
             return True
         files.save_id = save_id
         meta = dataclasses.replace(describe(engine, tuple(client_state)), save_id=save_id)
@@ -152,8 +142,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
         result = load(load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                       load_module_only, custom_load_fn)
-        if checkn_run is not None and result[0] is not None and engine.ucp_last_load.mode != "checkn_run":
-            checkn_run.restored({})  # the weights no longer match the current chain
+        if saver is not None and result[0] is not None and engine.ucp_last_load.kind is None:
+            saver.restored(None)  # the weights no longer match the saver's current chain
         return result
 
     def load(load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
@@ -163,12 +153,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                                    load_optimizer_states=load_optimizer_states,
                                    load_lr_scheduler_states=load_lr_scheduler_states,
                                    load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        ds_folder = deepspeed_universal_folder(load_dir)
-        if ds_folder is not None and (engine.load_universal_checkpoint() or ds_folder == load_dir):
-            ckpt = _imported(engine, ds_folder)
-            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-            engine.ucp_last_load = LoadReport("imported", "deepspeed universal", live_desc(), ckpt.root)
-            return ds_folder, client
+        for fmt in foreign_formats():
+            folder = fmt.find(engine, load_dir)
+            if folder is not None:
+                ckpt = _imported(engine, fmt, folder)
+                client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+                engine.ucp_last_load = LoadReport("imported", fmt.name, live_desc(), ckpt.root)
+                return folder, client
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
             ckpt = UniversalCheckpoint(load_dir, verify=options.verify)
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
@@ -185,13 +176,14 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             if failure:
                 raise CheckpointError(*failure)
         tag = resolve_tag(load_dir, tag)
-        if is_element(os.path.join(load_dir, tag)):
-            ckpt = _materialized(engine, load_dir, tag)
+        kind = kind_of(os.path.join(load_dir, tag))
+        if kind is not None:
+            ckpt = _materialized(engine, kind, load_dir, tag)
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-            if checkn_run is not None:
-                checkn_run.restored(ckpt.manifest)
-            engine.ucp_last_load = LoadReport("checkn_run", Topology(**ckpt.manifest["source"]["topology"]).describe(),
-                                              live_desc(), ckpt.root)
+            if saver is not None:
+                saver.restored(ckpt.manifest)
+            engine.ucp_last_load = LoadReport(kind.name, Topology(**ckpt.manifest["source"]["topology"]).describe(),
+                                              live_desc(), ckpt.root, kind.name)
             tdist.barrier()
             return os.path.join(load_dir, tag), client
         metas, _ = tag_metas(os.path.join(load_dir, tag), options.layout_rules)
@@ -250,8 +242,8 @@ def _dp_rank(engine: Any) -> int:
         else tdist.get_rank()
 
 
-def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
-    """Our copy of a DeepSpeed universal folder, made once by rank 0 and reused afterwards."""
+def _imported(engine: Any, fmt: ForeignFormat, folder: str) -> UniversalCheckpoint:
+    """Our copy of a foreign folder (DeepSpeed's universal format), made once by rank 0 and reused afterwards."""
     options: UniversalConfig = engine._ucp_options
     name = f"{os.path.basename(os.path.normpath(folder))}.ucp"
     out = os.path.join(options.output, name) if options.output else os.path.join(os.path.dirname(folder), name)
@@ -259,22 +251,22 @@ def _imported(engine: Any, folder: str) -> UniversalCheckpoint:
     def work() -> None:
         with claimed(out, [folder]):
             if not os.path.isfile(os.path.join(out, MANIFEST)):
-                log.info("ucp: importing DeepSpeed universal folder %s into %s", folder, out)
-                import_deepspeed(folder, out)
+                log.info("ucp: importing %s folder %s into %s", fmt.name, folder, out)
+                fmt.import_to(folder, out)
 
     on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
     return UniversalCheckpoint(out, verify=options.verify)
 
 
-def _materialized(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
-    """The full universal copy of a Check-N-Run chain, made once by rank 0; its blocks are checked as they
+def _materialized(engine: Any, kind: TagKind, load_dir: str, tag: str) -> UniversalCheckpoint:
+    """The full universal copy of an extension's tag (a Check-N-Run chain), made once by rank 0; its blocks are checked as they
     are read, like any universal folder."""
     options: UniversalConfig = engine._ucp_options
     out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
 
     def work() -> None:
         with claimed(out, [os.path.join(load_dir, tag)]):
-            materialize(load_dir, tag, out)
+            kind.materialize(load_dir, tag, out)
 
     on_rank0(work)
     return UniversalCheckpoint(out, verify=options.verify)

@@ -24,6 +24,7 @@ from typing import Any
 
 import deepspeed
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.runtime import engine
 from ucp_deepspeed.runtime.config import UniversalConfig
 
@@ -51,20 +52,11 @@ def install(**options: Any) -> None:
         return engine.initialize(default_universal=default, **bound)
 
     _replace("initialize", deepspeed, "initialize", initialize)
-    try:
-        import transformers.trainer as trainer
-    except ImportError:
-        pass
-    else:
-        _replace("trainer_rng", trainer.Trainer, "_load_rng_state",
-                 _load_rng_state_any_world(trainer.Trainer._load_rng_state))
-    try:
-        import accelerate.accelerator as accelerator  # Accelerator.load_state calls this module's name
-    except ImportError:
-        pass
-    else:
-        _replace("accelerate_state", accelerator, "load_accelerator_state",
-                 _load_accelerator_state_any_world(accelerator.load_accelerator_state))
+    for key, hook, widen in (("trainer_rng", compat.trainer_rng_restore(), _load_rng_state_any_world),
+                             ("accelerate_state", compat.accelerate_state_restore(), _load_accelerator_state_any_world)):
+        if hook is not None:
+            owner, attribute = hook
+            _replace(key, owner, attribute, widen(getattr(owner, attribute)))
 
 
 def uninstall() -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ucp_deepspeed import compat
+
 
 def megatron_initialized() -> bool:
     """Whether megatron-core is imported and its model-parallel state is set up."""
@@ -94,8 +96,7 @@ class MegatronMpu:
 
 def megatron_moe_layers(model: Any) -> list[Any]:
     """megatron-core MoE layers (`MoELayer`) in a model."""
-    return [m for m in model.modules()
-            if type(m).__name__ == "MoELayer" and type(m).__module__.startswith("megatron.core.transformer.moe")]
+    return [m for m in model.modules() if compat.is_megatron_moe(m)]
 
 
 def register_megatron_experts(model: Any) -> str | None:
@@ -111,16 +112,10 @@ def register_megatron_experts(model: Any) -> str | None:
     layers = megatron_moe_layers(model)
     if not layers:
         return None
-    from deepspeed.utils import groups
     from megatron.core import parallel_state as ps
 
     name = f"ep_size_{ps.get_expert_model_parallel_world_size()}"
-    for registry, ranks, group in ((groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                                    ps.get_expert_model_parallel_group()),
-                                   (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
-                                    ps.get_expert_data_parallel_group())):
-        registry[name] = group
-        ranks[name] = dist.get_process_group_ranks(group)
+    compat.register_expert_groups(name, ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group())
     for layer in layers:
         layer.num_experts = layer.config.num_moe_experts
         layer.expert_group_name = name
@@ -128,18 +123,6 @@ def register_megatron_experts(model: Any) -> str | None:
             p.allreduce = False  # megatron-core sets it only when expert parallelism is on
             p.group_name = name
     return name
-
-
-class _MoEOrMegatron(type):
-    def __instancecheck__(cls, obj: Any) -> bool:
-        from deepspeed.moe.layer import MoE
-
-        return isinstance(obj, MoE) or (type(obj).__name__ == "MoELayer"
-                                        and type(obj).__module__.startswith("megatron.core.transformer.moe"))
-
-
-class MoEOrMegatron(metaclass=_MoEOrMegatron):
-    """Matches DeepSpeed's MoE layer and megatron-core's, for DeepSpeed's `has_moe_layers` check."""
 
 
 @contextlib.contextmanager
@@ -153,11 +136,5 @@ def megatron_moe_visible(model: Any) -> Iterator[None]:
     if register_megatron_experts(model) is None:
         yield
         return
-    from deepspeed.runtime import engine as ds_engine
-
-    original = ds_engine.MoE
-    ds_engine.MoE = MoEOrMegatron
-    try:
+    with compat.deepspeed_sees_megatron_moe():
         yield
-    finally:
-        ds_engine.MoE = original

@@ -7,39 +7,22 @@ state tensors, then let DeepSpeed refresh the low-precision weights from the fp3
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Any
 
 import torch
 from deepspeed import comm as dist
 
-from ucp_deepspeed.compat import rebuild
+from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value
-from ucp_deepspeed.geometry.layout import Layout
-from ucp_deepspeed.naming.patterns import expert_blocks
-from ucp_deepspeed.runtime.capture import expert_groups, infos, model_parallel, namer
+from ucp_deepspeed.naming.experts import expert_blocks
+from ucp_deepspeed.runtime.capture import LiveParam, expert_groups, live_params, model_parallel, namer
 from ucp_deepspeed.runtime.collective import guarded
 
 # structure, not hyperparameters: DeepSpeed names MoE groups after their expert-parallel size
 _NON_PARAM_KEYS = ("params", "name", "moe")
-
-
-@dataclass(frozen=True)
-class LiveParam:
-    """A parameter of the live module: its global name, tensor-parallel layout and local shape."""
-
-    name: str
-    layout: Layout
-    shape: tuple[int, ...]
-
-
-def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
-    """Every parameter of the engine's module, placed in the full model."""
-    placed = infos(engine)
-    return {p: LiveParam(placed[n].name, placed[n].layout, tuple(p.ds_shape if hasattr(p, "ds_id") else p.shape))
-            for n, p in engine.module.named_parameters()}
 
 
 def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
@@ -77,7 +60,7 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
             problems.append(f"{block.prefix}*: checkpoint has {len(saved)} experts, the model has {live_count} "
                             f"(expert-parallel size {sizes[block.group][0]} x {block.num_local} local experts)")
     to_global = namer(engine)
-    missing_buffers = sorted({to_global(n) for n in engine._get_buffer_names()} - set(ckpt.buffers))
+    missing_buffers = sorted({to_global(n) for n in compat.buffer_names(engine)} - set(ckpt.buffers))
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
     if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups) \
@@ -149,30 +132,27 @@ def _reader(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Paramete
 def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam],
                     load_optimizer_states: bool) -> None:
     opt = engine.optimizer
-    is_bf16_opt = hasattr(opt, "bf16_groups")
-    groups = opt.bf16_groups if is_bf16_opt else opt.bit16_groups
-    flats = opt.fp32_groups_flat_partition if is_bf16_opt else opt.single_partition_of_fp32_groups
+    groups = compat.zero12_groups(opt)
     read = _reader(engine, ckpt, live)
     keys = _state_keys(ckpt) if load_optimizer_states else []
-    for i, flat in enumerate(flats):
-        bufs = {k: torch.zeros_like(flat) for k in keys}
-        for lp in groups[i]:
-            mapping = lp._hp_mapping
-            if mapping is None:
+    for i, group in enumerate(groups):
+        bufs = {k: torch.zeros_like(group.fp32) for k in keys}
+        for lp in group.params:
+            fragment = compat.zero12_fragment(lp)
+            if fragment is None:
                 continue
-            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            mapping.hp_fragment.data.copy_(read(lp, FP32, start, numel))
+            start, hp_start, numel, hp = fragment
+            hp.data.copy_(read(lp, FP32, start, numel))
             for k in keys:
-                bufs[k].narrow(0, mapping.hp_fragment_address.start, numel).copy_(read(lp, k, start, numel))
-        _apply_group_state(opt, i, ckpt, load_optimizer_states, flat, bufs)
+                bufs[k].narrow(0, hp_start, numel).copy_(read(lp, k, start, numel))
+        _apply_group_state(opt, i, ckpt, load_optimizer_states, group.fp32, bufs)
     if load_optimizer_states:
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
+        compat.relink_optimizer_states(opt)
     # Each rank reads its whole low-precision weights, as DeepSpeed's native load reads the full
     # model-states file, instead of update_lp_params' all-gather of every partition (on gloo that
     # all-gather was 2.3 s of a 3.1 s restore at 300M parameters). copy_ rounds exactly as it does.
     for group in groups:
-        for lp in group:
+        for lp in group.params:
             lp.data.copy_(read(lp, FP32, 0, lp.numel()).view(lp.shape))
 
 
@@ -181,41 +161,36 @@ def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.P
     opt = engine.optimizer
     read = _reader(engine, ckpt, live)
     keys = _state_keys(ckpt) if load_optimizer_states else []
-    for sub, flat in enumerate(opt.fp32_partitioned_groups_flat):
+    for sub in compat.zero3_subgroups(opt):
+        flat = sub.fp32
         bufs = {k: torch.zeros_like(flat) for k in keys}
-        for p in opt.fp16_groups[sub]:
-            _, offset, partition = opt.grad_position[opt.get_param_id(p)]
-            start = opt._get_param_partition_rank(p) * partition
-            numel = max(0, min(partition, p.ds_numel - start))
+        for p in sub.params:
+            _, offset, partition, start = compat.zero3_position(opt, p)
+            numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
             flat.data.narrow(0, offset, numel).copy_(read(p, FP32, start, numel))
             for k in keys:
                 bufs[k].narrow(0, offset, numel).copy_(read(p, k, start, numel))
-        _apply_group_state(opt, opt.sub_group_to_group_id[sub], ckpt, load_optimizer_states, flat, bufs)
-        opt.fp16_partitioned_groups_flat[sub].data.copy_(flat.data)
+        _apply_group_state(opt, sub.group, ckpt, load_optimizer_states, flat, bufs)
+        sub.lp.data.copy_(flat.data)
     for p in engine.module.parameters():
-        if not p.requires_grad and hasattr(p, "ds_id") and live[p].name in ckpt.params:
-            partition = p.ds_tensor.numel()
-            start = dist.get_rank(group=p.ds_process_group) * partition
-            numel = max(0, min(partition, p.ds_numel - start))
-            p.ds_tensor.data.narrow(0, 0, numel).copy_(read(p, VALUE, start, numel))
+        if not p.requires_grad and compat.is_zero3_param(p) and live[p].name in ckpt.params:
+            tensor, start, numel = compat.zero3_partition(p)
+            tensor.data.narrow(0, 0, numel).copy_(read(p, VALUE, start, numel))
 
 
 def _gather_zero3(engine: Any) -> None:
     """ZeRO-3 re-gathers persistent parameters from the restored partitions (collective)."""
-    opt = engine.optimizer
-    if opt.persistent_parameters:
-        opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
-    opt.invalidate_secondary_tensor()
+    compat.zero3_regather(engine.optimizer)
 
 
 def _restore_module_extras(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> None:
     buffers = dict(engine.module.named_buffers())
     to_global = namer(engine)
-    for name in engine._get_buffer_names():
+    for name in compat.buffer_names(engine):
         buffers[name].data.copy_(ckpt.read_buffer(to_global(name)))
     read = _reader(engine, ckpt, live)
     for p in engine.module.parameters():
-        if not p.requires_grad and not hasattr(p, "ds_id") and live[p].name in ckpt.params:
+        if not p.requires_grad and not compat.is_zero3_param(p) and live[p].name in ckpt.params:
             p.data.copy_(read(p, VALUE, 0, p.numel()).view(p.shape))
 
 
@@ -229,7 +204,7 @@ def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_sche
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key, value in state.get("optimizer_wrapper", {}).items():
         if hasattr(engine.optimizer, key):
-            setattr(engine.optimizer, key, rebuild(value))
+            setattr(engine.optimizer, key, compat.rebuild(value))
     return state.get("client_state", {})
 
 

@@ -24,16 +24,10 @@ from typing import Any
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta, Topology
 from ucp_deepspeed.geometry.layout import REPLICATED
-from ucp_deepspeed.naming.patterns import Rule
+from ucp_deepspeed.naming.rules import Rule
+from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
-
-# Top-level entries DeepSpeed writes into a model-states file; anything else is the user's client_state.
-DEEPSPEED_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info"})
 
 RULES_HINT = ('Pass layout rules (`ucp convert --layout-rules rules.json`, or "checkpoint": {"universal": '
               '{"layout_rules": ...}}) saying how each parameter was split, e.g. '

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from ucp_deepspeed.convert.plan import full_tensors
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import (
     ExtraTensor,
@@ -20,11 +19,12 @@ from ucp_deepspeed.format.metadata import (
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.geometry.fragments import fragments
 from ucp_deepspeed.io.torch_file import TorchFile
-from ucp_deepspeed.naming.patterns import parse_rules
+from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, fail
 from ucp_deepspeed.sources.infer import infer_metas
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
+from ucp_deepspeed.sources.plan import full_tensors
 
 
 def resolve_tag(ckpt_dir: str, tag: str | None = None) -> str:

@@ -13,8 +13,8 @@ import os
 import re
 import shutil
 
-from ucp_deepspeed.checkn_run.chain import chain, is_element
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
 
 log = logging.getLogger("ucp_deepspeed")
@@ -23,9 +23,10 @@ _STEP = re.compile(r"(\d+)$")
 
 def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
     """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete."""
-    if is_element(os.path.join(ckpt_dir, tag)):
+    kind = kind_of(os.path.join(ckpt_dir, tag))
+    if kind is not None:
         try:
-            chain(ckpt_dir, tag)
+            kind.needs(ckpt_dir, tag)
         except CheckpointError as exc:
             return str(exc)
         return None
@@ -67,11 +68,16 @@ def resume_tag(ckpt_dir: str) -> str | None:
     return newest_complete(ckpt_dir)
 
 
+def _needs(ckpt_dir: str, tag: str) -> list[str]:
+    kind = kind_of(os.path.join(ckpt_dir, tag))
+    return [tag] if kind is None else kind.needs(ckpt_dir, tag)
+
+
 def prune(ckpt_dir: str, keep: int) -> list[str]:
     """Keep the `keep` newest complete tags; delete older tags, torn ones among them, and their converted copies.
 
     A torn tag newer than the newest complete one is left alone: it may be a save still being written.
-    Older tags that a kept Check-N-Run delta needs (its chain) are kept too. Returns the deleted tags.
+    Older tags that a kept tag needs (a Check-N-Run delta's chain) are kept too. Returns the deleted tags.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -80,8 +86,7 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
     if not complete:
         return []
     oldest_kept = _order(ckpt_dir, complete[min(keep, len(complete)) - 1])
-    needed = {t for kept in complete[:keep] if is_element(os.path.join(ckpt_dir, kept))
-              for t, _ in chain(ckpt_dir, kept)}
+    needed = {t for kept in complete[:keep] for t in _needs(ckpt_dir, kept)}
     doomed = [t for t in tags if t not in complete[:keep] and t not in needed and _order(ckpt_dir, t) < oldest_kept]
     for tag in doomed:
         for path in (os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, f"{tag}.universal"),

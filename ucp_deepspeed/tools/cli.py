@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -154,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                    "for --format deepspeed)")
     p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
                    help="ucp: our format; deepspeed: DeepSpeed's universal layout, loadable with load_universal")
-    p.add_argument("--workers", type=int, default=2, help="writer threads (default 2)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="writer threads (default 2: one process converting alone; the config key `workers` "
+                   "defaults to 1 because every rank of a loading job already converts its share)")
     p.add_argument("--layout-rules", metavar="RULES.json",
                    help="how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -177,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-positions", type=int, help="default: the position embedding's rows (gpt2) or 4096")
     p.add_argument("--shard-size", type=float, default=2048, help="MB per safetensors shard (default 2048)")
     p.add_argument("--experts-per-token", type=int, default=2, help="mixtral: router top-k (default 2)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("import-hf", help="make a weights-only universal checkpoint of a transformers folder")
     p.add_argument("hf_dir")
     p.add_argument("out")
     p.add_argument("--num-kv-heads", type=int, help="gpt2: fold repeated key/value heads back into this many groups")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("diff", help="compare two checkpoints of any topology, state by state")
     p.add_argument("a")
     p.add_argument("b")
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="list every state, not only those that differ")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # e.g. that a finished conversion is reused
     try:
         if args.command == "convert":
             if args.format == "deepspeed":

@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
-from ucp_deepspeed.checkn_run.chain import is_element, materialize
 from ucp_deepspeed.convert.core import assemble, build_manifest
-from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.kinds import kind_of
+from ucp_deepspeed.format.paths import locate
+from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.sources import NativeCheckpoint
 
 Reader = Callable[[str, str], torch.Tensor]
@@ -65,19 +67,18 @@ class DiffReport:
 @contextlib.contextmanager
 def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], Reader]]:
     """(manifest-shaped summary, read(name, key)) for any kind of checkpoint."""
-    if tag is not None and is_element(os.path.join(path, tag)):
-        path, tag = os.path.join(path, tag), None
-    if is_element(path):
+    found = locate(path, tag)
+    kind = kind_of(found.path) if found.tag else None
+    if kind is not None:  # e.g. a Check-N-Run chain, replayed into a scratch universal folder
         scratch = tempfile.mkdtemp(prefix="ucp_diff_")
         try:
-            ckpt_dir, element = os.path.split(os.path.abspath(path))
-            with opened(materialize(ckpt_dir, element, os.path.join(scratch, element))) as result:
+            with opened(kind.materialize(found.root, found.tag, os.path.join(scratch, found.tag))) as result:
                 yield result
         finally:
             shutil.rmtree(scratch)
         return
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        ckpt = UniversalCheckpoint(path)
+    if found.kind == "universal":
+        ckpt = UniversalCheckpoint(found.path)
 
         def read_universal(name: str, key: str) -> torch.Tensor:
             if name in ckpt.buffers:
@@ -86,7 +87,9 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], 
 
         yield ckpt.manifest, read_universal
         return
-    src = NativeCheckpoint(path, tag)
+    if found.kind != "native":
+        raise CheckpointError(found.path, f"is a {found.kind} checkpoint, which `ucp diff` does not read")
+    src = NativeCheckpoint(found.root, found.tag)
     try:
         tensors = {t.name: t for t in src.tensors}
 

@@ -1,4 +1,4 @@
-"""Which layout each parameter has, and its global name: from rules, or read off megatron-core.
+"""Which layout each parameter has, and its global name in the whole model: from rules, or read off megatron-core.
 
 Two sources, in this order:
 
@@ -18,50 +18,19 @@ embedding it shares.
 """
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
+from ucp_deepspeed.naming.experts import expert_blocks
+from ucp_deepspeed.naming.rules import Rule
 
 _LAYER_PATH = re.compile(r"^(.*?)(layers)\.(\d+)$")
 
-
-@dataclass(frozen=True)
-class Rule:
-    """One line of the layout language: parameters whose name fully matches `pattern` get `layout`."""
-
-    pattern: str
-    layout: Layout
-
-    def matches(self, name: str) -> bool:
-        """Whether the rule applies to a parameter name."""
-        return re.fullmatch(self.pattern, name) is not None
-
-
-def parse_rules(raw: Sequence[dict] | str | None) -> tuple[Rule, ...]:
-    """Rules from a list of dicts or a JSON file path, with errors that name the bad rule."""
-    if raw is None:
-        return ()
-    if isinstance(raw, str):
-        with open(raw) as f:
-            raw = json.load(f)
-    rules = []
-    for i, item in enumerate(raw):
-        try:
-            unknown = set(item) - {"match", "layout", "dim", "parts", "vocab"}
-            if unknown:
-                raise ValueError(f"unknown keys {sorted(unknown)}")
-            re.compile(item["match"])
-            layout = Layout.from_json({"kind": item["layout"], **{k: item[k] for k in ("dim", "parts", "vocab")
-                                                                   if k in item}})
-        except (KeyError, ValueError, TypeError, re.error) as exc:
-            raise ValueError(f"layout rule {i} {item!r}: {exc}") from None
-        rules.append(Rule(item["match"], layout))
-    return tuple(rules)
 
 
 @dataclass(frozen=True)
@@ -73,47 +42,47 @@ class ParamInfo:
     alias: bool = False
 
 
-def _is_megatron(module: torch.nn.Module) -> bool:
-    return type(module).__module__.startswith("megatron.core")
-
 
 def _megatron_layout(p: torch.Tensor, tp: int, vocab_size: int) -> Layout:
-    if not getattr(p, "tensor_model_parallel", False):
+    split = compat.megatron_split(p)
+    if split is None:
         return REPLICATED
-    dim, stride = int(p.partition_dim), int(getattr(p, "partition_stride", 1))
-    local_len = (p.ds_shape if hasattr(p, "ds_shape") else p.shape)[dim]
-    if getattr(p, "is_embedding_or_output_parameter", False) and vocab_size:
+    dim, stride, vocab_parallel = split
+    local_len = compat.full_shape(p)[dim]
+    if vocab_parallel and vocab_size:
         return Layout("split", dim, vocab=vocab_size)
     if stride > 1:
         return Layout("split", dim, parts=(local_len * tp // stride,) * stride)
     return Layout("split", dim)
 
 
+
 def _global_prefixes(module: torch.nn.Module) -> list[tuple[str, str]]:
     """(local prefix, global prefix) for every pipeline-local layer numbered differently from its position."""
     out = []
     for path, sub in module.named_modules():
-        number = getattr(sub, "layer_number", None)
+        number = compat.megatron_layer_number(sub)
         found = _LAYER_PATH.match(path)
-        if found and isinstance(number, int) and _is_megatron(sub) and int(found.group(3)) != number - 1:
+        if found and number is not None and int(found.group(3)) != number - 1:
             out.append((path + ".", f"{found.group(1)}layers.{number - 1}."))
     return out
+
 
 
 def _tied_output(module: torch.nn.Module) -> dict[str, str]:
     """A last stage's copy of the word embeddings (`output_layer.weight`) under the embedding's name."""
     out = {}
     for path, sub in module.named_modules():
-        if _is_megatron(sub) and getattr(sub, "share_embeddings_and_output_weights", False) \
-                and getattr(sub, "post_process", False) and not getattr(sub, "pre_process", True):
+        if compat.megatron_tied_output_stage(sub):
             prefix = f"{path}." if path else ""
             out[f"{prefix}output_layer.weight"] = f"{prefix}embedding.word_embeddings.weight"
     return out
 
 
+
 def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
     """Whether a parameter sits inside a megatron-core module (its norms are plain torch modules)."""
-    paths = {path: _is_megatron(sub) for path, sub in module.named_modules()}
+    paths = {path: compat.is_megatron_module(sub) for path, sub in module.named_modules()}
 
     def inside(name: str) -> bool:
         parts = name.split(".")[:-1]
@@ -121,49 +90,6 @@ def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
 
     return inside
 
-
-@dataclass(frozen=True)
-class ExpertBlock:
-    """The local experts of one DeepSpeed MoE layer: `prefix<i>.` is local expert i."""
-
-    prefix: str
-    num_local: int
-    group: str
-
-    def expert_of(self, name: str) -> int | None:
-        """Local expert index of a parameter name, or None if the name is not in this block."""
-        if not name.startswith(self.prefix):
-            return None
-        head = name[len(self.prefix):].split(".", 1)[0]
-        return int(head) if head.isdigit() else None
-
-    def rename(self, name: str, ep_rank: int) -> str:
-        """The name of local expert parameter `name` as held by expert-parallel rank `ep_rank`, by global id."""
-        local = self.expert_of(name)
-        rest = name[len(self.prefix) + len(str(local)):]
-        return f"{self.prefix}{ep_rank * self.num_local + local}{rest}"
-
-
-def expert_blocks(module: torch.nn.Module) -> list[ExpertBlock]:
-    """The experts of every MoE layer, whose local ids restart on each expert-parallel rank.
-
-    DeepSpeed's `MoE` keeps them in `deepspeed_moe.experts.deepspeed_experts.<i>`, megatron-core's
-    `MoELayer` (SequentialMLP) in `experts.local_experts.<i>`; both carry `num_local_experts` and,
-    once registered with DeepSpeed, `expert_group_name`.
-    """
-    out = []
-    for path, sub in module.named_modules():
-        kind = type(sub).__module__
-        if not (hasattr(sub, "num_local_experts") and hasattr(sub, "expert_group_name")):
-            continue
-        if kind.startswith("deepspeed.moe"):
-            inner = "deepspeed_moe.experts.deepspeed_experts."
-        elif kind.startswith("megatron.core.transformer.moe"):
-            inner = "experts.local_experts."
-        else:
-            continue
-        out.append(ExpertBlock(f"{path}.{inner}" if path else inner, int(sub.num_local_experts), sub.expert_group_name))
-    return out
 
 
 def global_namer(module: torch.nn.Module, ep_ranks: dict[str, int] | None = None) -> Callable[[str], str]:
@@ -187,6 +113,7 @@ def global_namer(module: torch.nn.Module, ep_ranks: dict[str, int] | None = None
         return name
 
     return to_global
+
 
 
 def param_infos(module: torch.nn.Module, params: Iterable[tuple[str, torch.Tensor]], tp: int,

@@ -1,6 +1,6 @@
 """Test-only shims that let megatron-core 0.16+ train on a CPU with gloo.
 
-megatron-core assumes CUDA in a few places that have no CPU fallback (see ../shared/CPU-NOTES.md):
+megatron-core assumes CUDA in a few places that have no CPU fallback :
 the RNG tracker that attention always enters, `GlobalMemoryBuffer.get_tensor`, RoPE's move of its
 frequencies to `torch.cuda.current_device()`, a `.cuda()` call when a tied output layer is set
 up on the last pipeline stage, and MoE's reference to Transformer Engine's GEMM on 0.16. Nothing here is imported by

@@ -1,0 +1,264 @@
+"""Canaries for `ucp_deepspeed.compat`: one per function, in this process, on real framework objects.
+
+Each test names the compat function it guards. When a DeepSpeed, megatron-core, transformers or
+accelerate upgrade moves an internal we rely on, the failure is here, by name, in seconds.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import deepspeed
+import pytest
+import torch
+import torch.distributed as dist
+
+from ucp_deepspeed import compat
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world():
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+            env.setenv(key, value)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        yield
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 10)
+        self.b = torch.nn.Linear(10, 3)
+        self.frozen = torch.nn.Linear(3, 2)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("counts", torch.arange(4.0))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.b(torch.relu(self.a(x))))
+
+
+def _engine(stage: int, bf16: bool = False):
+    torch.manual_seed(0)
+    net = Net()
+    groups = [{"params": [net.a.weight, net.b.weight], "weight_decay": 0.1},
+              {"params": [net.a.bias, net.b.bias], "weight_decay": 0.0}]
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": bf16}}
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=config)
+    loss = engine(torch.randn(2, 6, dtype=torch.bfloat16 if bf16 else torch.float32)).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return engine
+
+
+@pytest.fixture(scope="module", params=[(1, False), (2, False), (1, True)],
+                ids=["zero1", "zero2", "zero1-bf16"])
+def zero12(request):
+    return _engine(*request.param)
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    return _engine(3)
+
+
+def test_buffer_names(zero12):
+    assert compat.buffer_names(zero12) == ["counts"]
+
+
+def test_engine_config(zero12):
+    assert type(compat.engine_config(zero12)).__name__ == "DeepSpeedConfig"
+    assert compat.engine_config(zero12).zero_optimization_stage == zero12.zero_optimization_stage()
+
+
+def test_commit_decoupled_checkpoint(zero12):
+    """Called only after a decoupled (async) save; here only its presence and signature are checked."""
+    import inspect
+
+    assert list(inspect.signature(zero12._commit_decoupled_checkpoint).parameters) == []
+
+
+def test_is_bf16_optimizer(zero12):
+    """DeepSpeed's BF16_Optimizer (ZeRO-0, bf16, fp32 gradient accumulation) cannot be built on this CPU
+    accelerator, so its attributes are checked in its source; ZeRO optimizers must not look like it."""
+    import inspect
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    assert not compat.is_bf16_optimizer(zero12.optimizer)
+    source = inspect.getsource(BF16_Optimizer)
+    for attribute in ("self.bf16_groups ", "self.bf16_groups_flat ", "self.fp32_groups_flat_partition ",
+                      "self.real_dp_process_group "):
+        assert attribute in source, f"BF16_Optimizer no longer sets {attribute.strip()}"
+
+
+def test_zero12_groups(zero12):
+    groups = compat.zero12_groups(zero12.optimizer)
+    assert len(groups) == 2
+    assert {id(p) for g in groups for p in g.params} == {id(p) for p in zero12.module.parameters() if p.requires_grad}
+    for g in groups:
+        assert g.dp == 1 and g.fp32.dtype == torch.float32 and g.fp32.numel() == g.numel
+        for p, offset in zip(g.params, g.offsets):
+            master = g.fp32.narrow(0, offset, p.numel()).view(p.shape)
+            assert torch.equal(master.to(p.dtype), p.data), "a parameter's fp32 master is not at its offset"
+
+
+def test_zero12_fragment(zero12):
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for p in zero12.module.parameters():
+        if not p.requires_grad:
+            continue
+        start, hp_start, numel, hp = compat.zero12_fragment(p)
+        assert (start, numel) == (0, p.numel()) and hp_start >= 0
+        assert torch.equal(hp.view(p.shape), safe_get_full_fp32_param(p))
+
+
+def test_relink_optimizer_states(zero12):
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    opt = zero12.optimizer
+    group = compat.zero12_groups(opt)[0]
+    state = opt.optimizer.state[group.fp32]
+    state["exp_avg"] = torch.full_like(group.fp32, 7.0)
+    compat.relink_optimizer_states(opt)
+    assert torch.equal(safe_get_full_optimizer_state(group.params[0], "exp_avg"),
+                       torch.full(group.params[0].shape, 7.0))
+
+
+def test_zero3_params(zero3):
+    weight, frozen = zero3.module.a.weight, zero3.module.frozen.weight
+    assert compat.is_zero3_param(weight) and not compat.is_zero3_param(torch.zeros(1))
+    assert compat.full_shape(weight) == (10, 6) and weight.numel() == 0
+    assert compat.storage_dtype(weight) == torch.float32
+    assert compat.zero3_partition_numel(weight) == 60
+    tensor, start, numel = compat.zero3_partition(frozen)
+    assert (start, numel) == (0, 6) and tensor.numel() >= 6
+
+
+def test_zero3_subgroups_and_position(zero3):
+    opt = zero3.optimizer
+    subs = compat.zero3_subgroups(opt)
+    assert sorted({s.group for s in subs}) == [0, 1]
+    for sub in subs:
+        assert sub.fp32.dtype == torch.float32 and sub.lp.numel() == sub.fp32.numel()
+        for p in sub.params:
+            index, offset, partition, first = compat.zero3_position(opt, p)
+            assert subs[index] is not None and first == 0
+            assert partition == math.prod(compat.full_shape(p))
+            assert offset + partition <= sub.fp32.numel()
+
+
+def test_zero3_regather(zero3):
+    compat.zero3_regather(zero3.optimizer)
+    with deepspeed.zero.GatheredParameters([zero3.module.a.weight]):
+        assert zero3.module.a.weight.shape == (10, 6)
+
+
+def test_expert_groups_and_container():
+    from deepspeed.moe.layer import MoE
+
+    layer = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=1)
+    inner, num_local, group = compat.expert_container(layer)
+    assert (num_local, group) == (2, "ep_size_1")
+    assert f"{inner}1" in dict(layer.named_modules())
+    assert compat.expert_container(torch.nn.Linear(2, 2)) is None
+    solo = dist.new_group([0])
+    compat.register_expert_groups("ep_size_1", solo, solo)
+    assert compat.expert_parallel("ep_size_1") == (1, 0, 0)
+
+
+def test_deepspeed_sees_megatron_moe():
+    from deepspeed.moe.layer import MoE
+    from deepspeed.runtime import engine as ds_engine
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    assert compat.is_megatron_moe(MoELayer.__new__(MoELayer))
+    original = ds_engine.MoE
+    assert original is MoE, "DeepSpeed's engine no longer checks MoE layers against the name MoE"
+    with compat.deepspeed_sees_megatron_moe():
+        assert isinstance(MoELayer.__new__(MoELayer), ds_engine.MoE)
+        assert not isinstance(torch.nn.Linear(1, 1), ds_engine.MoE)
+    assert ds_engine.MoE is original
+
+
+@pytest.fixture(scope="module")
+def megatron_model():
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    sys.path.insert(0, str(LAUNCH))
+    import megatron_cpu
+
+    ps.initialize_model_parallel(1, 1)
+    megatron_cpu.install()
+    megatron_cpu.seed(1)
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
+                               use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+                               bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+                               bias_dropout_fusion=False, gradient_accumulation_fusion=False, gated_linear_unit=True)
+    with megatron_cpu.cpu_model_construction():
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8,
+                         share_embeddings_and_output_weights=True)
+    yield model
+    ps.destroy_model_parallel()
+    sys.path.remove(str(LAUNCH))
+
+
+def test_megatron_split(megatron_model):
+    params = dict(megatron_model.named_parameters())
+    assert compat.megatron_split(params["embedding.word_embeddings.weight"]) == (0, 1, True)
+    assert compat.megatron_split(params["decoder.layers.0.self_attention.linear_qkv.weight"]) == (0, 1, False)
+    assert compat.megatron_split(params["decoder.layers.0.mlp.linear_fc1.weight"]) == (0, 2, False)
+    assert compat.megatron_split(params["decoder.layers.0.self_attention.linear_proj.weight"]) == (1, 1, False)
+    assert compat.megatron_split(params["decoder.final_layernorm.weight"]) is None
+
+
+def test_megatron_modules(megatron_model):
+    layers = dict(megatron_model.named_modules())
+    assert compat.is_megatron_module(megatron_model) and not compat.is_megatron_module(torch.nn.Linear(1, 1))
+    assert [compat.megatron_layer_number(layers[f"decoder.layers.{i}"]) for i in (0, 1)] == [1, 2]
+    assert compat.megatron_layer_number(layers["decoder"]) is None
+    assert not compat.megatron_tied_output_stage(megatron_model)  # first and last stage at once
+    megatron_model.pre_process = False
+    try:
+        assert compat.megatron_tied_output_stage(megatron_model)
+    finally:
+        megatron_model.pre_process = True
+
+
+def test_trainer_and_accelerate_restores():
+    import inspect
+
+    owner, attribute = compat.trainer_rng_restore()
+    assert list(inspect.signature(getattr(owner, attribute)).parameters)[:2] == ["self", "checkpoint"]
+    owner, attribute = compat.accelerate_state_restore()
+    params = inspect.signature(getattr(owner, attribute)).parameters
+    assert "input_dir" in params and "process_index" in params
+
+
+def test_deepspeed_safe_globals_and_rebuild():
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    assert LossScaler in compat.deepspeed_safe_globals()
+    rebuilt = compat.rebuild({"__class__": "deepspeed.runtime.fp16.loss_scaler.LossScaler", "args": [],
+                              "state": {"cur_scale": 4.0}})
+    assert isinstance(rebuilt, LossScaler) and rebuilt.cur_scale == 4.0
+
+
+def test_deepspeed_keys(zero12, tmp_path):
+    """Every top-level key DeepSpeed writes into a model-states file is in our one list; the rest is client_state."""
+    from ucp_deepspeed.io.torch_file import load_file
+    from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
+
+    zero12.save_checkpoint(str(tmp_path), tag="t", client_state={"mine": 1})
+    keys = set(load_file(str(tmp_path / "t" / "mp_rank_00_model_states.pt")).keys())
+    assert "mine" in keys and keys - {"mine"} <= DEEPSPEED_KEYS, keys - DEEPSPEED_KEYS

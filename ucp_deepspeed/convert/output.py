@@ -1,0 +1,166 @@
+"""The output folder of a conversion: claimed under a lock, resumed from its journals, never inside a source.
+
+Until the manifest exists, the folder holds `.ucp_source.json` (which source it belongs to) and one
+journal per writing process with each finished file's CRCs. A rerun reuses a leftover file only if
+it still matches its journal; the manifest, written last, marks the folder complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.paths import INTENT, check_output
+from ucp_deepspeed.format.universal import MANIFEST, CheckedFile, FileRecord, atomic_write, is_complete, read_manifest
+from ucp_deepspeed.sources import NativeCheckpoint
+
+JOURNAL = ".ucp_journal."
+log = logging.getLogger("ucp_deepspeed")
+
+
+
+def default_output(src: NativeCheckpoint) -> str:
+    """Where a conversion goes when no output is given: beside the tag folder, never inside it."""
+    return os.path.join(src.ckpt_dir, f"{src.tag}.universal")
+
+
+
+def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
+    """Identity of the source files (name, size, mtime) and its save id, so a stale conversion is never reused."""
+    out: list[list[Any]] = []
+    for path in sorted(src.source_files()):
+        st = os.stat(path)
+        out.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+    if src.meta.save_id:
+        out.append(["save_id", src.meta.save_id])
+    return out
+
+
+
+@contextlib.contextmanager
+def claimed(out: str, sources: list[str]) -> Iterator[None]:
+    """Check that `out` may be written (never inside a source, see `check_output`), then hold a lock on the
+    folder itself while converting into it: a second converter waits, then finds the work done."""
+    check_output(out, sources)
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("ucp: %s is being written by another conversion; waiting for it to finish", out)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+
+class Journal:
+    """Records of finished output files, appended as each one is renamed into place.
+
+    A rerun after a kill reuses a leftover file only if it still matches the CRCs recorded when it
+    was written; anything else is deleted and written again. One journal file per process, so the
+    ranks of a loading job never share one.
+    """
+
+    def __init__(self, out: str):
+        self.path = os.path.join(out, f"{JOURNAL}{socket.gethostname()}.{os.getpid()}")
+        self._lock = threading.Lock()
+
+    def add(self, record: FileRecord) -> None:
+        """Note a finished file (not fsynced: a lost line only costs rewriting that file)."""
+        line = json.dumps({"path": record.path, **record.to_json()}) + "\n"
+        with self._lock, open(self.path, "a") as f:
+            f.write(line)
+
+    @staticmethod
+    def read(out: str) -> dict[str, FileRecord]:
+        """Every record in the journals of `out`; a torn last line is ignored."""
+        found: dict[str, FileRecord] = {}
+        for name in os.listdir(out):
+            if not name.startswith(JOURNAL):
+                continue
+            with open(os.path.join(out, name)) as f:
+                for line in f:
+                    try:
+                        raw = json.loads(line)
+                        found[raw["path"]] = FileRecord.from_json(raw["path"], raw, out)
+                    except (ValueError, KeyError, TypeError, CheckpointError):
+                        continue
+        return found
+
+    @staticmethod
+    def remove(out: str) -> None:
+        """Delete the journals once the manifest holds the records."""
+        for name in os.listdir(out):
+            if name.startswith(JOURNAL):
+                os.unlink(os.path.join(out, name))
+
+
+
+def _still_good(out: str, record: FileRecord) -> bool:
+    try:
+        handle = CheckedFile(out, record)
+    except CheckpointError:
+        return False
+    try:
+        handle.verify()
+        return True
+    except CheckpointError:
+        return False
+    finally:
+        handle.close()
+
+
+
+def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | None:
+    """Get `out` ready; return finished files that can be reused (checked), or None if the conversion is complete."""
+    want = fingerprint(src)
+    intent_path = os.path.join(out, INTENT)
+    if is_complete(out):
+        if read_manifest(out).get("source", {}).get("fingerprint") == want:
+            return None
+        raise CheckpointError(out, "holds a finished conversion of a different checkpoint; remove it or pick another output")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(intent_path):
+        raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
+    reusable: dict[str, FileRecord] = {}
+    if os.path.isfile(intent_path):
+        with open(intent_path) as f:
+            try:
+                same_source = json.load(f) == {"source": src.tag_dir, "fingerprint": want}
+            except json.JSONDecodeError:
+                same_source = False
+        journal = Journal.read(out) if same_source else {}
+        for dirpath, _, files in os.walk(out):
+            for fname in files:
+                path = os.path.join(dirpath, fname)
+                rel = os.path.relpath(path, out)
+                if rel == INTENT or (fname.startswith(JOURNAL) and same_source):
+                    continue
+                record = journal.get(rel)
+                if record is not None and ".tmp." not in fname and _still_good(out, record):
+                    reusable[rel] = record
+                else:
+                    os.unlink(path)
+        if reusable:
+            log.info("ucp: %s: reusing %d files an interrupted conversion finished (their CRCs still match)", out,
+                     len(reusable))
+    os.makedirs(os.path.join(out, "params"), exist_ok=True)
+    atomic_write(intent_path, json.dumps({"source": src.tag_dir, "fingerprint": want}).encode())
+    return reusable
+
+
+
+def remove_output(out: str) -> None:
+    """Delete a conversion folder (used when the user does not keep converted copies)."""
+    if os.path.isfile(os.path.join(out, MANIFEST)) or os.path.isfile(os.path.join(out, INTENT)):
+        shutil.rmtree(out)

@@ -1,0 +1,54 @@
+"""Tag kinds that extensions add, so the core recognises their folders without importing them.
+
+A DeepSpeed tag folder is marked by its `*model_states.pt` files. An extension whose saves are tag
+folders of another shape (Check-N-Run's chains) registers a `TagKind`: the file that marks its
+folders, how to check that one can be restored, which tags a restore reads, and how to turn one into
+an ordinary universal folder. `locate`, the resume-tag choice, pruning, conversion and loading go
+through this table.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TagKind:
+    """One registered kind of tag folder.
+
+    Args:
+        name: the kind `locate` reports, e.g. `"checkn_run"`.
+        marker: a file written first into every folder of this kind.
+        needs: `(ckpt_dir, tag) -> tags` a restore of `tag` reads, itself included; raises `CheckpointError`
+            when one is missing or damaged, so it doubles as the completeness check.
+        materialize: `(ckpt_dir, tag, out) -> out`: write the tag as a full universal folder.
+        verify: `(ckpt_dir, tag) -> problems`: every file checked, one line per bad file.
+    """
+
+    name: str
+    marker: str
+    needs: Callable[[str, str], list[str]]
+    materialize: Callable[[str, str, str], str]
+    verify: Callable[[str, str], list[str]]
+
+
+_KINDS: dict[str, TagKind] = {}
+
+
+def register_tag_kind(kind: TagKind) -> None:
+    """Add a kind of tag folder (called once, when its extension is imported)."""
+    _KINDS[kind.name] = kind
+
+
+def markers() -> tuple[str, ...]:
+    """The marker files of every registered kind."""
+    return tuple(k.marker for k in _KINDS.values())
+
+
+def kind_of(tag_dir: str) -> TagKind | None:
+    """The registered kind whose marker `tag_dir` holds, or None for a DeepSpeed tag or anything else."""
+    for kind in _KINDS.values():
+        if os.path.isfile(os.path.join(tag_dir, kind.marker)):
+            return kind
+    return None

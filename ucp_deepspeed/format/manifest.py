@@ -1,0 +1,163 @@
+"""The manifest's body as frozen dataclasses: every writer builds one, every reader validates one.
+
+`manifest.json` is the universal folder's commit marker (see `universal.py`). Its body says what the
+checkpoint holds; `write_manifest` adds the format name, version, block size and file table.
+`Manifest.decode` checks types and cross-references (each parameter's file is in the file table,
+shapes are non-negative integers, keys are strings) and raises `CheckpointError` naming the file,
+never a `KeyError` deep inside a load. Sections an extension adds (Check-N-Run's `differential`,
+`save_id`) and notes (`weights_only`, `notes`) are kept in `extra`, untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ucp_deepspeed.errors import CheckpointError
+
+_BODY = ("created_by", "source", "counters", "param_groups", "params", "buffers", "tied", "frozen_excluded")
+_ENVELOPE = ("format", "version", "block_size", "files")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+        raise ValueError(f"shape {value!r} is not a list of non-negative integers")
+    return tuple(value)
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is not an object")
+    return value
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One parameter: its full shape and dtype, its optimizer param group, and the file and keys of its states."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    group: int
+    trainable: bool
+    file: str
+    keys: tuple[str, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Fields an extension adds (Check-N-Run's `table`)."""
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {"shape": list(self.shape), "dtype": self.dtype, "group": self.group, "trainable": self.trainable,
+                "file": self.file, "keys": list(self.keys), **self.extra}
+
+    @classmethod
+    def decode(cls, raw: Any) -> ParamRecord:
+        """Parse and type-check one record (ValueError on anything malformed)."""
+        raw = _dict(raw, "record")
+        keys = raw["keys"]
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not keys:
+            raise ValueError(f"keys {keys!r} are not a non-empty list of names")
+        if not isinstance(raw["file"], str) or not isinstance(raw["dtype"], str) or type(raw["group"]) is not int:
+            raise ValueError("file, dtype or group has the wrong type")
+        known = ("shape", "dtype", "group", "trainable", "file", "keys")
+        return cls(_shape(raw["shape"]), raw["dtype"], raw["group"], bool(raw["trainable"]), raw["file"], tuple(keys),
+                   {k: v for k, v in raw.items() if k not in known})
+
+
+@dataclass(frozen=True)
+class BufferRecord:
+    """One persistent buffer, stored in `buffers.safetensors` under its global name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def decode(cls, raw: Any) -> BufferRecord:
+        """Parse and type-check one record."""
+        raw = _dict(raw, "buffer")
+        if not isinstance(raw["dtype"], str):
+            raise ValueError("dtype is not a string")
+        return cls(_shape(raw["shape"]), raw["dtype"])
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """One optimizer param group: its hyperparameters (None when the source did not record them) and its
+    scalar optimizer state (e.g. Adam's `step`), both in `encode_value` form."""
+
+    hyperparams: dict[str, Any] | None
+    scalars: dict[str, Any]
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {"hyperparams": self.hyperparams, "scalars": self.scalars}
+
+    @classmethod
+    def decode(cls, raw: Any) -> GroupRecord:
+        """Parse and type-check one group."""
+        raw = _dict(raw, "param group")
+        hyper = raw.get("hyperparams")
+        return cls(None if hyper is None else _dict(hyper, "hyperparams"), _dict(raw.get("scalars", {}), "scalars"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a universal folder holds, apart from its file table."""
+
+    created_by: dict[str, Any]
+    source: dict[str, Any]
+    """Where it came from: path, tag, `topology`, versions, fingerprint of the source files."""
+    counters: dict[str, int]
+    param_groups: tuple[GroupRecord, ...]
+    params: dict[str, ParamRecord]
+    buffers: dict[str, BufferRecord]
+    tied: dict[str, str] = field(default_factory=dict)
+    """Parameters that are copies of another (a last stage's output layer), by global name."""
+    frozen_excluded: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Top-level sections outside the core body, kept as they are."""
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON body (without the envelope `write_manifest` adds)."""
+        return {"created_by": self.created_by, "source": self.source, "counters": self.counters,
+                "param_groups": [g.encode() for g in self.param_groups],
+                "params": {n: r.encode() for n, r in self.params.items()},
+                "buffers": {n: b.encode() for n, b in self.buffers.items()},
+                "tied": self.tied, "frozen_excluded": self.frozen_excluded, **self.extra}
+
+    @classmethod
+    def decode(cls, raw: dict[str, Any], where: str) -> Manifest:
+        """Parse and validate a manifest read from `where`; a `CheckpointError` naming it when malformed."""
+        at = "the manifest"
+        try:
+            files = raw.get("files", {})
+            params = {}
+            for name, rec in _dict(raw["params"], "params").items():
+                at = f"params.{name}"
+                params[name] = ParamRecord.decode(rec)
+                if files and params[name].file not in files:
+                    raise ValueError(f"its file {params[name].file} is not in the file table")
+            buffers = {}
+            for name, rec in _dict(raw["buffers"], "buffers").items():
+                at = f"buffers.{name}"
+                buffers[name] = BufferRecord.decode(rec)
+            at = "param_groups"
+            if not isinstance(raw["param_groups"], list):
+                raise ValueError("not a list")
+            groups = tuple(GroupRecord.decode(g) for g in raw["param_groups"])
+            at = "source"
+            source = _dict(raw["source"], "source")
+            _dict(source.get("topology", {}), "source.topology")
+            at = "counters"
+            counters = _dict(raw["counters"], "counters")
+            at = "tied"
+            tied = _dict(raw.get("tied", {}), "tied")
+            return cls(_dict(raw.get("created_by", {}), "created_by"), source, counters, groups, params, buffers,
+                       tied, bool(raw.get("frozen_excluded", False)),
+                       {k: v for k, v in raw.items() if k not in _BODY and k not in _ENVELOPE})
+        except KeyError as exc:
+            raise CheckpointError(where, f"manifest is malformed: {at} lacks {exc}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(where, f"manifest is malformed at {at}: {exc}") from None

@@ -1,0 +1,79 @@
+"""From per-rank metadata to the tensors of the full model: which shards make up each one.
+
+Each model-parallel rank describes only what it holds. A full tensor is assembled from one shard
+per tensor-parallel rank of the pipeline stage that owns it (split or averaged layouts), or from
+tensor-parallel rank 0 alone (replicated). A pipeline stage's copy of a tied weight (`alias`) is
+read only if the owner's copy is absent.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta
+from ucp_deepspeed.geometry.layout import Layout
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One model-parallel rank's part of a full tensor."""
+
+    mp_rank: int
+    item: ParamSlot | ExtraTensor
+
+
+@dataclass(frozen=True)
+class FullTensor:
+    """A tensor of the full model and the shards, in tensor-parallel rank order, that make it up."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: Layout
+    group: int | None
+    shards: tuple[Shard, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of one state of the full tensor."""
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
+    """Every trainable parameter, frozen parameter and buffer of the model, with its shards."""
+    tp = metas[0].topology.tp
+    found: dict[str, list[tuple[SaveMeta, int, ParamSlot | ExtraTensor, bool]]] = {}
+    for mp_rank, meta in enumerate(metas):
+        for item in (*meta.params, *meta.extras):
+            alias = isinstance(item, ParamSlot) and item.alias
+            found.setdefault(item.name, []).append((meta, mp_rank, item, alias))
+    out = []
+    for name, entries in found.items():
+        owners = [e for e in entries if not e[3]] or entries
+        stages = sorted({meta.pp_rank for meta, *_ in owners})
+        owners = [e for e in owners if e[0].pp_rank == stages[0]]
+        by_tp = {meta.tp_rank: (mp_rank, item) for meta, mp_rank, item, _ in owners}
+        first = by_tp.get(0)
+        if first is None or sorted(by_tp) != list(range(tp)) and first[1].layout.kind != "replicated":
+            raise CheckpointError(where, f"'{name}' is held by tensor-parallel ranks {sorted(by_tp)} of stage "
+                                  f"{stages[0]}, expected 0..{tp - 1}")
+        item = first[1]
+        for _, other in by_tp.values():
+            if (other.layout, tuple(other.shape)) != (item.layout, tuple(item.shape)):
+                raise CheckpointError(where, f"'{name}': tensor-parallel ranks disagree on its layout or shape "
+                                      f"({item.layout}, {item.shape} vs {other.layout}, {other.shape})")
+        shards = (Shard(first[0], item),) if item.layout.kind == "replicated" \
+            else tuple(Shard(*by_tp[r]) for r in range(tp))
+        try:
+            shape = item.layout.full_shape(item.shape, tp)
+        except ValueError as exc:
+            raise CheckpointError(where, f"'{name}': {exc}") from None
+        if isinstance(item, ParamSlot):
+            out.append(FullTensor(name, "param", shape, "float32", item.layout, item.group, shards))
+        else:
+            out.append(FullTensor(name, item.kind, shape, item.dtype, item.layout, None, shards))
+    return out
