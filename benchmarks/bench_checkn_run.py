@@ -12,6 +12,7 @@ Tables of about 1M rows x 32 (4 tables, Zipf-distributed lookups), plain SGD as 
 implementation, one rank. Results go to benchmarks/checkn_run.json and, with --update-docs, into
 docs/benchmarks.md between the `cnr:start` / `cnr:end` markers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,32 @@ PAPER = "the paper reports 6-17x less write bandwidth and 2.5-8x less capacity"
 def train(args: argparse.Namespace, ckpt: Path, *extra: str) -> dict:
     """One torchrun launch of the worker; returns its JSON report."""
     results = ckpt.parent / f"{ckpt.name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(WORKER), "train",
-           "--ckpt-dir", str(ckpt), "--rows", *map(str, args.rows), "--dim", str(args.dim), "--batch",
-           str(args.batch), "--optimizer", "sgd", "--lr", "0.5", "--keep", "1000", "--results", str(results), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(WORKER),
+        "train",
+        "--ckpt-dir",
+        str(ckpt),
+        "--rows",
+        *map(str, args.rows),
+        "--dim",
+        str(args.dim),
+        "--batch",
+        str(args.batch),
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+        "--keep",
+        "1000",
+        "--results",
+        str(results),
+        *extra,
+    ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -66,9 +90,13 @@ def storage(args: argparse.Namespace, work: Path, report: dict) -> None:
             print(f"== {name}", flush=True)
             run = train(args, ckpt, *extra)
             last = f"global_step{steps}"
-            report["storage"][name] = {"policy": policy, "bits": bits, "saves": run["saves"],
-                                       "written": sum(s["bytes"] for s in run["saves"]),
-                                       "held": chain_bytes(ckpt, last)}
+            report["storage"][name] = {
+                "policy": policy,
+                "bits": bits,
+                "saves": run["saves"],
+                "written": sum(s["bytes"] for s in run["saves"]),
+                "held": chain_bytes(ckpt, last),
+            }
             shutil.rmtree(ckpt)
 
 
@@ -97,8 +125,16 @@ def accuracy(args: argparse.Namespace, work: Path, report: dict) -> None:
     for method, bits in args.accuracy:
         ckpt = work / f"acc-{method}-{bits}"
         shutil.rmtree(ckpt, ignore_errors=True)
-        common = ["--policy", "intermittent", "--ckpt-every", str(args.interval), "--bits", str(bits),
-                  "--method", method]
+        common = [
+            "--policy",
+            "intermittent",
+            "--ckpt-every",
+            str(args.interval),
+            "--bits",
+            str(bits),
+            "--method",
+            method,
+        ]
         print(f"== restore from {method} {bits} bits", flush=True)
         train(args, ckpt, *common, "--steps", str(total), "--stop-at", str(half))
         run = train(args, ckpt, *common, "--steps", str(total))
@@ -115,34 +151,50 @@ def table(report: dict) -> str:
     full = report["storage"]["full-32"]
     full_one = full["saves"][0]["bytes"]
     cfg = report["config"]
-    lines = [f"DLRM-like model: {len(cfg['rows'])} tables, {sum(cfg['rows']):,} rows x {cfg['dim']} (fp32), "
-             f"Zipf({cfg['alpha']}) lookups, batch {cfg['batch']}, SGD, 1 rank, a checkpoint every "
-             f"{cfg['interval']} steps, {cfg['checkpoints']} checkpoints. `written` is the sum over all "
-             f"checkpoints; `held` is what a restore of the last one needs (its chain). Factors are against "
-             f"full fp32 checkpoints ({_mb(full_one)} each); {PAPER}.", "",
-             "| policy | bits | first / later checkpoints | written | held | write-bandwidth reduction | "
-             "capacity reduction |", "|---|---|---|---|---|---|---|"]
-    for name, e in report["storage"].items():
+    lines = [
+        f"DLRM-like model: {len(cfg['rows'])} tables, {sum(cfg['rows']):,} rows x {cfg['dim']} (fp32), "
+        f"Zipf({cfg['alpha']}) lookups, batch {cfg['batch']}, SGD, 1 rank, a checkpoint every "
+        f"{cfg['interval']} steps, {cfg['checkpoints']} checkpoints. `written` is the sum over all "
+        f"checkpoints; `held` is what a restore of the last one needs (its chain). Factors are against "
+        f"full fp32 checkpoints ({_mb(full_one)} each); {PAPER}.",
+        "",
+        "| policy | bits | first / later checkpoints | written | held | write-bandwidth reduction | "
+        "capacity reduction |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in report["storage"].values():
         sizes = [s["bytes"] for s in e["saves"]]
         later = f"{_mb(min(sizes[1:]))}-{_mb(max(sizes[1:]))}" if len(sizes) > 1 else "-"
-        lines.append(f"| {e['policy']} | {e['bits'] or 32} | {_mb(sizes[0])} / {later} | "
-                     f"{_mb(e['written'])} | {_mb(e['held'])} | {full['written'] / e['written']:.1f}x | "
-                     f"{full_one / e['held']:.1f}x |")
+        lines.append(
+            f"| {e['policy']} | {e['bits'] or 32} | {_mb(sizes[0])} / {later} | "
+            f"{_mb(e['written'])} | {_mb(e['held'])} | {full['written'] / e['written']:.1f}x | "
+            f"{full_one / e['held']:.1f}x |"
+        )
     t = report["tracking"]
-    lines += ["", f"Change tracking: the lookup hooks take {t['hooks'] * 1e6:.0f} us per training step, "
-              f"{t['hooks'] / t['off'] * 100:.2f}% of a {t['off'] * 1e3:.1f} ms step. Whole runs with and without "
-              f"them take {t['on'] * 1e3:.1f} and {t['off'] * 1e3:.1f} ms per step (best of {report['tracking_repeats']}"
-              f" each), a difference within this machine's run-to-run noise."]
+    lines += [
+        "",
+        f"Change tracking: the lookup hooks take {t['hooks'] * 1e6:.0f} us per training step, "
+        f"{t['hooks'] / t['off'] * 100:.2f}% of a {t['off'] * 1e3:.1f} ms step. Whole runs with and without "
+        f"them take {t['on'] * 1e3:.1f} and {t['off'] * 1e3:.1f} ms per step (best of {report['tracking_repeats']}"
+        f" each), a difference within this machine's run-to-run noise.",
+    ]
     acc = report["accuracy"]
     ref = acc["uninterrupted"]
-    lines += ["", "Restoring once, half-way, from a quantized intermittent checkpoint (adaptive unless named), "
-              "then training on; held-out loss and AUC at the end:", "",
-              "| run | loss | AUC | AUC change |", "|---|---|---|---|",
-              f"| uninterrupted | {ref['loss']:.5f} | {ref['auc']:.5f} | - |"]
+    lines += [
+        "",
+        "Restoring once, half-way, from a quantized intermittent checkpoint (adaptive unless named), "
+        "then training on; held-out loss and AUC at the end:",
+        "",
+        "| run | loss | AUC | AUC change |",
+        "|---|---|---|---|",
+        f"| uninterrupted | {ref['loss']:.5f} | {ref['auc']:.5f} | - |",
+    ]
     for name, r in acc.items():
         if name != "uninterrupted":
-            lines.append(f"| restored from {name} bits | {r['loss']:.5f} | {r['auc']:.5f} | "
-                         f"{(r['auc'] - ref['auc']) / ref['auc'] * 100:+.3f}% |")
+            lines.append(
+                f"| restored from {name} bits | {r['loss']:.5f} | {r['auc']:.5f} | "
+                f"{(r['auc'] - ref['auc']) / ref['auc'] * 100:+.3f}% |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -151,13 +203,22 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/ucp_cnr_bench")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and one configuration of each, for CI")
     parser.add_argument("--update-docs", action="store_true")
-    parser.add_argument("--parts", default="storage,tracking,accuracy",
-                        help="which measurements to run; the others are kept from benchmarks/checkn_run.json")
+    parser.add_argument(
+        "--parts",
+        default="storage,tracking,accuracy",
+        help="which measurements to run; the others are kept from benchmarks/checkn_run.json",
+    )
     args = parser.parse_args()
     args.rows, args.dim, args.batch, args.alpha = [400_003, 300_007, 200_003, 100_003], 32, 2048, 1.1
     args.interval, args.checkpoints, args.repeats = 10, 11, 3
-    args.accuracy = [("adaptive", 8), ("adaptive", 4), ("adaptive", 3), ("adaptive", 2), ("symmetric", 4),
-                     ("kmeans", 4)]
+    args.accuracy = [
+        ("adaptive", 8),
+        ("adaptive", 4),
+        ("adaptive", 3),
+        ("adaptive", 2),
+        ("symmetric", 4),
+        ("kmeans", 4),
+    ]
     if args.smoke:
         global POLICIES, BITS
         POLICIES, BITS = ("full", "intermittent"), (None, 4)

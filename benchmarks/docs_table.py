@@ -1,4 +1,5 @@
 """Rewrite the text between `<!-- NAME:start -->` and `<!-- NAME:end -->` in a docs page (the benchmarks' tables)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -12,11 +12,13 @@ saw, and its loss curve should lie on the uninterrupted one.
 2. many sources to one target (TP=1 PP=1 DP=2);
 3. MoE: EP=2 to EP=1 and EP=4.
 
-Writes a PNG per experiment to --figures (docs/img/ by default), and to --out (benchmarks/loss_continuity/): losses.csv with
+Writes a PNG per experiment to --figures (docs/img/ by default), and to --out
+(benchmarks/loss_continuity/): losses.csv with
 every step of every run, and results.json with the max |loss difference| of each resumed run over
 the steps after the resume. Exits 1 if any difference exceeds --bound. --smoke (for CI) runs 20
 steps, resumes at 10, and has three targets.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,11 +74,15 @@ class Experiment:
 def experiments(smoke: bool) -> list[Experiment]:
     """What the issue asks for; the smoke version keeps three targets of the first experiment."""
     source = Layout(4, tp=2, pp=2)
-    targets = [Layout(1), Layout(2), Layout(4), Layout(4, tp=2), Layout(4, pp=2), Layout(2, zero=2),
-               Layout(3, zero=3)]
+    targets = [Layout(1), Layout(2), Layout(4), Layout(4, tp=2), Layout(4, pp=2), Layout(2, zero=2), Layout(3, zero=3)]
     if smoke:
-        return [Experiment("one_to_many", "One source, many targets",
-                           tuple((source, t) for t in (Layout(2), Layout(4, pp=2), Layout(3, zero=3))))]
+        return [
+            Experiment(
+                "one_to_many",
+                "One source, many targets",
+                tuple((source, t) for t in (Layout(2), Layout(4, pp=2), Layout(3, zero=3))),
+            )
+        ]
     sources = [source, Layout(4, tp=2), Layout(4, pp=2), Layout(4, zero=2), Layout(2, zero=3)]
     moe = Layout(2, ep=2)
     return [
@@ -88,8 +94,21 @@ def experiments(smoke: bool) -> list[Experiment]:
 
 def launch(layout: Layout, results: Path, *extra: str) -> list[dict]:
     """One torchrun launch of the worker in train mode; returns its per-step loss log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world}",
-           str(WORKER), "train", "--data", "markov", "--results", str(results), *layout.flags(), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={layout.world}",
+        str(WORKER),
+        "train",
+        "--data",
+        "markov",
+        "--results",
+        str(results),
+        *layout.flags(),
+        *extra,
+    ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -103,23 +122,42 @@ def run_all(args: argparse.Namespace, work: Path, plan: list[Experiment]) -> dic
         for source, target in exp.pairs:
             if source.key not in logs:
                 print(f"source {source.name}: {args.steps} steps, saving at {args.resume_at}", flush=True)
-                logs[source.key] = launch(source, work / f"{source.key}.json", "--steps", str(args.steps),
-                                          "--ckpt-every", str(args.resume_at), "--keep", "10",
-                                          "--ckpt-dir", str(work / source.key))
+                logs[source.key] = launch(
+                    source,
+                    work / f"{source.key}.json",
+                    "--steps",
+                    str(args.steps),
+                    "--ckpt-every",
+                    str(args.resume_at),
+                    "--keep",
+                    "10",
+                    "--ckpt-dir",
+                    str(work / source.key),
+                )
             if (source.key, target.key) not in logs:
                 print(f"  resume at {target.name}", flush=True)
                 logs[source.key, target.key] = launch(
-                    target, work / f"{source.key}--{target.key}.json", "--steps", str(args.steps),
-                    "--ckpt-every", "0", "--init-from", str(work / source.key),
-                    "--init-tag", f"global_step{args.resume_at}")
+                    target,
+                    work / f"{source.key}--{target.key}.json",
+                    "--steps",
+                    str(args.steps),
+                    "--ckpt-every",
+                    "0",
+                    "--init-from",
+                    str(work / source.key),
+                    "--init-tag",
+                    f"global_step{args.resume_at}",
+                )
     return logs
 
 
 def differences(reference: list[dict], resumed: list[dict]) -> list[tuple[int, float, float]]:
     """(step, |loss difference|, relative difference) for every step the resumed run trained."""
     ref = {e["step"]: e["loss"] for e in reference}
-    return [(e["step"], abs(e["loss"] - ref[e["step"]]), abs(e["loss"] - ref[e["step"]]) / abs(ref[e["step"]]))
-            for e in resumed]
+    return [
+        (e["step"], abs(e["loss"] - ref[e["step"]]), abs(e["loss"] - ref[e["step"]]) / abs(ref[e["step"]]))
+        for e in resumed
+    ]
 
 
 def summarize(args: argparse.Namespace, plan: list[Experiment], logs: dict) -> list[dict]:
@@ -130,8 +168,15 @@ def summarize(args: argparse.Namespace, plan: list[Experiment], logs: dict) -> l
             diffs = differences(logs[source.key], resumed)
             if [e["step"] for e in resumed] != list(range(args.resume_at + 1, args.steps + 1)):
                 raise RuntimeError(f"{source.name} -> {target.name} did not resume at step {args.resume_at + 1}")
-            rows.append({"experiment": exp.name, "source": source.name, "target": target.name,
-                         "max_abs": max(d for _, d, _ in diffs), "max_rel": max(r for _, _, r in diffs)})
+            rows.append(
+                {
+                    "experiment": exp.name,
+                    "source": source.name,
+                    "target": target.name,
+                    "max_abs": max(d for _, d, _ in diffs),
+                    "max_rel": max(r for _, _, r in diffs),
+                }
+            )
     return rows
 
 
@@ -144,10 +189,14 @@ def write_csv(path: Path, plan: list[Experiment], logs: dict) -> None:
             for source, target in exp.pairs:
                 if source.key not in seen:
                     seen.add(source.key)
-                    out.writerows([exp.name, source.name, "uninterrupted", e["step"], f"{e['loss']:.9g}"]
-                                  for e in logs[source.key])
-                out.writerows([exp.name, source.name, f"resumed at {target.name}", e["step"], f"{e['loss']:.9g}"]
-                              for e in logs[source.key, target.key])
+                    out.writerows(
+                        [exp.name, source.name, "uninterrupted", e["step"], f"{e['loss']:.9g}"]
+                        for e in logs[source.key]
+                    )
+                out.writerows(
+                    [exp.name, source.name, f"resumed at {target.name}", e["step"], f"{e['loss']:.9g}"]
+                    for e in logs[source.key, target.key]
+                )
 
 
 def plot(path: Path, exp: Experiment, logs: dict, resume_at: int) -> None:
@@ -164,8 +213,7 @@ def plot(path: Path, exp: Experiment, logs: dict, resume_at: int) -> None:
     for i, source in enumerate(sources):
         steps, losses = zip(*((e["step"], e["loss"]) for e in logs[source.key]))
         label = "uninterrupted" if len(sources) == 1 else f"{source.name} uninterrupted"
-        top.plot(steps, losses, color="black" if len(sources) == 1 else colors[i], linewidth=4, alpha=0.35,
-                 label=label)
+        top.plot(steps, losses, color="black" if len(sources) == 1 else colors[i], linewidth=4, alpha=0.35, label=label)
     floor = 1e-9  # equal losses plot at the floor of the log axis instead of vanishing
     for j, (source, target) in enumerate(exp.pairs):
         color = colors[j % 10] if len(sources) == 1 else colors[sources.index(source)]
@@ -173,11 +221,18 @@ def plot(path: Path, exp: Experiment, logs: dict, resume_at: int) -> None:
         label = f"resumed at {target.name}" if len(sources) == 1 else f"from {source.name}"
         top.plot([e["step"] for e in resumed], [e["loss"] for e in resumed], color=color, linewidth=1, label=label)
         diffs = differences(logs[source.key], resumed)
-        bottom.plot([s for s, _, _ in diffs], [max(d, floor) for _, d, _ in diffs], color=color, marker=".",
-                    markersize=3, linestyle="none")
+        bottom.plot(
+            [s for s, _, _ in diffs],
+            [max(d, floor) for _, d, _ in diffs],
+            color=color,
+            marker=".",
+            markersize=3,
+            linestyle="none",
+        )
     lowest = min(e["loss"] for log in logs.values() for e in log)
-    bottom.axhline(float(np.spacing(np.float32(lowest))), color="gray", linestyle=":", linewidth=1,
-                   label="1 ulp of an fp32 loss")
+    bottom.axhline(
+        float(np.spacing(np.float32(lowest))), color="gray", linestyle=":", linewidth=1, label="1 ulp of an fp32 loss"
+    )
     bottom.legend(fontsize=7, loc="upper left")
     for ax in (top, bottom):
         ax.axvline(resume_at, color="gray", linestyle="--", linewidth=1)
@@ -196,18 +251,26 @@ def plot(path: Path, exp: Experiment, logs: dict, resume_at: int) -> None:
 
 def table(report: dict) -> str:
     rows, first, last = report["runs"], report["resume_at"] + 1, report["steps"]
-    lines = [f"Measured {report['date']}: {report['launches']} launches in {report['seconds']} s on 2 CPU cores. "
-             f"Max |loss difference| against the uninterrupted run over steps {first}-{last}:", "",
-             "| experiment | source | resumed at | max abs | max rel |", "|---|---|---|---|---|"]
-    lines += [f"| {r['experiment']} | {r['source']} | {r['target']} | {r['max_abs']:.1e} | {r['max_rel']:.1e} |"
-              for r in rows]
+    lines = [
+        f"Measured {report['date']}: {report['launches']} launches in {report['seconds']} s on 2 CPU cores. "
+        f"Max |loss difference| against the uninterrupted run over steps {first}-{last}:",
+        "",
+        "| experiment | source | resumed at | max abs | max rel |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['experiment']} | {r['source']} | {r['target']} | {r['max_abs']:.1e} | {r['max_rel']:.1e} |" for r in rows
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", help="folder for checkpoints and per-run logs, kept afterwards "
-                        "(default: a temporary folder, removed at the end)")
+    parser.add_argument(
+        "--work",
+        help="folder for checkpoints and per-run logs, kept afterwards "
+        "(default: a temporary folder, removed at the end)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "loss_continuity"), help="CSV and JSON")
     parser.add_argument("--figures", help="where the PNGs go (default: docs/img, or --out with --smoke)")
     parser.add_argument("--steps", type=int, default=200)
@@ -227,15 +290,23 @@ def main() -> None:
     start = time.perf_counter()
     plan = experiments(args.smoke)
     with contextlib.ExitStack() as stack:
-        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ucp_lc_")))
+        work = (
+            Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ucp_lc_")))
+        )
         work.mkdir(parents=True, exist_ok=True)
         logs = run_all(args, work, plan)
     rows = summarize(args, plan, logs)
     write_csv(out / "losses.csv", plan, logs)
     for exp in plan:
         plot(figures / f"{exp.name}.png", exp, logs, args.resume_at)
-    report = {"date": datetime.date.today().isoformat(), "steps": args.steps, "resume_at": args.resume_at,
-              "launches": len(logs), "seconds": round(time.perf_counter() - start), "runs": rows}
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "steps": args.steps,
+        "resume_at": args.resume_at,
+        "launches": len(logs),
+        "seconds": round(time.perf_counter() - start),
+        "runs": rows,
+    }
     (out / "results.json").write_text(json.dumps(report, indent=1))
     text = table(report)
     print(text, flush=True)

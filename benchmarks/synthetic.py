@@ -14,6 +14,7 @@
 
 Rank 0 prints one JSON line starting with `RESULT `.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,12 @@ class SyntheticLM(torch.nn.Module):
     def __init__(self, layers: int, hidden: int, vocab: int) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                                              torch.nn.Linear(4 * hidden, hidden))
-                                          for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
+            )
+            for _ in range(layers)
+        )
         self.norm = torch.nn.LayerNorm(hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -63,14 +67,30 @@ class TensorParallelLM(torch.nn.Module):
         from megatron.core import ModelParallelConfig
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-        config = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True,
-                                     gradient_accumulation_fusion=False)
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=2, use_cpu_initialization=True, gradient_accumulation_fusion=False
+        )
         init = torch.nn.init.xavier_normal_
         self.embed = VocabParallelEmbedding(vocab, hidden, init_method=init, config=config)
-        self.blocks = torch.nn.ModuleList(torch.nn.ModuleList([
-            ColumnParallelLinear(hidden, 4 * hidden, config=config, init_method=init, gather_output=False, bias=True),
-            RowParallelLinear(4 * hidden, hidden, config=config, init_method=init, bias=True, input_is_parallel=True,
-                              skip_bias_add=False)]) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleList(
+                [
+                    ColumnParallelLinear(
+                        hidden, 4 * hidden, config=config, init_method=init, gather_output=False, bias=True
+                    ),
+                    RowParallelLinear(
+                        4 * hidden,
+                        hidden,
+                        config=config,
+                        init_method=init,
+                        bias=True,
+                        input_is_parallel=True,
+                        skip_bias_add=False,
+                    ),
+                ]
+            )
+            for _ in range(layers)
+        )
         self.norm = torch.nn.LayerNorm(hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -89,9 +109,19 @@ class MoELM(torch.nn.Module):
 
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.blocks = torch.nn.ModuleList(
-            MoE(hidden_size=hidden, expert=torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                                               torch.nn.Linear(4 * hidden, hidden)),
-                num_experts=EXPERTS, ep_size=ep, k=1, drop_tokens=False, use_rts=False) for _ in range(layers))
+            MoE(
+                hidden_size=hidden,
+                expert=torch.nn.Sequential(
+                    torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
+                ),
+                num_experts=EXPERTS,
+                ep_size=ep,
+                k=1,
+                drop_tokens=False,
+                use_rts=False,
+            )
+            for _ in range(layers)
+        )
         self.norm = torch.nn.LayerNorm(hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -112,12 +142,25 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
     layers, hidden, vocab = shape_for(args.params_m, EXPERTS if args.ep else 1)
     dp = dist.get_world_size() // args.tp
-    config = {"train_batch_size": dp, "train_micro_batch_size_per_gpu": 1,
-              "zero_optimization": {"stage": args.zero, "reduce_bucket_size": 10**7,
-                                    # ZeRO-3 on 4 CPU ranks of one machine: keep few gathered parameters alive
-                                    "stage3_max_live_parameters": 10**7, "stage3_prefetch_bucket_size": 10**7},
-              "checkpoint": {"universal": {"enabled": True, "progress": False, "verify": bool(args.verify),
-                                           "layout_rules": [{"match": r"norm\..*", "layout": "replicated"}]}}}
+    config = {
+        "train_batch_size": dp,
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {
+            "stage": args.zero,
+            "reduce_bucket_size": 10**7,
+            # ZeRO-3 on 4 CPU ranks of one machine: keep few gathered parameters alive
+            "stage3_max_live_parameters": 10**7,
+            "stage3_prefetch_bucket_size": 10**7,
+        },
+        "checkpoint": {
+            "universal": {
+                "enabled": True,
+                "progress": False,
+                "verify": bool(args.verify),
+                "layout_rules": [{"match": r"norm\..*", "layout": "replicated"}],
+            }
+        },
+    }
     # ZeRO-3: partition at construction, 4 full copies do not fit (Init parses the config even when disabled)
     with deepspeed.zero.Init(config_dict_or_path=config) if args.zero == 3 else contextlib.nullcontext():
         if args.ep:
@@ -147,9 +190,13 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--source")
     parser.add_argument("--verify", type=int, default=1, help="check every byte a load reads against its CRC")
-    parser.add_argument("--plain", action="store_true", help="load: DeepSpeed's own load, without ucp_deepspeed's checks")
+    parser.add_argument(
+        "--plain", action="store_true", help="load: DeepSpeed's own load, without ucp_deepspeed's checks"
+    )
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
-    parser.add_argument("--ep", type=int, default=0, help="DeepSpeed MoE blocks (4 experts) at this expert-parallel size")
+    parser.add_argument(
+        "--ep", type=int, default=0, help="DeepSpeed MoE blocks (4 experts) at this expert-parallel size"
+    )
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     if args.tp > 1:

@@ -6,10 +6,11 @@ frequencies to `torch.cuda.current_device()`, a `.cuda()` call when a tied outpu
 up on the last pipeline stage, and MoE's reference to Transformer Engine's GEMM on 0.16. Nothing here is imported by
 the library; the launch scripts call `install()` only when no GPU is present.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -78,8 +79,10 @@ def seed(base: int) -> None:
     tracker = CpuRngTracker()
     tracker.add(DATA_PARALLEL_RNG, base)
     tracker.add(MODEL_PARALLEL_RNG, base + 2718 + ps.get_tensor_model_parallel_rank())
-    tracker.add(EXPERT_PARALLEL_RNG, base + 1024 + 100 * ps.get_expert_model_parallel_rank()
-                + ps.get_expert_tensor_parallel_rank())
+    tracker.add(
+        EXPERT_PARALLEL_RNG,
+        base + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank(),
+    )
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.manual_seed(base)

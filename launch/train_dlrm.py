@@ -12,6 +12,7 @@ data-parallel size sees the same global batches.
 Rank 0 logs `step N loss L auc A world W` and, with --results, writes a JSON report. With
 --snapshots it stores the full fp32 weights and optimizer states at every save and after a resume.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,7 @@ def batch(step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(10_000 + step)
     n = args.batch
     dense = torch.randn(n, DENSE, generator=g)
-    ids = torch.stack([torch.stack([zipf_ids(g, n, rows, args.alpha) for _ in range(BAG)], 1)
-                       for rows in args.rows], 1)
+    ids = torch.stack([torch.stack([zipf_ids(g, n, rows, args.alpha) for _ in range(BAG)], 1) for rows in args.rows], 1)
     teacher = torch.Generator().manual_seed(7)
     w_dense = torch.randn(DENSE, generator=teacher)
     score = dense @ w_dense
@@ -100,14 +100,23 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     if args.policy:
         checkpoint["differential"] = {"policy": args.policy}
     if args.bits or args.expected_restores is not None:
-        checkpoint["quantize"] = {"method": args.method, **({"bits": args.bits} if args.bits else {}),
-                                  **({"expected_restores": args.expected_restores}
-                                     if args.expected_restores is not None else {})}
-    optimizer = (torch.optim.Adagrad(model.parameters(), lr=args.lr) if args.optimizer == "adagrad"
-                 else torch.optim.SGD(model.parameters(), lr=args.lr))
-    config = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // dist.get_world_size(),
-              "zero_optimization": {"stage": args.zero}, "zero_allow_untested_optimizer": True,
-              "checkpoint": checkpoint}
+        checkpoint["quantize"] = {
+            "method": args.method,
+            **({"bits": args.bits} if args.bits else {}),
+            **({"expected_restores": args.expected_restores} if args.expected_restores is not None else {}),
+        }
+    optimizer = (
+        torch.optim.Adagrad(model.parameters(), lr=args.lr)
+        if args.optimizer == "adagrad"
+        else torch.optim.SGD(model.parameters(), lr=args.lr)
+    )
+    config = {
+        "train_batch_size": args.batch,
+        "train_micro_batch_size_per_gpu": args.batch // dist.get_world_size(),
+        "zero_optimization": {"stage": args.zero},
+        "zero_allow_untested_optimizer": True,
+        "checkpoint": checkpoint,
+    }
     engine, _, _, _ = ucp_deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -203,11 +212,16 @@ def main() -> None:
             if dist.get_rank() == 0:
                 with open(os.path.join(tag_dir, "manifest.json")) as f:
                     manifest = json.load(f)
-                saves.append({"step": engine.global_steps, "seconds": seconds,
-                              "bytes": sum(v["bytes"] for v in manifest["files"].values()),
-                              "kind": manifest["differential"]["kind"],
-                              "bits": (manifest["differential"]["quantize"] or {}).get("bits"),
-                              "changed_fraction": manifest["differential"]["changed_fraction"]})
+                saves.append(
+                    {
+                        "step": engine.global_steps,
+                        "seconds": seconds,
+                        "bytes": sum(v["bytes"] for v in manifest["files"].values()),
+                        "kind": manifest["differential"]["kind"],
+                        "bits": (manifest["differential"]["quantize"] or {}).get("bits"),
+                        "changed_fraction": manifest["differential"]["changed_fraction"],
+                    }
+                )
                 prune(args.ckpt_dir, args.keep)
             dist.barrier()
         if engine.global_steps == args.stop_at:
@@ -218,9 +232,20 @@ def main() -> None:
         print(f"eval loss {eval_loss:.6f} auc {eval_auc:.6f}", flush=True)
         if args.results:
             with open(args.results, "w") as f:
-                json.dump({"resumed": resumed, "log": log, "saves": saves, "final_step": engine.global_steps,
-                           "eval_loss": eval_loss, "eval_auc": eval_auc, "step_seconds": step_time,
-                           "tracking_seconds": tracker.seconds if tracker is not None else 0.0}, f, indent=1)
+                json.dump(
+                    {
+                        "resumed": resumed,
+                        "log": log,
+                        "saves": saves,
+                        "final_step": engine.global_steps,
+                        "eval_loss": eval_loss,
+                        "eval_auc": eval_auc,
+                        "step_seconds": step_time,
+                        "tracking_seconds": tracker.seconds if tracker is not None else 0.0,
+                    },
+                    f,
+                    indent=1,
+                )
     dist.barrier()
     dist.destroy_process_group()
 

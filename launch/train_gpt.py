@@ -15,6 +15,7 @@ stage. The schedule is a plain fill-drain over micro-batches, in the order DeepS
 PipelineEngine uses with ZeRO-1: backward without gradient reduction, all-reduce of the tied
 embedding's gradient between the first and last stage, then reduction and step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ import sys
 import time
 
 import deepspeed
+import megatron_cpu
 import torch
 import torch.distributed as dist
+from compare import compare
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from megatron.core import parallel_state as ps
@@ -44,22 +47,29 @@ from ucp_deepspeed.runtime.capture import infos
 from ucp_deepspeed.sources import list_tags
 from ucp_deepspeed.sources.tags import prune
 
-import megatron_cpu  # noqa: E402  (beside this script: CPU stand-ins for megatron-core's CUDA-only helpers)
-from compare import compare  # noqa: E402  (launch/compare.py, next to this script)
-
-VOCAB = 70             # padded to a multiple of 8 * tp: 72 at tp=1, 80 at tp=2
+VOCAB = 70  # padded to a multiple of 8 * tp: 72 at tp=1, 80 at tp=2
 PAD_MULTIPLE = 8
 SEQ = 8
-GLOBAL_BATCH = 12      # divisible by every data-parallel size from 1 to 4
+GLOBAL_BATCH = 12  # divisible by every data-parallel size from 1 to 4
 STEPS = 3
 CONT = 3
 EXPERTS = 4
 
 ARCHS = {
-    "gpt": {"normalization": "LayerNorm", "gated_linear_unit": False, "activation_func": torch.nn.functional.gelu,
-            "add_bias_linear": True, "position_embedding_type": "learned_absolute"},
-    "llama": {"normalization": "RMSNorm", "gated_linear_unit": True, "activation_func": torch.nn.functional.silu,
-              "add_bias_linear": False, "position_embedding_type": "rope"},
+    "gpt": {
+        "normalization": "LayerNorm",
+        "gated_linear_unit": False,
+        "activation_func": torch.nn.functional.gelu,
+        "add_bias_linear": True,
+        "position_embedding_type": "learned_absolute",
+    },
+    "llama": {
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "position_embedding_type": "rope",
+    },
 }
 
 
@@ -73,38 +83,67 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
     arch = dict(ARCHS[args.arch])
     position = arch.pop("position_embedding_type")
     if args.moe:  # 4 experts, top-2, SequentialMLP; the load-balancing loss is per rank, so it is left out
-        arch.update(num_moe_experts=EXPERTS, moe_router_topk=2, expert_model_parallel_size=args.ep,
-                    moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
-                    add_bias_linear=False)
+        arch.update(
+            num_moe_experts=EXPERTS,
+            moe_router_topk=2,
+            expert_model_parallel_size=args.ep,
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="allgather",
+            moe_aux_loss_coeff=0.0,
+            add_bias_linear=False,
+        )
     megatron_cpu.seed(1234)
     config = TransformerConfig(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        num_layers=num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
         num_layers_in_first_pipeline_stage=args.first_stage_layers or None,
         num_layers_in_last_pipeline_stage=(num_layers - args.first_stage_layers) if args.first_stage_layers else None,
-        **arch)
+        **arch,
+    )
     with megatron_cpu.cpu_model_construction():
-        spec = get_gpt_layer_local_spec(num_experts=EXPERTS if args.moe else None, moe_grouped_gemm=False,
-                                        normalization=config.normalization)
-        model = GPTModel(config, spec,
-                         vocab_size=padded_vocab(args.tp), max_sequence_length=SEQ,
-                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                         share_embeddings_and_output_weights=True, position_embedding_type=position)
+        spec = get_gpt_layer_local_spec(
+            num_experts=EXPERTS if args.moe else None, moe_grouped_gemm=False, normalization=config.normalization
+        )
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=padded_vocab(args.tp),
+            max_sequence_length=SEQ,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=True,
+            position_embedding_type=position,
+        )
     tied = model.shared_embedding_or_output_weight() if (model.pre_process or model.post_process) else None
     if tied is not None:
         with torch.no_grad():  # padding rows start at zero and, with padded logits masked, stay there
             rows = tied.shape[0]
             first = ps.get_tensor_model_parallel_rank() * rows
-            tied[max(0, VOCAB - first):].zero_()
+            tied[max(0, VOCAB - first) :].zero_()
         if not model.pre_process:
             tied.ds_pipe_replicated = True  # DeepSpeed counts it once in the gradient norm
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    groups = [{"params": decay, "weight_decay": 0.1, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95), "name": "no_decay"}]
+    groups = [
+        {"params": decay, "weight_decay": 0.1, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95), "name": "no_decay"},
+    ]
     if ucp_deepspeed.runtime.mpu.register_megatron_experts(model):  # experts get their own expert-data-parallel groups
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = torch.optim.AdamW(groups, lr=1e-3)
@@ -114,12 +153,21 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
         "gradient_accumulation_steps": micro_batches(),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.zero},
-        "checkpoint": {"universal": {"enabled": True, "progress": False, "vocab_size": VOCAB,
-                                     "async_save": getattr(args, "async_save", False)}},
+        "checkpoint": {
+            "universal": {
+                "enabled": True,
+                "progress": False,
+                "vocab_size": VOCAB,
+                "async_save": getattr(args, "async_save", False),
+            }
+        },
     }
     engine, _, _, _ = ucp_deepspeed.initialize(
-        model=model, optimizer=optimizer, config=cfg,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
+        model=model,
+        optimizer=optimizer,
+        config=cfg,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)),
+    )
     if args.pp > 1:
         engine.enable_backward_allreduce = False  # reduce once per step, after the tied-gradient sync
     return engine
@@ -158,7 +206,7 @@ def batch(step: int, data: str = "random") -> list[torch.Tensor]:
     tokens = global_tokens(step, data)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = GLOBAL_BATCH // dp
-    return list(tokens[rank * per:(rank + 1) * per].chunk(micro_batches()))
+    return list(tokens[rank * per : (rank + 1) * per].chunk(micro_batches()))
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -203,14 +251,19 @@ def train(engine: deepspeed.DeepSpeedEngine, steps: int, data: str = "random") -
             if m + 1 < len(micro):
                 engine.step()
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            tied = engine.module.shared_embedding_or_output_weight() \
-                if engine.module.pre_process or engine.module.post_process else None
+            tied = (
+                engine.module.shared_embedding_or_output_weight()
+                if engine.module.pre_process or engine.module.post_process
+                else None
+            )
             if tied is not None:
                 dist.all_reduce(tied.grad, group=ps.get_embedding_group())
             engine.allreduce_gradients()
         engine.step()
         dist.all_reduce(total)
-        out_losses.append(total.item() / (ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()))
+        out_losses.append(
+            total.item() / (ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size())
+        )
     return out_losses
 
 
@@ -252,11 +305,12 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict | None:
             snap[k].update(piece[k])
     snap["steps"] = parts[0]["steps"]
     # DeepSpeed names MoE param groups after the expert-parallel size: structure, not a hyperparameter
-    snap["hyperparams"] = [{k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups]
+    snap["hyperparams"] = [
+        {k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups
+    ]
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap
-
 
 
 def tied_copies_agree(snap: dict) -> list[str]:
@@ -298,8 +352,10 @@ def do_save(args: argparse.Namespace) -> None:
     cont = train(engine, CONT)
     if dist.get_rank() == 0:
         print(f"[{layout_name(args)}] losses {losses} then {cont}; saved {len(snap['fp32'])} params", flush=True)
-        torch.save({"snapshot": snap, "continuation": cont, "layout": layout_name(args)},
-                   os.path.join(args.out, "reference.pt"))
+        torch.save(
+            {"snapshot": snap, "continuation": cont, "layout": layout_name(args)},
+            os.path.join(args.out, "reference.pt"),
+        )
 
 
 def do_load(args: argparse.Namespace) -> None:
@@ -313,16 +369,31 @@ def do_load(args: argparse.Namespace) -> None:
             engine.save_checkpoint(args.resave)
         losses = train(engine, CONT)
         if dist.get_rank() == 0:
-            diffs = compare({k: v for k, v in ref["snapshot"].items() if k != "alias"},
-                            {k: v for k, v in snap.items() if k != "alias"}) + tied_copies_agree(snap)
+            diffs = compare(
+                {k: v for k, v in ref["snapshot"].items() if k != "alias"},
+                {k: v for k, v in snap.items() if k != "alias"},
+            ) + tied_copies_agree(snap)
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
             report = engine.ucp_last_load
-            results.append({"source": source, "saved": report.saved, "live": report.live, "mode": report.mode,
-                            "diffs": diffs, "tensors": len(snap["fp32"]) + len(snap["state"]),
-                            "aliases": len(snap["alias"]), "losses": losses, "reference_losses": ref["continuation"],
-                            "max_rel_loss": rel if math.isfinite(rel) else 1e9})
-            print(f"[{layout_name(args)}] from {ref['layout']}: {report.mode}, "
-                  f"{len(diffs)} differences, losses {losses} vs {ref['continuation']}", flush=True)
+            results.append(
+                {
+                    "source": source,
+                    "saved": report.saved,
+                    "live": report.live,
+                    "mode": report.mode,
+                    "diffs": diffs,
+                    "tensors": len(snap["fp32"]) + len(snap["state"]),
+                    "aliases": len(snap["alias"]),
+                    "losses": losses,
+                    "reference_losses": ref["continuation"],
+                    "max_rel_loss": rel if math.isfinite(rel) else 1e9,
+                }
+            )
+            print(
+                f"[{layout_name(args)}] from {ref['layout']}: {report.mode}, "
+                f"{len(diffs)} differences, losses {losses} vs {ref['continuation']}",
+                flush=True,
+            )
         del engine
     if dist.get_rank() == 0:
         with open(args.results, "w") as f:
@@ -340,8 +411,11 @@ def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int, background: b
     import ucp_deepspeed.runtime.async_save
 
     def doomed(path: str) -> bool:
-        return f"global_step{step}" in path and dist.get_rank() == dist.get_world_size() - 1 \
+        return (
+            f"global_step{step}" in path
+            and dist.get_rank() == dist.get_world_size() - 1
             and path.endswith("optim_states.pt")
+        )
 
     def die(data: memoryview, path: str, linger: float = 0.0) -> None:
         with open(path, "wb") as f:
@@ -428,28 +502,40 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", help="train: checkpoint directory, resumed from when it holds a tag")
     parser.add_argument("--steps", type=int, default=8, help="train: last step")
     parser.add_argument("--ckpt-every", type=int, default=2, help="train: 0 saves nothing")
-    parser.add_argument("--data", choices=["random", "markov"], default="random",
-                        help="train: token distribution (markov is learnable, so the loss falls)")
+    parser.add_argument(
+        "--data",
+        choices=["random", "markov"],
+        default="random",
+        help="train: token distribution (markov is learnable, so the loss falls)",
+    )
     parser.add_argument("--keep", type=int, default=2, help="train: complete checkpoints to keep")
     parser.add_argument("--snapshots", action="store_true", help="train: store the full state at saves and resumes")
     parser.add_argument("--die-in-save", type=int, default=0, help="train (tests): SIGKILL the last rank mid-save")
     parser.add_argument("--async-save", action="store_true", help="train: write checkpoints in the background")
-    parser.add_argument("--step-delay", type=float, default=0.0,
-                        help="train: seconds to wait after each step, so a test can kill a node mid-run")
+    parser.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="train: seconds to wait after each step, so a test can kill a node mid-run",
+    )
     parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
     parser.add_argument("--out")
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--resave")
     parser.add_argument("--results")
-    parser.add_argument("--init-from", help="train: start from this checkpoint (e.g. a universal folder from "
-                        "ucp import-hf) instead of resuming from --ckpt-dir")
+    parser.add_argument(
+        "--init-from",
+        help="train: start from this checkpoint (e.g. a universal folder from "
+        "ucp import-hf) instead of resuming from --ckpt-dir",
+    )
     parser.add_argument("--init-tag", help="train: the tag of --init-from to start from (default: the latest)")
     parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens (pp=1)")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                 expert_model_parallel_size=args.ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep
+    )
     megatron_cpu.install()
     {"save": do_save, "load": do_load, "train": do_train}[args.mode](args)
     dist.barrier()

@@ -12,6 +12,7 @@ Probes, written by rank 0 into DIR: `losses.json` (global-mean loss per step), a
 the full fp32 weights, every Adam state and counters at each save (`saved_step<K>.pt`) and right
 after a resume (`resumed_step<K>.pt`), gathered over ZeRO partitions with DeepSpeed's own helpers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,27 @@ def model() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(1234)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
 def ds_config(zero: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": {"stage": zero}}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": zero},
+    }
 
 
 def configure_cpu_state() -> bool:
@@ -102,31 +115,44 @@ def do_train(args: argparse.Namespace) -> None:
     losses: dict[int, float] = {}
 
     class Probe(TrainerCallback):
-        def on_log(self, targs, state, control, logs=None, **kw):  # noqa: ANN001
+        def on_log(self, targs, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 losses[state.global_step] = logs["loss"]
 
-        def on_save(self, targs, state, control, **kw):  # noqa: ANN001
+        def on_save(self, targs, state, control, **kw):
             save_probe(args.out, f"saved_step{state.global_step}.pt", snapshot(trainer.model_wrapped))
 
-        def on_train_begin(self, targs, state, control, **kw):  # noqa: ANN001
+        def on_train_begin(self, targs, state, control, **kw):
             if args.resume:
                 save_probe(args.out, f"resumed_step{state.global_step}.pt", snapshot(trainer.model_wrapped))
 
-        def on_step_end(self, targs, state, control, **kw):  # noqa: ANN001
+        def on_step_end(self, targs, state, control, **kw):
             torch.rand(1)  # draw from the CPU generator each step, as dropout would, so a missing RNG restore shows
 
-        def on_step_begin(self, targs, state, control, **kw):  # noqa: ANN001
+        def on_step_begin(self, targs, state, control, **kw):
             if args.resume and not os.path.exists(os.path.join(args.out, "rng_resumed.pt")):
                 save_probe(args.out, "rng_resumed.pt", torch.random.get_rng_state())  # what the Trainer restored
 
     targs = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // (world * args.grad_accum),
-        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps,
-        save_strategy="steps", save_steps=args.save_steps, logging_steps=1, learning_rate=2e-3,
-        lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, seed=1234, report_to="none",
-        deepspeed=ds_config(args.zero), dataloader_num_workers=0, disable_tqdm=True, save_only_model=False,
-        accelerator_config={"use_configured_state": configure_cpu_state()})
+        output_dir=args.out,
+        per_device_train_batch_size=GLOBAL_BATCH // (world * args.grad_accum),
+        gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.steps,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        logging_steps=1,
+        learning_rate=2e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        weight_decay=0.01,
+        seed=1234,
+        report_to="none",
+        deepspeed=ds_config(args.zero),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        save_only_model=False,
+        accelerator_config={"use_configured_state": configure_cpu_state()},
+    )
     trainer = Trainer(model=model(), args=targs, train_dataset=dataset(), callbacks=[Probe()])
     trainer.train(resume_from_checkpoint=args.resume)
     import torch.distributed as dist
@@ -135,9 +161,18 @@ def do_train(args: argparse.Namespace) -> None:
         engine = trainer.model_wrapped
         report = getattr(engine, "ucp_last_load", None)
         with open(os.path.join(args.out, "losses.json"), "w") as f:
-            json.dump({"losses": losses, "global_step": trainer.state.global_step, "world": world,
-                       "load": None if report is None else {"mode": report.mode, "saved": report.saved,
-                                                            "live": report.live}}, f, indent=1)
+            json.dump(
+                {
+                    "losses": losses,
+                    "global_step": trainer.state.global_step,
+                    "world": world,
+                    "load": None
+                    if report is None
+                    else {"mode": report.mode, "saved": report.saved, "live": report.live},
+                },
+                f,
+                indent=1,
+            )
 
 
 def do_accelerate(args: argparse.Namespace) -> None:
@@ -147,8 +182,12 @@ def do_accelerate(args: argparse.Namespace) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     configure_cpu_state()
-    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
-           "gradient_clipping": 1.0, "zero_optimization": {"stage": args.zero}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.zero},
+    }
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
     set_seed(1234)
     net = model()
@@ -161,8 +200,10 @@ def do_accelerate(args: argparse.Namespace) -> None:
         step = net.global_steps
         save_probe(args.out, f"resumed_step{step}.pt", snapshot(net))
         # what each process restored from random_states_<i>.pkl, before this loop draws anything
-        torch.save({"rng": torch.random.get_rng_state(), "step": accelerator.step},
-                   os.path.join(args.out, f"restored_rank{accelerator.process_index}.pt"))
+        torch.save(
+            {"rng": torch.random.get_rng_state(), "step": accelerator.step},
+            os.path.join(args.out, f"restored_rank{accelerator.process_index}.pt"),
+        )
     batches = iter(loader)
     for _ in range(step):
         next(batches)  # the same samples in the same order: the global batch is fixed
@@ -181,9 +222,18 @@ def do_accelerate(args: argparse.Namespace) -> None:
     if accelerator.is_main_process:
         report = getattr(net, "ucp_last_load", None)
         with open(os.path.join(args.out, "losses.json"), "w") as f:
-            json.dump({"losses": losses, "global_step": step, "world": world,
-                       "load": None if report is None else {"mode": report.mode, "saved": report.saved,
-                                                            "live": report.live}}, f, indent=1)
+            json.dump(
+                {
+                    "losses": losses,
+                    "global_step": step,
+                    "world": world,
+                    "load": None
+                    if report is None
+                    else {"mode": report.mode, "saved": report.saved, "live": report.live},
+                },
+                f,
+                indent=1,
+            )
 
 
 def main() -> None:
@@ -195,8 +245,12 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=4)
     parser.add_argument("--resume", help="checkpoint folder to resume from")
-    parser.add_argument("--grad-accum", type=int, default=1, help="train: gradient accumulation steps; the "
-                        "per-device batch shrinks to keep the global batch")
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="train: gradient accumulation steps; the per-device batch shrinks to keep the global batch",
+    )
     parser.add_argument("--no-install", action="store_true", help="leave ucp_deepspeed out (plain DeepSpeed)")
     args = parser.parse_args()
     if not args.no_install:

@@ -12,6 +12,7 @@ Used by launch/demo.sh and by the end-to-end tests (one torchrun launch per layo
 
 One launch handles several checkpoints, because each launch pays for importing DeepSpeed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,16 @@ class TinyMoE(TinyLM):
         sharded_moe.gumbel_rsample = lambda shape, device: torch.zeros(shape, device=device)
         self.norm = torch.nn.LayerNorm(24)
         expert = torch.nn.Sequential(torch.nn.Linear(24, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 24))
-        self.moe = MoE(hidden_size=24, expert=expert, num_experts=experts, ep_size=ep, k=2, min_capacity=64,
-                       drop_tokens=False, use_rts=False)
+        self.moe = MoE(
+            hidden_size=24,
+            expert=expert,
+            num_experts=experts,
+            ep_size=ep,
+            k=2,
+            min_capacity=64,
+            drop_tokens=False,
+            use_rts=False,
+        )
 
     def block(self, x: torch.Tensor) -> torch.Tensor:
         # the load-balancing loss is left out: it is computed per rank, so it changes with the DP size
@@ -123,8 +132,9 @@ def ds_config(variant: dict, dp: int) -> dict:
     return cfg
 
 
-def build(variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1,
-          experts: int = EXPERTS, plain: bool = False) -> deepspeed.DeepSpeedEngine:
+def build(
+    variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1, experts: int = EXPERTS, plain: bool = False
+) -> deepspeed.DeepSpeedEngine:
     """The engine of a variant; `stock` builds it with plain DeepSpeed loading its universal format, `plain`
     with plain DeepSpeed and no ucp_deepspeed at all (its checkpoints carry no ucp metadata)."""
     variant = VARIANTS[variant_name]
@@ -133,14 +143,19 @@ def build(variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1,
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
     if variant.get("optimizer") == "sgd":
-        groups = [{"params": decay, "weight_decay": 0.1},
-                  {"params": no_decay, "weight_decay": 0.0, "lr": 0.05, "momentum": 0.8}]
+        groups = [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 0.05, "momentum": 0.8},
+        ]
         optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     else:
-        groups = [{"params": decay, "weight_decay": 0.1, "name": "decay"},
-                  {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95), "name": "no_decay"}]
+        groups = [
+            {"params": decay, "weight_decay": 0.1, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95), "name": "no_decay"},
+        ]
         if variant.get("moe"):  # DeepSpeed partitions experts over their own data-parallel groups
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = torch.optim.AdamW(groups, lr=2e-3)
     config = ds_config(variant, dist.get_world_size())
@@ -151,8 +166,12 @@ def build(variant_name: str, hidden: int = 40, stock: bool = False, ep: int = 1,
     if plain:
         del config["checkpoint"]
         init = deepspeed.initialize
-    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config,
-                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)))
+    engine, _, _, _ = init(
+        model=model,
+        optimizer=optimizer,
+        config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)),
+    )
     return engine
 
 
@@ -162,7 +181,7 @@ def batch(step: int, engine: deepspeed.DeepSpeedEngine) -> torch.Tensor:
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     dp, rank = dist.get_world_size(), dist.get_rank()
     per = GLOBAL_BATCH // dp
-    return tokens[rank * per:(rank + 1) * per]
+    return tokens[rank * per : (rank + 1) * per]
 
 
 def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
@@ -211,12 +230,13 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     for name, b in engine.module.named_buffers():
         snap["buffers"][name] = b.detach().cpu().clone()
     # DeepSpeed names MoE param groups after the expert-parallel size ("ep_size_2"): structure, not a hyperparameter
-    snap["hyperparams"] = [{k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups]
+    snap["hyperparams"] = [
+        {k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups
+    ]
     snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap
-
 
 
 def count_tensors(snap: dict) -> int:
@@ -237,16 +257,28 @@ def do_save(args: argparse.Namespace) -> None:
             engine.save_checkpoint(ckpt, client_state=client_state(engine))
         losses = train(engine, STEPS - early)
         snap = snapshot(engine)
-        engine.save_checkpoint(ckpt, client_state=client_state(engine),
-                               exclude_frozen_parameters=VARIANTS[name].get("exclude_frozen", False))
+        engine.save_checkpoint(
+            ckpt,
+            client_state=client_state(engine),
+            exclude_frozen_parameters=VARIANTS[name].get("exclude_frozen", False),
+        )
         if dist.get_rank() == 0:
-            print(f"[{name} dp={dist.get_world_size()}] step {engine.global_steps} loss {losses[-1]:.6f}; "
-                  f"saved {count_tensors(snap)} tensors to {ckpt}", flush=True)
+            print(
+                f"[{name} dp={dist.get_world_size()}] step {engine.global_steps} loss {losses[-1]:.6f}; "
+                f"saved {count_tensors(snap)} tensors to {ckpt}",
+                flush=True,
+            )
         cont = train(engine, CONT)
         if dist.get_rank() == 0:
-            torch.save({"snapshot": snap, "continuation": cont, "client_state": client_state(engine) | {
-                "sampler_position": snap["counters"][1]}, "dp": dist.get_world_size()},
-                       os.path.join(ckpt, "reference.pt"))
+            torch.save(
+                {
+                    "snapshot": snap,
+                    "continuation": cont,
+                    "client_state": client_state(engine) | {"sampler_position": snap["counters"][1]},
+                    "dp": dist.get_world_size(),
+                },
+                os.path.join(ckpt, "reference.pt"),
+            )
         dist.barrier()
 
 
@@ -277,9 +309,15 @@ def do_stock(args: argparse.Namespace) -> None:
         ref = torch.load(os.path.join(args.source[0], "reference.pt"), weights_only=False)["snapshot"]
         ref = {k: ref[k] for k in ("fp32", "state", "steps", "hyperparams")}
         with open(args.results, "w") as f:
-            json.dump({"vs_reference": [compare(ref, s) for s in snaps],
-                       "vs_first": [compare(snaps[0], s) for s in snaps[1:]],
-                       "tensors": count_tensors({**snaps[0], "lp": {}, "buffers": {}})}, f, indent=1)
+            json.dump(
+                {
+                    "vs_reference": [compare(ref, s) for s in snaps],
+                    "vs_first": [compare(snaps[0], s) for s in snaps[1:]],
+                    "tensors": count_tensors({**snaps[0], "lp": {}, "buffers": {}}),
+                },
+                f,
+                indent=1,
+            )
 
 
 def do_expect_error(args: argparse.Namespace) -> None:
@@ -308,9 +346,9 @@ def do_load(args: argparse.Namespace) -> None:
         return do_mismatch(args)
     if args.stock:
         return do_stock(args)
-    name = args.variant[0]
+    cases = args.case or [[args.variant[0], *args.source]]
     results = []
-    for source in args.source:
+    for name, source in ((case[0], src) for case in cases for src in case[1:]):
         ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False)
         engine = build(name, ep=args.ep)
         path, client = engine.load_checkpoint(source)
@@ -320,14 +358,29 @@ def do_load(args: argparse.Namespace) -> None:
         losses = train(engine, CONT)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
         report = engine.ucp_last_load
-        results.append({"source": source, "target": name, "dp": dist.get_world_size(), "path": path,
-                        "mode": report.mode, "saved": report.saved, "live": report.live,
-                        "diffs": diffs, "tensors": count_tensors(snap), "losses": losses,
-                        "reference_losses": ref["continuation"], "max_rel_loss": rel if math.isfinite(rel) else 1e9})
+        results.append(
+            {
+                "source": source,
+                "target": name,
+                "dp": dist.get_world_size(),
+                "path": path,
+                "mode": report.mode,
+                "saved": report.saved,
+                "live": report.live,
+                "diffs": diffs,
+                "tensors": count_tensors(snap),
+                "losses": losses,
+                "reference_losses": ref["continuation"],
+                "max_rel_loss": rel if math.isfinite(rel) else 1e9,
+            }
+        )
         if dist.get_rank() == 0:
-            print(f"[{name} dp={dist.get_world_size()}] from {os.path.basename(source)}: step {engine.global_steps} "
-                  f"loss {losses[-1]:.6f}; restored {count_tensors(snap)} tensors "
-                  f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'}", flush=True)
+            print(
+                f"[{name} dp={dist.get_world_size()}] from {os.path.basename(source)}: step {engine.global_steps} "
+                f"loss {losses[-1]:.6f}; restored {count_tensors(snap)} tensors "
+                f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'}",
+                flush=True,
+            )
     if dist.get_rank() == 0:
         with open(args.results, "w") as f:
             json.dump(results, f, indent=1)
@@ -336,12 +389,20 @@ def do_load(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "load"])
-    parser.add_argument("--variant", nargs="+", required=True, choices=sorted(VARIANTS))
+    parser.add_argument("--variant", nargs="+", default=[], choices=sorted(VARIANTS))
     parser.add_argument("--out")
     parser.add_argument("--source", nargs="*", default=[])
     parser.add_argument("--results")
-    parser.add_argument("--mismatch", action="store_true",
-                        help="load into a wider model (MoE: twice the experts); expect a clear error")
+    parser.add_argument(
+        "--case",
+        nargs="+",
+        action="append",
+        metavar="VARIANT SOURCE",
+        help="load: a target variant and the sources it loads; repeat to load several targets in one launch",
+    )
+    parser.add_argument(
+        "--mismatch", action="store_true", help="load into a wider model (MoE: twice the experts); expect a clear error"
+    )
     parser.add_argument("--stock", action="store_true", help="load DeepSpeed universal folders with plain DeepSpeed")
     parser.add_argument("--expect-error", action="store_true", help="load damaged checkpoints; record each error")
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")

@@ -1,4 +1,5 @@
 """Shared fixtures: torchrun launches on gloo/CPU and one set of saved source checkpoints per session."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,22 @@ def torch_env() -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 300, attempts: int = 1,
-             worker: Path = WORKER, module: str | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *args: str, timeout: int = 300, attempts: int = 1, worker: Path = WORKER, module: str | None = None
+) -> subprocess.CompletedProcess:
     """Run a launch/ script under `torchrun --standalone` (through `-m module` if given); fail the test with the
     output tail on error."""
     runner = ["-m", module] if module else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *runner, str(worker), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *runner,
+        str(worker),
+        *args,
+    ]
     for attempt in range(1, attempts + 1):
         proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:

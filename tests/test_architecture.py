@@ -3,6 +3,7 @@
 Layers, lowest first (docs/architecture.md): a module may import its own layer and those below it.
 `compat` is the one seam to DeepSpeed, megatron-core and transformers internals; any layer may use it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -85,7 +86,9 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
 @pytest.mark.parametrize("module", ["ucp_deepspeed.tools.cli", "ucp_deepspeed"])
 def test_the_ucp_command_imports_no_training_framework(module):
     """`ucp convert|inspect|verify` run where DeepSpeed, megatron-core and transformers cost seconds to import."""
-    code = (f"import sys, {module}; heavy = [m for m in ('deepspeed', 'megatron', 'transformers', 'accelerate') "
-            "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
+    code = (
+        f"import sys, {module}; heavy = [m for m in ('deepspeed', 'megatron', 'transformers', 'accelerate') "
+        "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -1,5 +1,6 @@
 """The async checkpoint engine on its own, in one process: snapshots are exact and isolated from later
 updates, files appear only whole, and a failed background write is an error, never a moved `latest`."""
+
 from __future__ import annotations
 
 import errno
@@ -25,17 +26,28 @@ def one_rank_world():
 
 def _state() -> dict:
     flat = torch.arange(12, dtype=torch.float32)
-    return {"optimizer_state_dict": {"state": {0: {"exp_avg": torch.randn(3, 4), "step": torch.tensor(5.0)}},
-                                     "param_groups": [{"lr": 1e-3, "params": [0]}]},
-            "fp32_flat_groups": [flat], "views": OrderedDict(a=flat[:6], b=flat[6:].view(2, 3)),
-            "ds_version": "0.19.8", "shape": (3, 4)}
+    return {
+        "optimizer_state_dict": {
+            "state": {0: {"exp_avg": torch.randn(3, 4), "step": torch.tensor(5.0)}},
+            "param_groups": [{"lr": 1e-3, "params": [0]}],
+        },
+        "fp32_flat_groups": [flat],
+        "views": OrderedDict(a=flat[:6], b=flat[6:].view(2, 3)),
+        "ds_version": "0.19.8",
+        "shape": (3, 4),
+    }
 
 
 def test_snapshot_is_a_copy_and_keeps_shared_storage():
     state = _state()
     snap = snapshot(state)
-    expected = {k: v.clone() for k, v in (("flat", state["fp32_flat_groups"][0]),
-                                          ("exp_avg", state["optimizer_state_dict"]["state"][0]["exp_avg"]))}
+    expected = {
+        k: v.clone()
+        for k, v in (
+            ("flat", state["fp32_flat_groups"][0]),
+            ("exp_avg", state["optimizer_state_dict"]["state"][0]["exp_avg"]),
+        )
+    }
     state["fp32_flat_groups"][0].add_(1)  # training goes on after save_checkpoint returns
     state["optimizer_state_dict"]["state"][0]["exp_avg"].mul_(2)
     assert torch.equal(snap["fp32_flat_groups"][0], expected["flat"])
@@ -60,7 +72,9 @@ def test_background_writes_then_commit(tmp_path):
     assert engine.commit(info) and engine.get_commit_info() is None
     loaded = torch.load(path, weights_only=False)
     assert torch.equal(loaded["optimizer_state_dict"]["state"][0]["exp_avg"], expected)
-    assert loaded["views"]["b"].untyped_storage().data_ptr() == loaded["fp32_flat_groups"][0].untyped_storage().data_ptr()
+    assert (
+        loaded["views"]["b"].untyped_storage().data_ptr() == loaded["fp32_flat_groups"][0].untyped_storage().data_ptr()
+    )
     assert os.listdir(tmp_path / "global_step2") == ["mp_rank_00_model_states.pt"], "no temporary file left behind"
     with pytest.raises(CheckpointError, match="still being written"):
         engine.create(info)
@@ -81,7 +95,9 @@ def test_failed_write_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
     path = str(tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     engine.save(_state(), path)
     engine.wait()
-    with pytest.raises(CheckpointError, match=r"global_step4: async save: 1 file\(s\) failed to write.*No space left on device"):
+    with pytest.raises(
+        CheckpointError, match=r"global_step4: async save: 1 file\(s\) failed to write.*No space left on device"
+    ):
         engine.get_commit_info()
     assert os.listdir(tmp_path / "global_step4") == []
     engine.cleanup()

@@ -1,4 +1,5 @@
 """The benchmarks keep working: smoke runs at tiny sizes (loss continuity also checks its numbers)."""
+
 from __future__ import annotations
 
 import csv
@@ -28,8 +29,17 @@ def test_checkn_run_benchmark_smoke(tmp_path):
 def test_loss_continuity_short(tmp_path):
     """The paper's loss-continuity run, shortened: a resharding regression splits the curves and fails here."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "loss_continuity.py"), "--smoke", "--work",
-           str(tmp_path / "work"), "--out", str(out), "--bound", "1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "loss_continuity.py"),
+        "--smoke",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--bound",
+        "1",
+    ]
     proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]

@@ -5,6 +5,7 @@ Without quantization the resumed fp32 weights and optimizer states are torch.equ
 with it, dense parameters and optimizer states still are, and every table row is within the
 quantizer's bound. A missing or corrupt chain element is an error, never a partial restore.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,23 @@ CASES = {  # name: (policy, extra options, saved at (dp, zero), resumed at (dp, 
 
 
 def _train(ckpt: Path, policy: str, extra: list[str], dp: int, zero: int, steps: int) -> None:
-    torchrun(dp, "train", "--ckpt-dir", str(ckpt), "--policy", policy, "--zero", str(zero), "--steps", str(steps),
-             "--keep", "10", "--snapshots", *extra, worker=DLRM)
+    torchrun(
+        dp,
+        "train",
+        "--ckpt-dir",
+        str(ckpt),
+        "--policy",
+        policy,
+        "--zero",
+        str(zero),
+        "--steps",
+        str(steps),
+        "--keep",
+        "10",
+        "--snapshots",
+        *extra,
+        worker=DLRM,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -133,17 +149,44 @@ def test_retention_keeps_what_the_kept_deltas_need(saved, tmp_path):
 
 def test_inspect_shows_the_chain_and_convert_materializes(saved, tmp_path):
     ckpt = saved["incremental"]
-    shown = subprocess.run([sys.executable, "-m", "ucp_deepspeed.tools.cli", "inspect", str(ckpt / "global_step8")],
-                           env=torch_env(), capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-m", "ucp_deepspeed.tools.cli", "inspect", str(ckpt / "global_step8")],
+        env=torch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shown.returncode == 0, shown.stderr
-    assert "delta (incremental)" in shown.stdout and "global_step2 -> global_step4 -> global_step6 -> global_step8" \
-        in shown.stdout
+    assert (
+        "delta (incremental)" in shown.stdout
+        and "global_step2 -> global_step4 -> global_step6 -> global_step8" in shown.stdout
+    )
     out = tmp_path / "full"
-    made = subprocess.run([sys.executable, "-m", "ucp_deepspeed.tools.cli", "convert", str(ckpt), "--tag", "global_step8",
-                           "--output", str(out)], env=torch_env(), capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ucp_deepspeed.tools.cli",
+            "convert",
+            str(ckpt),
+            "--tag",
+            "global_step8",
+            "--output",
+            str(out),
+        ],
+        env=torch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stderr
-    verify = subprocess.run([sys.executable, "-m", "ucp_deepspeed.tools.cli", "verify", str(out)], env=torch_env(),
-                            capture_output=True, text=True, timeout=120)
+    verify = subprocess.run(
+        [sys.executable, "-m", "ucp_deepspeed.tools.cli", "verify", str(out)],
+        env=torch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 

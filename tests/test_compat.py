@@ -3,6 +3,7 @@
 Each test names the compat function it guards. When a DeepSpeed, megatron-core, transformers or
 accelerate upgrade moves an internal we rely on, the failure is here, by name, in seconds.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,10 +47,16 @@ class Net(torch.nn.Module):
 def _engine(stage: int, bf16: bool = False):
     torch.manual_seed(0)
     net = Net()
-    groups = [{"params": [net.a.weight, net.b.weight], "weight_decay": 0.1},
-              {"params": [net.a.bias, net.b.bias], "weight_decay": 0.0}]
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": bf16}}
+    groups = [
+        {"params": [net.a.weight, net.b.weight], "weight_decay": 0.1},
+        {"params": [net.a.bias, net.b.bias], "weight_decay": 0.0},
+    ]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": bf16},
+    }
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=config)
     loss = engine(torch.randn(2, 6, dtype=torch.bfloat16 if bf16 else torch.float32)).float().pow(2).mean()
     engine.backward(loss)
@@ -57,8 +64,7 @@ def _engine(stage: int, bf16: bool = False):
     return engine
 
 
-@pytest.fixture(scope="module", params=[(1, False), (2, False), (1, True)],
-                ids=["zero1", "zero2", "zero1-bf16"])
+@pytest.fixture(scope="module", params=[(1, False), (2, False), (1, True)], ids=["zero1", "zero2", "zero1-bf16"])
 def zero12(request):
     return _engine(*request.param)
 
@@ -93,8 +99,12 @@ def test_is_bf16_optimizer(zero12):
 
     assert not compat.is_bf16_optimizer(zero12.optimizer)
     source = inspect.getsource(BF16_Optimizer)
-    for attribute in ("self.bf16_groups ", "self.bf16_groups_flat ", "self.fp32_groups_flat_partition ",
-                      "self.real_dp_process_group "):
+    for attribute in (
+        "self.bf16_groups ",
+        "self.bf16_groups_flat ",
+        "self.fp32_groups_flat_partition ",
+        "self.real_dp_process_group ",
+    ):
         assert attribute in source, f"BF16_Optimizer no longer sets {attribute.strip()}"
 
 
@@ -128,8 +138,9 @@ def test_relink_optimizer_states(zero12):
     state = opt.optimizer.state[group.fp32]
     state["exp_avg"] = torch.full_like(group.fp32, 7.0)
     compat.relink_optimizer_states(opt)
-    assert torch.equal(safe_get_full_optimizer_state(group.params[0], "exp_avg"),
-                       torch.full(group.params[0].shape, 7.0))
+    assert torch.equal(
+        safe_get_full_optimizer_state(group.params[0], "exp_avg"), torch.full(group.params[0].shape, 7.0)
+    )
 
 
 def test_zero3_params(zero3):
@@ -201,13 +212,29 @@ def megatron_model():
     ps.initialize_model_parallel(1, 1)
     megatron_cpu.install()
     megatron_cpu.seed(1)
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
-                               use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-                               bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-                               bias_dropout_fusion=False, gradient_accumulation_fusion=False, gated_linear_unit=True)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=24,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        gated_linear_unit=True,
+    )
     with megatron_cpu.cpu_model_construction():
-        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8,
-                         share_embeddings_and_output_weights=True)
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=32,
+            max_sequence_length=8,
+            share_embeddings_and_output_weights=True,
+        )
     yield model
     ps.destroy_model_parallel()
     sys.path.remove(str(LAUNCH))
@@ -249,8 +276,9 @@ def test_deepspeed_safe_globals_and_rebuild():
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
     assert LossScaler in compat.deepspeed_safe_globals()
-    rebuilt = compat.rebuild({"__class__": "deepspeed.runtime.fp16.loss_scaler.LossScaler", "args": [],
-                              "state": {"cur_scale": 4.0}})
+    rebuilt = compat.rebuild(
+        {"__class__": "deepspeed.runtime.fp16.loss_scaler.LossScaler", "args": [], "state": {"cur_scale": 4.0}}
+    )
     assert isinstance(rebuilt, LossScaler) and rebuilt.cur_scale == 4.0
 
 

@@ -1,4 +1,5 @@
 """The checkpoint.universal config section and the partition geometry, without launching ranks."""
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,14 @@ def test_boolean_and_object_forms():
     assert options.enabled and options.workers == 3 and not options.keep
 
 
-@pytest.mark.parametrize("bad,message", [
-    ({"workrs": 2}, "workrs"),
-    ({"workers": 0}, "greater than or equal to 1"),
-    ("yes", "must be true/false or an object"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"workrs": 2}, "workrs"),
+        ({"workers": 0}, "greater than or equal to 1"),
+        ("yes", "must be true/false or an object"),
+    ],
+)
 def test_bad_options_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         split_config({"checkpoint": {"universal": bad}})
@@ -49,21 +53,33 @@ def test_zero3_fragments_are_per_rank_chunks():
 
 
 def test_check_n_run_sections_sit_beside_universal():
-    config = {"checkpoint": {"universal": True, "differential": {"policy": "intermittent"},
-                             "quantize": {"bits": 4, "method": "adaptive"}}}
+    config = {
+        "checkpoint": {
+            "universal": True,
+            "differential": {"policy": "intermittent"},
+            "quantize": {"bits": 4, "method": "adaptive"},
+        }
+    }
     ds_config, options = split_config(config)
     assert ds_config["checkpoint"] == {}, "our keys must not reach DeepSpeed"
     assert options.extensions["differential"].policy == "intermittent" and options.extensions["quantize"].bits == 4
-    assert split_config({"checkpoint": {"universal": True, "quantize": {"expected_restores": 2}}})[1].extensions["quantize"].bits \
+    assert (
+        split_config({"checkpoint": {"universal": True, "quantize": {"expected_restores": 2}}})[1]
+        .extensions["quantize"]
+        .bits
         is None
+    )
 
 
-@pytest.mark.parametrize("section,message", [
-    ({"differential": {"policy": "sometimes"}}, "one_shot"),
-    ({"quantize": {"method": "adaptive"}}, "give `bits`"),
-    ({"quantize": {"bits": 5}}, "bits"),
-    ({"universal": False, "differential": {}}, "need \"checkpoint.universal\" enabled"),
-])
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"differential": {"policy": "sometimes"}}, "one_shot"),
+        ({"quantize": {"method": "adaptive"}}, "give `bits`"),
+        ({"quantize": {"bits": 5}}, "bits"),
+        ({"universal": False, "differential": {}}, 'need "checkpoint.universal" enabled'),
+    ],
+)
 def test_bad_check_n_run_options_are_clear_errors(section, message):
     with pytest.raises(ValueError, match=message):
         split_config({"checkpoint": {"universal": True, **section}})
@@ -77,7 +93,10 @@ def test_differential_refuses_optimizers_that_move_untouched_rows():
     model = torch.nn.Embedding(4, 2)
     check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     check_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1))
-    for bad in (torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                torch.optim.Adagrad(model.parameters(), weight_decay=0.01)):
+    for bad in (
+        torch.optim.Adam(model.parameters()),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.Adagrad(model.parameters(), weight_decay=0.01),
+    ):
         with pytest.raises(NotImplementedError, match="leaves rows without gradient unchanged"):
             check_optimizer(bad)

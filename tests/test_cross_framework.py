@@ -7,6 +7,7 @@ DP size and ZeRO stage. Trainer and Accelerate jobs (launch/train_hf.py, unmodif
 Adam state torch.equal to a gather made at the save, the global step continuing, and the next
 losses within 1e-5 of the uninterrupted run.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,24 @@ def test_plain_deepspeed_checkpoint_converts_and_reshards(plain, tmp_path, capsy
         assert "metadata: rebuilt from DeepSpeed's files" in capsys.readouterr().out
         assert cli_main(["convert", str(plain / name), "--no-progress"]) == 0
         assert cli_main(["verify", str(plain / name / "global_step3.universal")]) == 0
-    torchrun(3, "load", "--variant", "z1", "--results", str(tmp_path / "z1.json"),
-             "--source", str(plain / "z1"), str(plain / "z3"))
+    torchrun(
+        3,
+        "load",
+        "--variant",
+        "z1",
+        "--results",
+        str(tmp_path / "z1.json"),
+        "--source",
+        str(plain / "z1"),
+        str(plain / "z3"),
+    )
     torchrun(3, "load", "--variant", "z3", "--results", str(tmp_path / "z3.json"), "--source", str(plain / "z1"))
     results = load_results(tmp_path / "z1.json") + load_results(tmp_path / "z3.json")
     assert [(r["saved"], r["live"]) for r in results] == [
-        ("zero1 dp=2 fp32", "zero1 dp=3 fp32"), ("zero3 dp=2 fp32", "zero1 dp=3 fp32"),
-        ("zero1 dp=2 fp32", "zero3 dp=3 fp32")]
+        ("zero1 dp=2 fp32", "zero1 dp=3 fp32"),
+        ("zero3 dp=2 fp32", "zero1 dp=3 fp32"),
+        ("zero1 dp=2 fp32", "zero3 dp=3 fp32"),
+    ]
     for r in results:  # fp32 weights, Adam states, step, hyperparameters, buffer, frozen, tied, client_state
         assert r["mode"] == "resharded" and r["diffs"] == [] and r["tensors"] == 32, r
         assert r["max_rel_loss"] < 1e-6, r
@@ -86,16 +98,27 @@ def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
     return run
 
 
-@pytest.mark.parametrize("world,zero,accum", [(1, 2, 1), (3, 2, 1), (2, 3, 1), (1, 2, 2)],
-                         ids=["dp1", "dp3", "zero3", "dp1-accum2"])
+@pytest.mark.parametrize(
+    "world,zero,accum", [(1, 2, 1), (3, 2, 1), (2, 3, 1), (1, 2, 2)], ids=["dp1", "dp3", "zero3", "dp1-accum2"]
+)
 def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, world, zero, accum):
     """`trainer.train(resume_from_checkpoint=...)` at 1 or 3 ranks or ZeRO-3, from a 2-rank ZeRO-2 checkpoint;
     at 1 rank also with 2 accumulation steps of half the batch (the same global batch)."""
     source = trainer_runs / "installed"
     checkpoint = source / "checkpoint-4"
     assert (checkpoint / "global_step4" / "ucp_meta_mp_rank_00.json").is_file()
-    _hf(world, "train", "--out", str(tmp_path), "--zero", str(zero), "--resume", str(checkpoint),
-        "--grad-accum", str(accum))
+    _hf(
+        world,
+        "train",
+        "--out",
+        str(tmp_path),
+        "--zero",
+        str(zero),
+        "--resume",
+        str(checkpoint),
+        "--grad-accum",
+        str(accum),
+    )
     _check_resume(source, tmp_path, "zero2 dp=2 fp32", f"zero{zero} dp={world} fp32")
     state = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8
@@ -111,8 +134,21 @@ def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
     source = tmp_path / "source"
     shutil.copytree(trainer_runs / "installed" / "checkpoint-4", source)
     swap_pickle(source / "global_step4" / "mp_rank_00_model_states.pt", popen_payload(tmp_path / "pwned"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HF_WORKER),
-           "train", "--out", str(tmp_path / "out"), "--zero", "2", "--resume", str(source)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(HF_WORKER),
+        "train",
+        "--out",
+        str(tmp_path / "out"),
+        "--zero",
+        "2",
+        "--resume",
+        str(source),
+    ]
     proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     refusal = "mp_rank_00_model_states.pt: refusing to unpickle global 'deepspeed.launcher.runner.subprocess.Popen'"
@@ -150,8 +186,11 @@ def test_install_is_idempotent_and_undone_by_uninstall():
     from ucp_deepspeed.runtime.integrations import installed
 
     def patched() -> tuple:
-        return (deepspeed.initialize, transformers.trainer.Trainer._load_rng_state,
-                accelerate.accelerator.load_accelerator_state)
+        return (
+            deepspeed.initialize,
+            transformers.trainer.Trainer._load_rng_state,
+            accelerate.accelerator.load_accelerator_state,
+        )
 
     original = patched()
     assert not installed()

@@ -1,4 +1,5 @@
 """`ucp diff`: a checkpoint and its universal copy are identical; one changed value is found and measured."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ A node killed mid-run leaves the survivor to re-rendezvous at world 2; a node jo
 to world 4. Either way the workers restart, resume from the newest complete checkpoint at the new
 size with the state bit-exact, repeat at most one checkpoint interval, and finish the run.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,11 +36,15 @@ class Node:
 
     def __init__(self, name: str, tmp: Path, port: int, is_host: bool, *train_args: str) -> None:
         self.log = tmp / f"{name}.log"
-        env = dict(torch_env(), RDZV_ENDPOINT=f"127.0.0.1:{port}", IS_HOST=str(int(is_host)),
-                   RDZV_ID=f"test-{port}")
+        env = dict(torch_env(), RDZV_ENDPOINT=f"127.0.0.1:{port}", IS_HOST=str(int(is_host)), RDZV_ID=f"test-{port}")
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(["bash", str(ELASTIC), *train_args], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["bash", str(ELASTIC), *train_args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -69,7 +74,7 @@ def _wait_for_step(nodes: list[Node], step: int, timeout: float = 120) -> None:
         if time.monotonic() > deadline or any(n.proc.poll() is not None for n in nodes):
             for n in nodes:
                 n.kill() if n.proc.poll() is None else None
-            pytest.fail("training never reached step %d:\n%s" % (step, "\n".join(n.output()[-3000:] for n in nodes)))
+            pytest.fail(f"training never reached step {step}:\n" + "\n".join(n.output()[-3000:] for n in nodes))
         time.sleep(0.1)
 
 
@@ -84,8 +89,11 @@ def _check_resume(ckpt: Path, results: Path, nodes: list[Node], world_before: in
     assert resumed["saved"] == f"zero1 dp={world_before} fp32" and resumed["live"] == f"zero1 dp={world_after} fp32"
     assert resumed["mode"] == "resharded"
     assert report["final_step"] == STEPS
-    assert any(f"resumed from step {resumed['step']} at topology zero1 dp={world_before} fp32 -> "
-               f"zero1 dp={world_after} fp32" in n.output() for n in nodes)
+    assert any(
+        f"resumed from step {resumed['step']} at topology zero1 dp={world_before} fp32 -> "
+        f"zero1 dp={world_after} fp32" in n.output()
+        for n in nodes
+    )
     before = {s: loss for s, loss, w in _step_lines(nodes) if w == world_before}
     after = {e["step"]: e["loss"] for e in report["log"]}
     assert sorted(after) == list(range(resumed["step"] + 1, STEPS + 1)), "the run finishes every planned step"
@@ -106,8 +114,21 @@ def _check_resume(ckpt: Path, results: Path, nodes: list[Node], world_before: in
 
 
 def _train_args(ckpt: Path, results: Path, delay: float) -> list[str]:
-    return ["--ckpt-dir", str(ckpt), "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--keep", "2",
-            "--snapshots", "--step-delay", str(delay), "--results", str(results)]
+    return [
+        "--ckpt-dir",
+        str(ckpt),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        "--keep",
+        "2",
+        "--snapshots",
+        "--step-delay",
+        str(delay),
+        "--results",
+        str(results),
+    ]
 
 
 def test_node_lost_job_shrinks_and_resumes(tmp_path):

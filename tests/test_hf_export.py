@@ -5,6 +5,7 @@ The checkpoint is exported straight from its native files (converted on the way)
 folder is loaded with `AutoModelForCausalLM.from_pretrained` from a locally written config, no hub
 access, and its logits on the tokens megatron-core saw must agree to 1e-5.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,49 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """GPT-2-style and Llama-style models at TP=2 and a Mixtral-style MoE at EP=2, trained 3 steps, saved with logits."""
+    """GPT-2- and Llama-style models at TP=2 and a Mixtral-style MoE at EP=2, trained 3 steps, saved with logits."""
     root = tmp_path_factory.mktemp("hf")
-    layouts = {"gpt": ["--arch", "gpt", "--tp", "2"], "llama": ["--arch", "llama", "--tp", "2"],
-               "moe": ["--arch", "llama", "--moe", "--ep", "2"]}
+    layouts = {
+        "gpt": ["--arch", "gpt", "--tp", "2"],
+        "llama": ["--arch", "llama", "--tp", "2"],
+        "moe": ["--arch", "llama", "--moe", "--ep", "2"],
+    }
     for name, layout in layouts.items():
-        torchrun(2, "save", *layout, "--out", str(root / name), "--logits", str(root / f"{name}.logits.pt"),
-                 worker=GPT_WORKER)
+        torchrun(
+            2,
+            "save",
+            *layout,
+            "--out",
+            str(root / name),
+            "--logits",
+            str(root / f"{name}.logits.pt"),
+            worker=GPT_WORKER,
+        )
     return {**{name: root / name for name in layouts}, "root": root}
 
 
 @pytest.mark.parametrize("arch,hf_arch", [("gpt", "gpt2"), ("llama", "llama"), ("moe", "mixtral")])
 def test_exported_model_reproduces_megatron_logits(trained, tmp_path, arch, hf_arch, capsys):
     out = tmp_path / "hf"
-    assert ucp(["export-hf", str(trained[arch]), str(out), "--arch", hf_arch, "--num-heads", "4",
-                "--num-kv-heads", "2", "--shard-size", "0.1", "--no-progress"]) == 0
+    assert (
+        ucp(
+            [
+                "export-hf",
+                str(trained[arch]),
+                str(out),
+                "--arch",
+                hf_arch,
+                "--num-heads",
+                "4",
+                "--num-kv-heads",
+                "2",
+                "--shard-size",
+                "0.1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
@@ -54,20 +83,48 @@ def test_exported_model_reproduces_megatron_logits(trained, tmp_path, arch, hf_a
 
 
 def test_wrong_head_count_is_a_clear_error(trained, tmp_path, capsys):
-    assert ucp(["export-hf", str(trained["llama"]), str(tmp_path / "hf"), "--arch", "llama", "--num-heads", "8",
-                "--no-progress"]) == 2
+    assert (
+        ucp(
+            [
+                "export-hf",
+                str(trained["llama"]),
+                str(tmp_path / "hf"),
+                "--arch",
+                "llama",
+                "--num-heads",
+                "8",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "8 heads and 8 key/value heads do not fit linear_qkv" in capsys.readouterr().err
     assert not (tmp_path / "hf" / "config.json").exists()
 
 
-@pytest.mark.parametrize("arch,hf_arch,fold", [("gpt", "gpt2", "2"), ("llama", "llama", None),
-                                               ("moe", "mixtral", None)])
+@pytest.mark.parametrize(
+    "arch,hf_arch,fold", [("gpt", "gpt2", "2"), ("llama", "llama", None), ("moe", "mixtral", None)]
+)
 def test_import_round_trip_is_exact(trained, tmp_path, arch, hf_arch, fold):
     hf, imported = tmp_path / "hf", tmp_path / "imported"
-    assert ucp(["export-hf", str(trained[arch]), str(hf), "--arch", hf_arch, "--num-heads", "4", "--num-kv-heads",
-                "2", "--no-progress"]) == 0
-    assert ucp(["import-hf", str(hf), str(imported), "--no-progress",
-                *(["--num-kv-heads", fold] if fold else [])]) == 0
+    assert (
+        ucp(
+            [
+                "export-hf",
+                str(trained[arch]),
+                str(hf),
+                "--arch",
+                hf_arch,
+                "--num-heads",
+                "4",
+                "--num-kv-heads",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert ucp(["import-hf", str(hf), str(imported), "--no-progress", *(["--num-kv-heads", fold] if fold else [])]) == 0
     report = diff(str(trained[arch]), str(imported))
     assert len(report.states) >= 26 and all(s.equal for s in report.states), [s for s in report.states if not s.equal]
     assert report.only_a and all(e.endswith((":exp_avg", ":exp_avg_sq")) for e in report.only_a), report.only_a
@@ -77,11 +134,39 @@ def test_import_round_trip_is_exact(trained, tmp_path, arch, hf_arch, fold):
 def test_imported_weights_start_training_at_another_layout(trained, tmp_path):
     """Exported from TP=2, imported, then loaded at PP=2 with a fresh optimizer: every weight lands exactly."""
     hf, imported, ckpt = tmp_path / "hf", tmp_path / "imported", tmp_path / "ckpt"
-    ucp(["export-hf", str(trained["llama"]), str(hf), "--arch", "llama", "--num-heads", "4", "--num-kv-heads", "2",
-         "--no-progress"])
+    ucp(
+        [
+            "export-hf",
+            str(trained["llama"]),
+            str(hf),
+            "--arch",
+            "llama",
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+            "--no-progress",
+        ]
+    )
     ucp(["import-hf", str(hf), str(imported), "--no-progress"])
-    torchrun(2, "train", "--arch", "llama", "--pp", "2", "--init-from", str(imported), "--ckpt-dir", str(ckpt),
-             "--steps", "2", "--snapshots", "--results", str(tmp_path / "run.json"), worker=GPT_WORKER)
+    torchrun(
+        2,
+        "train",
+        "--arch",
+        "llama",
+        "--pp",
+        "2",
+        "--init-from",
+        str(imported),
+        "--ckpt-dir",
+        str(ckpt),
+        "--steps",
+        "2",
+        "--snapshots",
+        "--results",
+        str(tmp_path / "run.json"),
+        worker=GPT_WORKER,
+    )
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["resumed"]["step"] == 0 and run["resumed"]["mode"] == "universal" and run["final_step"] == 2
     loaded = torch.load(ckpt / "resumed_step0.pt", weights_only=False)

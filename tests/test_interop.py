@@ -1,4 +1,5 @@
 """DeepSpeed's own universal layout: we write it for stock DeepSpeed, and we load what ds_to_universal wrote."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def _ds_to_universal(ckpt: Path) -> Path:
     out = ckpt / "global_step3_universal"
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / "global_step3"),
-           "--output_folder", str(out), "--inject_missing_state"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(ckpt / "global_step3"),
+        "--output_folder",
+        str(out),
+        "--inject_missing_state",
+    ]
     proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
@@ -50,7 +59,9 @@ def test_export_matches_ds_to_universal_and_loads_in_stock_deepspeed(sources, tm
             compared += 1
     assert compared >= 28
     results_file = tmp_path / "stock.json"
-    torchrun(3, "load", "--stock", "--variant", "z1", "--results", str(results_file), "--source", str(ours), str(theirs))
+    torchrun(
+        3, "load", "--stock", "--variant", "z1", "--results", str(results_file), "--source", str(ours), str(theirs)
+    )
     with open(results_file) as f:
         result = json.load(f)
     assert result["tensors"] >= 20

@@ -1,4 +1,5 @@
 """The layout language: every operator split then merged gives back the full tensor, at several TP sizes."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,12 @@ def _shards(layout: Layout, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
         local_shape = list(full.shape)
         padded = -(-local_shape[layout.dim] // tp) * tp if layout.vocab else local_shape[layout.dim]
         local_shape[layout.dim] = padded // tp
-    return [split(layout, tuple(local_shape), r, tp,
-                  lambda d, s, n: full.narrow(d, s, n) if full.dim() else full.reshape(1)) for r in range(tp)]
+    return [
+        split(
+            layout, tuple(local_shape), r, tp, lambda d, s, n: full.narrow(d, s, n) if full.dim() else full.reshape(1)
+        )
+        for r in range(tp)
+    ]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -75,18 +80,24 @@ def test_stride_two_matches_megatron_core_initialisation():
     for tp in (1, 2, 3):
         for rank in range(tp):
             weight = torch.nn.Parameter(torch.empty(12 // tp, 5))
-            _initialize_affine_weight_cpu(weight, 12, 5, 12 // tp, 0, lambda w: w.copy_(master), stride=2,
-                                          rank=rank, world_size=tp)
-            ours = split(Layout("split", 0, parts=(6, 6)), (12 // tp, 5), rank, tp, lambda d, s, n: master.narrow(d, s, n))
+            _initialize_affine_weight_cpu(
+                weight, 12, 5, 12 // tp, 0, lambda w: w.copy_(master), stride=2, rank=rank, world_size=tp
+            )
+            ours = split(
+                Layout("split", 0, parts=(6, 6)), (12 // tp, 5), rank, tp, lambda d, s, n: master.narrow(d, s, n)
+            )
             assert torch.equal(weight.data, ours), (tp, rank)
 
 
-@pytest.mark.parametrize("layout,shape,tp,message", [
-    (Layout("split", 0, parts=(6, 6)), (4, 2), 4, "sum to 12"),
-    (Layout("split", 0, parts=(6, 2)), (2, 2), 4, "cannot be split evenly"),
-    (Layout("split", 0, vocab=20), (4, 2), 4, "exceeds"),
-    (Layout("split", 2), (4, 2), 2, "split dim 2"),
-])
+@pytest.mark.parametrize(
+    "layout,shape,tp,message",
+    [
+        (Layout("split", 0, parts=(6, 6)), (4, 2), 4, "sum to 12"),
+        (Layout("split", 0, parts=(6, 2)), (2, 2), 4, "cannot be split evenly"),
+        (Layout("split", 0, vocab=20), (4, 2), 4, "exceeds"),
+        (Layout("split", 2), (4, 2), 2, "split dim 2"),
+    ],
+)
 def test_impossible_layouts_are_refused(layout, shape, tp, message):
     with pytest.raises(ValueError, match=message):
         layout.full_shape(shape, tp)
@@ -111,13 +122,15 @@ class Plain(torch.nn.Module):
 
 
 def test_rules_place_every_parameter_first_match_wins():
-    rules = parse_rules([
-        {"match": r"embed\.weight", "layout": "split", "dim": 0, "vocab": 15},
-        {"match": r"qkv\..*", "layout": "split", "dim": 0, "parts": [8, 8, 8]},
-        {"match": r"proj\.weight", "layout": "split", "dim": 1},
-        {"match": r"proj\.weight", "layout": "replicated"},
-        {"match": r".*", "layout": "replicated"},
-    ])
+    rules = parse_rules(
+        [
+            {"match": r"embed\.weight", "layout": "split", "dim": 0, "vocab": 15},
+            {"match": r"qkv\..*", "layout": "split", "dim": 0, "parts": [8, 8, 8]},
+            {"match": r"proj\.weight", "layout": "split", "dim": 1},
+            {"match": r"proj\.weight", "layout": "replicated"},
+            {"match": r".*", "layout": "replicated"},
+        ]
+    )
     model = Plain()
     infos = param_infos(model, model.named_parameters(), tp=2, rules=rules)
     assert infos["embed.weight"].layout == Layout("split", 0, vocab=15)
@@ -139,12 +152,15 @@ def test_unmatched_parameters_of_a_tensor_parallel_model_are_an_error():
     assert all(i.layout == Layout() for i in param_infos(model, model.named_parameters(), tp=1).values())
 
 
-@pytest.mark.parametrize("rule,message", [
-    ({"match": "x", "layout": "diagonal"}, "unknown layout"),
-    ({"match": "x", "layout": "split", "dims": 1}, "unknown keys"),
-    ({"match": "(", "layout": "split"}, "rule 0"),
-    ({"layout": "split"}, "match"),
-])
+@pytest.mark.parametrize(
+    "rule,message",
+    [
+        ({"match": "x", "layout": "diagonal"}, "unknown layout"),
+        ({"match": "x", "layout": "split", "dims": 1}, "unknown keys"),
+        ({"match": "(", "layout": "split"}, "rule 0"),
+        ({"layout": "split"}, "match"),
+    ],
+)
 def test_bad_rules_name_the_rule(rule, message):
     with pytest.raises(ValueError, match=message):
         parse_rules([rule])

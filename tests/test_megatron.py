@@ -6,6 +6,7 @@ layouts the converter uses) must be torch.equal to the state gathered before sav
 stage's tied copy of the embedding must equal the first stage's, and the next 3 losses must match
 the uninterrupted run. Layouts are `arch zZERO tpT ppP`; DP is the rest of the world size.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,10 +55,27 @@ TARGETS = [
     pytest.param(4, "gpt", 2, 2, 1, (), ("gpt-z2-tp2dp2",), id="gpt-z2-tp2dp2<-same-native"),
     pytest.param(4, "llama", 1, 2, 2, (), ("llama-z1-dp4",), id="llama-z1-tp2pp2<-dp4"),
     pytest.param(2, "llama", 1, 2, 1, (), ("llama-z1-dp2",), id="llama-z1-tp2<-dp2"),
-    pytest.param(2, "llama", 1, 1, 2, ("--first-stage-layers", "1"), ("llama-z1-dp2", "llama-z3-tp2"),
-                 id="llama-z1-pp2uneven<-dp2,z3tp2"),
-    pytest.param(4, "llama", 3, 2, 1, (), ("llama-z1-tp2pp2", "llama-z3-tp2"), id="llama-z3-tp2dp2<-tp2pp2,z3tp2",
-                 marks=pytest.mark.slow),
+    pytest.param(
+        2,
+        "llama",
+        1,
+        1,
+        2,
+        ("--first-stage-layers", "1"),
+        ("llama-z1-dp2", "llama-z3-tp2"),
+        id="llama-z1-pp2uneven<-dp2,z3tp2",
+    ),
+    pytest.param(
+        4,
+        "llama",
+        3,
+        2,
+        1,
+        (),
+        ("llama-z1-tp2pp2", "llama-z3-tp2"),
+        id="llama-z3-tp2dp2<-tp2pp2,z3tp2",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -70,8 +88,9 @@ def gpt_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every source layout, trained 3 steps and saved once per session."""
     out = tmp_path_factory.mktemp("gpt_sources")
     for name, (world, arch, zero, tp, pp) in SOURCES.items():
-        torchrun(world, "save", "--out", str(out / name), *_layout_args(arch, zero, tp, pp), worker=GPT_WORKER,
-                 attempts=2)
+        torchrun(
+            world, "save", "--out", str(out / name), *_layout_args(arch, zero, tp, pp), worker=GPT_WORKER, attempts=2
+        )
     return {name: out / name for name in SOURCES}
 
 
@@ -80,16 +99,27 @@ def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """megatron-core MoE GPTs at several expert-parallel sizes, trained 3 steps and saved once per session."""
     out = tmp_path_factory.mktemp("gpt_moe_sources")
     for name, (world, zero, ep) in MOE_SOURCES.items():
-        torchrun(world, "save", "--out", str(out / name), *_layout_args("llama", zero, 1, 1), "--moe", "--ep", str(ep),
-                 worker=GPT_WORKER, attempts=2)
+        torchrun(
+            world,
+            "save",
+            "--out",
+            str(out / name),
+            *_layout_args("llama", zero, 1, 1),
+            "--moe",
+            "--ep",
+            str(ep),
+            worker=GPT_WORKER,
+            attempts=2,
+        )
     return {name: out / name for name in MOE_SOURCES}
 
 
 @pytest.mark.parametrize("world,zero,ep,names", MOE_TARGETS)
 def test_megatron_moe_reshard(moe_sources, tmp_path, world, zero, ep, names):
     """Experts by global id: every expert's fp32 weight and Adam states equal after a change of EP/DP/ZeRO."""
-    results = _load(tmp_path, world, _layout_args("llama", zero, 1, 1), [moe_sources[n] for n in names],
-                    "--moe", "--ep", str(ep))
+    results = _load(
+        tmp_path, world, _layout_args("llama", zero, 1, 1), [moe_sources[n] for n in names], "--moe", "--ep", str(ep)
+    )
     assert len(results) == len(names)
     for r in results:
         label = f"{r['saved']} -> {r['live']}"
@@ -101,8 +131,9 @@ def test_megatron_moe_reshard(moe_sources, tmp_path, world, zero, ep, names):
 
 def _load(tmp_path: Path, world: int, layout: list[str], sources: list[Path], *extra: str) -> list[dict]:
     results = tmp_path / "results.json"
-    torchrun(world, "load", *layout, *extra, "--results", str(results), "--source", *map(str, sources),
-             worker=GPT_WORKER)
+    torchrun(
+        world, "load", *layout, *extra, "--results", str(results), "--source", *map(str, sources), worker=GPT_WORKER
+    )
     return load_results(results)
 
 
@@ -132,8 +163,9 @@ def _tensors(root: Path) -> dict[str, dict[str, torch.Tensor]]:
 def test_universal_is_independent_of_source_layout(gpt_sources, tmp_path):
     """The TP2xPP2 checkpoint, and the same state re-saved at TP1xDP4, convert to identical tensors."""
     resaved = tmp_path / "resaved"
-    results = _load(tmp_path, 4, _layout_args("llama", 1, 1, 1), [gpt_sources["llama-z1-tp2pp2"]],
-                    "--resave", str(resaved))
+    results = _load(
+        tmp_path, 4, _layout_args("llama", 1, 1, 1), [gpt_sources["llama-z1-tp2pp2"]], "--resave", str(resaved)
+    )
     _check(results, 1)
     a = Path(convert(str(gpt_sources["llama-z1-tp2pp2"]), output=str(tmp_path / "a"), progress=False))
     b = Path(convert(str(resaved), output=str(tmp_path / "b"), progress=False))
@@ -153,11 +185,17 @@ def test_universal_is_independent_of_source_layout(gpt_sources, tmp_path):
     assert native.identical and len(native.states) == 3 * len(ta), native
 
 
-@pytest.mark.parametrize("victim,message", [
-    ("ucp_meta_mp_rank_03.json", "metadata is missing: ucp_meta_mp_rank_03.json"),
-    ("mp_rank_02_model_states.pt", "rank files are missing: mp_rank_02_model_states.pt"),
-    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "rank files are missing: zero_pp_rank_0_mp_rank_01_optim_states.pt"),
-])
+@pytest.mark.parametrize(
+    "victim,message",
+    [
+        ("ucp_meta_mp_rank_03.json", "metadata is missing: ucp_meta_mp_rank_03.json"),
+        ("mp_rank_02_model_states.pt", "rank files are missing: mp_rank_02_model_states.pt"),
+        (
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+            "rank files are missing: zero_pp_rank_0_mp_rank_01_optim_states.pt",
+        ),
+    ],
+)
 def test_missing_model_parallel_rank_is_named(gpt_sources, tmp_path, victim, message):
     """A TP2xPP2 checkpoint with one model-parallel rank's file gone fails before anything is written."""
     src = tmp_path / "ckpt"

@@ -5,6 +5,7 @@ parameter's fp32 weight and Adam states (keyed by global name, merged over all e
 buffers, the frozen parameter, hyperparameters, scheduler and counters with torch.equal, then checks the
 next 3 losses against the uninterrupted run.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,8 +38,18 @@ def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("world,ep,target,sources", TARGETS)
 def test_moe_reshard(moe_sources, tmp_path, world, ep, target, sources):
     results_file = tmp_path / "results.json"
-    torchrun(world, "load", "--variant", target, "--ep", str(ep), "--results", str(results_file),
-             "--source", *(str(moe_sources / s) for s in sources))
+    torchrun(
+        world,
+        "load",
+        "--variant",
+        target,
+        "--ep",
+        str(ep),
+        "--results",
+        str(results_file),
+        "--source",
+        *(str(moe_sources / s) for s in sources),
+    )
     results = load_results(results_file)
     assert len(results) == len(sources)
     for r in results:
@@ -51,8 +62,19 @@ def test_moe_reshard(moe_sources, tmp_path, world, ep, target, sources):
 
 def test_wrong_expert_count_is_refused(moe_sources, tmp_path):
     results_file = tmp_path / "results.json"
-    torchrun(1, "load", "--mismatch", "--variant", "moez1", "--ep", "1", "--results", str(results_file), "--source",
-             str(moe_sources / "ep2w2" / "moez1"))
+    torchrun(
+        1,
+        "load",
+        "--mismatch",
+        "--variant",
+        "moez1",
+        "--ep",
+        "1",
+        "--results",
+        str(results_file),
+        "--source",
+        str(moe_sources / "ep2w2" / "moez1"),
+    )
     outcome = load_results(results_file)
     assert outcome["error"] is not None, "a checkpoint with 4 experts loaded into a model with 8"
     assert "checkpoint has 4 experts, the model has 8 (expert-parallel size 1 x 8 local experts)" in outcome["error"]

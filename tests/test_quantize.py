@@ -1,4 +1,5 @@
 """Row-wise checkpoint quantization: each method meets its stated error bound at every bit width."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,14 +21,14 @@ from ucp_deepspeed.checkn_run.quantize import (
 def _rows(n: int = 5000, dim: int = 24) -> torch.Tensor:
     torch.manual_seed(0)
     x = torch.randn(n, dim) * torch.rand(n, 1) * 3 + torch.randn(n, 1)
-    x[0] = 0.0           # a constant row
-    x[1, 3] = 40.0       # an outlier, which the adaptive method may clip
+    x[0] = 0.0  # a constant row
+    x[1, 3] = 40.0  # an outlier, which the adaptive method may clip
     return x
 
 
 @pytest.mark.parametrize("bits", BITS)
 def test_pack_roundtrip(bits):
-    codes = torch.randint(0, 2 ** bits, (1001,))
+    codes = torch.randint(0, 2**bits, (1001,))
     assert torch.equal(unpack(pack(codes, bits), bits, 1001), codes)
     assert pack(codes, bits).numel() == -(-1001 * bits // 8)
 

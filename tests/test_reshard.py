@@ -1,10 +1,12 @@
 """End-to-end reshard matrix: save at dp=2, load at other DP sizes and ZeRO stages, compare exactly.
 
-Each target layout is one torchrun launch that loads several source checkpoints in turn. Every
+All targets of one world size load in one torchrun launch (slow cases in a launch of their own), each
+target loading its source checkpoints in turn; each test reads its target's results. Every
 fp32 master weight, Adam moment, step, per-group hyperparameter, low-precision module weight,
 buffer, frozen parameter, scheduler state, counter and client_state entry must be torch.equal to
 what was gathered before saving; the next losses must match the uninterrupted run.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -16,26 +18,42 @@ from conftest import WORKER, load_results, torch_env, torchrun
 FP32_LOSS_RTOL = 1e-6
 BF16_LOSS_RTOL = 5e-3  # bf16 forward/backward at another DP size rounds differently
 
+SLOW = pytest.mark.slow
 CASES = [
     pytest.param("z1", 1, ("z1", "z2", "z3"), id="z1-dp1<-z1,z2,z3"),
     pytest.param("z2", 3, ("z1", "z2", "z3"), id="z2-dp3<-z1,z2,z3"),
-    pytest.param("z3", 4, ("z1", "z2", "z3"), id="z3-dp4<-z1,z2,z3", marks=pytest.mark.slow),
+    pytest.param("z3", 4, ("z1", "z2", "z3"), id="z3-dp4<-z1,z2,z3", marks=SLOW),
     pytest.param("z3", 1, ("z3",), id="z3-dp1<-z3"),
     pytest.param("z1", 2, ("z1",), id="z1-dp2<-z1-native"),
     pytest.param("bf16z1", 3, ("bf16z1",), id="bf16z1-dp3<-bf16z1"),
     pytest.param("bf16z3", 1, ("bf16z1",), id="bf16z3-dp1<-bf16z1"),
-    pytest.param("bf16z2", 4, ("bf16z1",), id="bf16z2-dp4<-bf16z1", marks=pytest.mark.slow),
+    pytest.param("bf16z2", 4, ("bf16z1",), id="bf16z2-dp4<-bf16z1", marks=SLOW),
     pytest.param("sgdz1", 3, ("sgdz2",), id="sgd-z1-dp3<-sgd-z2"),
     pytest.param("z1", 3, ("z2nofrozen",), id="z1-dp3<-z2-exclude-frozen"),  # frozen param keeps its live value
 ]
 
 
+@pytest.fixture(scope="module")
+def launched(sources, tmp_path_factory):
+    """results(dp, slow) -> every result of the one launch that loads all targets of that world size."""
+    done: dict[tuple[int, bool], list[dict]] = {}
+
+    def results(dp: int, slow: bool) -> list[dict]:
+        if (dp, slow) not in done:
+            group = [p.values for p in CASES if p.values[1] == dp and any(m.name == "slow" for m in p.marks) == slow]
+            out = tmp_path_factory.mktemp(f"reshard_dp{dp}") / "results.json"
+            cases = [arg for target, _, names in group for arg in ("--case", target, *(str(sources[n]) for n in names))]
+            torchrun(dp, "load", *cases, "--results", str(out))
+            done[dp, slow] = load_results(out)
+        return done[dp, slow]
+
+    return results
+
+
 @pytest.mark.parametrize("target,dp,source_names", CASES)
-def test_reshard(sources, tmp_path, target, dp, source_names):
-    results_file = tmp_path / "results.json"
-    torchrun(dp, "load", "--variant", target, "--results", str(results_file),
-             "--source", *(str(sources[s]) for s in source_names))
-    results = load_results(results_file)
+def test_reshard(launched, request, target, dp, source_names):
+    slow = request.node.get_closest_marker("slow") is not None
+    results = [r for r in launched(dp, slow) if r["target"] == target]
     assert len(results) == len(source_names)
     for r in results:
         label = f"{r['source']} -> {target} dp={dp}"
@@ -49,20 +67,32 @@ def test_reshard(sources, tmp_path, target, dp, source_names):
 
 def test_checkpoint_of_another_model_is_refused(sources, tmp_path):
     results_file = tmp_path / "results.json"
-    torchrun(2, "load", "--mismatch", "--variant", "z2", "--results", str(results_file), "--source",
-             str(sources["z1"]))
+    torchrun(2, "load", "--mismatch", "--variant", "z2", "--results", str(results_file), "--source", str(sources["z1"]))
     outcome = load_results(results_file)
     assert outcome["error"] is not None, "loading a checkpoint of a different model succeeded"
-    assert "manifest.json: checkpoint does not match this model" in outcome["error"] or \
-        "checkpoint does not match this model" in outcome["error"]
+    assert (
+        "manifest.json: checkpoint does not match this model" in outcome["error"]
+        or "checkpoint does not match this model" in outcome["error"]
+    )
     assert "up.weight: checkpoint shape [40, 24], model shape [48, 24]" in outcome["error"]
     assert outcome["untouched"], "state was modified before the mismatch was detected"
 
 
 def test_zero0_is_refused_at_initialize(tmp_path):
     """Without a ZeRO optimizer there are no flat partitions to describe: say so before training starts."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(WORKER),
-           "save", "--out", str(tmp_path), "--variant", "z0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(WORKER),
+        "save",
+        "--out",
+        str(tmp_path),
+        "--variant",
+        "z0",
+    ]
     proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr

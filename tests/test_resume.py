@@ -1,6 +1,7 @@
 """A job killed while saving resumes at another process count from the last complete checkpoint: the torn one
 is skipped, the state is bit-exact, and training continues where it was. Synchronous saves are torn inside
 DeepSpeed's own file write; asynchronous ones in the background writer, after `save_checkpoint` returned."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ def _killed_in_save(ckpt: Path, *extra: str) -> dict[int, float]:
     """Train on 2 ranks until the last rank is SIGKILLed while saving step 6; return the losses printed."""
     first = _run([*_torchrun(2), str(GPT_WORKER), *TRAIN, "--ckpt-dir", str(ckpt), "--die-in-save", "6", *extra])
     assert first.returncode != 0, "the run was meant to be killed while saving step 6"
-    before = {int(line.split()[1]): float(line.split()[3]) for line in first.stdout.splitlines()
-              if line.startswith("step ")}
+    before = {
+        int(line.split()[1]): float(line.split()[3]) for line in first.stdout.splitlines() if line.startswith("step ")
+    }
     assert sorted(before)[:6] == [1, 2, 3, 4, 5, 6]
     return before
 
@@ -63,8 +65,21 @@ def test_killed_during_save_resumes_from_last_complete_checkpoint(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "global_step6", "DeepSpeed names the torn tag in latest"
     assert "truncated or corrupt" in incomplete_reason(str(ckpt), "global_step6")
 
-    second = _run(["deepspeed", "--num_gpus", "3", "--master_port", "29561", str(GPT_WORKER), *TRAIN,
-                   "--ckpt-dir", str(ckpt), "--results", str(results)])
+    second = _run(
+        [
+            "deepspeed",
+            "--num_gpus",
+            "3",
+            "--master_port",
+            "29561",
+            str(GPT_WORKER),
+            *TRAIN,
+            "--ckpt-dir",
+            str(ckpt),
+            "--results",
+            str(results),
+        ]
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "skipping incomplete checkpoint global_step6" in second.stdout + second.stderr
     _check_resumed(ckpt, results, before, "zero1 dp=3 fp32")
@@ -77,7 +92,8 @@ def test_async_save_killed_before_written_is_never_used(tmp_path):
     assert "missing" in incomplete_reason(str(ckpt), "global_step6")
     assert not (ckpt / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
 
-    second = _run([*_torchrun(1), str(GPT_WORKER), *TRAIN, "--async-save", "--ckpt-dir", str(ckpt),
-                   "--results", str(results)])
+    second = _run(
+        [*_torchrun(1), str(GPT_WORKER), *TRAIN, "--async-save", "--ckpt-dir", str(ckpt), "--results", str(results)]
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     _check_resumed(ckpt, results, before, "zero1 dp=1 fp32")

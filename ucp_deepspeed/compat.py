@@ -8,6 +8,7 @@ function: an upgrade that moves one of these fails there by name, not inside a m
 DeepSpeed, megatron-core and transformers are imported inside the functions that need them, so the
 `ucp` command imports none of them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -136,8 +137,9 @@ def zero12_groups(opt: Any) -> list[FlatGroup]:
         else:
             params, offsets = list(opt.round_robin_bit16_groups[i]), [int(o) for o in opt.round_robin_bit16_offsets[i]]
         fp32 = opt.fp32_groups_flat_partition[i] if bf16 else opt.single_partition_of_fp32_groups[i]
-        out.append(FlatGroup(params, offsets, flat.numel(), dist.get_world_size(group=opt.real_dp_process_group[i]),
-                             fp32))
+        out.append(
+            FlatGroup(params, offsets, flat.numel(), dist.get_world_size(group=opt.real_dp_process_group[i]), fp32)
+        )
     return out
 
 
@@ -147,8 +149,12 @@ def zero12_fragment(lp: Any) -> tuple[int, int, int, Any] | None:
     mapping = lp._hp_mapping
     if mapping is None:
         return None
-    return (mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, mapping.lp_fragment_address.numel,
-            mapping.hp_fragment)
+    return (
+        mapping.lp_fragment_address.start,
+        mapping.hp_fragment_address.start,
+        mapping.lp_fragment_address.numel,
+        mapping.hp_fragment,
+    )
 
 
 def relink_optimizer_states(opt: Any) -> None:
@@ -171,8 +177,15 @@ class SubGroup:
 
 def zero3_subgroups(opt: Any) -> list[SubGroup]:
     """The sub-groups of a ZeRO-3 optimizer, in order."""
-    return [SubGroup(int(opt.sub_group_to_group_id[i]), list(params), opt.fp32_partitioned_groups_flat[i],
-                     opt.fp16_partitioned_groups_flat[i]) for i, params in enumerate(opt.fp16_groups)]
+    return [
+        SubGroup(
+            int(opt.sub_group_to_group_id[i]),
+            list(params),
+            opt.fp32_partitioned_groups_flat[i],
+            opt.fp16_partitioned_groups_flat[i],
+        )
+        for i, params in enumerate(opt.fp16_groups)
+    ]
 
 
 def zero3_position(opt: Any, p: Any) -> tuple[int, int, int, int]:
@@ -195,8 +208,11 @@ def expert_parallel(group: str) -> tuple[int, int, int]:
     """(expert-parallel size, expert-parallel rank, expert-data-parallel rank) of a DeepSpeed expert group."""
     from deepspeed.utils import groups
 
-    return (groups._get_expert_parallel_world_size(group), groups._get_expert_parallel_rank(group),
-            groups._get_expert_data_parallel_rank(group))
+    return (
+        groups._get_expert_parallel_world_size(group),
+        groups._get_expert_parallel_rank(group),
+        groups._get_expert_data_parallel_rank(group),
+    )
 
 
 def register_expert_groups(name: str, ep_group: Any, edp_group: Any) -> None:
@@ -204,9 +220,10 @@ def register_expert_groups(name: str, ep_group: Any, edp_group: Any) -> None:
     import torch.distributed as dist
     from deepspeed.utils import groups
 
-    for registry, ranks, group in ((groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ep_group),
-                                   (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
-                                    edp_group)):
+    for registry, ranks, group in (
+        (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ep_group),
+        (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, edp_group),
+    ):
         registry[name] = group
         ranks[name] = dist.get_process_group_ranks(group)
 
@@ -270,8 +287,11 @@ def megatron_split(p: Any) -> tuple[int, int, bool] | None:
     parameter; None when it is replicated."""
     if not getattr(p, "tensor_model_parallel", False):
         return None
-    return int(p.partition_dim), int(getattr(p, "partition_stride", 1)), bool(
-        getattr(p, "is_embedding_or_output_parameter", False))
+    return (
+        int(p.partition_dim),
+        int(getattr(p, "partition_stride", 1)),
+        bool(getattr(p, "is_embedding_or_output_parameter", False)),
+    )
 
 
 def megatron_layer_number(module: Any) -> int | None:
@@ -283,8 +303,12 @@ def megatron_layer_number(module: Any) -> int | None:
 def megatron_tied_output_stage(module: Any) -> bool:
     """A megatron-core model on a last pipeline stage (not also the first) whose output layer is a copy of
     the word embedding."""
-    return is_megatron_module(module) and bool(getattr(module, "share_embeddings_and_output_weights", False)) \
-        and bool(getattr(module, "post_process", False)) and not getattr(module, "pre_process", True)
+    return (
+        is_megatron_module(module)
+        and bool(getattr(module, "share_embeddings_and_output_weights", False))
+        and bool(getattr(module, "post_process", False))
+        and not getattr(module, "pre_process", True)
+    )
 
 
 # --- transformers and accelerate: the two restores `install()` widens to other world sizes ------------

@@ -1,4 +1,5 @@
 """The one exception type the library raises for bad checkpoints: it always names the file."""
+
 from __future__ import annotations
 
 import os

@@ -13,6 +13,7 @@ ours. DeepSpeed's folder does not say which tensors are trainable, which are fro
 or which param group a parameter is in; those come from the model-states file in the folder, and
 the manifest lists them under `notes`.
 """
+
 from __future__ import annotations
 
 import io
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.convert.core import assemble
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.universal import (
@@ -69,8 +71,10 @@ def _geometry(tensor: FullTensor) -> dict[str, Any]:
         out[VOCAB_TENSOR] = True
     if layout.parts:
         if len(set(layout.parts)) != 1 or layout.dim != 0:
-            raise CheckpointError(tensor.name, f"DeepSpeed's universal format cannot describe fused parts "
-                                  f"{list(layout.parts)} on dim {layout.dim}")
+            raise CheckpointError(
+                tensor.name,
+                f"DeepSpeed's universal format cannot describe fused parts {list(layout.parts)} on dim {layout.dim}",
+            )
         out[PARAM_N_SUB_PARAMS] = len(layout.parts)
     return out
 
@@ -80,8 +84,9 @@ def default_deepspeed_output(src: NativeCheckpoint) -> str:
     return os.path.join(src.ckpt_dir, f"{src.tag}_universal")
 
 
-def export_deepspeed(ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1,
-                     progress: bool = True) -> str:
+def export_deepspeed(
+    ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1, progress: bool = True
+) -> str:
     """Write a native checkpoint in DeepSpeed's universal layout; return the output folder."""
     src = NativeCheckpoint(ckpt_dir, tag)
     try:
@@ -97,7 +102,7 @@ def export_deepspeed(ckpt_dir: str, tag: str | None = None, output: str | None =
             folder = os.path.join(out, ZERO, t.name)
             for key in keys:
                 _save_pt(os.path.join(folder, f"{key}.pt"), {PARAM: assemble(src, t, key), **_geometry(t)})
-            step = scalars.get(t.group, {}).get("step")
+            step = scalars.get(t.group, {}).get("step") if t.group is not None else None
             if step is not None:
                 _save_pt(os.path.join(folder, "step.pt"), step)
 
@@ -107,8 +112,9 @@ def export_deepspeed(ckpt_dir: str, tag: str | None = None, output: str | None =
                 bar.update()
         bar.close()
         src.check_reads()
-        _save_pt(os.path.join(out, ZERO, OPTIMIZER_STATE),
-                 {k: rebuild(v) for k, v in src.optim(0).global_state().items()})
+        _save_pt(
+            os.path.join(out, ZERO, OPTIMIZER_STATE), {k: rebuild(v) for k, v in src.optim(0).global_state().items()}
+        )
         for rank in src.ranks:
             for path in rank.model_paths:
                 shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
@@ -131,8 +137,11 @@ def import_deepspeed(folder: str, output: str) -> str:
     """Rewrite a DeepSpeed universal folder in our format (with a manifest saying what was inferred)."""
     model_files = sorted(f for f in os.listdir(folder) if f.endswith("model_states.pt"))
     if not model_files:
-        raise CheckpointError(folder, "no *model_states.pt in this DeepSpeed universal folder; its param groups, "
-                              "buffers and frozen parameters cannot be recovered")
+        raise CheckpointError(
+            folder,
+            "no *model_states.pt in this DeepSpeed universal folder; its param groups, "
+            "buffers and frozen parameters cannot be recovered",
+        )
     model_path = os.path.join(folder, model_files[0])
     check_output(output, [folder])
     model = ModelStatesFile(model_path)
@@ -161,48 +170,86 @@ def import_deepspeed(folder: str, output: str) -> str:
                     raise CheckpointError(pdir, "no fp32.pt")
                 keys = [FP32] + sorted(k for k in tensors if k != FP32)
                 records.append(write_tensors(output, param_file(name), tensors))
-                params[name] = {"shape": list(tensors[FP32].shape), "dtype": "float32", "group": g,
-                                "trainable": True, "file": param_file(name), "keys": keys}
+                params[name] = {
+                    "shape": list(tensors[FP32].shape),
+                    "dtype": "float32",
+                    "group": g,
+                    "trainable": True,
+                    "file": param_file(name),
+                    "keys": keys,
+                }
         trainable = {n for names in groups for n in names}
         buffer_names = model.entry("buffer_names", [])
         aliases = model.entry("shared_params") or {}
-        frozen = model.entry("frozen_param_shapes") or [n for n in model.module_names()
-                                                        if n not in trainable and n not in buffer_names
-                                                        and n not in aliases]
+        frozen = model.entry("frozen_param_shapes") or [
+            n for n in model.module_names() if n not in trainable and n not in buffer_names and n not in aliases
+        ]
         for name in frozen:
             value = model.module_tensor(name).load()
             records.append(write_tensors(output, param_file(name), {VALUE: value}))
-            params[name] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
-                            "group": None, "trainable": False, "file": param_file(name), "keys": [VALUE]}
+            params[name] = {
+                "shape": list(value.shape),
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "group": None,
+                "trainable": False,
+                "file": param_file(name),
+                "keys": [VALUE],
+            }
         buffers = {n: model.module_tensor(n).load() for n in buffer_names}
         records.append(write_tensors(output, BUFFERS, buffers))
         client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
-        wrapper = {k: plain(optim_state[k]) for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
-                   if k in optim_state}
-        records.append(write_object(output, STATE, {"lr_scheduler": model.lr_scheduler(), "client_state": client,
-                                                     "optimizer_wrapper": wrapper}))
+        wrapper = {
+            k: plain(optim_state[k])
+            for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+            if k in optim_state
+        }
+        records.append(
+            write_object(
+                output,
+                STATE,
+                {"lr_scheduler": model.lr_scheduler(), "client_state": client, "optimizer_wrapper": wrapper},
+            )
+        )
         hyper = optim_state.get("param_groups") or []
         manifest = {
             "created_by": {"ucp_deepspeed": __version__},
-            "source": {"path": os.path.abspath(folder), "format": "deepspeed_universal",
-                       "topology": {"dp": int(model.entry("dp_world_size", 1)), "tp": int(model.entry("mp_world_size", 1)),
-                                    "pp": 1, "ep": 1, "zero_stage": int(optim_state.get("zero_stage", 0)),
-                                    "dtype": "fp32", "optimizer": "deepspeed_universal"},
-                       "versions": {"deepspeed": str(model.entry("ds_version", ""))}, "fingerprint": []},
+            "source": {
+                "path": os.path.abspath(folder),
+                "format": "deepspeed_universal",
+                "topology": {
+                    "dp": int(model.entry("dp_world_size", 1)),
+                    "tp": int(model.entry("mp_world_size", 1)),
+                    "pp": 1,
+                    "ep": 1,
+                    "zero_stage": int(optim_state.get("zero_stage", 0)),
+                    "dtype": "fp32",
+                    "optimizer": "deepspeed_universal",
+                },
+                "versions": {"deepspeed": str(model.entry("ds_version", ""))},
+                "fingerprint": [],
+            },
             "counters": model.counters(),
-            "param_groups": [{"hyperparams": {k: encode_value(v) for k, v in hyper[g].items() if k != "params"}
-                              if g < len(hyper) else None,
-                              "scalars": {k: encode_value(v) for k, v in scalars.get(g, {}).items()}}
-                             for g in range(len(groups))],
+            "param_groups": [
+                {
+                    "hyperparams": {k: encode_value(v) for k, v in hyper[g].items() if k != "params"}
+                    if g < len(hyper)
+                    else None,
+                    "scalars": {k: encode_value(v) for k, v in scalars.get(g, {}).items()},
+                }
+                for g in range(len(groups))
+            ],
             "params": params,
-            "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
-                        for n, b in buffers.items()},
+            "buffers": {
+                n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in buffers.items()
+            },
             "tied": dict(aliases),
-            "notes": [f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
-                      f"taken from {model_files[0]}: DeepSpeed's universal folder does not record them"],
+            "notes": [
+                f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
+                f"taken from {model_files[0]}: DeepSpeed's universal folder does not record them"
+            ],
         }
         model.file.check_reads()
-        write_manifest(output, manifest, records)
+        write_manifest(output, Manifest.decode(manifest, output), records)
         return output
     finally:
         model.close()

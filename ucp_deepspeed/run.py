@@ -5,6 +5,7 @@ launcher can run a module instead of a script, e.g. `torchrun --nproc_per_node 8
 ucp_deepspeed.run train.py ...`, `deepspeed --module ucp_deepspeed.run train.py ...` or
 `accelerate launch -m ucp_deepspeed.run train.py ...`.
 """
+
 from __future__ import annotations
 
 import os

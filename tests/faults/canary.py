@@ -1,4 +1,5 @@
 """A global that hostile test pickles name: calling or building it records that code from a file ran."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ def fire(*_args: Any, **_kwargs: Any) -> int:
 class Boom:
     """Fires when constructed or given state."""
 
-    def __new__(cls, *args: Any) -> "Boom":
+    def __new__(cls, *args: Any) -> Boom:
         fire()
         return super().__new__(cls)
 

@@ -1,8 +1,9 @@
 """Run the `ucp` CLI with a fault injected into the library's writes (test-only; never imported by the library).
 
-    python shim.py slow SECONDS ARGS...     every parameter file takes SECONDS longer to write
-    python shim.py enospc BYTES ARGS...     writes fail with ENOSPC once BYTES have been written
+python shim.py slow SECONDS ARGS...     every parameter file takes SECONDS longer to write
+python shim.py enospc BYTES ARGS...     writes fail with ENOSPC once BYTES have been written
 """
+
 from __future__ import annotations
 
 import errno
@@ -46,7 +47,7 @@ def disk_full_after(limit: float) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._f, name)
 
-        def __enter__(self) -> "FullDisk":
+        def __enter__(self) -> FullDisk:
             return self
 
         def __exit__(self, *exc: Any) -> None:

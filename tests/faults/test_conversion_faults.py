@@ -1,6 +1,7 @@
 """Faults during conversion, run through the `ucp` command as a user would: a flipped byte in a source
 file, a SIGKILL mid-way, a full disk, two converters at once, a read-only output folder. Each ends in a
 clear message (or a clean wait), the source is unchanged, and no half-written output looks finished."""
+
 from __future__ import annotations
 
 import hashlib
@@ -25,14 +26,22 @@ OPTIM = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
 def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
-def ucp(*args: str, fault: tuple[str, float] | None = None, prefix: tuple[str, ...] = (),
-        wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
-    cmd = [*prefix, sys.executable, *([str(SHIM), fault[0], str(fault[1])] if fault else ["-m", "ucp_deepspeed.tools.cli"]),
-           *args]
+def ucp(
+    *args: str, fault: tuple[str, float] | None = None, prefix: tuple[str, ...] = (), wait: bool = True
+) -> subprocess.CompletedProcess | subprocess.Popen:
+    cmd = [
+        *prefix,
+        sys.executable,
+        *([str(SHIM), fault[0], str(fault[1])] if fault else ["-m", "ucp_deepspeed.tools.cli"]),
+        *args,
+    ]
     if not wait:
         return subprocess.Popen(cmd, env=torch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
@@ -104,7 +113,7 @@ def test_two_converters_at_once_take_turns(source, tmp_path):
         assert time.monotonic() < deadline and first.poll() is None
         time.sleep(0.05)
     second = ucp("convert", str(source), "--output", str(out))
-    first_out, first_err = first.communicate(timeout=300)
+    _, first_err = first.communicate(timeout=300)
     assert first.returncode == 0, first_err
     assert second.returncode == 0, second.stderr
     assert "being written by another conversion; waiting" in second.stderr

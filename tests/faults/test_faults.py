@@ -1,4 +1,5 @@
 """Bad input fails loudly, naming the file; the source is never modified; nothing half-written looks finished."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,11 @@ TAG = "global_step3"
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture

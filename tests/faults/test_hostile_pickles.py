@@ -8,6 +8,7 @@ files, and DeepSpeed's own load through `native_io.safe_load`. A property test g
 programs from many opcodes and globals and asserts the same. Opting in is exact: a global named in
 UCP_ALLOW_PICKLE is allowed, a prefix of it is not.
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -71,28 +72,42 @@ def payloads(tmp_path: Path) -> dict[str, bytes]:
     shell = ["sh", "-c", touch]
     stack_global = pickle.dumps("canary", 4)[2:-1] + pickle.dumps("fire", 4)[2:-1] + b"\x93"
     return {
-        "dotted name under an allowed prefix": _program(_global("deepspeed.launcher.runner", "subprocess.Popen"),
-                                                        _args(shell), b"R"),
+        "dotted name under an allowed prefix": _program(
+            _global("deepspeed.launcher.runner", "subprocess.Popen"), _args(shell), b"R"
+        ),
         "os.system": _program(_global("os", "system"), _args(touch), b"R"),
         "posix.system": _program(_global("posix", "system"), _args(touch), b"R"),
         "builtins.eval": _program(_global("builtins", "eval"), _args(f"__import__('os').system({touch!r})"), b"R"),
-        "__builtin__.getattr": _program(_global("__builtin__", "getattr"), _global("os", "path"), _str("join"),
-                                        b"\x86R"),
-        "dotted attribute of an allowed class": _program(_global("collections", "OrderedDict.fromkeys"),
-                                                         _args([1]), b"R"),
+        "__builtin__.getattr": _program(
+            _global("__builtin__", "getattr"), _global("os", "path"), _str("join"), b"\x86R"
+        ),
+        "dotted attribute of an allowed class": _program(
+            _global("collections", "OrderedDict.fromkeys"), _args([1]), b"R"
+        ),
         "torch submodule by dotted name": _program(_global("torch", "nn.Module"), b")R"),
         "torch.load": _program(_global("torch", "load"), _args(str(tmp_path / "x.pt")), b"R"),
         "the canary by STACK_GLOBAL": _program(stack_global, b")R", proto=4),
         "the canary by INST": b"(" + b"i" + b"canary\nfire\n.",
         "the canary's class by NEWOBJ": _program(_global("canary", "Boom"), b")\x81"),
         "a registered extension code": _program(b"\x82\xf0", b")R"),
-        "state set on an allowed class": _program(_global("collections", "OrderedDict"), b"N}", _str("__eq__"),
-                                                  _global("builtins", "set"), b"s\x86b"),
-        "a stand-in class given state": _program(_global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), b"N}",
-                                                 _str("qualname"), _str("os.system"), b"s\x86b"),
+        "state set on an allowed class": _program(
+            _global("collections", "OrderedDict"), b"N}", _str("__eq__"), _global("builtins", "set"), b"s\x86b"
+        ),
+        "a stand-in class given state": _program(
+            _global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+            b"N}",
+            _str("qualname"),
+            _str("os.system"),
+            b"s\x86b",
+        ),
         "_rebuild_from_type_v2 calling set": _program(
-            _global("torch._tensor", "_rebuild_from_type_v2"), b"(", _global("builtins", "set"),
-            _global("torch", "Tensor"), _args([1, 2]), b"NtR"),
+            _global("torch._tensor", "_rebuild_from_type_v2"),
+            b"(",
+            _global("builtins", "set"),
+            _global("torch", "Tensor"),
+            _args([1, 2]),
+            b"NtR",
+        ),
         "a codec that imports a module": _program(_global("_codecs", "encode"), _args("x", "zlib_codec"), b"R"),
         "a numpy object array": _program(_global("numpy", "dtype"), _args("O8", False, True), b"R"),
         "a huge bytes allocation": _program(_global("builtins", "bytearray"), _args(10**12), b"R"),
@@ -121,8 +136,16 @@ def test_every_payload_is_refused_by_the_archive_reader(tmp_path):
         copyreg.remove_extension("canary", "fire", 240)
 
 
-@pytest.mark.parametrize("label", ["dotted name under an allowed prefix", "posix.system", "the canary by STACK_GLOBAL",
-                                   "the canary's class by NEWOBJ", "state set on an allowed class"])
+@pytest.mark.parametrize(
+    "label",
+    [
+        "dotted name under an allowed prefix",
+        "posix.system",
+        "the canary by STACK_GLOBAL",
+        "the canary's class by NEWOBJ",
+        "state set on an allowed class",
+    ],
+)
 def test_deepspeeds_own_load_refuses_payloads(tmp_path, label):
     """The same-topology load hands files to DeepSpeed, which reads them through `safe_load`."""
     path = torch_archive(tmp_path / "mp_rank_00_model_states.pt", payloads(tmp_path)[label])
@@ -132,8 +155,11 @@ def test_deepspeeds_own_load_refuses_payloads(tmp_path, label):
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("victim", ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"])
@@ -143,8 +169,12 @@ def test_cli_commands_refuse_a_crafted_rank_file(sources, tmp_path, capsys, vict
     shutil.copytree(sources["z1"], src, ignore=shutil.ignore_patterns("*.universal", "*.lock"))
     swap_pickle(src / TAG / victim, payloads(tmp_path)["dotted name under an allowed prefix"])
     before = tree_digest(src)
-    for command in (["convert", str(src), "--output", str(tmp_path / "out"), "--no-progress"],
-                    ["inspect", str(src)], ["verify", str(src)], ["diff", str(src), str(sources["z1"])]):
+    for command in (
+        ["convert", str(src), "--output", str(tmp_path / "out"), "--no-progress"],
+        ["inspect", str(src)],
+        ["verify", str(src)],
+        ["diff", str(src), str(sources["z1"])],
+    ):
         assert ucp(command) == 2, command
         err = capsys.readouterr().err
         assert victim in err and "refusing to unpickle global 'deepspeed.launcher.runner.subprocess.Popen'" in err, err
@@ -188,32 +218,105 @@ def test_real_files_still_read(sources):
 
 
 # Globals a generated pickle may name: dangerous ones, look-alikes, and every allowed one.
-POOL = [("os", "system"), ("posix", "system"), ("builtins", "eval"), ("builtins", "exec"), ("builtins", "getattr"),
-        ("builtins", "__import__"), ("__builtin__", "apply"), ("subprocess", "Popen"), ("canary", "fire"),
-        ("canary", "Boom"), ("torch", "load"), ("torch.serialization", "load"), ("functools", "partial"),
-        ("operator", "attrgetter"), ("copyreg", "_reconstructor"), ("pickle", "loads"), ("numpy", "load"),
-        ("torch._utils", "_rebuild_tensor"), ("deepspeed", "runtime.engine.DeepSpeedEngine"),
-        ("deepspeed.launcher.runner", "subprocess.Popen"), ("collections", "OrderedDict.fromkeys"),
-        ("torch", "nn.Module"), ("importlib", "import_module"),
-        ("collections", "OrderedDict"), ("collections", "defaultdict"), ("builtins", "set"), ("builtins", "bytes"),
-        ("builtins", "bytearray"), ("builtins", "slice"), ("__builtin__", "frozenset"), ("_codecs", "encode"),
-        ("argparse", "Namespace"), ("torch", "Size"), ("torch", "device"), ("torch", "float32"), ("torch", "Tensor"),
-        ("torch", "FloatStorage"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._tensor", "_rebuild_from_type_v2"),
-        ("torch._utils", "_rebuild_parameter"), ("numpy", "dtype"), ("numpy", "ndarray"),
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
-        ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"),
-        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")]
+POOL = [
+    ("os", "system"),
+    ("posix", "system"),
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "getattr"),
+    ("builtins", "__import__"),
+    ("__builtin__", "apply"),
+    ("subprocess", "Popen"),
+    ("canary", "fire"),
+    ("canary", "Boom"),
+    ("torch", "load"),
+    ("torch.serialization", "load"),
+    ("functools", "partial"),
+    ("operator", "attrgetter"),
+    ("copyreg", "_reconstructor"),
+    ("pickle", "loads"),
+    ("numpy", "load"),
+    ("torch._utils", "_rebuild_tensor"),
+    ("deepspeed", "runtime.engine.DeepSpeedEngine"),
+    ("deepspeed.launcher.runner", "subprocess.Popen"),
+    ("collections", "OrderedDict.fromkeys"),
+    ("torch", "nn.Module"),
+    ("importlib", "import_module"),
+    ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),
+    ("builtins", "set"),
+    ("builtins", "bytes"),
+    ("builtins", "bytearray"),
+    ("builtins", "slice"),
+    ("__builtin__", "frozenset"),
+    ("_codecs", "encode"),
+    ("argparse", "Namespace"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch", "float32"),
+    ("torch", "Tensor"),
+    ("torch", "FloatStorage"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("numpy", "dtype"),
+    ("numpy", "ndarray"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "scalar"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+]
 
-_values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.text(max_size=12),
-                    st.binary(max_size=12), st.lists(st.integers(0, 9), max_size=3),
-                    st.sampled_from(["touch pwned", "latin1", "rot13", "O8", "f4", "cpu", "storage", "0"]))
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.text(max_size=12),
+    st.binary(max_size=12),
+    st.lists(st.integers(0, 9), max_size=3),
+    st.sampled_from(["touch pwned", "latin1", "rot13", "O8", "f4", "cpu", "storage", "0"]),
+)
 _ops = st.one_of(
     st.sampled_from(POOL).map(lambda g: _global(*g)),
     st.sampled_from(POOL).map(lambda g: pickle.dumps(g[0], 4)[2:-1] + pickle.dumps(g[1], 4)[2:-1] + b"\x93"),
     _values.map(lambda v: pickle.dumps(v, 2)[2:-1]),
-    st.sampled_from([b"R", b"b", b"\x81", b"\x92", b"(", b"t", b")", b"\x85", b"\x86", b"\x87", b"}", b"]", b"s",
-                     b"u", b"a", b"e", b"0", b"2", b"1", b"Q", b"\x94", b"h\x00", b"q\x00", b"\x82\x01", b"\x97",
-                     b"\x98", b"o", b"icanary\nfire\n", b"Pcanary\n", b"N", b"\x88", b"\x89"]),
+    st.sampled_from(
+        [
+            b"R",
+            b"b",
+            b"\x81",
+            b"\x92",
+            b"(",
+            b"t",
+            b")",
+            b"\x85",
+            b"\x86",
+            b"\x87",
+            b"}",
+            b"]",
+            b"s",
+            b"u",
+            b"a",
+            b"e",
+            b"0",
+            b"2",
+            b"1",
+            b"Q",
+            b"\x94",
+            b"h\x00",
+            b"q\x00",
+            b"\x82\x01",
+            b"\x97",
+            b"\x98",
+            b"o",
+            b"icanary\nfire\n",
+            b"Pcanary\n",
+            b"N",
+            b"\x88",
+            b"\x89",
+        ]
+    ),
 )
 
 
@@ -241,9 +344,18 @@ def test_a_real_archive_round_trips_through_the_reader(tmp_path):
     """The reader returns what torch.save wrote (lazily), for the kinds of values checkpoints hold."""
     import numpy as np
 
-    value = {"t": torch.arange(6, dtype=torch.float32).reshape(2, 3), "s": {1, 2}, "b": b"\x00\xff", "e": b"",
-             "n": np.arange(3, dtype=np.uint32), "size": torch.Size([2, 3]), "dt": torch.bfloat16,
-             "dev": torch.device("cpu"), "sl": slice(1, 5), "c": 1 + 2j}
+    value = {
+        "t": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "s": {1, 2},
+        "b": b"\x00\xff",
+        "e": b"",
+        "n": np.arange(3, dtype=np.uint32),
+        "size": torch.Size([2, 3]),
+        "dt": torch.bfloat16,
+        "dev": torch.device("cpu"),
+        "sl": slice(1, 5),
+        "c": 1 + 2j,
+    }
     buf = io.BytesIO()
     torch.save(value, buf)
     path = tmp_path / "ok.pt"

@@ -6,6 +6,7 @@ leaves no output that looks finished. The last test drives the same faults throu
 `load_checkpoint` on 2 ranks (native, resharded and universal-folder paths) and requires every
 rank to raise the same error.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,11 @@ MODEL = "mp_rank_00_model_states.pt"
 
 
 def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def copy_of(source: Path, dst: Path) -> Path:
@@ -54,15 +58,19 @@ def refused(capsys: pytest.CaptureFixture, *command: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("donor_tag,what", [(TAG, "another run of the same model, same step"),
-                                            ("global_step2", "an older step")])
+@pytest.mark.parametrize(
+    "donor_tag,what", [(TAG, "another run of the same model, same step"), ("global_step2", "an older step")]
+)
 def test_rank_file_from_another_save_is_refused(sources, tmp_path, capsys, donor_tag, what):
     """z1b is z1 trained from another seed, saved at steps 2 and 3; one of its rank files is mixed in."""
     src = copy_of(sources["z1b"] if donor_tag != TAG else sources["z1"], tmp_path / "ckpt")
     shutil.copyfile(sources["z1b"] / donor_tag / OPTIM1, src / TAG / OPTIM1)
     before = digest(src)
-    for command in (["convert", str(src), "--output", str(tmp_path / "out"), "--no-progress"], ["verify", str(src)],
-                    ["inspect", str(src)]):
+    for command in (
+        ["convert", str(src), "--output", str(tmp_path / "out"), "--no-progress"],
+        ["verify", str(src)],
+        ["inspect", str(src)],
+    ):
         err = refused(capsys, *command)
         assert f"{src / TAG / OPTIM1}: belongs to another save" in err, (what, err)
     assert digest(src) == before and not (tmp_path / "out").exists()
@@ -93,13 +101,16 @@ def _slot(meta: dict, name: str) -> dict:
 CONTRADICTIONS = {
     "shape widened": (lambda m: _slot(m, "up.weight").update(shape=[40, 25]), "param_shapes disagrees"),
     "shape transposed": (lambda m: _slot(m, "up.weight").update(shape=[24, 40]), "param_shapes disagrees"),
-    "offset moved": (lambda m: _slot(m, "up.weight").update(offset=_slot(m, "up.weight")["offset"] + 1),
-                     "param_slice_mappings of flat 0 disagree"),
-    "partition size": (lambda m: [p.update(partition=p["partition"] + 8) for p in m["params"]],
-                       "flat 0 holds"),
+    "offset moved": (
+        lambda m: _slot(m, "up.weight").update(offset=_slot(m, "up.weight")["offset"] + 1),
+        "param_slice_mappings of flat 0 disagree",
+    ),
+    "partition size": (lambda m: [p.update(partition=p["partition"] + 8) for p in m["params"]], "flat 0 holds"),
     "ZeRO stage": (lambda m: m["topology"].update(zero_stage=1), "ds_config has ZeRO stage 2, metadata says 1"),
-    "buffer renamed": (lambda m: next(e for e in m["extras"] if e["kind"] == "buffer").update(name="counts"),
-                       "buffer_names"),
+    "buffer renamed": (
+        lambda m: next(e for e in m["extras"] if e["kind"] == "buffer").update(name="counts"),
+        "buffer_names",
+    ),
     "param group moved": (lambda m: _slot(m, "up.bias").update(flat=0, group=0), "param_shapes disagrees"),
 }
 
@@ -131,12 +142,18 @@ def test_universal_folder_reads_are_checked(sources, tmp_path, capsys):
 @pytest.mark.parametrize("where", ["tag", "inside tag", "checkpoint dir", "other tag"])
 def test_output_inside_a_source_is_refused(sources, tmp_path, capsys, where):
     src = copy_of(sources["z1b"], tmp_path / "ckpt")
-    out = {"tag": src / TAG, "inside tag": src / TAG / "u", "checkpoint dir": src,
-           "other tag": src / "global_step2" / "u"}[where]
+    out = {
+        "tag": src / TAG,
+        "inside tag": src / TAG / "u",
+        "checkpoint dir": src,
+        "other tag": src / "global_step2" / "u",
+    }[where]
     before = digest(src)
-    for command in (["convert", str(src), "--output", str(out), "--no-progress"],
-                    ["convert", str(src), "--output", str(out), "--format", "deepspeed", "--no-progress"],
-                    ["export-hf", str(src), str(out), "--arch", "llama", "--num-heads", "1", "--no-progress"]):
+    for command in (
+        ["convert", str(src), "--output", str(out), "--no-progress"],
+        ["convert", str(src), "--output", str(out), "--format", "deepspeed", "--no-progress"],
+        ["export-hf", str(src), str(out), "--arch", "llama", "--num-heads", "1", "--no-progress"],
+    ):
         err = refused(capsys, *command)
         assert "never written" in err or "checkpoint folder" in err, (command, err)
     assert digest(src) == before
@@ -192,11 +209,13 @@ def test_faults_are_refused_on_every_load_path(sources, tmp_path):
     flip(folder / "params" / "up.weight.safetensors", 200)
     contradicting = copy_of(sources["z2"], tmp_path / "contradicting")
     _edit_meta(contradicting, CONTRADICTIONS["shape transposed"][0])
-    cases = {f"{crafted}#{TAG}": "refusing to unpickle global 'deepspeed.launcher.runner.subprocess.Popen'",
-             f"{mixed}#{TAG}": f"{mixed / TAG / OPTIM1}: belongs to another save",
-             str(damaged): f"{damaged / TAG / OPTIM1}: record",
-             str(folder): f"{folder / 'params' / 'up.weight.safetensors'}: block 0",
-             str(contradicting): "param_shapes disagrees"}
+    cases = {
+        f"{crafted}#{TAG}": "refusing to unpickle global 'deepspeed.launcher.runner.subprocess.Popen'",
+        f"{mixed}#{TAG}": f"{mixed / TAG / OPTIM1}: belongs to another save",
+        str(damaged): f"{damaged / TAG / OPTIM1}: record",
+        str(folder): f"{folder / 'params' / 'up.weight.safetensors'}: block 0",
+        str(contradicting): "param_shapes disagrees",
+    }
     results = tmp_path / "results.json"
     torchrun(2, "load", "--variant", "z1", "--expect-error", "--results", str(results), "--source", *cases)
     for outcome in load_results(results):

@@ -5,6 +5,7 @@ Importing this package registers, with nothing in the core importing it back: it
 config sections `differential` and `quantize`; and its saver, which replaces DeepSpeed's save when
 either section is given.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,8 +35,13 @@ def _saver(engine: Any, options: Any) -> Any:
     from ucp_deepspeed.checkn_run.differential import DifferentialSaver  # imports DeepSpeed: only for engines
 
     return DifferentialSaver(
-        engine, diff.policy if diff else None, (diff.tables if diff else None) or (quant.tables if quant else None),
-        quant.method if quant else None, quant.bits if quant else None, quant.expected_restores if quant else None)
+        engine,
+        diff.policy if diff else None,
+        (diff.tables if diff else None) or (quant.tables if quant else None),
+        quant.method if quant else None,
+        quant.bits if quant else None,
+        quant.expected_restores if quant else None,
+    )
 
 
 register_tag_kind(TagKind(KIND, MARKER, _needs, materialize, _verify))

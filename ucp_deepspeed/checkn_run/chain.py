@@ -8,6 +8,7 @@ some rows (`rows`), possibly with quantized fp32 values. `materialize` reads eve
 through its block CRCs and writes the full tables, plus copies of the dense files, as an ordinary
 universal checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ import torch
 
 from ucp_deepspeed.checkn_run.quantize import dequantize, from_tensors
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import INTENT
 from ucp_deepspeed.format.universal import (
@@ -56,8 +58,9 @@ def read_element(ckpt_dir: str, tag: str) -> dict[str, Any]:
         if not os.path.isfile(file):
             raise CheckpointError(file, f"file of chain element {tag} is missing")
         if os.path.getsize(file) != want.nbytes:
-            raise CheckpointError(file, f"size {os.path.getsize(file)} differs from manifest ({want.nbytes}): "
-                                  "truncated or replaced")
+            raise CheckpointError(
+                file, f"size {os.path.getsize(file)} differs from manifest ({want.nbytes}): truncated or replaced"
+            )
     return manifest
 
 
@@ -76,9 +79,11 @@ def chain(ckpt_dir: str, tag: str) -> list[tuple[str, dict[str, Any]]]:
     elements = [(t, read_element(ckpt_dir, t) if t != tag else target) for t in tags]
     for i, (t, manifest) in enumerate(elements):
         if ids is not None and manifest.get("save_id") != ids[i]:
-            raise CheckpointError(os.path.join(ckpt_dir, t, MANIFEST),
-                                  f"is save {manifest.get('save_id')}, but {tag} was written on top of save {ids[i]}: "
-                                  "this element was replaced after the chain was written")
+            raise CheckpointError(
+                os.path.join(ckpt_dir, t, MANIFEST),
+                f"is save {manifest.get('save_id')}, but {tag} was written on top of save {ids[i]}: "
+                "this element was replaced after the chain was written",
+            )
     if elements[0][1]["differential"]["kind"] != "baseline":
         raise CheckpointError(os.path.join(ckpt_dir, tags[0]), "first element of the chain is not a baseline")
     return elements
@@ -95,7 +100,9 @@ def crc_problems(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> l
     return [p for tag, manifest in elements for p in Folder(os.path.join(ckpt_dir, tag), manifest).verify()]
 
 
-def _table_rows(folder: Folder, name: str, record: dict[str, Any]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+def _table_rows(
+    folder: Folder, name: str, record: dict[str, Any]
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """Row index (None: all rows) and fp32 (dequantized) and state values of one table in one element."""
     handle = folder.file(record["file"])
     path = handle.path
@@ -112,16 +119,21 @@ def _table_rows(folder: Folder, name: str, record: dict[str, Any]) -> tuple[torc
     for key in record["keys"]:
         quant = table["quantize"]
         if key == FP32 and quant:
-            q = from_tensors(quant["method"], quant["bits"], (count, math.prod(width)),
-                             {"codes": stored[f"{FP32}.codes"], "params": stored[f"{FP32}.params"]})
+            q = from_tensors(
+                quant["method"],
+                quant["bits"],
+                (count, math.prod(width)),
+                {"codes": stored[f"{FP32}.codes"], "params": stored[f"{FP32}.params"]},
+            )
             values[key] = dequantize(q).reshape(count, *width)
         elif key in stored:
             values[key] = stored[key]
         else:
             raise CheckpointError(path, f"table {name} lacks state {key!r}")
         if values[key].shape[0] != count:
-            raise CheckpointError(path, f"table {name} state {key!r} has {values[key].shape[0]} rows, "
-                                  f"manifest says {count}")
+            raise CheckpointError(
+                path, f"table {name} state {key!r} has {values[key].shape[0]} rows, manifest says {count}"
+            )
     return rows, values
 
 
@@ -142,15 +154,16 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, INTENT)):
         raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
     os.makedirs(out, exist_ok=True)
-    atomic_write(os.path.join(out, INTENT), json.dumps({"source": os.path.join(ckpt_dir, tag),
-                                                        "chain": fingerprint}).encode())
+    atomic_write(
+        os.path.join(out, INTENT), json.dumps({"source": os.path.join(ckpt_dir, tag), "chain": fingerprint}).encode()
+    )
     records, params = [], {}
     try:
         for name, record in target["params"].items():
             record = dict(record)
             if "table" in record:
                 full: dict[str, torch.Tensor] = {}
-                for t, folder, manifest in folders:
+                for _, folder, manifest in folders:
                     rows, values = _table_rows(folder, name, manifest["params"][name])
                     if rows is None:
                         full = {k: v.clone() for k, v in values.items()}
@@ -171,7 +184,7 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     body = {k: v for k, v in target.items() if k not in ("differential", "files", "format", "version", "block_size")}
     body["params"] = params
     body["source"] = dict(body["source"], chain=fingerprint, differential=target["differential"])
-    write_manifest(out, body, records)
+    write_manifest(out, Manifest.decode(body, out), records)
     os.unlink(os.path.join(out, INTENT))
     return out
 

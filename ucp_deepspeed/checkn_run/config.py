@@ -1,4 +1,5 @@
 """The `"checkpoint": {"differential": ..., "quantize": ...}` sections, registered with the runtime's config."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -33,9 +34,7 @@ class QuantizeConfig(BaseModel):
     """Tables to quantize when no differential section names them; default every nn.Embedding(Bag)."""
 
     @model_validator(mode="after")
-    def _needs_width(self) -> "QuantizeConfig":
+    def _needs_width(self) -> QuantizeConfig:
         if self.bits is None and self.expected_restores is None:
             raise ValueError("give `bits` (2, 3, 4 or 8) or `expected_restores` to choose them from")
         return self
-
-

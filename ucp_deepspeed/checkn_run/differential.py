@@ -18,11 +18,12 @@ Restoring replays the chain into an ordinary universal checkpoint (`chain.materi
 loads at any data-parallel size or ZeRO stage like any other. After a restore the next save is a
 new baseline, so a chain never spans two runs of different layouts.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,18 +47,27 @@ def new_baseline_pays(history: list[float], fraction: float) -> bool:
 class DifferentialSaver:
     """Per-engine Check-N-Run state: row tracking, the current chain, and the policy's history."""
 
-    def __init__(self, engine: Any, policy: str | None, tables: list[str] | None, method: str | None,
-                 bits: int | None, expected_restores: int | None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        policy: str | None,
+        tables: list[str] | None,
+        method: str | None,
+        bits: int | None,
+        expected_restores: int | None,
+    ) -> None:
         check_supported(engine)
         modules = find_tables(engine.module, tables)
         if not modules:
-            raise ValueError("Check-N-Run checkpoints found no nn.Embedding / nn.EmbeddingBag to track"
-                             + (f" matching {tables}" if tables else ""))
+            raise ValueError(
+                "Check-N-Run checkpoints found no nn.Embedding / nn.EmbeddingBag to track"
+                + (f" matching {tables}" if tables else "")
+            )
         tracked = policy not in (None, "full")
         if tracked:
             check_optimizer(engine.optimizer.optimizer)
         placed = live_params(engine)
-        self.names = {module: placed[m.weight].name for module, m in modules.items()}
+        self.names = {module: placed[cast(torch.nn.Parameter, m.weight)].name for module, m in modules.items()}
         self.policy, self.method, self.bits, self.expected_restores = policy, method, bits, expected_restores
         self.tracker = RowTracker(modules) if tracked else None
         self.chain: list[str] = []
@@ -70,12 +80,15 @@ class DifferentialSaver:
         if self.method is None:
             return None
         if self.bits is None:
+            if self.expected_restores is None:
+                raise ValueError("quantization needs `bits` or `expected_restores`")
             return choose_bits(self.expected_restores, self.restores)
         exceeded = self.expected_restores is not None and self.restores > self.expected_restores
         return 8 if exceeded else self.bits
 
-    def save(self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool,
-             save_id: str) -> int:
+    def save(
+        self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
+    ) -> int:
         """Write checkpoint `tag` under the policy (collective); returns the bytes written (rank 0)."""
         changed = self.tracker.take() if self.tracker is not None else {}
         for module, flags in changed.items():
@@ -83,10 +96,16 @@ class DifferentialSaver:
         kind, rows = self._plan(changed)
         bits = self._bits()
         tables = {self.names[m]: TableSave(rows.get(m), self.method, bits) for m in self.names}
-        chain = [tag] if kind == "baseline" else \
-            (self.chain + [tag] if self.policy == "incremental" else [self.chain[0], tag])
-        ids = [save_id] if kind == "baseline" else \
-            (self.chain_ids + [save_id] if self.policy == "incremental" else [self.chain_ids[0], save_id])
+        chain = (
+            [tag]
+            if kind == "baseline"
+            else (self.chain + [tag] if self.policy == "incremental" else [self.chain[0], tag])
+        )
+        ids = (
+            [save_id]
+            if kind == "baseline"
+            else (self.chain_ids + [save_id] if self.policy == "incremental" else [self.chain_ids[0], save_id])
+        )
         out = os.path.join(save_dir, tag)
         if dist.get_rank() == 0:
             if os.path.isdir(out):
@@ -94,11 +113,18 @@ class DifferentialSaver:
             os.makedirs(out)
             atomic_write(os.path.join(out, MARKER), b"")
         dist.barrier()
-        extra = {"save_id": save_id,
-                 "differential": {"kind": kind, "policy": self.policy, "chain": chain, "chain_ids": ids,
-                                  "restores": self.restores,
-                                  "quantize": {"method": self.method, "bits": bits} if self.method else None,
-                                  "changed_fraction": self._fraction(changed) if changed else None}}
+        extra = {
+            "save_id": save_id,
+            "differential": {
+                "kind": kind,
+                "policy": self.policy,
+                "chain": chain,
+                "chain_ids": ids,
+                "restores": self.restores,
+                "quantize": {"method": self.method, "bits": bits} if self.method else None,
+                "changed_fraction": self._fraction(changed) if changed else None,
+            },
+        }
         _, nbytes = write_live(engine, out, client_state, tables, extra)
         if dist.get_rank() == 0 and save_latest:
             atomic_write(os.path.join(save_dir, "latest"), tag.encode())

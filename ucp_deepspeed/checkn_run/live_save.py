@@ -8,6 +8,7 @@ rows can be quantized; optimizer states of those rows stay exact. Dense paramete
     tables/<name>.safetensors   rows (int64, absent when all rows are saved), fp32 or
                                 fp32.codes + fp32.params (quantized), and one tensor per state
 """
+
 from __future__ import annotations
 
 import math
@@ -23,6 +24,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.checkn_run.quantize import quantize
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import (
     BUFFERS,
@@ -56,8 +58,10 @@ def check_supported(engine: Any) -> None:
     """Live saves gather whole parameters over data parallelism only."""
     mp = model_parallel(engine)
     if mp.tp > 1 or mp.pp > 1 or topology(engine).ep > 1:
-        raise NotImplementedError("Check-N-Run checkpoints (differential or quantized) support data parallelism "
-                                  "with any ZeRO stage; tensor, pipeline and expert parallelism are not supported")
+        raise NotImplementedError(
+            "Check-N-Run checkpoints (differential or quantized) support data parallelism "
+            "with any ZeRO stage; tensor, pipeline and expert parallelism are not supported"
+        )
 
 
 def _state_keys(engine: Any) -> list[str]:
@@ -75,8 +79,12 @@ def _param_groups(engine: Any) -> list[dict[str, Any]]:
             if base.state.get(p):
                 scalars = {k: v for k, v in base.state[p].items() if not (torch.is_tensor(v) and v.dim() > 0)}
                 break
-        groups.append({"hyperparams": {k: encode_value(v) for k, v in group.items() if k != "params"},
-                       "scalars": {k: encode_value(v) for k, v in scalars.items()}})
+        groups.append(
+            {
+                "hyperparams": {k: encode_value(v) for k, v in group.items() if k != "params"},
+                "scalars": {k: encode_value(v) for k, v in scalars.items()},
+            }
+        )
     return groups
 
 
@@ -84,8 +92,9 @@ def _dtype(p: torch.Tensor) -> str:
     return str(compat.storage_dtype(p)).removeprefix("torch.")
 
 
-def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict[str, TableSave],
-               extra: dict[str, Any]) -> tuple[str | None, int]:
+def write_live(
+    engine: Any, out: str, client_state: dict[str, Any], tables: dict[str, TableSave], extra: dict[str, Any]
+) -> tuple[str | None, int]:
     """Write `out` from the live engine (collective); returns the manifest path on rank 0 and bytes written."""
     check_supported(engine)
     rank0 = dist.get_rank() == 0
@@ -102,14 +111,19 @@ def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict
                 value = p.detach().cpu().clone()
             if rank0:
                 records.append(write_tensors(out, param_file(name), {VALUE: value}))
-            params[name] = {"shape": shape, "dtype": _dtype(p), "group": 0, "trainable": False,
-                            "file": param_file(name), "keys": [VALUE]}
+            params[name] = {
+                "shape": shape,
+                "dtype": _dtype(p),
+                "group": 0,
+                "trainable": False,
+                "file": param_file(name),
+                "keys": [VALUE],
+            }
             continue
         state = {FP32: safe_get_full_fp32_param(p).detach().cpu().reshape(shape)}
         for key in keys:
             state[key] = safe_get_full_optimizer_state(p, key).detach().cpu().reshape(shape)
-        record = {"shape": shape, "dtype": _dtype(p), "group": groups[p], "trainable": True,
-                  "keys": [FP32, *keys]}
+        record = {"shape": shape, "dtype": _dtype(p), "group": groups[p], "trainable": True, "keys": [FP32, *keys]}
         if name in tables:
             spec = tables[name]
             record.update(file=table_file(name), table=_table_record(spec, shape[0]))
@@ -126,20 +140,39 @@ def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict
     if not rank0:
         return None, 0
     records.append(write_tensors(out, BUFFERS, {to_global(n): buffers[n].detach().cpu() for n in names}))
-    records.append(write_object(out, STATE, {
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "client_state": client_state,
-        "optimizer_wrapper": {k: getattr(engine.optimizer, k) for k in
-                              ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
-                              if hasattr(engine.optimizer, k)},
-    }))
+    records.append(
+        write_object(
+            out,
+            STATE,
+            {
+                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                "client_state": client_state,
+                "optimizer_wrapper": {
+                    k: getattr(engine.optimizer, k)
+                    for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+                    if hasattr(engine.optimizer, k)
+                },
+            },
+        )
+    )
     manifest = {
-        "created_by": {"ucp_deepspeed": __version__, "deepspeed": package_version("deepspeed"),
-                       "torch": torch.__version__},
-        "source": {"path": out, "tag": os.path.basename(out), "topology": asdict(topology(engine)),
-                   "versions": {"base_optimizer": type(engine.optimizer.optimizer).__name__}, "fingerprint": []},
-        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                     "skipped_steps": engine.skipped_steps},
+        "created_by": {
+            "ucp_deepspeed": __version__,
+            "deepspeed": package_version("deepspeed"),
+            "torch": torch.__version__,
+        },
+        "source": {
+            "path": out,
+            "tag": os.path.basename(out),
+            "topology": asdict(topology(engine)),
+            "versions": {"base_optimizer": type(engine.optimizer.optimizer).__name__},
+            "fingerprint": [],
+        },
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+        },
         "param_groups": _param_groups(engine),
         "params": params,
         "buffers": {to_global(n): {"shape": list(buffers[n].shape), "dtype": _dtype(buffers[n])} for n in names},
@@ -147,13 +180,16 @@ def write_live(engine: Any, out: str, client_state: dict[str, Any], tables: dict
         "frozen_excluded": False,
         **extra,
     }
-    return write_manifest(out, manifest, records), sum(r.nbytes for r in records)
+    return write_manifest(out, Manifest.decode(manifest, out), records), sum(r.nbytes for r in records)
 
 
 def _table_record(spec: TableSave, total: int) -> dict[str, Any]:
-    return {"rows": total, "saved_rows": total if spec.rows is None else int(spec.rows.numel()),
-            "partial": spec.rows is not None,
-            "quantize": {"method": spec.method, "bits": spec.bits} if spec.method else None}
+    return {
+        "rows": total,
+        "saved_rows": total if spec.rows is None else int(spec.rows.numel()),
+        "partial": spec.rows is not None,
+        "quantize": {"method": spec.method, "bits": spec.bits} if spec.method else None,
+    }
 
 
 def _table_tensors(state: dict[str, torch.Tensor], spec: TableSave) -> dict[str, torch.Tensor]:
@@ -161,7 +197,7 @@ def _table_tensors(state: dict[str, torch.Tensor], spec: TableSave) -> dict[str,
     picked = {k: (v if rows is None else v[rows]) for k, v in state.items()}
     out = {} if rows is None else {"rows": rows.to(torch.int64)}
     for key, value in picked.items():
-        if key == FP32 and spec.method:
+        if key == FP32 and spec.method and spec.bits:
             q = quantize(value.reshape(value.shape[0], math.prod(value.shape[1:])), spec.bits, spec.method)
             out.update({f"{FP32}.{k}": v for k, v in q.tensors().items()})
         else:

@@ -15,6 +15,7 @@ Every row of a table is quantized on its own, with `bits` in {2, 3, 4, 8}:
 Codes are bit-packed, so a row of D values costs ceil(D * b / 8) bytes plus its per-row parameters
 (scale and offset, or the centroids), kept in fp32.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class Quantized:
     method: str
     bits: int
     shape: tuple[int, int]
-    codes: torch.Tensor   # uint8, bit-packed row-major codes
+    codes: torch.Tensor  # uint8, bit-packed row-major codes
     params: torch.Tensor  # fp32 per row: (scale,) | (scale, offset) | centroids
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -70,7 +71,7 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 def _uniform(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and per-row scale of asymmetric quantization of rows `x` onto [lo, hi]."""
-    levels = 2 ** bits - 1
+    levels = 2**bits - 1
     scale = ((hi - lo) / levels).clamp_min(torch.finfo(torch.float32).tiny)
     codes = torch.round((x - lo.unsqueeze(1)) / scale.unsqueeze(1)).clamp_(0, levels)
     return codes, scale
@@ -93,8 +94,13 @@ def quantize(x: torch.Tensor, bits: int, method: str) -> Quantized:
         codes.append(pack(c, bits))
         params.append(p)
     empty = torch.zeros(0, dtype=torch.uint8), torch.zeros(0, 1)
-    return Quantized(method, bits, (x.shape[0], x.shape[1]), torch.cat(codes) if codes else empty[0],
-                     torch.cat(params).contiguous() if params else empty[1])
+    return Quantized(
+        method,
+        bits,
+        (x.shape[0], x.shape[1]),
+        torch.cat(codes) if codes else empty[0],
+        torch.cat(params).contiguous() if params else empty[1],
+    )
 
 
 def _quantize_rows(x: torch.Tensor, bits: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +114,7 @@ def _quantize_rows(x: torch.Tensor, bits: int, method: str) -> tuple[torch.Tenso
     codes, scale = _uniform(x, lo, hi, bits)
     if method == "asymmetric":
         return codes, torch.stack([scale, lo], 1)
-    levels = _asym_decode(torch.arange(2 ** bits, dtype=torch.float32).expand(x.shape[0], -1), scale, lo)
+    levels = _asym_decode(torch.arange(2**bits, dtype=torch.float32).expand(x.shape[0], -1), scale, lo)
     return _kmeans(x, levels, codes.to(torch.int64))
 
 
@@ -149,14 +155,14 @@ def dequantize(q: Quantized) -> torch.Tensor:
     per_chunk = _CHUNK_ROWS * dim * q.bits // 8
     for i, start in enumerate(range(0, rows, _CHUNK_ROWS)):
         n = min(_CHUNK_ROWS, rows - start)
-        codes = unpack(q.codes[i * per_chunk:(i + 1) * per_chunk], q.bits, n * dim).reshape(n, dim)
-        params = q.params[start:start + n]
+        codes = unpack(q.codes[i * per_chunk : (i + 1) * per_chunk], q.bits, n * dim).reshape(n, dim)
+        params = q.params[start : start + n]
         if q.method == "symmetric":
-            out[start:start + n] = (codes - (2 ** (q.bits - 1) - 1)) * params[:, 0:1]
+            out[start : start + n] = (codes - (2 ** (q.bits - 1) - 1)) * params[:, 0:1]
         elif q.method == "kmeans":
-            out[start:start + n] = torch.gather(params, 1, codes)
+            out[start : start + n] = torch.gather(params, 1, codes)
         else:
-            out[start:start + n] = _asym_decode(codes.to(torch.float32), params[:, 0], params[:, 1])
+            out[start : start + n] = _asym_decode(codes.to(torch.float32), params[:, 0], params[:, 1])
     return out
 
 
@@ -171,7 +177,7 @@ def error_bound(x: torch.Tensor, bits: int, method: str) -> torch.Tensor:
     if method == "symmetric":
         return x.abs().amax(1) / (2 ** (bits - 1) - 1) / 2
     if method == "asymmetric":
-        return (x.amax(1) - x.amin(1)) / (2 ** bits - 1) / 2
+        return (x.amax(1) - x.amin(1)) / (2**bits - 1) / 2
     raise ValueError(f"{method} has an L2 bound relative to asymmetric, not a per-element one")
 
 

@@ -9,6 +9,7 @@ a zero gradient leaves the row and its optimizer state exactly as they were, so 
 exactly "changed". Momentum, Adam or weight decay keep changing rows that were not looked up;
 `check_optimizer` refuses those, because a differential checkpoint of them would silently lose updates.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,7 +25,7 @@ from ucp_deepspeed import compat
 
 def find_tables(module: torch.nn.Module, patterns: list[str] | None) -> dict[str, torch.nn.Module]:
     """Embedding modules to track, by module name: all of them, or those matching one of `patterns`."""
-    found = {}
+    found: dict[str, torch.nn.Module] = {}
     for name, sub in module.named_modules():
         if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             if patterns is None or any(re.fullmatch(p, name) for p in patterns):
@@ -46,7 +47,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         settings = {k: v for k, v in group.items() if k in ("momentum", "weight_decay", "betas")}
         raise NotImplementedError(
             "differential checkpoints need an optimizer that leaves rows without gradient unchanged (SGD without "
-            f"momentum, or Adagrad, both without weight decay); got {kind} with {settings}")
+            f"momentum, or Adagrad, both without weight decay); got {kind} with {settings}"
+        )
 
 
 class RowTracker:
@@ -54,8 +56,7 @@ class RowTracker:
 
     def __init__(self, tables: dict[str, torch.nn.Module]) -> None:
         self.tables = tables
-        self.flags = {name: torch.zeros(compat.full_shape(m.weight)[0], dtype=torch.bool)
-                      for name, m in tables.items()}
+        self.flags = {name: torch.zeros(compat.full_shape(m.weight)[0], dtype=torch.bool) for name, m in tables.items()}
         self._hooks = [m.register_forward_pre_hook(self._hook(name)) for name, m in tables.items()]
         self.seconds = 0.0
         """Time spent flagging rows, so its overhead per step can be reported."""

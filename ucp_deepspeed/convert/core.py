@@ -4,6 +4,7 @@ The work is a list of jobs, one per output file. Jobs can be split across the ra
 job (`shard_jobs`) and run on a thread pool within each; only one parameter's states per worker
 are in memory at a time. The manifest is written once every job has finished.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,7 +22,8 @@ from ucp_deepspeed.convert.output import Journal, claimed, default_output, finge
 from ucp_deepspeed.convert.plan import Job, plan_jobs
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.metadata import FP32, VALUE
+from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord
+from ucp_deepspeed.format.metadata import FP32, VALUE, ParamSlot
 from ucp_deepspeed.format.paths import INTENT
 from ucp_deepspeed.format.universal import (
     FileRecord,
@@ -42,43 +44,67 @@ log = logging.getLogger("ucp_deepspeed")
 
 def assemble(src: NativeCheckpoint, tensor: FullTensor, state: str = VALUE) -> torch.Tensor:
     """One state of a full tensor, merged from its tensor-parallel shards."""
-    shards = [src.ranks[s.mp_rank].read_param(s.item, state) if tensor.kind == "param"
-              else src.ranks[s.mp_rank].read_extra(s.item) for s in tensor.shards]
+    shards = [
+        src.ranks[s.mp_rank].read_param(s.item, state)
+        if isinstance(s.item, ParamSlot)
+        else src.ranks[s.mp_rank].read_extra(s.item)
+        for s in tensor.shards
+    ]
     if not tensor.layout.is_split and len(shards) == 1:
         return shards[0]
     lost = dropped_padding(tensor.layout, shards)
     if lost and state in (FP32, VALUE):
-        log.warning("ucp: %s: vocab padding beyond row %d holds values up to %.3g; they are dropped, and a model "
-                    "that does not mask padded logits will compute slightly different losses", tensor.name,
-                    tensor.layout.vocab, lost)
+        log.warning(
+            "ucp: %s: vocab padding beyond row %d holds values up to %.3g; they are dropped, and a model "
+            "that does not mask padded logits will compute slightly different losses",
+            tensor.name,
+            tensor.layout.vocab,
+            lost,
+        )
     return merge(tensor.layout, shards, tensor.name)
 
 
 def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
     meta = src.meta
-    if job.kind == "param":
-        entries = [(key, torch.float32, job.item.shape) for key in [FP32, *src.state_keys()]]
-        return stream_tensors(out, job.relpath, entries, lambda key: assemble(src, job.item, key))
-    if job.kind == "frozen":
-        return write_tensors(out, job.relpath, {VALUE: assemble(src, job.item)})
+    item = job.item
+    if job.kind == "param" and item is not None:
+        entries = [(key, torch.float32, item.shape) for key in [FP32, *src.state_keys()]]
+        return stream_tensors(out, job.relpath, entries, lambda key: assemble(src, item, key))
+    if job.kind == "frozen" and item is not None:
+        return write_tensors(out, job.relpath, {VALUE: assemble(src, item)})
     if job.kind == "buffers":
         return write_tensors(out, job.relpath, {t.name: assemble(src, t) for t in src.tensors if t.kind == "buffer"})
     model = src.model_states(0)
-    return write_object(out, job.relpath, {
-        "lr_scheduler": model.lr_scheduler(),
-        "client_state": model.client_state(meta.client_state_keys),
-        "optimizer_wrapper": src.optim(0).wrapper_state() if meta.topology.zero_stage > 0 else {},
-    })
+    return write_object(
+        out,
+        job.relpath,
+        {
+            "lr_scheduler": model.lr_scheduler(),
+            "client_state": model.client_state(meta.client_state_keys),
+            "optimizer_wrapper": src.optim(0).wrapper_state() if meta.topology.zero_stage > 0 else {},
+        },
+    )
 
 
-def run_jobs(src: NativeCheckpoint, out: str, jobs: list[Job], reusable: dict[str, FileRecord], workers: int = 1,
-             progress: bool = True) -> list[FileRecord]:
+def run_jobs(
+    src: NativeCheckpoint,
+    out: str,
+    jobs: list[Job],
+    reusable: dict[str, FileRecord],
+    workers: int = 1,
+    progress: bool = True,
+) -> list[FileRecord]:
     """Produce the files of `jobs` (reusing checked leftovers) with `workers` threads, showing progress."""
     records = [reusable[j.relpath] for j in jobs if j.relpath in reusable]
     todo = [j for j in jobs if j.relpath not in reusable]
     journal = Journal(out)
-    bar = tqdm(total=sum(j.nbytes for j in todo), unit="B", unit_scale=True, desc="ucp convert",
-               disable=not progress or not todo)
+    bar = tqdm(
+        total=sum(j.nbytes for j in todo),
+        unit="B",
+        unit_scale=True,
+        desc="ucp convert",
+        disable=not progress or not todo,
+    )
 
     def run(job: Job) -> FileRecord:
         record = _run_job(src, out, job)
@@ -93,36 +119,54 @@ def run_jobs(src: NativeCheckpoint, out: str, jobs: list[Job], reusable: dict[st
     return records
 
 
-def build_manifest(src: NativeCheckpoint) -> dict[str, Any]:
+def build_manifest(src: NativeCheckpoint) -> Manifest:
     """The manifest body for a conversion of `src` (file table added when written)."""
     meta = src.meta
     hyperparams, scalars = src.optimizer_groups()
     keys = [FP32] + src.state_keys()
-    params: dict[str, Any] = {}
-    buffers: dict[str, Any] = {}
+    params: dict[str, ParamRecord] = {}
+    buffers: dict[str, BufferRecord] = {}
     for t in src.tensors:
         if t.kind == "buffer":
-            buffers[t.name] = {"shape": list(t.shape), "dtype": t.dtype}
+            buffers[t.name] = BufferRecord(tuple(t.shape), t.dtype)
         else:
-            params[t.name] = {"shape": list(t.shape), "dtype": t.dtype, "group": t.group, "trainable": t.kind == "param",
-                              "file": param_file(t.name), "keys": keys if t.kind == "param" else [VALUE]}
+            params[t.name] = ParamRecord(
+                tuple(t.shape),
+                t.dtype,
+                t.group,
+                t.kind == "param",
+                param_file(t.name),
+                tuple(keys) if t.kind == "param" else (VALUE,),
+            )
     groups = []
     for g in range(meta.num_groups):
         hp = hyperparams[g] if hyperparams is not None else None
-        groups.append({"hyperparams": {k: encode_value(v) for k, v in hp.items()} if hp is not None else None,
-                       "scalars": {k: encode_value(v) for k, v in scalars.get(g, {}).items()}})
-    return {
-        "created_by": {"ucp_deepspeed": __version__, "deepspeed": package_version("deepspeed"),
-                       "torch": torch.__version__},
-        "source": {"path": src.tag_dir, "tag": src.tag, "topology": asdict(meta.topology),
-                   "versions": meta.versions, "fingerprint": fingerprint(src)},
-        "counters": src.model_states(0).counters(),
-        "param_groups": groups,
-        "params": params,
-        "buffers": buffers,
-        "tied": {k: v for m in src.metas for k, v in m.tied.items()},
-        "frozen_excluded": any(m.frozen_excluded for m in src.metas),
-    }
+        groups.append(
+            GroupRecord(
+                {k: encode_value(v) for k, v in hp.items()} if hp is not None else None,
+                {k: encode_value(v) for k, v in scalars.get(g, {}).items()},
+            )
+        )
+    return Manifest(
+        created_by={
+            "ucp_deepspeed": __version__,
+            "deepspeed": package_version("deepspeed"),
+            "torch": torch.__version__,
+        },
+        source={
+            "path": src.tag_dir,
+            "tag": src.tag,
+            "topology": asdict(meta.topology),
+            "versions": meta.versions,
+            "fingerprint": fingerprint(src),
+        },
+        counters=src.model_states(0).counters(),
+        param_groups=tuple(groups),
+        params=params,
+        buffers=buffers,
+        tied={k: v for m in src.metas for k, v in m.tied.items()},
+        frozen_excluded=any(m.frozen_excluded for m in src.metas),
+    )
 
 
 def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> str:
@@ -138,8 +182,15 @@ def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> st
     return path
 
 
-def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1,
-            progress: bool = True, layout_rules: Any = None, verify: bool = True) -> str:
+def convert(
+    ckpt_dir: str,
+    tag: str | None = None,
+    output: str | None = None,
+    workers: int = 1,
+    progress: bool = True,
+    layout_rules: Any = None,
+    verify: bool = True,
+) -> str:
     """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder.
 
     Every byte read from the source is checked against its archive's CRC-32 before the manifest is
@@ -167,4 +218,3 @@ def convert(ckpt_dir: str, tag: str | None = None, output: str | None = None, wo
         return out
     finally:
         src.close()
-

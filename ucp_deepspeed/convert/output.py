@@ -4,6 +4,7 @@ Until the manifest exists, the folder holds `.ucp_source.json` (which source it 
 journal per writing process with each finished file's CRCs. A rerun reuses a leftover file only if
 it still matches its journal; the manifest, written last, marks the folder complete.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,11 +27,9 @@ JOURNAL = ".ucp_journal."
 log = logging.getLogger("ucp_deepspeed")
 
 
-
 def default_output(src: NativeCheckpoint) -> str:
     """Where a conversion goes when no output is given: beside the tag folder, never inside it."""
     return os.path.join(src.ckpt_dir, f"{src.tag}.universal")
-
 
 
 def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
@@ -42,7 +41,6 @@ def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
     if src.meta.save_id:
         out.append(["save_id", src.meta.save_id])
     return out
-
 
 
 @contextlib.contextmanager
@@ -61,7 +59,6 @@ def claimed(out: str, sources: list[str]) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
 
 
 class Journal:
@@ -106,7 +103,6 @@ class Journal:
                 os.unlink(os.path.join(out, name))
 
 
-
 def _still_good(out: str, record: FileRecord) -> bool:
     try:
         handle = CheckedFile(out, record)
@@ -121,7 +117,6 @@ def _still_good(out: str, record: FileRecord) -> bool:
         handle.close()
 
 
-
 def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | None:
     """Get `out` ready; return finished files that can be reused (checked), or None if the conversion is complete."""
     want = fingerprint(src)
@@ -129,7 +124,9 @@ def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | N
     if is_complete(out):
         if read_manifest(out).get("source", {}).get("fingerprint") == want:
             return None
-        raise CheckpointError(out, "holds a finished conversion of a different checkpoint; remove it or pick another output")
+        raise CheckpointError(
+            out, "holds a finished conversion of a different checkpoint; remove it or pick another output"
+        )
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(intent_path):
         raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
     reusable: dict[str, FileRecord] = {}
@@ -152,12 +149,14 @@ def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | N
                 else:
                     os.unlink(path)
         if reusable:
-            log.info("ucp: %s: reusing %d files an interrupted conversion finished (their CRCs still match)", out,
-                     len(reusable))
+            log.info(
+                "ucp: %s: reusing %d files an interrupted conversion finished (their CRCs still match)",
+                out,
+                len(reusable),
+            )
     os.makedirs(os.path.join(out, "params"), exist_ok=True)
     atomic_write(intent_path, json.dumps({"source": src.tag_dir, "fingerprint": want}).encode())
     return reusable
-
 
 
 def remove_output(out: str) -> None:

@@ -1,4 +1,5 @@
 """What a conversion writes: one job per output file, and each rank's share of them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,16 +19,17 @@ class Job:
     item: FullTensor | None = None
 
 
-
 def plan_jobs(src: NativeCheckpoint) -> list[Job]:
     """Every output file of a conversion, with its approximate size for load balancing."""
     n_states = 1 + len(src.state_keys())
-    jobs = [Job(t.kind, param_file(t.name), t.nbytes * (n_states if t.kind == "param" else 1), t)
-            for t in src.tensors if t.kind != "buffer"]
+    jobs = [
+        Job(t.kind, param_file(t.name), t.nbytes * (n_states if t.kind == "param" else 1), t)
+        for t in src.tensors
+        if t.kind != "buffer"
+    ]
     jobs.append(Job("buffers", BUFFERS, 0))
     jobs.append(Job("state", STATE, 0))
     return jobs
-
 
 
 def shard_jobs(jobs: list[Job], rank: int, world: int) -> list[Job]:

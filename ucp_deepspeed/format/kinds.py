@@ -6,6 +6,7 @@ folders, how to check that one can be restored, which tags a restore reads, and 
 an ordinary universal folder. `locate`, the resume-tag choice, pruning, conversion and loading go
 through this table.
 """
+
 from __future__ import annotations
 
 import os

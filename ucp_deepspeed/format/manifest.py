@@ -7,6 +7,7 @@ shapes are non-negative integers, keys are strings) and raises `CheckpointError`
 never a `KeyError` deep inside a load. Sections an extension adds (Check-N-Run's `differential`,
 `save_id`) and notes (`weights_only`, `notes`) are kept in `extra`, untouched.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,7 +37,8 @@ class ParamRecord:
 
     shape: tuple[int, ...]
     dtype: str
-    group: int
+    group: int | None
+    """The optimizer param group; None for frozen parameters."""
     trainable: bool
     file: str
     keys: tuple[str, ...]
@@ -45,8 +47,15 @@ class ParamRecord:
 
     def encode(self) -> dict[str, Any]:
         """The JSON form."""
-        return {"shape": list(self.shape), "dtype": self.dtype, "group": self.group, "trainable": self.trainable,
-                "file": self.file, "keys": list(self.keys), **self.extra}
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "group": self.group,
+            "trainable": self.trainable,
+            "file": self.file,
+            "keys": list(self.keys),
+            **self.extra,
+        }
 
     @classmethod
     def decode(cls, raw: Any) -> ParamRecord:
@@ -55,11 +64,23 @@ class ParamRecord:
         keys = raw["keys"]
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not keys:
             raise ValueError(f"keys {keys!r} are not a non-empty list of names")
-        if not isinstance(raw["file"], str) or not isinstance(raw["dtype"], str) or type(raw["group"]) is not int:
+        group = raw["group"]
+        if (
+            not isinstance(raw["file"], str)
+            or not isinstance(raw["dtype"], str)
+            or not (group is None or type(group) is int)
+        ):
             raise ValueError("file, dtype or group has the wrong type")
         known = ("shape", "dtype", "group", "trainable", "file", "keys")
-        return cls(_shape(raw["shape"]), raw["dtype"], raw["group"], bool(raw["trainable"]), raw["file"], tuple(keys),
-                   {k: v for k, v in raw.items() if k not in known})
+        return cls(
+            _shape(raw["shape"]),
+            raw["dtype"],
+            raw["group"],
+            bool(raw["trainable"]),
+            raw["file"],
+            tuple(keys),
+            {k: v for k, v in raw.items() if k not in known},
+        )
 
 
 @dataclass(frozen=True)
@@ -121,11 +142,17 @@ class Manifest:
 
     def encode(self) -> dict[str, Any]:
         """The JSON body (without the envelope `write_manifest` adds)."""
-        return {"created_by": self.created_by, "source": self.source, "counters": self.counters,
-                "param_groups": [g.encode() for g in self.param_groups],
-                "params": {n: r.encode() for n, r in self.params.items()},
-                "buffers": {n: b.encode() for n, b in self.buffers.items()},
-                "tied": self.tied, "frozen_excluded": self.frozen_excluded, **self.extra}
+        return {
+            "created_by": self.created_by,
+            "source": self.source,
+            "counters": self.counters,
+            "param_groups": [g.encode() for g in self.param_groups],
+            "params": {n: r.encode() for n, r in self.params.items()},
+            "buffers": {n: b.encode() for n, b in self.buffers.items()},
+            "tied": self.tied,
+            "frozen_excluded": self.frozen_excluded,
+            **self.extra,
+        }
 
     @classmethod
     def decode(cls, raw: dict[str, Any], where: str) -> Manifest:
@@ -154,9 +181,17 @@ class Manifest:
             counters = _dict(raw["counters"], "counters")
             at = "tied"
             tied = _dict(raw.get("tied", {}), "tied")
-            return cls(_dict(raw.get("created_by", {}), "created_by"), source, counters, groups, params, buffers,
-                       tied, bool(raw.get("frozen_excluded", False)),
-                       {k: v for k, v in raw.items() if k not in _BODY and k not in _ENVELOPE})
+            return cls(
+                _dict(raw.get("created_by", {}), "created_by"),
+                source,
+                counters,
+                groups,
+                params,
+                buffers,
+                tied,
+                bool(raw.get("frozen_excluded", False)),
+                {k: v for k, v in raw.items() if k not in _BODY and k not in _ENVELOPE},
+            )
         except KeyError as exc:
             raise CheckpointError(where, f"manifest is malformed: {at} lacks {exc}") from None
         except (TypeError, ValueError, AttributeError) as exc:

@@ -3,6 +3,7 @@
 Written next to DeepSpeed's files as `ucp_meta_mp_rank_XX.json`, one per model-parallel rank, so a
 checkpoint can be converted with no model code and no flags.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,8 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 
 META_VERSION = 1
-FP32 = "fp32"      # state name of the fp32 master weight, next to optimizer states such as exp_avg
-VALUE = "value"    # state name of a frozen parameter's only tensor
-
-
+FP32 = "fp32"  # state name of the fp32 master weight, next to optimizer states such as exp_avg
+VALUE = "value"  # state name of a frozen parameter's only tensor
 
 
 def meta_filename(mp_rank: int = 0) -> str:
@@ -46,8 +45,14 @@ class Topology:
 
     def same_layout(self, other: Topology) -> bool:
         """True when DeepSpeed's native loader can read a checkpoint of `other` directly."""
-        return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == \
-               (other.dp, other.tp, other.pp, other.ep, other.zero_stage, other.optimizer)
+        return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == (
+            other.dp,
+            other.tp,
+            other.pp,
+            other.ep,
+            other.zero_stage,
+            other.optimizer,
+        )
 
 
 @dataclass(frozen=True)
@@ -135,8 +140,10 @@ class SaveMeta:
         except json.JSONDecodeError as exc:
             raise CheckpointError(path, f"metadata is not valid JSON ({exc})") from None
         if raw.get("version") != META_VERSION:
-            raise CheckpointError(path, f"unknown metadata version {raw.get('version')!r}; "
-                                  f"this ucp_deepspeed reads version {META_VERSION}")
+            raise CheckpointError(
+                path,
+                f"unknown metadata version {raw.get('version')!r}; this ucp_deepspeed reads version {META_VERSION}",
+            )
         try:
             return cls(
                 topology=Topology(**raw["topology"]),
@@ -182,7 +189,10 @@ def read_meta(tag_dir: str, mp_rank: int = 0) -> SaveMeta:
     """Read the metadata of one model-parallel rank from a checkpoint tag folder."""
     path = os.path.join(tag_dir, meta_filename(mp_rank))
     if not os.path.isfile(path):
-        raise CheckpointError(path, "ucp_deepspeed metadata is missing; was this checkpoint saved through "
-                              "ucp_deepspeed.initialize with \"checkpoint\": {\"universal\": true}?")
+        raise CheckpointError(
+            path,
+            "ucp_deepspeed metadata is missing; was this checkpoint saved through "
+            'ucp_deepspeed.initialize with "checkpoint": {"universal": true}?',
+        )
     with open(path) as f:
         return SaveMeta.from_json(f.read(), path)

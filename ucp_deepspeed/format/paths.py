@@ -8,11 +8,12 @@ Kinds, by the files that mark them (nothing is unpickled to decide):
     unfinished    a conversion that was interrupted (`.ucp_source.json`, no manifest)
     ds_universal  DeepSpeed's own universal layout (`zero/optimizer_state.pt`, or `latest_universal`)
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of, markers
@@ -94,8 +95,11 @@ def locate(path: str, tag: str | None = None) -> Located:
         if os.path.isfile(os.path.join(path, MANIFEST)) and kind_of(path) is None:
             return Located("universal", path)
         if os.path.isfile(os.path.join(path, INTENT)):
-            raise CheckpointError(path, "is an unfinished conversion (no manifest.json): it was interrupted; run "
-                                  "`ucp convert` again to finish it, or delete the folder")
+            raise CheckpointError(
+                path,
+                "is an unfinished conversion (no manifest.json): it was interrupted; run "
+                "`ucp convert` again to finish it, or delete the folder",
+            )
         if is_ds_universal(path):
             return Located("ds_universal", path)
         if is_tag_folder(path):
@@ -123,8 +127,11 @@ def check_output(out: str, sources: Iterable[str]) -> None:
     for source in sources:
         src = os.path.realpath(source)
         if _inside(real, src) or _inside(src, real):
-            raise CheckpointError(out, f"{'is inside' if _inside(real, src) else 'contains'} the source {source}; "
-                                  "a source is never written: pick an output outside it")
+            raise CheckpointError(
+                out,
+                f"{'is inside' if _inside(real, src) else 'contains'} the source {source}; "
+                "a source is never written: pick an output outside it",
+            )
     if os.path.isdir(real) and (is_tag_folder(real) or is_checkpoint_dir(real) or is_ds_universal(real)):
         raise CheckpointError(out, "is a checkpoint folder; writing into it would change what it holds")
     parent = os.path.dirname(real)

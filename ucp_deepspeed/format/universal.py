@@ -10,6 +10,7 @@ The manifest is the commit marker: a folder without it is an unfinished conversi
 checks the blocks it touches against the manifest (`Folder`), so a load verifies exactly the
 bytes it uses, however the folder was named, at the cost of at most two extra blocks per read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,7 @@ from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
 from ucp_deepspeed.io.checksum import BLOCK, BlockHasher, block_crcs, crc32
@@ -68,8 +70,9 @@ class FileRecord:
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(where, f"manifest entry of {path} is malformed") from None
         if record.blocks and len(record.blocks) != 8 * max(1, -(-record.nbytes // BLOCK)):
-            raise CheckpointError(where, f"manifest entry of {path} has {len(record.blocks) // 8} block CRCs for "
-                                  f"{record.nbytes} bytes")
+            raise CheckpointError(
+                where, f"manifest entry of {path} has {len(record.blocks) // 8} block CRCs for {record.nbytes} bytes"
+            )
         return record
 
 
@@ -130,14 +133,27 @@ def write_tensors(root: str, relpath: str, tensors: dict[str, torch.Tensor]) -> 
     return write_bytes(root, relpath, st_save({k: v.contiguous() for k, v in tensors.items()}))
 
 
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+_ST_DTYPE = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _DTYPE_OF = {v: k for k, v in _ST_DTYPE.items()}
 
 
-def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                   produce: Callable[[str], torch.Tensor]) -> FileRecord:
+def stream_tensors(
+    root: str,
+    relpath: str,
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    produce: Callable[[str], torch.Tensor],
+) -> FileRecord:
     """Write a safetensors file one tensor at a time: `produce(key)` is called in order and then dropped.
 
     The header is computed from the declared dtypes and shapes, so at most one tensor is in memory
@@ -159,9 +175,10 @@ def stream_tensors(root: str, relpath: str, entries: list[tuple[str, torch.dtype
         for key, dtype, shape in entries:
             tensor = produce(key)
             if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-                raise ValueError(f"{relpath}: '{key}' is {tensor.dtype} {tuple(tensor.shape)}, "
-                                 f"declared {dtype} {tuple(shape)}")
-            data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+                raise ValueError(
+                    f"{relpath}: '{key}' is {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {tuple(shape)}"
+                )
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
             f.write(data)
             hasher.update(data)
             del tensor, data
@@ -176,10 +193,15 @@ def write_object(root: str, relpath: str, obj: Any) -> FileRecord:
     return write_bytes(root, relpath, buf.getbuffer())
 
 
-def write_manifest(root: str, manifest: dict[str, Any], records: Iterable[FileRecord]) -> str:
+def write_manifest(root: str, manifest: Manifest, records: Iterable[FileRecord]) -> str:
     """Write the manifest last, atomically: from this moment the conversion counts as complete."""
-    body = dict(manifest, format=FORMAT, version=FORMAT_VERSION, block_size=BLOCK,
-                files={r.path: r.to_json() for r in sorted(records, key=lambda r: r.path)})
+    body = dict(
+        manifest.encode(),
+        format=FORMAT,
+        version=FORMAT_VERSION,
+        block_size=BLOCK,
+        files={r.path: r.to_json() for r in sorted(records, key=lambda r: r.path)},
+    )
     path = os.path.join(root, MANIFEST)
     atomic_write(path, json.dumps(body, indent=1).encode())
     dir_fd = os.open(root, os.O_RDONLY)
@@ -204,12 +226,16 @@ def read_manifest(root: str) -> dict[str, Any]:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise CheckpointError(path, f"format {found!r} is not {FORMAT!r}")
     if manifest.get("version") not in READABLE_VERSIONS:
-        raise CheckpointError(path, f"unknown format version {manifest.get('version')!r}; "
-                              f"this ucp_deepspeed reads versions {', '.join(map(str, READABLE_VERSIONS))}")
-    if manifest.get("version") >= 2 and manifest.get("block_size") != BLOCK:
+        raise CheckpointError(
+            path,
+            f"unknown format version {manifest.get('version')!r}; "
+            f"this ucp_deepspeed reads versions {', '.join(map(str, READABLE_VERSIONS))}",
+        )
+    if int(manifest["version"]) >= 2 and manifest.get("block_size") != BLOCK:
         raise CheckpointError(path, f"block size {manifest.get('block_size')!r}, expected {BLOCK}")
     if not isinstance(manifest.get("files"), dict):
         raise CheckpointError(path, "manifest has no file table")
+    Manifest.decode(manifest, path)
     return manifest
 
 
@@ -228,8 +254,9 @@ class CheckedFile:
         size = os.fstat(self._fd).st_size
         if size != record.nbytes:
             self.close()
-            raise CheckpointError(self.path, f"size {size} differs from manifest ({record.nbytes}): "
-                                  "truncated or replaced")
+            raise CheckpointError(
+                self.path, f"size {size} differs from manifest ({record.nbytes}): truncated or replaced"
+            )
         self._good: set[int] = set()
         self._lock = threading.Lock()
         self._header: dict[str, Any] | None = None
@@ -261,7 +288,7 @@ class CheckedFile:
         first, last = offset // BLOCK, (offset + length - 1) // BLOCK
         begin, end = first * BLOCK, min((last + 1) * BLOCK, self.record.nbytes)
         buf = torch.empty(end - begin, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data
         done = 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], begin + done)
@@ -272,13 +299,16 @@ class CheckedFile:
             fresh = [b for b in range(first, last + 1) if b not in self._good]
         for b in fresh:
             lo = (b - first) * BLOCK
-            got = _hex(crc32(view[lo:lo + BLOCK]))
-            if got != self.record.blocks[8 * b:8 * b + 8]:
-                raise CheckpointError(self.path, f"block {b} (bytes {b * BLOCK}-{min((b + 1) * BLOCK, self.record.nbytes)}) "
-                                      "fails its crc32 check: the file was damaged after it was written")
+            found = _hex(crc32(view[lo : lo + BLOCK]))
+            if found != self.record.blocks[8 * b : 8 * b + 8]:
+                raise CheckpointError(
+                    self.path,
+                    f"block {b} (bytes {b * BLOCK}-{min((b + 1) * BLOCK, self.record.nbytes)}) "
+                    "fails its crc32 check: the file was damaged after it was written",
+                )
         with self._lock:
             self._good.update(fresh)
-        return buf[offset - begin:offset - begin + length]
+        return buf[offset - begin : offset - begin + length]
 
     def verify(self) -> None:
         """Check every block."""
@@ -308,8 +338,12 @@ class CheckedFile:
                     lo, hi = (int(x) for x in entry["data_offsets"])
                 except (KeyError, TypeError, ValueError):
                     raise CheckpointError(self.path, f"safetensors entry {key!r} is malformed") from None
-                if min(shape, default=0) < 0 or hi - lo != math.prod(shape) * dtype.itemsize or lo < 0 \
-                        or self._data_start + hi > self.record.nbytes:
+                if (
+                    min(shape, default=0) < 0
+                    or hi - lo != math.prod(shape) * dtype.itemsize
+                    or lo < 0
+                    or self._data_start + hi > self.record.nbytes
+                ):
                     raise CheckpointError(self.path, f"safetensors entry {key!r} does not fit its shape or the file")
                 header[key] = (dtype, shape, self._data_start + lo)
             self._header = header
@@ -375,7 +409,7 @@ class Folder:
     def verify(self, relpaths: Iterable[str] | None = None) -> list[str]:
         """Check every block of the given files (all by default); return one line per problem."""
         problems = []
-        for relpath in (self.records if relpaths is None else relpaths):
+        for relpath in self.records if relpaths is None else relpaths:
             handle = None
             try:
                 handle = CheckedFile(self.root, self.records[relpath])
@@ -401,7 +435,7 @@ def copy_checked(src: Folder, relpath: str, root: str, dest: str | None = None) 
     hasher = BlockHasher()
     with atomic_file(os.path.join(root, dest)) as f:
         for start in range(0, source.record.nbytes, _CHUNK):
-            data = source.read(start, min(_CHUNK, source.record.nbytes - start)).numpy()
+            data = source.read(start, min(_CHUNK, source.record.nbytes - start)).numpy().data
             f.write(data)
             hasher.update(data)
     crc, blocks = hasher.finish()
@@ -455,17 +489,13 @@ class UniversalCheckpoint:
         where = os.path.join(self.root, MANIFEST)
         kind = kind_of(self.root)
         if kind is not None:
-            raise CheckpointError(where, f"a {kind.name} tag, which may hold only part of the state: load it with "
-                                  "load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`")
-        try:
-            self.params: dict[str, dict[str, Any]] = dict(self.manifest["params"])
-            self.buffers: dict[str, dict[str, Any]] = dict(self.manifest["buffers"])
-            for name, rec in self.params.items():
-                if rec["file"] not in self.manifest["files"] or not isinstance(rec["keys"], list) \
-                        or not all(type(d) is int and d >= 0 for d in rec["shape"]):
-                    raise ValueError(name)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(where, f"manifest tables are malformed (at {exc})") from None
+            raise CheckpointError(
+                where,
+                f"a {kind.name} tag, which may hold only part of the state: load it with "
+                "load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`",
+            )
+        self.params: dict[str, dict[str, Any]] = dict(self.manifest["params"])  # checked by read_manifest
+        self.buffers: dict[str, dict[str, Any]] = dict(self.manifest["buffers"])
         self.folder = Folder(self.root, self.manifest, verify)
 
     def _param_file(self, name: str, key: str) -> CheckedFile:
@@ -473,9 +503,11 @@ class UniversalCheckpoint:
         handle = self.folder.file(record["file"])
         if key not in record["keys"]:
             raise CheckpointError(handle.path, f"{name} has no state {key!r} in the manifest")
-        dtype, shape, _ = handle.header().get(key, (None, None, 0))
+        _, shape, _ = handle.header().get(key, (None, None, 0))
         if shape is None or list(shape) != list(record["shape"]):
-            raise CheckpointError(handle.path, f"{name}:{key} is {shape} in the file, {record['shape']} in the manifest")
+            raise CheckpointError(
+                handle.path, f"{name}:{key} is {shape} in the file, {record['shape']} in the manifest"
+            )
         return handle
 
     def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
@@ -493,8 +525,17 @@ class UniversalCheckpoint:
             return handle.tensor(key, start * row, length * row).reshape(length, *shape[1:])
         return handle.full(key).narrow(dim, start, length)
 
-    def read_local(self, name: str, key: str, layout: Layout, local_shape: Sequence[int], rank: int, tp: int,
-                   start: int = 0, numel: int | None = None) -> torch.Tensor:
+    def read_local(
+        self,
+        name: str,
+        key: str,
+        layout: Layout,
+        local_shape: Sequence[int],
+        rank: int,
+        tp: int,
+        start: int = 0,
+        numel: int | None = None,
+    ) -> torch.Tensor:
         """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state.
 
         When the share is one run of whole rows (replicated, or split on dim 0) only the rows that
@@ -514,7 +555,7 @@ class UniversalCheckpoint:
                 out[:kept] = self.read(name, key, pieces[0].full_start * row + start, kept)
             return out
         local = split(layout, local_shape, rank, tp, lambda d, s, n: self.read_slice(name, key, d, s, n), dtype)
-        return local.reshape(-1)[start:start + numel]
+        return local.reshape(-1)[start : start + numel]
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A whole module buffer."""

@@ -5,6 +5,7 @@ one function per ZeRO family turns that into fragments: (rank, offset in the ran
 offset in the flattened parameter, length). Conversion concatenates fragments; nothing else about
 ZeRO's layout leaks into the rest of the code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,11 +15,16 @@ from typing import Protocol
 class ParamSlot(Protocol):
     """Where a parameter sits in ZeRO's flat buffers: the save metadata's `ParamSlot` has these fields."""
 
-    name: str
-    offset: int
-    numel: int
-    partition: int
-    ranks: tuple[int, ...]
+    @property
+    def name(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def numel(self) -> int: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ spirit of DeepSpeed's affine shard descriptions rather than name lists:
 Everything reduces to `pieces`: (offset in the full tensor, offset in the local tensor, length)
 along `dim`. Merging and splitting are the same copy in opposite directions.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -67,8 +68,10 @@ class Layout:
         padded = local_shape[self.dim] * tp
         if self.parts:
             if sum(self.parts) != padded:
-                raise ValueError(f"parts {list(self.parts)} sum to {sum(self.parts)}, but {tp} ranks of "
-                                 f"{local_shape[self.dim]} hold {padded} along dim {self.dim}")
+                raise ValueError(
+                    f"parts {list(self.parts)} sum to {sum(self.parts)}, but {tp} ranks of "
+                    f"{local_shape[self.dim]} hold {padded} along dim {self.dim}"
+                )
             uneven = [p for p in self.parts if p % tp]
             if uneven:
                 raise ValueError(f"parts {uneven} cannot be split evenly across {tp} tensor-parallel ranks")
@@ -116,8 +119,12 @@ class Layout:
     @classmethod
     def from_json(cls, raw: dict) -> Layout:
         """Inverse of `to_json`."""
-        return cls(kind=raw["kind"], dim=int(raw.get("dim", 0)), parts=tuple(int(p) for p in raw.get("parts", ())),
-                   vocab=int(raw.get("vocab", 0)))
+        return cls(
+            kind=raw["kind"],
+            dim=int(raw.get("dim", 0)),
+            parts=tuple(int(p) for p in raw.get("parts", ())),
+            vocab=int(raw.get("vocab", 0)),
+        )
 
 
 REPLICATED = Layout()
@@ -141,7 +148,8 @@ def merge(layout: Layout, shards: Sequence[torch.Tensor], name: str = "") -> tor
             raise ValueError(f"{name}: tensor-parallel rank {rank} holds {tuple(shard.shape)}, rank 0 {local_shape}")
         for piece in layout.pieces(local_shape, rank, tp):
             _narrow(full, layout.dim, piece.full_start, piece.length).copy_(
-                _narrow(shard, layout.dim, piece.local_start, piece.length))
+                _narrow(shard, layout.dim, piece.local_start, piece.length)
+            )
     return full
 
 
@@ -159,12 +167,19 @@ def dropped_padding(layout: Layout, shards: Sequence[torch.Tensor]) -> float:
     return worst
 
 
-def split(layout: Layout, local_shape: Sequence[int], rank: int, tp: int,
-          read: Callable[[int, int, int], torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def split(
+    layout: Layout,
+    local_shape: Sequence[int],
+    rank: int,
+    tp: int,
+    read: Callable[[int, int, int], torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Rank `rank`'s local tensor, built from `read(dim, start, length)` slices of the full tensor."""
     local = torch.zeros(tuple(local_shape), dtype=dtype)
     dim = layout.dim if layout.is_split else 0
     for piece in layout.pieces(local_shape, rank, tp):
-        _narrow(local, dim, piece.local_start, piece.length).copy_(read(dim, piece.full_start, piece.length)
-                                                                   .reshape(_narrow(local, dim, 0, piece.length).shape))
+        _narrow(local, dim, piece.local_start, piece.length).copy_(
+            read(dim, piece.full_start, piece.length).reshape(_narrow(local, dim, 0, piece.length).shape)
+        )
     return local

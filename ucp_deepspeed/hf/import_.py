@@ -2,12 +2,14 @@
 
 The inverse of `hf.export`, from the same name table (`hf/names.py`) read from the `transformers`
 side: names go back to megatron-core's global ones, q/k/v are fused into `linear_qkv` by query
-group, gate/up into SwiGLU's `linear_fc1`, and GPT-2's `Conv1D` weights are transposed. The result holds only fp32 weights (`"weights_only": true` in the manifest, step
-counters at zero, no optimizer state), so `load_checkpoint` starts training from it with a fresh
-optimizer at any DP/TP/PP/EP layout. GPT-2 folders exported from a grouped-query model repeat each
+group, gate/up into SwiGLU's `linear_fc1`, and GPT-2's `Conv1D` weights are transposed. The result
+holds only fp32 weights (`"weights_only": true` in the manifest, step counters at zero, no
+optimizer state), so `load_checkpoint` starts training from it with a fresh optimizer at any
+DP/TP/PP/EP layout. GPT-2 folders exported from a grouped-query model repeat each
 key/value head; `num_kv_heads` folds them back after checking that the copies are identical.
 Tensors are read lazily from the safetensors shards and written one parameter file at a time.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,6 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
@@ -57,8 +60,11 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
     if kind not in ("gpt2", "llama", "mixtral"):
         raise CheckpointError(os.path.join(hf_dir, "config.json"), f"model_type {kind!r} is not gpt2, llama or mixtral")
     if not config.get("tie_word_embeddings", True):
-        raise CheckpointError(os.path.join(hf_dir, "config.json"), "untied output layers are not supported: the "
-                              "megatron-core models here share the embedding with the output layer")
+        raise CheckpointError(
+            os.path.join(hf_dir, "config.json"),
+            "untied output layers are not supported: the "
+            "megatron-core models here share the embedding with the output layer",
+        )
     read = _reader(hf_dir)
     if kind == "gpt2":
         heads, layers = Heads(config["n_head"], num_kv_heads or config["n_head"]), config["n_layer"]
@@ -70,27 +76,45 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
     check_output(out, [hf_dir])
     if os.path.isdir(out) and os.listdir(out):
         raise CheckpointError(out, "exists and is not empty; refusing to write into it")
-    records, params = [], {}
+    records, params = [], dict[str, ParamRecord]()
     for name, make in tqdm(makers.items(), desc="ucp import-hf", disable=not progress):
         tensor = make().contiguous()
         records.append(write_tensors(out, param_file(name), {FP32: tensor}))
-        params[name] = {"shape": list(tensor.shape), "dtype": "float32", "group": 0, "trainable": True,
-                        "file": param_file(name), "keys": [FP32]}
+        params[name] = ParamRecord(tuple(tensor.shape), "float32", 0, True, param_file(name), (FP32,))
     records.append(write_tensors(out, BUFFERS, {}))
     records.append(write_object(out, STATE, {"lr_scheduler": None, "client_state": {}, "optimizer_wrapper": {}}))
-    write_manifest(out, {
-        "created_by": {"ucp_deepspeed": __version__, "torch": torch.__version__,
-                       "transformers_config": config.get("transformers_version")},
-        "source": {"path": os.path.abspath(hf_dir), "tag": None, "fingerprint": [], "versions": {},
-                   "topology": {"dp": 1, "zero_stage": 0, "dtype": "fp32", "tp": 1, "pp": 1, "ep": 1,
-                                "optimizer": f"none (Hugging Face {kind} import)"}},
-        "weights_only": True,
-        "counters": {"global_steps": 0, "global_samples": 0, "skipped_steps": 0},
-        "param_groups": [],
-        "params": params,
-        "buffers": {},
-        "tied": {},
-        "frozen_excluded": False,
-        "notes": [f"weights of a transformers {kind} model; optimizer state starts fresh"],
-    }, records)
+    write_manifest(
+        out,
+        Manifest(
+            created_by={
+                "ucp_deepspeed": __version__,
+                "torch": torch.__version__,
+                "transformers_config": config.get("transformers_version"),
+            },
+            source={
+                "path": os.path.abspath(hf_dir),
+                "tag": None,
+                "fingerprint": [],
+                "versions": {},
+                "topology": {
+                    "dp": 1,
+                    "zero_stage": 0,
+                    "dtype": "fp32",
+                    "tp": 1,
+                    "pp": 1,
+                    "ep": 1,
+                    "optimizer": f"none (Hugging Face {kind} import)",
+                },
+            },
+            counters={"global_steps": 0, "global_samples": 0, "skipped_steps": 0},
+            param_groups=(),
+            params=params,
+            buffers={},
+            extra={
+                "weights_only": True,
+                "notes": [f"weights of a transformers {kind} model; optimizer state starts fresh"],
+            },
+        ),
+        records,
+    )
     return out

@@ -12,6 +12,7 @@ directions:
                grouped-query attention, so each key/value head is repeated for its group's query heads
     gate_up    SwiGLU's `linear_fc1` (gate rows, then up rows) against separate gate and up projections
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -46,36 +47,54 @@ def _layer_links(arch: str, i: int, experts: int) -> list[Link]:
     m = f"decoder.layers.{i}."
     if arch == "gpt2":
         h = f"transformer.h.{i}."
-        out = [Link(f"{m}{mg}.{k}", (f"{h}{hf}.{k}",)) for mg, hf in (("input_layernorm", "ln_1"),
-                                                                         ("pre_mlp_layernorm", "ln_2"))
-               for k in ("weight", "bias")]
-        out += [Link(f"{m}self_attention.linear_qkv.{k}", (f"{h}attn.c_attn.{k}",), "c_attn") for k in ("weight", "bias")]
-        for mg, hf in (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
-                       ("mlp.linear_fc2", "mlp.c_proj")):
-            out += [Link(f"{m}{mg}.weight", (f"{h}{hf}.weight",), "transpose"), Link(f"{m}{mg}.bias", (f"{h}{hf}.bias",))]
+        out = [
+            Link(f"{m}{mg}.{k}", (f"{h}{hf}.{k}",))
+            for mg, hf in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
+            for k in ("weight", "bias")
+        ]
+        out += [
+            Link(f"{m}self_attention.linear_qkv.{k}", (f"{h}attn.c_attn.{k}",), "c_attn") for k in ("weight", "bias")
+        ]
+        for mg, hf in (
+            ("self_attention.linear_proj", "attn.c_proj"),
+            ("mlp.linear_fc1", "mlp.c_fc"),
+            ("mlp.linear_fc2", "mlp.c_proj"),
+        ):
+            out += [
+                Link(f"{m}{mg}.weight", (f"{h}{hf}.weight",), "transpose"),
+                Link(f"{m}{mg}.bias", (f"{h}{hf}.bias",)),
+            ]
         return out
     h = f"model.layers.{i}."
-    out = [Link(f"{m}self_attention.linear_qkv.weight", tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-           Link(f"{m}self_attention.linear_proj.weight", (f"{h}self_attn.o_proj.weight",)),
-           Link(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",)),
-           Link(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",))]
+    out = [
+        Link(f"{m}self_attention.linear_qkv.weight", tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+        Link(f"{m}self_attention.linear_proj.weight", (f"{h}self_attn.o_proj.weight",)),
+        Link(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",)),
+        Link(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",)),
+    ]
     if experts:
         out.append(Link(f"{m}mlp.router.weight", (f"{h}block_sparse_moe.gate.weight",)))
         for e in range(experts):
             me, he = f"{m}mlp.experts.local_experts.{e}.", f"{h}block_sparse_moe.experts.{e}."
-            out += [Link(f"{me}linear_fc1.weight", (f"{he}w1.weight", f"{he}w3.weight"), "gate_up"),
-                    Link(f"{me}linear_fc2.weight", (f"{he}w2.weight",))]
+            out += [
+                Link(f"{me}linear_fc1.weight", (f"{he}w1.weight", f"{he}w3.weight"), "gate_up"),
+                Link(f"{me}linear_fc2.weight", (f"{he}w2.weight",)),
+            ]
     else:
-        out += [Link(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up"),
-                Link(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",))]
+        out += [
+            Link(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up"),
+            Link(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",)),
+        ]
     return out
 
 
 def links(arch: str, layers: int, experts: int = 0) -> list[Link]:
     """The whole table of `arch` (`gpt2`, `llama`, `mixtral`) for a model of `layers` layers, in HF file order."""
     if arch == "gpt2":
-        head = [Link("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
-                Link("embedding.position_embeddings.weight", ("transformer.wpe.weight",))]
+        head = [
+            Link("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
+            Link("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
+        ]
         tail = [Link(f"decoder.final_layernorm.{k}", (f"transformer.ln_f.{k}",)) for k in ("weight", "bias")]
     elif arch in ("llama", "mixtral"):
         head = [Link("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
@@ -90,8 +109,11 @@ def _split_qkv(fused: torch.Tensor, h: Heads) -> tuple[torch.Tensor, torch.Tenso
     d = fused.shape[0] // (h.kv_heads * (per_group + 2))
     grouped = fused.reshape(h.kv_heads, per_group + 2, d, *fused.shape[1:])
     rest = fused.shape[1:]
-    return (grouped[:, :per_group].reshape(-1, *rest), grouped[:, per_group].reshape(-1, *rest),
-            grouped[:, per_group + 1].reshape(-1, *rest))
+    return (
+        grouped[:, :per_group].reshape(-1, *rest),
+        grouped[:, per_group].reshape(-1, *rest),
+        grouped[:, per_group + 1].reshape(-1, *rest),
+    )
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: Heads) -> torch.Tensor:
@@ -112,8 +134,11 @@ def _fold(t: torch.Tensor, h: Heads, name: str) -> torch.Tensor:
     """Undo the repetition of each key/value head for the query heads of its group."""
     grouped = t.reshape(h.kv_heads, h.heads // h.kv_heads, -1, *t.shape[1:])
     if not bool((grouped == grouped[:, :1]).all()):
-        raise CheckpointError(name, f"key/value heads are not {h.heads // h.kv_heads} identical copies per group; "
-                              "this model has no grouped-query attention to fold back")
+        raise CheckpointError(
+            name,
+            f"key/value heads are not {h.heads // h.kv_heads} identical copies per group; "
+            "this model has no grouped-query attention to fold back",
+        )
     return grouped[:, 0].reshape(-1, *t.shape[1:])
 
 
@@ -142,7 +167,7 @@ def from_hf(link: Link, read: Callable[[str], torch.Tensor], h: Heads) -> torch.
     if link.fuse == "gate_up":
         return torch.cat(parts, 0)
     if link.fuse == "qkv":
-        return _fuse_qkv(*parts, h)
+        return _fuse_qkv(parts[0], parts[1], parts[2], h)
     fused = parts[0].t() if parts[0].dim() == 2 else parts[0]
     q, k, v = fused.chunk(3, 0)
     k, v = (_fold(t, Heads(h.heads, h.kv_heads), link.hf[0]) for t in (k, v))

@@ -5,13 +5,14 @@ CRC-32 per record, and our universal files record a CRC-32 per block. `isal` com
 speed. Reads that cover a record in pieces, in any order, are checked with `crc32_combine`, which
 joins the CRCs of adjacent byte ranges without the bytes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
 from isal.isal_zlib import crc32
 
-__all__ = ["crc32", "crc32_combine", "BLOCK", "block_crcs", "BlockHasher", "combine_pieces"]
+__all__ = ["BLOCK", "BlockHasher", "block_crcs", "combine_pieces", "crc32", "crc32_combine"]
 
 BLOCK = 1 << 20  # universal files carry one CRC per MiB: a read checks at most 2 MiB more than it needs
 _POLY = 0xEDB88320
@@ -58,7 +59,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 def block_crcs(data: memoryview | bytes, block: int = BLOCK) -> list[int]:
     """CRC-32 of each `block`-sized piece of `data` (the last may be shorter)."""
     view = memoryview(data).cast("B")
-    return [crc32(view[i:i + block]) for i in range(0, len(view), block)]
+    return [crc32(view[i : i + block]) for i in range(0, len(view), block)]
 
 
 class BlockHasher:
@@ -68,8 +69,8 @@ class BlockHasher:
         self.block = block
         self.blocks: list[int] = []
         self.total = 0
-        self._crc = 0        # of the whole stream
-        self._partial = 0    # of the current, unfinished block
+        self._crc = 0  # of the whole stream
+        self._partial = 0  # of the current, unfinished block
         self._filled = 0
 
     def update(self, data: memoryview | bytes) -> None:

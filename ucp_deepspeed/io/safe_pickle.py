@@ -18,6 +18,7 @@ A stand-in becomes a real DeepSpeed object only where one is needed (resuming in
 through `ucp_deepspeed.compat.rebuild`. Users who trust a file with other classes in it (their own
 `client_state` objects, say) name each one exactly in `UCP_ALLOW_PICKLE=module.Name,...`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -75,8 +76,11 @@ class PickledObject(metaclass=_Sealed):
         raise AttributeError(f"{self.qualname} stand-in has no field {name!r}")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PickledObject) and (self.qualname, self.args, self.state) == \
-            (other.qualname, other.args, other.state)
+        return isinstance(other, PickledObject) and (self.qualname, self.args, self.state) == (
+            other.qualname,
+            other.args,
+            other.state,
+        )
 
     def __hash__(self) -> int:
         return hash((self.qualname, self.args))
@@ -89,21 +93,24 @@ class PickledObject(metaclass=_Sealed):
         return {"__class__": self.qualname, "args": list(self.args), "state": self.state}
 
 
-_STANDINS: dict[str, type[PickledObject]] = {}
+_STANDINS: dict[str, Any] = {}
 
 
-def standin(qualname: str) -> type[PickledObject]:
+def standin(qualname: str) -> Any:
     """The stand-in type for a class, one per qualified name."""
     if qualname not in _STANDINS:
-        _STANDINS[qualname] = _Sealed(qualname.rsplit(".", 1)[-1], (PickledObject,),
-                                      {"qualname": qualname, "__slots__": ()})
+        _STANDINS[qualname] = _Sealed(
+            qualname.rsplit(".", 1)[-1], (PickledObject,), {"qualname": qualname, "__slots__": ()}
+        )
     return _STANDINS[qualname]
 
 
 # Classes found in DeepSpeed's checkpoint files; kept as stand-ins when read (see `compat.rebuild`).
-DEEPSPEED_CLASSES = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                     "deepspeed.utils.tensor_fragment.fragment_address")
+DEEPSPEED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
 
 
 class StorageType:
@@ -123,11 +130,21 @@ class TensorType:
 
 _TENSOR_TYPE = TensorType()
 
-_LEGACY_STORAGES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-                    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-                    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-                    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
-                    "ComplexDoubleStorage": torch.complex128, "UntypedStorage": torch.uint8}
+_LEGACY_STORAGES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+    "UntypedStorage": torch.uint8,
+}
 
 
 def _refuse(what: str) -> Any:
@@ -202,9 +219,21 @@ def _dtypes() -> dict[str, torch.dtype]:
     return {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
-_BUILTINS = {"set": set, "frozenset": frozenset, "complex": complex, "slice": slice, "bytes": _empty_bytes,
-             "bytearray": _bytearray, "list": list, "dict": dict, "tuple": tuple, "int": int, "float": float,
-             "str": str, "bool": bool}
+_BUILTINS = {
+    "set": set,
+    "frozenset": frozenset,
+    "complex": complex,
+    "slice": slice,
+    "bytes": _empty_bytes,
+    "bytearray": _bytearray,
+    "list": list,
+    "dict": dict,
+    "tuple": tuple,
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+}
 
 # (module, name) -> what the pickle gets; a callable value of `_LAZY` is resolved on first use
 _TABLE: dict[tuple[str, str], Any] = {
@@ -219,11 +248,20 @@ _TABLE: dict[tuple[str, str], Any] = {
     ("torch.nn.parameter", "Parameter"): _TENSOR_TYPE,
     **{("torch", n): StorageType(d) for n, d in _LEGACY_STORAGES.items()},
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
-    **{tuple(q.rsplit(".", 1)): standin(q) for q in DEEPSPEED_CLASSES},
+    **{(q.rpartition(".")[0], q.rpartition(".")[2]): standin(q) for q in DEEPSPEED_CLASSES},
 }
+
+
+def _returning(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
 _LAZY: dict[tuple[str, str], Callable[[], Any]] = {
-    **{(m, n): (lambda f=f: f) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
-       for n, f in (("_reconstruct", _np_reconstruct), ("scalar", _np_scalar))},
+    **{
+        (m, n): _returning(f)
+        for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+        for n, f in (("_reconstruct", _np_reconstruct), ("scalar", _np_scalar))
+    },
     ("numpy", "dtype"): lambda: _np_dtype,
     ("numpy", "ndarray"): lambda: _numpy().ndarray,
 }
@@ -242,8 +280,10 @@ def _import_exact(module: str, name: str) -> Any:
 
 def hint(module: str, name: str) -> str:
     """What to say when a global is refused."""
-    return (f"refusing to unpickle global '{module}.{name}'; if you trust this file, allow it with "
-            f"{ALLOW_ENV}={module}.{name}")
+    return (
+        f"refusing to unpickle global '{module}.{name}'; if you trust this file, allow it with "
+        f"{ALLOW_ENV}={module}.{name}"
+    )
 
 
 class SafeUnpickler(pickle._Unpickler):  # the pure-Python machine, whose opcodes can be replaced one by one
@@ -253,15 +293,19 @@ class SafeUnpickler(pickle._Unpickler):  # the pure-Python machine, whose opcode
     `extra` adds exact globals the caller implements itself (torch's tensor rebuild functions).
     """
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    # set by the pure-Python unpickler's load(); declared so the opcode handlers below type-check
+    stack: list[Any]
+    append: Callable[[Any], None]
 
-    def __init__(self, data: bytes, persistent_load: Callable[[Any], Any],
-                 extra: dict[tuple[str, str], Any] | None = None) -> None:
+    def __init__(
+        self, data: bytes, persistent_load: Callable[[Any], Any], extra: dict[tuple[str, str], Any] | None = None
+    ) -> None:
         super().__init__(io.BytesIO(data), encoding="ASCII")
         self._persistent = persistent_load
         self._extra = extra or {}
-        self._callables: list[Any] = []   # identity list: every callable a global resolved to
-        self._types: list[type] = []      # types NEWOBJ may construct and BUILD may fill in
+        self._callables: list[Any] = []  # identity list: every callable a global resolved to
+        self._types: list[type] = []  # types NEWOBJ may construct and BUILD may fill in
         self._trusted = user_allowed()
         self._dtypes: dict[str, torch.dtype] | None = None
 
@@ -349,12 +393,15 @@ class SafeUnpickler(pickle._Unpickler):  # the pure-Python machine, whose opcode
         _refuse("text persistent ids are not read")
 
 
-for _op, _method in ((pickle.NEWOBJ, SafeUnpickler.load_newobj), (pickle.NEWOBJ_EX, SafeUnpickler.load_newobj_ex),
-                     (pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.BUILD, SafeUnpickler.load_build),
-                     (pickle.PERSID, SafeUnpickler.load_persid)):
+for _op, _method in (
+    (pickle.NEWOBJ, SafeUnpickler.load_newobj),
+    (pickle.NEWOBJ_EX, SafeUnpickler.load_newobj_ex),
+    (pickle.REDUCE, SafeUnpickler.load_reduce),
+    (pickle.BUILD, SafeUnpickler.load_build),
+    (pickle.PERSID, SafeUnpickler.load_persid),
+):
     SafeUnpickler.dispatch[_op[0]] = _method
-for _op in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.NEXT_BUFFER,
-            pickle.READONLY_BUFFER):
+for _op in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER):
     SafeUnpickler.dispatch[_op[0]] = SafeUnpickler._refuse_opcode
 
 

@@ -10,8 +10,10 @@ the bytes it got, and `check_reads` assembles those pieces per record (reading o
 read covered, such as padding) and compares them with the directory. The archive may also carry
 a save id (`.data/ucp_save_id`, see `stamp`) that binds it to the other files of one save.
 """
+
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -36,7 +38,7 @@ SAVE_ID_RECORD = ".data/ucp_save_id"
 class LazyTensor:
     """A tensor stored in a torch zip file, described by where its bytes are, not loaded."""
 
-    file: "TorchFile" = field(repr=False, compare=False)
+    file: TorchFile = field(repr=False, compare=False)
     key: str
     dtype: torch.dtype
     storage_offset: int
@@ -61,9 +63,11 @@ class LazyTensor:
         total = self.numel()
         numel = total - start if numel is None else numel
         if start < 0 or numel < 0 or start + numel > total:
-            raise CheckpointError(self.file.path, f"read of [{start}, {start + numel}) outside tensor of {total} elements")
+            raise CheckpointError(
+                self.file.path, f"read of [{start}, {start + numel}) outside tensor of {total} elements"
+            )
         if not self.is_contiguous():
-            part = self.load().reshape(-1)[start:start + numel]
+            part = self.load().reshape(-1)[start : start + numel]
             return out.copy_(part) if out is not None else part.clone()
         return self.file.read_storage(self.key, self.dtype, self.storage_offset + start, numel, out)
 
@@ -79,7 +83,7 @@ class LazyTensor:
 class _Storage:
     """Stand-in for a storage in the pickle: only its key and dtype matter."""
 
-    __slots__ = ("key", "dtype")
+    __slots__ = ("dtype", "key")
 
     def __init__(self, key: str, dtype: torch.dtype):
         self.key = key
@@ -115,8 +119,7 @@ class _Records:
             self._offsets[name] = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
         base, length = self._offsets[name], info.file_size
         if base + length > self._size:
-            raise CheckpointError(self.path, f"truncated: record '{name}' ends at byte {base + length} of "
-                                  f"{self._size}")
+            raise CheckpointError(self.path, f"truncated: record '{name}' ends at byte {base + length} of {self._size}")
         return base, length
 
     def pread_into(self, view: memoryview, offset: int) -> None:
@@ -126,6 +129,9 @@ class _Records:
             if got <= 0:
                 raise CheckpointError(self.path, f"truncated: nothing to read at byte {offset + done}")
             done += got
+
+    def _pread_from(self, base: int, offset: int, length: int) -> bytes:
+        return self.pread(base + offset, length)
 
     def pread(self, offset: int, length: int) -> bytes:
         out = bytearray(length)
@@ -161,7 +167,7 @@ class _Records:
             info = self.infos[name]
             try:
                 base, length = self.data_range(name)
-                got = combine_pieces(length, pieces, lambda s, n, base=base: self.pread(base + s, n))
+                got = combine_pieces(length, pieces, functools.partial(self._pread_from, base))
             except CheckpointError as exc:
                 problems.append(str(exc))
                 continue
@@ -202,10 +208,12 @@ class TorchFile:
         self._prefix = pkl.filename[: -len("data.pkl")]
         self._records = _Records(self.path, self._fd, self.size, infos, verify)
         data = self._read_record(pkl.filename)
-        extra = {("torch._utils", "_rebuild_tensor_v2"): self._rebuild_tensor,
-                 ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-                 ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-                 ("torch._tensor", "_rebuild_from_type_v2"): self._rebuild_from_type}
+        extra = {
+            ("torch._utils", "_rebuild_tensor_v2"): self._rebuild_tensor,
+            ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+            ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+            ("torch._tensor", "_rebuild_from_type_v2"): self._rebuild_from_type,
+        }
         try:
             self.obj = SafeUnpickler(data, self._persistent_load, extra).load()
         except CheckpointError:
@@ -215,8 +223,9 @@ class TorchFile:
         except Exception as exc:  # a damaged or hostile stream raises many exception types
             raise CheckpointError(self.path, f"cannot unpickle ({type(exc).__name__}: {exc})") from None
         stamp_name = f"{self._prefix}{SAVE_ID_RECORD}"
-        self.save_id = self._read_record(stamp_name).decode("ascii", "replace") \
-            if stamp_name in self._records.infos else None
+        self.save_id = (
+            self._read_record(stamp_name).decode("ascii", "replace") if stamp_name in self._records.infos else None
+        )
 
     def _read_record(self, name: str) -> bytes:
         """A whole small record (the pickle, the save id), checked against its CRC-32 before use."""
@@ -227,38 +236,54 @@ class TorchFile:
         return data
 
     def _rebuild_tensor(self, storage: Any, storage_offset: Any, size: Any, stride: Any, *_args: Any) -> LazyTensor:
-        if not isinstance(storage, _Storage) or type(storage_offset) is not int or storage_offset < 0 \
-                or not _ints(size) or not _ints(stride) or len(size) != len(stride):
+        if (
+            not isinstance(storage, _Storage)
+            or type(storage_offset) is not int
+            or storage_offset < 0
+            or not _ints(size)
+            or not _ints(stride)
+            or len(size) != len(stride)
+        ):
             raise CheckpointError(self.path, "malformed tensor record in the pickle")
         return LazyTensor(self, storage.key, storage.dtype, storage_offset, tuple(size), tuple(stride))
 
     def _rebuild_from_type(self, func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
-        if func not in (self._rebuild_tensor, _rebuild_parameter) or not isinstance(_new_type, TensorType) \
-                or type(args) is not tuple:
+        if (
+            func not in (self._rebuild_tensor, _rebuild_parameter)
+            or not isinstance(_new_type, TensorType)
+            or type(args) is not tuple
+        ):
             raise CheckpointError(self.path, "_rebuild_from_type_v2 of something other than a tensor")
         return func(*args)
 
     def _persistent_load(self, pid: Any) -> _Storage:
-        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage" or not isinstance(pid[1], StorageType) \
-                or not isinstance(pid[2], str):
+        if (
+            not isinstance(pid, tuple)
+            or len(pid) != 5
+            or pid[0] != "storage"
+            or not isinstance(pid[1], StorageType)
+            or not isinstance(pid[2], str)
+        ):
             raise CheckpointError(self.path, f"unknown persistent id {pid!r}"[:300])
         return _Storage(pid[2], pid[1].dtype)
 
-    def read_storage(self, key: str, dtype: torch.dtype, start: int, numel: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_storage(
+        self, key: str, dtype: torch.dtype, start: int, numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Read `numel` elements of storage `key` from element `start`, straight into `out` if given."""
         itemsize = dtype.itemsize
         name = f"{self._prefix}data/{key}"
         base, nbytes = self._records.data_range(name)
         begin, length = start * itemsize, numel * itemsize
         if begin + length > nbytes:
-            raise CheckpointError(self.path, f"truncated: storage {key} needs bytes up to {begin + length}, "
-                                  f"its record holds {nbytes}")
+            raise CheckpointError(
+                self.path, f"truncated: storage {key} needs bytes up to {begin + length}, its record holds {nbytes}"
+            )
         if out is None:
             out = torch.empty(numel, dtype=dtype)
         elif out.dtype != dtype or out.numel() != numel or not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError(f"read target must be a contiguous CPU {dtype} tensor of {numel} elements")
-        view = memoryview(out.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        view = out.view(torch.uint8).numpy().data if numel else memoryview(b"")
         self._records.pread_into(view, base + begin)
         self._records.note(name, begin, view)
         return out
@@ -388,8 +413,14 @@ class VerifyingReader(io.RawIOBase):
                 base, length = self._records.data_range(info.filename)
                 spans.append((base, base + length, info.filename))
         self._spans = sorted(spans)
-        self.save_id = next((self._records.pread(*self._records.data_range(n)).decode("ascii", "replace")
-                             for n in self._records.infos if n.endswith(SAVE_ID_RECORD)), None)
+        self.save_id = next(
+            (
+                self._records.pread(*self._records.data_range(n)).decode("ascii", "replace")
+                for n in self._records.infos
+                if n.endswith(SAVE_ID_RECORD)
+            ),
+            None,
+        )
 
     def readable(self) -> bool:
         return True
@@ -411,7 +442,7 @@ class VerifyingReader(io.RawIOBase):
             for begin, end, name in self._spans:
                 lo, hi = max(begin, pos), min(end, pos + got)
                 if lo < hi:
-                    self._records.note(name, lo - begin, view[lo - pos:hi - pos])
+                    self._records.note(name, lo - begin, view[lo - pos : hi - pos])
         return got
 
     def check(self) -> None:

@@ -1,4 +1,5 @@
 """Experts by global id: each expert-parallel rank numbers its local experts from 0."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,15 +21,16 @@ class ExpertBlock:
         """Local expert index of a parameter name, or None if the name is not in this block."""
         if not name.startswith(self.prefix):
             return None
-        head = name[len(self.prefix):].split(".", 1)[0]
+        head = name[len(self.prefix) :].split(".", 1)[0]
         return int(head) if head.isdigit() else None
 
     def rename(self, name: str, ep_rank: int) -> str:
         """The name of local expert parameter `name` as held by expert-parallel rank `ep_rank`, by global id."""
         local = self.expert_of(name)
-        rest = name[len(self.prefix) + len(str(local)):]
+        if local is None:
+            raise ValueError(f"{name} is not an expert of {self.prefix}")
+        rest = name[len(self.prefix) + len(str(local)) :]
         return f"{self.prefix}{ep_rank * self.num_local + local}{rest}"
-
 
 
 def expert_blocks(module: torch.nn.Module) -> list[ExpertBlock]:

@@ -16,6 +16,7 @@ Global names undo megatron-core's per-stage layer numbering (`decoder.layers.0` 
 layer `layer_number - 1` of the whole model) and map a last stage's tied output layer onto the
 embedding it shares.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,7 +33,6 @@ from ucp_deepspeed.naming.rules import Rule
 _LAYER_PATH = re.compile(r"^(.*?)(layers)\.(\d+)$")
 
 
-
 @dataclass(frozen=True)
 class ParamInfo:
     """A local parameter's place in the full model."""
@@ -40,7 +40,6 @@ class ParamInfo:
     name: str
     layout: Layout
     alias: bool = False
-
 
 
 def _megatron_layout(p: torch.Tensor, tp: int, vocab_size: int) -> Layout:
@@ -56,7 +55,6 @@ def _megatron_layout(p: torch.Tensor, tp: int, vocab_size: int) -> Layout:
     return Layout("split", dim)
 
 
-
 def _global_prefixes(module: torch.nn.Module) -> list[tuple[str, str]]:
     """(local prefix, global prefix) for every pipeline-local layer numbered differently from its position."""
     out = []
@@ -66,7 +64,6 @@ def _global_prefixes(module: torch.nn.Module) -> list[tuple[str, str]]:
         if found and number is not None and int(found.group(3)) != number - 1:
             out.append((path + ".", f"{found.group(1)}layers.{number - 1}."))
     return out
-
 
 
 def _tied_output(module: torch.nn.Module) -> dict[str, str]:
@@ -79,7 +76,6 @@ def _tied_output(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-
 def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
     """Whether a parameter sits inside a megatron-core module (its norms are plain torch modules)."""
     paths = {path: compat.is_megatron_module(sub) for path, sub in module.named_modules()}
@@ -89,7 +85,6 @@ def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
         return any(paths.get(".".join(parts[:i]), False) for i in range(len(parts), -1, -1))
 
     return inside
-
 
 
 def global_namer(module: torch.nn.Module, ep_ranks: dict[str, int] | None = None) -> Callable[[str], str]:
@@ -109,16 +104,20 @@ def global_namer(module: torch.nn.Module, ep_ranks: dict[str, int] | None = None
                 name = block.rename(name, (ep_ranks or {}).get(block.group, 0))
         for local, glob in prefixes:
             if name.startswith(local):
-                return glob + name[len(local):]
+                return glob + name[len(local) :]
         return name
 
     return to_global
 
 
-
-def param_infos(module: torch.nn.Module, params: Iterable[tuple[str, torch.Tensor]], tp: int,
-                rules: Sequence[Rule] = (), vocab_size: int = 0,
-                ep_ranks: dict[str, int] | None = None) -> dict[str, ParamInfo]:
+def param_infos(
+    module: torch.nn.Module,
+    params: Iterable[tuple[str, torch.Tensor]],
+    tp: int,
+    rules: Sequence[Rule] = (),
+    vocab_size: int = 0,
+    ep_ranks: dict[str, int] | None = None,
+) -> dict[str, ParamInfo]:
     """Global name and layout of each named parameter; ValueError listing any we cannot place."""
     to_global = global_namer(module, ep_ranks)
     tied = _tied_output(module)
@@ -138,7 +137,8 @@ def param_infos(module: torch.nn.Module, params: Iterable[tuple[str, torch.Tenso
         raise ValueError(
             f"{len(unknown)} parameters have no layout at tensor-parallel size {tp}: {unknown[:10]}"
             f"{' ...' if len(unknown) > 10 else ''}. Say how each is split with layout rules in "
-            "\"checkpoint\": {\"universal\": {\"layout_rules\": [...]}}, e.g. "
+            '"checkpoint": {"universal": {"layout_rules": [...]}}, e.g. '
             '{"match": ".*\\\\.dense\\\\.weight", "layout": "split", "dim": 1} or '
-            '{"match": ".*norm.*", "layout": "replicated"}')
+            '{"match": ".*norm.*", "layout": "replicated"}'
+        )
     return infos

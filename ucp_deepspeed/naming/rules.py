@@ -3,6 +3,7 @@
 A rule is a JSON object: `{"match": REGEX, "layout": "replicated" | "average" | "split", "dim": D,
 "parts": [sizes...], "vocab": V}`. The first rule whose regex matches the whole parameter name wins.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,6 @@ class Rule:
         return re.fullmatch(self.pattern, name) is not None
 
 
-
 def parse_rules(raw: Sequence[dict] | str | None) -> tuple[Rule, ...]:
     """Rules from a list of dicts or a JSON file path, with errors that name the bad rule."""
     if raw is None:
@@ -40,8 +40,9 @@ def parse_rules(raw: Sequence[dict] | str | None) -> tuple[Rule, ...]:
             if unknown:
                 raise ValueError(f"unknown keys {sorted(unknown)}")
             re.compile(item["match"])
-            layout = Layout.from_json({"kind": item["layout"], **{k: item[k] for k in ("dim", "parts", "vocab")
-                                                                   if k in item}})
+            layout = Layout.from_json(
+                {"kind": item["layout"], **{k: item[k] for k in ("dim", "parts", "vocab") if k in item}}
+            )
         except (KeyError, ValueError, TypeError, re.error) as exc:
             raise ValueError(f"layout rule {i} {item!r}: {exc}") from None
         rules.append(Rule(item["match"], layout))

@@ -8,6 +8,7 @@ and `resume_tag` skips it. DeepSpeed drives such "decoupled" engines from the op
 step it asks whether the pending checkpoint is ready. All ranks agree through one small all-reduce,
 and only when every rank has written all its files does rank 0 point `latest` at the new tag.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,10 +39,10 @@ def snapshot(obj: Any, storages: dict[tuple, torch.UntypedStorage] | None = None
         copied = torch.empty(0, dtype=obj.dtype).set_(storage, obj.storage_offset(), obj.size(), obj.stride())
         return torch.nn.Parameter(copied, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else copied
     if isinstance(obj, dict):
-        copied = copy.copy(obj)  # keeps OrderedDict / defaultdict
-        for key, value in obj.items():
-            copied[key] = snapshot(value, storages)
-        return copied
+        mapping = copy.copy(obj)  # keeps OrderedDict / defaultdict
+        for name, value in obj.items():
+            mapping[name] = snapshot(value, storages)
+        return mapping
     if isinstance(obj, list):
         return [snapshot(v, storages) for v in obj]
     if isinstance(obj, tuple):
@@ -77,17 +78,25 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         """Start a checkpoint; the caller has committed the previous one (see `engine.wait_for_checkpoint`)."""
         if self._pending is not None:
-            raise CheckpointError(os.path.join(info.save_dir, str(info.tag)),
-                                  f"save started while {self._pending.tag} is still being written; "
-                                  "call engine.wait_for_checkpoint() first")
+            raise CheckpointError(
+                os.path.join(info.save_dir, str(info.tag)),
+                f"save started while {self._pending.tag} is still being written; "
+                "call engine.wait_for_checkpoint() first",
+            )
         self._pending = info
 
     def save(self, state_dict: dict, path: str) -> None:
         """Copy to host memory now, write later."""
         state = snapshot(state_dict)
         guard = getattr(self, "ucp_guard", None)
-        self._writes.append((path, self._writer.submit(write_file, path, state, self.zipfile_serialization,
-                                                       guard.save_id if guard is not None else "")))
+        self._writes.append(
+            (
+                path,
+                self._writer.submit(
+                    write_file, path, state, self.zipfile_serialization, guard.save_id if guard is not None else ""
+                ),
+            )
+        )
 
     def wait(self) -> None:
         """Block until this rank's queued files are written (or have failed)."""
@@ -99,16 +108,22 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
         if self._pending is None:
             return None
         done = [future.done() for _, future in self._writes]  # read once: a write may finish meanwhile
-        failures = [f"{path}: {future.exception()}" for (path, future), finished in zip(self._writes, done)
-                    if finished and future.exception() is not None]
-        counts = torch.tensor([done.count(False), len(failures)], dtype=torch.int64,
-                              device=get_accelerator().current_device_name())
+        failures = [
+            f"{path}: {future.exception()}"
+            for (path, future), finished in zip(self._writes, done)
+            if finished and future.exception() is not None
+        ]
+        counts = torch.tensor(
+            [done.count(False), len(failures)], dtype=torch.int64, device=get_accelerator().current_device_name()
+        )
         dist.all_reduce(counts)
         unfinished, failed = counts.tolist()
         if failed:
             mine = "; ".join(failures) or "this rank's files were written"
-            raise CheckpointError(os.path.join(self._pending.save_dir, str(self._pending.tag)),
-                                  f"async save: {failed} file(s) failed to write, so `latest` was not moved ({mine})")
+            raise CheckpointError(
+                os.path.join(self._pending.save_dir, str(self._pending.tag)),
+                f"async save: {failed} file(s) failed to write, so `latest` was not moved ({mine})",
+            )
         return self._pending if unfinished == 0 else None
 
     def commit(self, info: CheckpointCommitInfo) -> bool:

@@ -4,6 +4,7 @@ DeepSpeed's files hold flat buffers without saying where each parameter sits in 
 alignment padding and round-robin reordering make that non-trivial to reconstruct). The engine
 knows, so we ask it once per save.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,9 @@ from ucp_deepspeed.naming.model import ParamInfo, global_namer, param_infos
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.version import __version__
 
-UNSUPPORTED = ("universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, "
-               "or bf16's BF16_Optimizer)")
+UNSUPPORTED = (
+    "universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, or bf16's BF16_Optimizer)"
+)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -59,8 +61,9 @@ def model_parallel(engine: Any) -> ModelParallel:
     else:
         tp, tp_rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
     if hasattr(mpu, "get_pipeline_model_parallel_world_size"):
-        return ModelParallel(tp, tp_rank, mpu.get_pipeline_model_parallel_world_size(),
-                             mpu.get_pipeline_model_parallel_rank())
+        return ModelParallel(
+            tp, tp_rank, mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+        )
     return ModelParallel(tp, tp_rank)
 
 
@@ -78,8 +81,15 @@ def topology(engine: Any) -> Topology:
     """The live engine's parallel layout."""
     mp = model_parallel(engine)
     ep = max((size for size, _ in expert_groups(engine).values()), default=1)
-    return Topology(dp=engine.dp_world_size, zero_stage=int(engine.zero_optimization_stage()),
-                    dtype=engine_dtype(engine), tp=mp.tp, pp=mp.pp, ep=ep, optimizer=type(engine.optimizer).__name__)
+    return Topology(
+        dp=engine.dp_world_size,
+        zero_stage=int(engine.zero_optimization_stage()),
+        dtype=engine_dtype(engine),
+        tp=mp.tp,
+        pp=mp.pp,
+        ep=ep,
+        optimizer=type(engine.optimizer).__name__,
+    )
 
 
 def infos(engine: Any) -> dict[str, ParamInfo]:
@@ -89,8 +99,9 @@ def infos(engine: Any) -> dict[str, ParamInfo]:
     vocab = options.vocab_size if options is not None else 0
     ep_ranks = {g: rank for g, (_, rank) in expert_groups(engine).items()}
     try:
-        return param_infos(engine.module, engine.module.named_parameters(), model_parallel(engine).tp, rules, vocab,
-                           ep_ranks)
+        return param_infos(
+            engine.module, engine.module.named_parameters(), model_parallel(engine).tp, rules, vocab, ep_ranks
+        )
     except ValueError as exc:
         raise CheckpointError("checkpoint.universal.layout_rules", str(exc)) from None
 
@@ -107,8 +118,10 @@ class LiveParam:
 def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
     """Every parameter of the engine's module, placed in the full model."""
     placed = infos(engine)
-    return {p: LiveParam(placed[n].name, placed[n].layout, compat.full_shape(p))
-            for n, p in engine.module.named_parameters()}
+    return {
+        p: LiveParam(placed[n].name, placed[n].layout, compat.full_shape(p))
+        for n, p in engine.module.named_parameters()
+    }
 
 
 def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
@@ -116,15 +129,18 @@ def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
     group, in partition order. Those files hold that rank's experts; gathered from every rank."""
     mine = {g: (rank, compat.expert_parallel(g)[2]) for g, (_, rank) in expert_groups(engine).items()}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (engine.checkpoint_mp_rank, dist.get_rank(group=engine.optimizer.dp_process_group),
-                                      mine))
+    dist.all_gather_object(
+        everyone, (engine.checkpoint_mp_rank, dist.get_rank(group=engine.optimizer.dp_process_group), mine)
+    )
     out: dict[str, dict[int, list[tuple[int, int]]]] = {}
     for mp_rank, dp_rank, groups_of_rank in everyone:
         if mp_rank != engine.checkpoint_mp_rank:
             continue
         for g, (ep_rank, edp_rank) in groups_of_rank.items():
             out.setdefault(g, {}).setdefault(ep_rank, []).append((edp_rank, dp_rank))
-    return {g: {ep: tuple(dp for _, dp in sorted(members)) for ep, members in by_ep.items()} for g, by_ep in out.items()}
+    return {
+        g: {ep: tuple(dp for _, dp in sorted(members)) for ep, members in by_ep.items()} for g, by_ep in out.items()
+    }
 
 
 def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
@@ -149,8 +165,9 @@ def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
 
 
 def _slot(info: ParamInfo, local: str, **fields: Any) -> ParamSlot:
-    return ParamSlot(info.name, layout=info.layout, local=local if local != info.name else "", alias=info.alias,
-                     **fields)
+    return ParamSlot(
+        info.name, layout=info.layout, local=local if local != info.name else "", alias=info.alias, **fields
+    )
 
 
 def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
@@ -158,8 +175,17 @@ def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[P
     for i, group in enumerate(compat.zero12_groups(opt)):
         partition = group.numel // group.dp
         for p, off in zip(group.params, group.offsets):
-            slots.append(_slot(placed[names[p]], names[p], shape=tuple(p.shape), group=i, flat=i, offset=int(off),
-                               partition=int(partition)))
+            slots.append(
+                _slot(
+                    placed[names[p]],
+                    names[p],
+                    shape=tuple(p.shape),
+                    group=i,
+                    flat=i,
+                    offset=int(off),
+                    partition=int(partition),
+                )
+            )
     return slots
 
 
@@ -168,8 +194,17 @@ def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[Pa
     for sub in compat.zero3_subgroups(opt):
         for p in sub.params:
             flat, offset, partition, _ = compat.zero3_position(opt, p)
-            slots.append(_slot(placed[names[p]], names[p], shape=compat.full_shape(p), group=sub.group, flat=flat,
-                               offset=offset, partition=partition))
+            slots.append(
+                _slot(
+                    placed[names[p]],
+                    names[p],
+                    shape=compat.full_shape(p),
+                    group=sub.group,
+                    flat=flat,
+                    offset=offset,
+                    partition=partition,
+                )
+            )
     return slots
 
 
@@ -206,14 +241,29 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
             continue
         z3 = compat.is_zero3_param(p)
         info = placed[name]
-        extras.append(ExtraTensor(info.name, compat.full_shape(p), _dtype_name(compat.storage_dtype(p)), "frozen",
-                                  compat.zero3_partition_numel(p) if z3 else 0, info.layout,
-                                  name if name != info.name else ""))
+        extras.append(
+            ExtraTensor(
+                info.name,
+                compat.full_shape(p),
+                _dtype_name(compat.storage_dtype(p)),
+                "frozen",
+                compat.zero3_partition_numel(p) if z3 else 0,
+                info.layout,
+                name if name != info.name else "",
+            )
+        )
     buffers = dict(module.named_buffers())
     for name in compat.buffer_names(engine):
         buf = buffers[name]
-        extras.append(ExtraTensor(to_global(name), tuple(buf.shape), _dtype_name(buf.dtype), "buffer",
-                                  local=name if name != to_global(name) else ""))
+        extras.append(
+            ExtraTensor(
+                to_global(name),
+                tuple(buf.shape),
+                _dtype_name(buf.dtype),
+                "buffer",
+                local=name if name != to_global(name) else "",
+            )
+        )
     tied: dict[str, str] = {}
     owner_of: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -223,8 +273,19 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
             owner_of[id(p)] = name
     tied.update({s.local: s.name for s in slots if s.alias})
     mp = model_parallel(engine)
-    return SaveMeta(topology=topology(engine), params=tuple(slots), extras=tuple(extras), tied=tied,
-                    num_groups=len(engine.optimizer.optimizer.param_groups),
-                    client_state_keys=tuple(client_state_keys), tp_rank=mp.tp_rank, pp_rank=mp.pp_rank,
-                    versions={"ucp_deepspeed": __version__, "deepspeed": deepspeed.__version__,
-                              "torch": torch.__version__, "base_optimizer": type(engine.optimizer.optimizer).__name__})
+    return SaveMeta(
+        topology=topology(engine),
+        params=tuple(slots),
+        extras=tuple(extras),
+        tied=tied,
+        num_groups=len(engine.optimizer.optimizer.param_groups),
+        client_state_keys=tuple(client_state_keys),
+        tp_rank=mp.tp_rank,
+        pp_rank=mp.pp_rank,
+        versions={
+            "ucp_deepspeed": __version__,
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+            "base_optimizer": type(engine.optimizer.optimizer).__name__,
+        },
+    )

@@ -3,6 +3,7 @@
 A rank that raises alone leaves the others waiting in the next collective, so every step that can
 fail on some ranks only (reading files, converting a share of the parameters) ends in `all_ok`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

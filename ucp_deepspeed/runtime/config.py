@@ -1,4 +1,5 @@
 """The `"checkpoint": {"universal": ...}` section of ds_config, validated in DeepSpeed's style."""
+
 from __future__ import annotations
 
 import copy
@@ -55,7 +56,9 @@ def load_config(config: str | dict | None) -> dict[str, Any]:
         return json.load(f)
 
 
-def split_config(config: dict[str, Any], default: bool | dict[str, Any] = False) -> tuple[dict[str, Any], UniversalConfig]:
+def split_config(
+    config: dict[str, Any], default: bool | dict[str, Any] = False
+) -> tuple[dict[str, Any], UniversalConfig]:
     """Separate our options from the config handed to DeepSpeed, validating them.
 
     `default` stands in for a missing `"checkpoint": {"universal": ...}` (`ucp_deepspeed.install` makes it true).
@@ -74,6 +77,8 @@ def split_config(config: dict[str, Any], default: bool | dict[str, Any] = False)
     if extra and not raw.get("enabled", False):
         raise ValueError(" and ".join(f'"checkpoint.{k}"' for k in extra) + ' need "checkpoint.universal" enabled')
     try:
-        return ds_config, UniversalConfig(**raw, extensions={k: registered[k].model_validate(v) for k, v in extra.items()})
+        return ds_config, UniversalConfig(
+            **raw, extensions={k: registered[k].model_validate(v) for k, v in extra.items()}
+        )
     except ValidationError as exc:
         raise ValueError(f'invalid "checkpoint" config: {exc}') from None

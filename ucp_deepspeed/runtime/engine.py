@@ -4,6 +4,7 @@
 methods on the instance: save also writes our metadata; load takes DeepSpeed's native path when
 the topology is unchanged and converts + reshards otherwise.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,14 @@ class LoadReport:
 _deepspeed_initialize = deepspeed.initialize
 
 
-def initialize(args: Any = None, *, config: Any = None, config_params: Any = None,
-               default_universal: bool | dict[str, Any] = False, **kwargs: Any) -> tuple:
+def initialize(
+    args: Any = None,
+    *,
+    config: Any = None,
+    config_params: Any = None,
+    default_universal: bool | dict[str, Any] = False,
+    **kwargs: Any,
+) -> tuple:
     """`deepspeed.initialize` with universal checkpointing switched on by `"checkpoint": {"universal": true}`.
 
     `default_universal` applies when the config has no `checkpoint.universal` entry. With
@@ -73,11 +80,15 @@ def initialize(args: Any = None, *, config: Any = None, config_params: Any = Non
         raw, args.deepspeed_config = args.deepspeed_config, None  # DeepSpeed refuses a config given twice
     ds_config, options = split_config(load_config(raw), default_universal)
     mpu = kwargs.get("mpu")
-    if (mpu is None and megatron_initialized()) or (mpu is not None and mpu is sys.modules.get(
-            "megatron.core.parallel_state")):
+    if (mpu is None and megatron_initialized()) or (
+        mpu is not None and mpu is sys.modules.get("megatron.core.parallel_state")
+    ):
         kwargs["mpu"] = MegatronMpu()
-    with megatron_moe_visible(kwargs.get("model")) if "mpu" in kwargs and kwargs.get("model") is not None \
-            else contextlib.nullcontext():
+    with (
+        megatron_moe_visible(kwargs.get("model"))
+        if "mpu" in kwargs and kwargs.get("model") is not None
+        else contextlib.nullcontext()
+    ):
         result = _deepspeed_initialize(args=args, config=ds_config, **kwargs)
     if options.enabled:
         attach(result[0], options)
@@ -92,9 +103,11 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     if not supported(engine):
         raise NotImplementedError(UNSUPPORTED)  # refuse now rather than at the first save, mid-training
     if isinstance(engine, deepspeed.PipelineEngine):
-        raise NotImplementedError("DeepSpeed's PipelineEngine stores module weights in per-layer files, which "
-                                  "ucp_deepspeed does not read yet; pipeline megatron-core GPTModel stages instead "
-                                  "(see launch/train_gpt.py and the README)")
+        raise NotImplementedError(
+            "DeepSpeed's PipelineEngine stores module weights in per-layer files, which "
+            "ucp_deepspeed does not read yet; pipeline megatron-core GPTModel stages instead "
+            "(see launch/train_gpt.py and the README)"
+        )
     engine._ucp_options = options
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
     if options.async_save:
@@ -114,8 +127,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             compat.commit_decoupled_checkpoint(engine)
 
     @functools.wraps(native_save)
-    def save_checkpoint(save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> Any:
+    def save_checkpoint(
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> Any:
         wait_for_checkpoint()
         client_state = client_state or {}
         tag = f"global_step{engine.global_steps}" if tag is None else tag
@@ -126,33 +144,64 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         files.save_id = save_id
         meta = dataclasses.replace(describe(engine, tuple(client_state)), save_id=save_id)
         if exclude_frozen_parameters:
-            meta = dataclasses.replace(meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"),
-                                       frozen_excluded=True)
+            meta = dataclasses.replace(
+                meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"), frozen_excluded=True
+            )
         if _dp_rank(engine) == 0:
             write_meta(meta, os.path.join(save_dir, str(tag)), engine.checkpoint_mp_rank)
         try:
-            return native_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
+            return native_save(
+                save_dir,
+                tag=tag,
+                client_state=client_state,
+                save_latest=save_latest,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
         finally:
             files.save_id = ""
 
     @functools.wraps(native_load)
-    def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
-        result = load(load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-                      load_module_only, custom_load_fn)
+    def load_checkpoint(
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple:
+        result = load(
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            custom_load_fn,
+        )
         if saver is not None and result[0] is not None and engine.ucp_last_load.kind is None:
             saver.restored(None)  # the weights no longer match the saver's current chain
         return result
 
-    def load(load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
-             load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Any) -> tuple:
+    def load(
+        load_dir: str,
+        tag: Any,
+        load_module_strict: bool,
+        load_optimizer_states: bool,
+        load_lr_scheduler_states: bool,
+        load_module_only: bool,
+        custom_load_fn: Any,
+    ) -> tuple:
         wait_for_checkpoint()
-        native = functools.partial(native_load, load_dir, load_module_strict=load_module_strict,
-                                   load_optimizer_states=load_optimizer_states,
-                                   load_lr_scheduler_states=load_lr_scheduler_states,
-                                   load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        native = functools.partial(
+            native_load,
+            load_dir,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
         for fmt in foreign_formats():
             folder = fmt.find(engine, load_dir)
             if folder is not None:
@@ -163,14 +212,15 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
             ckpt = UniversalCheckpoint(load_dir, verify=options.verify)
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-            engine.ucp_last_load = LoadReport("universal", Topology(**ckpt.manifest["source"]["topology"]).describe(),
-                                              live_desc(), load_dir)
+            engine.ucp_last_load = LoadReport(
+                "universal", Topology(**ckpt.manifest["source"]["topology"]).describe(), live_desc(), load_dir
+            )
             return load_dir, client
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
             return checked(native, tag=tag)
         checked_tag = tag is None
         if tag is None:  # a save killed part-way leaves a torn tag, possibly already named by `latest`
-            box = [_pick_tag(load_dir) if tdist.get_rank() == 0 else None]  # one rank opens the files, not all
+            box: list[Any] = [_pick_tag(load_dir) if tdist.get_rank() == 0 else None]  # one rank opens the files
             tdist.broadcast_object_list(box, src=0)
             tag, failure = box[0]
             if failure:
@@ -182,8 +232,9 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
             if saver is not None:
                 saver.restored(ckpt.manifest)
-            engine.ucp_last_load = LoadReport(kind.name, Topology(**ckpt.manifest["source"]["topology"]).describe(),
-                                              live_desc(), ckpt.root, kind.name)
+            engine.ucp_last_load = LoadReport(
+                kind.name, Topology(**ckpt.manifest["source"]["topology"]).describe(), live_desc(), ckpt.root, kind.name
+            )
             tdist.barrier()
             return os.path.join(load_dir, tag), client
         metas, _ = tag_metas(os.path.join(load_dir, tag), options.layout_rules)
@@ -200,8 +251,10 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             return path, {k: v for k, v in (client or {}).items() if k in meta.client_state_keys}
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
         if custom_load_fn is not None:
-            log.warning("ucp: custom_load_fn is not called when resharding; every tensor is restored from the "
-                        "universal checkpoint")
+            log.warning(
+                "ucp: custom_load_fn is not called when resharding; every tensor is restored from the "
+                "universal checkpoint"
+            )
         ckpt = _converted(engine, load_dir, tag)
         client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), ckpt.root)
@@ -238,8 +291,11 @@ def _pick_tag(load_dir: str) -> tuple[str | None, tuple[str, str] | None]:
 
 
 def _dp_rank(engine: Any) -> int:
-    return tdist.get_rank(group=engine.optimizer.dp_process_group) if hasattr(engine.optimizer, "dp_process_group") \
+    return (
+        tdist.get_rank(group=engine.optimizer.dp_process_group)
+        if hasattr(engine.optimizer, "dp_process_group")
         else tdist.get_rank()
+    )
 
 
 def _imported(engine: Any, fmt: ForeignFormat, folder: str) -> UniversalCheckpoint:
@@ -259,8 +315,8 @@ def _imported(engine: Any, fmt: ForeignFormat, folder: str) -> UniversalCheckpoi
 
 
 def _materialized(engine: Any, kind: TagKind, load_dir: str, tag: str) -> UniversalCheckpoint:
-    """The full universal copy of an extension's tag (a Check-N-Run chain), made once by rank 0; its blocks are checked as they
-    are read, like any universal folder."""
+    """The full universal copy of an extension's tag (a Check-N-Run chain), made once by rank 0; its blocks are
+    checked as they are read, like any universal folder."""
     options: UniversalConfig = engine._ucp_options
     out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
 
@@ -287,6 +343,7 @@ def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
     except (CheckpointError, OSError) as exc:
         failure = failure_of(exc)
     all_ok(failure)
+    assert src is not None  # all_ok raised otherwise
     out = os.path.join(options.output, tag) if options.output else default_output(src)
     lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
     try:

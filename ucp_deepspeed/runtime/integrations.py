@@ -12,6 +12,7 @@ count). At a larger world size the new processes would find none and keep their 
 an Accelerate process would also keep step 0 while the others continue. `install()` lets such a
 process restore the files of saved process `i mod n` instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,10 @@ def install(**options: Any) -> None:
         return engine.initialize(default_universal=default, **bound)
 
     _replace("initialize", deepspeed, "initialize", initialize)
-    for key, hook, widen in (("trainer_rng", compat.trainer_rng_restore(), _load_rng_state_any_world),
-                             ("accelerate_state", compat.accelerate_state_restore(), _load_accelerator_state_any_world)):
+    for key, hook, widen in (
+        ("trainer_rng", compat.trainer_rng_restore(), _load_rng_state_any_world),
+        ("accelerate_state", compat.accelerate_state_restore(), _load_accelerator_state_any_world),
+    ):
         if hook is not None:
             owner, attribute = hook
             _replace(key, owner, attribute, widen(getattr(owner, attribute)))
@@ -106,8 +109,11 @@ def _load_rng_state_any_world(original: Any) -> Any:
         wanted = f"rng_state_{index}.pth" if world > 1 else "rng_state.pth"
         if found is None or os.path.basename(found) == wanted:
             return original(self, checkpoint)
-        log.info("ucp: process %d restores the RNG state saved as %s (saved at another world size)",
-                 index, os.path.basename(found))
+        log.info(
+            "ucp: process %d restores the RNG state saved as %s (saved at another world size)",
+            index,
+            os.path.basename(found),
+        )
         with tempfile.TemporaryDirectory() as tmp:  # the Trainer's own restore, which knows every device type
             os.symlink(found, os.path.join(tmp, wanted))
             return original(self, tmp)
@@ -124,8 +130,12 @@ def _load_accelerator_state_any_world(original: Any) -> Any:
         directory, index = os.fspath(bound.arguments["input_dir"]), bound.arguments["process_index"]
         found = saved_process_index(directory, "random_states", ".pkl", index) if os.path.isdir(directory) else None
         if found is not None and found != index:
-            log.info("ucp: process %d restores the random states saved as random_states_%d.pkl (saved at "
-                     "another world size)", index, found)
+            log.info(
+                "ucp: process %d restores the random states saved as random_states_%d.pkl (saved at "
+                "another world size)",
+                index,
+                found,
+            )
             bound.arguments["process_index"] = found  # accelerate uses it only to name that file
         return original(*bound.args, **bound.kwargs)
 

@@ -7,6 +7,7 @@ tensor x pipeline group (unique file names per stage, norms summed over every st
 tensor-parallel rank, which DeepSpeed uses to count replicated parameters once, comes from
 `get_tensor_model_parallel_rank`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,9 @@ class MegatronMpu:
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError("call megatron.core.parallel_state.initialize_model_parallel() before "
-                               "ucp_deepspeed.initialize")
+            raise RuntimeError(
+                "call megatron.core.parallel_state.initialize_model_parallel() before ucp_deepspeed.initialize"
+            )
         self.ps = parallel_state
 
     def get_model_parallel_group(self) -> Any:
@@ -46,8 +48,10 @@ class MegatronMpu:
 
     def get_model_parallel_rank(self) -> int:
         """Position in the model-parallel group: pipeline stage * tp + tensor rank."""
-        return self.get_pipeline_model_parallel_rank() * self.get_tensor_model_parallel_world_size() \
+        return (
+            self.get_pipeline_model_parallel_rank() * self.get_tensor_model_parallel_world_size()
             + self.get_tensor_model_parallel_rank()
+        )
 
     def get_tensor_model_parallel_group(self) -> Any:
         """Tensor-parallel group."""

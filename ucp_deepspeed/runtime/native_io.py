@@ -17,12 +17,13 @@ its own files, and one rank raising in the middle of a load that the others fini
 them waiting in a collective. The caller raises the noted problem on every rank afterwards
 (`Guard.take_problem`).
 """
+
 from __future__ import annotations
 
 import os
 import pickle
 import re
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -34,8 +35,9 @@ from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
-def safe_load(path: str, map_location: Any = None, save_id: str = "", verify: bool = True,
-              on_damage: Any = None) -> Any:
+def safe_load(
+    path: str, map_location: Any = None, save_id: str = "", verify: bool = True, on_damage: Any = None
+) -> Any:
     """`torch.load` that runs no code from the file, checks every record it reads, and (given one) the save id.
 
     A damaged record raises, or is passed to `on_damage(error)` if given (the load then completes).
@@ -44,14 +46,17 @@ def safe_load(path: str, map_location: Any = None, save_id: str = "", verify: bo
     try:
         if save_id and reader.save_id != save_id:
             found = f"save id {reader.save_id}" if reader.save_id else "no save id"
-            raise CheckpointError(path, f"belongs to another save: it carries {found}, and the metadata of this "
-                                  f"tag records save id {save_id} (a file copied from another run or step?)")
+            raise CheckpointError(
+                path,
+                f"belongs to another save: it carries {found}, and the metadata of this "
+                f"tag records save id {save_id} (a file copied from another run or step?)",
+            )
         try:
             with torch.serialization.safe_globals(deepspeed_safe_globals() + user_safe_globals()):
-                obj = torch.load(reader, map_location=map_location, weights_only=True)
+                obj = torch.load(cast(IO[bytes], reader), map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
-            found = _UNSUPPORTED.search(str(exc))
-            reason = hint(*found.group(1).rsplit(".", 1)) if found else f"cannot unpickle ({str(exc)[:300]})"
+            match = _UNSUPPORTED.search(str(exc))
+            reason = hint(*match.group(1).rsplit(".", 1)) if match else f"cannot unpickle ({str(exc)[:300]})"
             raise CheckpointError(path, reason) from None
         except (RuntimeError, EOFError, ValueError) as exc:
             raise CheckpointError(path, f"truncated or corrupt torch file ({str(exc)[:300]})") from None
@@ -96,8 +101,10 @@ def guard(engine: Any, verify: bool = True) -> Guard:
     if getattr(ce, "ucp_guard", None) is not None:
         return ce.ucp_guard
     if getattr(ce, "zipfile_serialization", True) is False:
-        raise NotImplementedError("universal checkpointing reads torch's zip archives; remove "
-                                  "\"checkpoint_serialization\": false from the DeepSpeed config")
+        raise NotImplementedError(
+            "universal checkpointing reads torch's zip archives; remove "
+            '"checkpoint_serialization": false from the DeepSpeed config'
+        )
     state = Guard(verify)
     own_save = ce.__dict__.get("save")  # an instance-level save someone installed before us, else the class's
 

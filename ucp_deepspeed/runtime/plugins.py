@@ -14,6 +14,7 @@ Call order, for one engine:
 
 This module imports nothing heavy, so registering costs an extension nothing at import.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from typing import Any, Protocol
 class Saver(Protocol):
     """Writes checkpoints in place of DeepSpeed's `save_checkpoint`."""
 
-    def save(self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool,
-             save_id: str) -> Any:
+    def save(
+        self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
+    ) -> Any:
         """Write checkpoint `tag` (collective)."""
 
     def restored(self, manifest: dict[str, Any] | None) -> None:
@@ -46,21 +48,21 @@ class ForeignFormat:
     """
 
     name: str
-    find: Callable[[Any, str], "str | None"]
+    find: Callable[[Any, str], str | None]
     import_to: Callable[[str, str], str]
 
 
-_SECTIONS: dict[str, type] = {}
+_SECTIONS: dict[str, Any] = {}
 _SAVERS: list[SaverFactory] = []
 _FORMATS: list[ForeignFormat] = []
 
 
-def register_section(name: str, model: type) -> None:
+def register_section(name: str, model: Any) -> None:
     """Accept `"checkpoint": {name: {...}}` beside `"universal"`, validated by the pydantic `model`."""
     _SECTIONS[name] = model
 
 
-def sections() -> dict[str, type]:
+def sections() -> dict[str, Any]:
     """The registered config sections by name."""
     return dict(_SECTIONS)
 

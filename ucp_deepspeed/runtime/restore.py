@@ -5,6 +5,7 @@ rank's fp32 partition holds (ZeRO-1/2: `_hp_mapping`; ZeRO-3: `ds_tensor` partit
 exactly that range of the fp32 master and of each optimizer state, rebuild the optimizer's flat
 state tensors, then let DeepSpeed refresh the low-precision weights from the fp32 partitions.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,30 +44,43 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
             continue
         if rec["shape"] != shape:
             hint = ""
-            if info.layout.is_split and len(shape) == len(rec["shape"]) and \
-                    [d for d in range(len(shape)) if shape[d] != rec["shape"][d]] == [info.layout.dim]:
+            if (
+                info.layout.is_split
+                and len(shape) == len(rec["shape"])
+                and [d for d in range(len(shape)) if shape[d] != rec["shape"][d]] == [info.layout.dim]
+            ):
                 hint = " (if this is vocabulary padding, set checkpoint.universal.vocab_size to the unpadded size)"
             problems.append(f"{info.name}: checkpoint shape {rec['shape']}, model shape {shape}{hint}")
         elif rec["trainable"] != p.requires_grad:
             problems.append(f"{info.name}: trainable={rec['trainable']} in checkpoint, {p.requires_grad} in model")
-        elif not stage3 and p.requires_grad and id(p) in live_groups and rec["group"] != live_groups[id(p)] \
-                and not ckpt.manifest.get("weights_only"):
+        elif (
+            not stage3
+            and p.requires_grad
+            and id(p) in live_groups
+            and rec["group"] != live_groups[id(p)]
+            and not ckpt.manifest.get("weights_only")
+        ):
             problems.append(f"{info.name}: param group {rec['group']} in checkpoint, {live_groups[id(p)]} in model")
     sizes = expert_groups(engine)
     for block in expert_blocks(engine.module):
         saved = {block.expert_of(n) for n in ckpt.params if block.expert_of(n) is not None}
         live_count = sizes[block.group][0] * block.num_local
         if saved and len(saved) != live_count:
-            problems.append(f"{block.prefix}*: checkpoint has {len(saved)} experts, the model has {live_count} "
-                            f"(expert-parallel size {sizes[block.group][0]} x {block.num_local} local experts)")
+            problems.append(
+                f"{block.prefix}*: checkpoint has {len(saved)} experts, the model has {live_count} "
+                f"(expert-parallel size {sizes[block.group][0]} x {block.num_local} local experts)"
+            )
     to_global = namer(engine)
     missing_buffers = sorted({to_global(n) for n in compat.buffer_names(engine)} - set(ckpt.buffers))
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
-    if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups) \
-            and not ckpt.manifest.get("weights_only"):
-        problems.append(f"{len(ckpt.manifest['param_groups'])} param groups in checkpoint, "
-                        f"{len(engine.optimizer.optimizer.param_groups)} in optimizer")
+    if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups) and not ckpt.manifest.get(
+        "weights_only"
+    ):
+        problems.append(
+            f"{len(ckpt.manifest['param_groups'])} param groups in checkpoint, "
+            f"{len(engine.optimizer.optimizer.param_groups)} in optimizer"
+        )
     return problems, names
 
 
@@ -89,12 +103,19 @@ def check_compatible(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn
     if extra:
         problems.insert(0, f"checkpoint parameters not in model: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
     if problems:
-        raise CheckpointError(f"{ckpt.root}/{MANIFEST}", "checkpoint does not match this model:\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(
+            f"{ckpt.root}/{MANIFEST}", "checkpoint does not match this model:\n  " + "\n  ".join(problems)
+        )
 
 
-def _apply_group_state(opt: Any, group_index: int, ckpt: UniversalCheckpoint, load_optimizer_states: bool,
-                       flat: torch.Tensor, bufs: dict[str, torch.Tensor]) -> None:
+def _apply_group_state(
+    opt: Any,
+    group_index: int,
+    ckpt: UniversalCheckpoint,
+    load_optimizer_states: bool,
+    flat: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+) -> None:
     if not load_optimizer_states:
         return
     record = ckpt.manifest["param_groups"][group_index]
@@ -129,8 +150,9 @@ def _reader(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Paramete
     return read
 
 
-def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam],
-                    load_optimizer_states: bool) -> None:
+def _restore_zero12(
+    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], load_optimizer_states: bool
+) -> None:
     opt = engine.optimizer
     groups = compat.zero12_groups(opt)
     read = _reader(engine, ckpt, live)
@@ -156,8 +178,9 @@ def _restore_zero12(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.
             lp.data.copy_(read(lp, FP32, 0, lp.numel()).view(lp.shape))
 
 
-def _restore_zero3(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam],
-                   load_optimizer_states: bool) -> None:
+def _restore_zero3(
+    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], load_optimizer_states: bool
+) -> None:
     opt = engine.optimizer
     read = _reader(engine, ckpt, live)
     keys = _state_keys(ckpt) if load_optimizer_states else []
@@ -208,8 +231,13 @@ def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_sche
     return state.get("client_state", {})
 
 
-def restore(engine: Any, ckpt: UniversalCheckpoint, load_optimizer_states: bool = True,
-            load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict[str, Any]:
+def restore(
+    engine: Any,
+    ckpt: UniversalCheckpoint,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> dict[str, Any]:
     """Load a universal checkpoint into `engine` at its current layout; return the client state.
 
     Ranks read different parts of the checkpoint, so a damaged block may fail on some ranks only:

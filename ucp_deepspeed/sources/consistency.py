@@ -6,6 +6,7 @@ flat partition sizes, `partition_count`, `zero_stage` and (ZeRO-1/2) `param_slic
 optimizer file. Every statement both make must agree, and every optimizer file of a tag must be at
 the same optimizer step. Only pickles are read, never tensor bytes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -55,24 +56,31 @@ def check_model_states(meta: SaveMeta, states: ModelStatesFile, mp_size: int) ->
     saved = states.entry("param_shapes")
     if saved is not None:
         theirs = {(i, n, _shapes(s)) for i, group in enumerate(saved) for n, s in group.items()}
-        ours = {(s.flat, s.local or s.name, tuple(s.shape)) for s in meta.params}
-        if theirs != ours:
-            detail = [f"{n} {list(s)} in flat {i}" for i, n, s in sorted(ours - theirs)]
-            other = [f"{n} {list(s)} in flat {i}" for i, n, s in sorted(theirs - ours)]
-            problems.append("param_shapes disagrees with the metadata: metadata has " + (_listed(detail) or "nothing")
-                            + "; the file has " + (_listed(other) or "nothing") + " instead")
+        params = {(s.flat, s.local or s.name, tuple(s.shape)) for s in meta.params}
+        if theirs != params:
+            detail = [f"{n} {list(s)} in flat {i}" for i, n, s in sorted(params - theirs)]
+            other = [f"{n} {list(s)} in flat {i}" for i, n, s in sorted(theirs - params)]
+            problems.append(
+                "param_shapes disagrees with the metadata: metadata has "
+                + (_listed(detail) or "nothing")
+                + "; the file has "
+                + (_listed(other) or "nothing")
+                + " instead"
+            )
     buffers = states.entry("buffer_names")
     if buffers is not None:
-        ours = {e.local_name for e in meta.extras if e.kind == "buffer"}
-        if set(buffers) != ours:
-            problems.append(f"buffer_names {sorted(buffers)} disagree with the metadata's buffers {sorted(ours)}")
+        named = {e.local_name for e in meta.extras if e.kind == "buffer"}
+        if set(buffers) != named:
+            problems.append(f"buffer_names {sorted(buffers)} disagree with the metadata's buffers {sorted(named)}")
     frozen = states.entry("frozen_param_shapes")
     if frozen is not None:
-        theirs = {(n, _shapes(s)) for n, s in frozen.items()}
+        saved_frozen = {(n, _shapes(s)) for n, s in frozen.items()}
         ours = {(e.local_name, tuple(e.shape)) for e in meta.extras if e.kind == "frozen"}
-        if theirs != ours:
-            problems.append(f"frozen_param_shapes {_listed(sorted(theirs))} disagree with the metadata's frozen "
-                            f"parameters {_listed(sorted(ours))}")
+        if saved_frozen != ours:
+            problems.append(
+                f"frozen_param_shapes {_listed(sorted(saved_frozen))} disagree with the metadata's frozen "
+                f"parameters {_listed(sorted(ours))}"
+            )
     return problems
 
 
@@ -108,39 +116,49 @@ def check_optim(meta: SaveMeta, optim: OptimRankFile, rank: int) -> list[str]:
                 problems.append(f"flat {index} holds {size} elements, metadata says partitions of {sorted(partitions)}")
             ends = [f.src + f.numel for s in slots for f in fragments(s, topo.zero_stage, topo.dp) if f.rank == rank]
             if ends and max(ends) > size:
-                problems.append(f"flat {index}: metadata places parameters up to element {max(ends)} of this "
-                                f"rank's {size}")
+                problems.append(
+                    f"flat {index}: metadata places parameters up to element {max(ends)} of this rank's {size}"
+                )
             spans = sorted((s.offset, s.offset + s.numel, s.name) for s in slots)
             for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
                 if start_b < end_a:
                     problems.append(f"flat {index}: metadata overlaps {a} and {b}")
         if isinstance(counts, list) and index < len(counts) and int(counts[index]) not in owners:
-            problems.append(f"partition_count of flat {index} is {counts[index]}, metadata partitions it over "
-                            f"{sorted(owners)} ranks")
+            problems.append(
+                f"partition_count of flat {index} is {counts[index]}, metadata partitions it over "
+                f"{sorted(owners)} ranks"
+            )
         elif isinstance(counts, int) and counts not in owners:
             problems.append(f"partition_count is {counts}, metadata partitions over {sorted(owners)} ranks")
         limit = size if topo.zero_stage == 3 else max(size, *(s.partition for s in slots))
         for key in optim.state_keys(index):  # ZeRO-1/2 may keep a state's alignment padding, not the fp32's
             if not size <= optim.flat(index, key).shape[0] <= limit:
-                problems.append(f"state {key} of flat {index} has {optim.flat(index, key).shape[0]} elements, "
-                                f"the fp32 partition {size}")
+                problems.append(
+                    f"state {key} of flat {index} has {optim.flat(index, key).shape[0]} elements, "
+                    f"the fp32 partition {size}"
+                )
         if mappings is not None and index < len(mappings):
             problems += _check_mapping(slots, mappings[index] or {}, index, rank, topo.zero_stage, topo.dp)
     return problems
 
 
-def _check_mapping(slots: list[Any], mapping: dict[str, Any], index: int, rank: int, stage: int,
-                   dp: int) -> list[str]:
+def _check_mapping(slots: list[Any], mapping: dict[str, Any], index: int, rank: int, stage: int, dp: int) -> list[str]:
     """ZeRO-1/2 files say where each parameter's fragment on this rank starts and how long it is."""
-    expected = {slot.local or slot.name: (frag.numel, frag.src)
-                for slot in slots for frag in fragments(slot, stage, dp) if frag.rank == rank}
-    found = {name: (int(getattr(a, "numel")), int(getattr(a, "start"))) for name, a in mapping.items()}
+    expected = {
+        slot.local or slot.name: (frag.numel, frag.src)
+        for slot in slots
+        for frag in fragments(slot, stage, dp)
+        if frag.rank == rank
+    }
+    found = {name: (int(a.numel), int(a.start)) for name, a in mapping.items()}
     if found == expected:
         return []
     wrong = sorted(n for n in set(found) | set(expected) if found.get(n) != expected.get(n))
     shown = [f"{n}: file {found.get(n)}, metadata {expected.get(n)}" for n in wrong]
-    return [f"param_slice_mappings of flat {index} disagree with the metadata ((numel, start) on this rank): "
-            + _listed(shown)]
+    return [
+        f"param_slice_mappings of flat {index} disagree with the metadata ((numel, start) on this rank): "
+        + _listed(shown)
+    ]
 
 
 def check_steps(optims: Sequence[OptimRankFile]) -> list[str]:
@@ -151,8 +169,10 @@ def check_steps(optims: Sequence[OptimRankFile]) -> list[str]:
         for index in range(min(first.num_flat, other.num_flat)):
             a, b = _scalar(first.scalars(index).get("step")), _scalar(other.scalars(index).get("step"))
             if a is not None and b is not None and a != b:
-                problems.append(f"{other.path} is at optimizer step {b}, {first.path} at step {a}: "
-                                "files from different steps of training")
+                problems.append(
+                    f"{other.path} is at optimizer step {b}, {first.path} at step {a}: "
+                    "files from different steps of training"
+                )
                 break
     return problems
 
@@ -166,5 +186,9 @@ def _scalar(value: Any) -> float | None:
 def fail(where: str, problems: list[str]) -> None:
     """Raise one error listing the contradictions found, if any."""
     if problems:
-        raise CheckpointError(where, "disagrees with the tag's metadata or its other files: " + "; ".join(problems[:8])
-                              + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+        raise CheckpointError(
+            where,
+            "disagrees with the tag's metadata or its other files: "
+            + "; ".join(problems[:8])
+            + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""),
+        )

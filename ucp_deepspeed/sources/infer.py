@@ -12,6 +12,7 @@ What the files do not say is how a tensor-parallel rank's slice was cut from the
 TP-split checkpoint needs layout rules, and pipeline stages (local layer numbering) and expert
 parallelism are refused.
 """
+
 from __future__ import annotations
 
 import glob
@@ -29,11 +30,13 @@ from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
-RULES_HINT = ('Pass layout rules (`ucp convert --layout-rules rules.json`, or "checkpoint": {"universal": '
-              '{"layout_rules": ...}}) saying how each parameter was split, e.g. '
-              '[{"match": ".*\\\\.(q|k|v)_proj\\\\.weight", "layout": "split", "dim": 0}, '
-              '{"match": ".*\\\\.o_proj\\\\.weight", "layout": "split", "dim": 1}, '
-              '{"match": ".*", "layout": "replicated"}]')
+RULES_HINT = (
+    'Pass layout rules (`ucp convert --layout-rules rules.json`, or "checkpoint": {"universal": '
+    '{"layout_rules": ...}}) saying how each parameter was split, e.g. '
+    '[{"match": ".*\\\\.(q|k|v)_proj\\\\.weight", "layout": "split", "dim": 0}, '
+    '{"match": ".*\\\\.o_proj\\\\.weight", "layout": "split", "dim": 1}, '
+    '{"match": ".*", "layout": "replicated"}]'
+)
 
 
 def _model_states_paths(tag_dir: str) -> dict[int, str]:
@@ -66,16 +69,23 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
     finally:
         first.close()
     if pp > 1:
-        raise CheckpointError(tag_dir, f"saved with pipeline parallelism ({pp} stages) and without ucp_deepspeed "
-                              "metadata: stage files number their layers locally, so the full model's layer "
-                              "order is unknown. Save through ucp_deepspeed to reshard pipeline checkpoints")
+        raise CheckpointError(
+            tag_dir,
+            f"saved with pipeline parallelism ({pp} stages) and without ucp_deepspeed "
+            "metadata: stage files number their layers locally, so the full model's layer "
+            "order is unknown. Save through ucp_deepspeed to reshard pipeline checkpoints",
+        )
     missing = [f"mp_rank_{r:02d}" for r in range(tp) if r not in paths]
     if missing:
-        raise CheckpointError(tag_dir, f"saved at tensor-parallel size {tp} but model-states files of "
-                              f"{', '.join(missing)} are missing")
+        raise CheckpointError(
+            tag_dir, f"saved at tensor-parallel size {tp} but model-states files of {', '.join(missing)} are missing"
+        )
     if len(paths) != tp:  # DeepSpeed before checkpoint_parallel_dimensions: stage files look like more ranks
-        raise CheckpointError(tag_dir, f"{len(paths)} model-parallel ranks' files for tensor-parallel size {tp}: "
-                              "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata")
+        raise CheckpointError(
+            tag_dir,
+            f"{len(paths)} model-parallel ranks' files for tensor-parallel size {tp}: "
+            "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata",
+        )
     return [_infer_rank(tag_dir, paths[r], r, tp, rules) for r in range(tp)]
 
 
@@ -84,12 +94,18 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
     try:
         ds_config = states.entry("ds_config") or {}
         dp = int(states.entry("dp_world_size"))
-        stage = 3 if os.path.basename(model_path).startswith("zero_pp_rank_") else \
-            int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+        stage = (
+            3
+            if os.path.basename(model_path).startswith("zero_pp_rank_")
+            else int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+        )
         if stage == 0 or glob.glob(os.path.join(tag_dir, "bf16_zero_pp_rank_*")):
-            raise CheckpointError(tag_dir, "saved without ucp_deepspeed metadata and without a ZeRO optimizer "
-                                  f"(stage {stage}, or bf16's BF16_Optimizer): its flat layout is not described by "
-                                  "DeepSpeed's files. Save through ucp_deepspeed, or use ZeRO stage 1, 2 or 3")
+            raise CheckpointError(
+                tag_dir,
+                "saved without ucp_deepspeed metadata and without a ZeRO optimizer "
+                f"(stage {stage}, or bf16's BF16_Optimizer): its flat layout is not described by "
+                "DeepSpeed's files. Save through ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
+            )
         shapes = [{name: tuple(shape) for name, shape in group.items()} for group in states.entry("param_shapes")]
         shared = dict(states.entry("shared_params") or {})
         buffers = list(states.entry("buffer_names") or [])
@@ -103,12 +119,18 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
     finally:
         states.close()
     if (ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
-        raise CheckpointError(model_path, "saved with zero_optimization.round_robin_gradients and without ucp_deepspeed "
-                              "metadata: the flat order differs from param_shapes and is not recorded")
+        raise CheckpointError(
+            model_path,
+            "saved with zero_optimization.round_robin_gradients and without ucp_deepspeed "
+            "metadata: the flat order differs from param_shapes and is not recorded",
+        )
     trainable = [n for group in shapes for n in group]
     # ZeRO-3 saves empty placeholders for partitioned parameters; below ZeRO-3 frozen ones are in the module
-    frozen = list(frozen_shapes) if stage == 3 else [n for n in module if n not in set(trainable) | set(shared)
-                                                       | set(buffers)]
+    frozen = (
+        list(frozen_shapes)
+        if stage == 3
+        else [n for n in module if n not in set(trainable) | set(shared) | set(buffers)]
+    )
     layouts = _layouts(trainable + frozen, tp, rules, model_path)
     optim_path = os.path.join(tag_dir, f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
     if not os.path.isfile(optim_path):
@@ -116,9 +138,12 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
     optim = OptimRankFile(optim_path, stage)
     try:
         if any((g or {}).get("moe") for g in optim.hyperparams() or []):
-            raise CheckpointError(optim_path, "an expert-parallel (MoE) checkpoint saved without ucp_deepspeed "
-                                  "metadata: which files hold which experts is not recorded. Save through "
-                                  "ucp_deepspeed to reshard MoE checkpoints")
+            raise CheckpointError(
+                optim_path,
+                "an expert-parallel (MoE) checkpoint saved without ucp_deepspeed "
+                "metadata: which files hold which experts is not recorded. Save through "
+                "ucp_deepspeed to reshard MoE checkpoints",
+            )
         if optim.num_flat != len(shapes):
             raise CheckpointError(optim_path, f"{optim.num_flat} flat buffers but param_shapes lists {len(shapes)}")
         sizes = [optim.flat(i, FP32).shape[0] for i in range(optim.num_flat)]
@@ -130,24 +155,39 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
             if stage == 3:
                 slots += _zero3_slots(group, i, groups[i], sizes[i], dp, layouts, optim_path)
             else:
-                slots += _zero12_slots(group, i, groups[i], sizes[i], dp, layouts, mappings[i] if mappings else None,
-                                       optim_path)
+                slots += _zero12_slots(
+                    group, i, groups[i], sizes[i], dp, layouts, mappings[i] if mappings else None, optim_path
+                )
     finally:
         optim.close()
     extras = []
     for name in frozen:
         tensor = frozen_z3[name] if stage == 3 else module[name]
-        extras.append(ExtraTensor(name, tuple(frozen_shapes.get(name, tensor.shape)),
-                                  str(tensor.dtype).removeprefix("torch."), "frozen",
-                                  int(tensor.shape[0]) if stage == 3 else 0, layouts[name]))
+        extras.append(
+            ExtraTensor(
+                name,
+                tuple(frozen_shapes.get(name, tensor.shape)),
+                str(tensor.dtype).removeprefix("torch."),
+                "frozen",
+                int(tensor.shape[0]) if stage == 3 else 0,
+                layouts[name],
+            )
+        )
     for name in buffers:
         tensor = module[name]
         extras.append(ExtraTensor(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), "buffer"))
     optimizer = "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
-    return SaveMeta(topology=Topology(dp=dp, zero_stage=stage, dtype=_dtype(ds_config), tp=tp, optimizer=optimizer),
-                    params=tuple(slots), extras=tuple(extras), tied=shared, num_groups=num_groups,
-                    client_state_keys=client_keys, tp_rank=mp_rank, frozen_excluded=frozen_excluded,
-                    versions={"deepspeed": version, "inferred": "from DeepSpeed's files, no ucp metadata"})
+    return SaveMeta(
+        topology=Topology(dp=dp, zero_stage=stage, dtype=_dtype(ds_config), tp=tp, optimizer=optimizer),
+        params=tuple(slots),
+        extras=tuple(extras),
+        tied=shared,
+        num_groups=num_groups,
+        client_state_keys=client_keys,
+        tp_rank=mp_rank,
+        frozen_excluded=frozen_excluded,
+        versions={"deepspeed": version, "inferred": "from DeepSpeed's files, no ucp metadata"},
+    )
 
 
 def _layouts(names: list[str], tp: int, rules: Sequence[Rule], path: str) -> dict[str, Any]:
@@ -162,41 +202,63 @@ def _layouts(names: list[str], tp: int, rules: Sequence[Rule], path: str) -> dic
         else:
             out[name] = layout
     if unknown:
-        raise CheckpointError(path, f"saved at tensor-parallel size {tp} without ucp_deepspeed metadata, and "
-                              f"{len(unknown)} parameters have no layout rule: {', '.join(unknown[:12])}"
-                              f"{f' and {len(unknown) - 12} more' if len(unknown) > 12 else ''}. {RULES_HINT}")
+        raise CheckpointError(
+            path,
+            f"saved at tensor-parallel size {tp} without ucp_deepspeed metadata, and "
+            f"{len(unknown)} parameters have no layout rule: {', '.join(unknown[:12])}"
+            f"{f' and {len(unknown) - 12} more' if len(unknown) > 12 else ''}. {RULES_HINT}",
+        )
     return out
 
 
-def _zero12_slots(group: dict[str, tuple[int, ...]], flat: int, group_id: int, partition: int, dp: int,
-                  layouts: dict, mapping: Any, path: str) -> list[ParamSlot]:
+def _zero12_slots(
+    group: dict[str, tuple[int, ...]],
+    flat: int,
+    group_id: int,
+    partition: int,
+    dp: int,
+    layouts: dict,
+    mapping: Any,
+    path: str,
+) -> list[ParamSlot]:
     """ZeRO-1/2: parameters back to back in the flat buffer, cut into dp partitions of `partition` elements."""
     slots, offset = [], 0
     for name, shape in group.items():
-        slot = ParamSlot(name, shape, group=group_id, flat=flat, offset=offset, partition=partition, layout=layouts[name])
+        slot = ParamSlot(
+            name, shape, group=group_id, flat=flat, offset=offset, partition=partition, layout=layouts[name]
+        )
         if mapping is not None and offset < partition:  # rank 0's file says where its parameters start
             address = mapping.get(name)
             if address is None or int(address.start) != offset:
-                raise CheckpointError(path, f"'{name}' is not at element {offset} of flat buffer {flat}, as "
-                                      "param_shapes order implies; this packing is not one ucp_deepspeed knows")
+                raise CheckpointError(
+                    path,
+                    f"'{name}' is not at element {offset} of flat buffer {flat}, as "
+                    "param_shapes order implies; this packing is not one ucp_deepspeed knows",
+                )
         slots.append(slot)
         offset += math.prod(shape)
     if offset > partition * dp:
-        raise CheckpointError(path, f"flat buffer {flat} holds {partition * dp} elements over {dp} ranks, "
-                              f"but its parameters need {offset}")
+        raise CheckpointError(
+            path,
+            f"flat buffer {flat} holds {partition * dp} elements over {dp} ranks, but its parameters need {offset}",
+        )
     return slots
 
 
-def _zero3_slots(group: dict[str, tuple[int, ...]], flat: int, group_id: int, size: int, dp: int, layouts: dict,
-                 path: str) -> list[ParamSlot]:
+def _zero3_slots(
+    group: dict[str, tuple[int, ...]], flat: int, group_id: int, size: int, dp: int, layouts: dict, path: str
+) -> list[ParamSlot]:
     """ZeRO-3: each rank holds ceil(numel / dp) elements of every parameter, back to back."""
     slots, offset = [], 0
     for name, shape in group.items():
         partition = -(-math.prod(shape) // dp)
-        slots.append(ParamSlot(name, shape, group=group_id, flat=flat, offset=offset, partition=partition,
-                               layout=layouts[name]))
+        slots.append(
+            ParamSlot(name, shape, group=group_id, flat=flat, offset=offset, partition=partition, layout=layouts[name])
+        )
         offset += partition
     if offset != size:
-        raise CheckpointError(path, f"flat buffer {flat} has {size} elements per rank, but ZeRO-3 partitions of "
-                              f"its parameters need {offset}")
+        raise CheckpointError(
+            path,
+            f"flat buffer {flat} has {size} elements per rank, but ZeRO-3 partitions of its parameters need {offset}",
+        )
     return slots

@@ -3,11 +3,33 @@
 One list for every reader (metadata inference, DeepSpeed-universal import), checked against what
 `DeepSpeedEngine._save_checkpoint` writes by `tests/test_compat.py`.
 """
+
 from __future__ import annotations
 
-DEEPSPEED_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "ep_world_size",
-    "moe_world_size", "ds_autotp_universal_checkpoint_info"})
+DEEPSPEED_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+        "universal_checkpoint_info",
+        "ep_world_size",
+        "moe_world_size",
+        "ds_autotp_universal_checkpoint_info",
+    }
+)

@@ -1,4 +1,5 @@
 """Read a DeepSpeed model-states file: module tensors, counters, scheduler and client state."""
+
 from __future__ import annotations
 
 from typing import Any

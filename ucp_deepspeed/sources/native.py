@@ -1,9 +1,11 @@
 """A DeepSpeed checkpoint tag folder as the converter sees it: metadata plus lazily opened rank files."""
+
 from __future__ import annotations
 
 import math
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,11 +41,14 @@ class RankFiles:
         self.tag_dir, self.mp_rank, self.meta, self.verify = tag_dir, mp_rank, meta, verify
         topo = meta.topology
         prefix = "bf16_" if topo.dtype == "bf16" else ""
-        self.optim_paths = [os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
-                            for r in range(topo.dp)]
+        self.optim_paths = [
+            os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
+            for r in range(topo.dp)
+        ]
         if topo.zero_stage == 3:
-            self.model_paths = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt")
-                                for r in range(topo.dp)]
+            self.model_paths = [
+                os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt") for r in range(topo.dp)
+            ]
         else:
             self.model_paths = [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
         self.needed = self.model_paths + (self.optim_paths if topo.zero_stage > 0 else [])
@@ -55,8 +60,9 @@ class RankFiles:
         """The optimizer file of data-parallel rank `rank`, opened once."""
         with self._lock:
             if rank not in self._optim:
-                self._optim[rank] = self._bound(OptimRankFile(self.optim_paths[rank], self.meta.topology.zero_stage,
-                                                              self.verify))
+                self._optim[rank] = self._bound(
+                    OptimRankFile(self.optim_paths[rank], self.meta.topology.zero_stage, self.verify)
+                )
             return self._optim[rank]
 
     def model_states(self, rank: int = 0) -> ModelStatesFile:
@@ -72,8 +78,11 @@ class RankFiles:
         if want and opened.save_id != want:
             opened.close()
             found = f"save id {opened.save_id}" if opened.save_id else "no save id"
-            raise CheckpointError(opened.path, f"belongs to another save: it carries {found}, and the metadata of "
-                                  f"this tag records save id {want} (a file copied from another run or step?)")
+            raise CheckpointError(
+                opened.path,
+                f"belongs to another save: it carries {found}, and the metadata of "
+                f"this tag records save id {want} (a file copied from another run or step?)",
+            )
         return opened
 
     def files(self) -> list[Any]:
@@ -88,9 +97,10 @@ class RankFiles:
         for frag in fragments(slot, topo.zero_stage, topo.dp):
             lazy = self.optim(frag.rank).flat(slot.flat, state)
             if lazy.dtype != torch.float32:
-                raise CheckpointError(self.optim_paths[frag.rank], f"{state} of flat buffer {slot.flat} is {lazy.dtype}, "
-                                      "expected float32")
-            lazy.read(frag.src, frag.numel, out=out[frag.dst:frag.dst + frag.numel])
+                raise CheckpointError(
+                    self.optim_paths[frag.rank], f"{state} of flat buffer {slot.flat} is {lazy.dtype}, expected float32"
+                )
+            lazy.read(frag.src, frag.numel, out=out[frag.dst : frag.dst + frag.numel])
         return out.view(slot.shape)
 
     def read_extra(self, extra: ExtraTensor) -> torch.Tensor:
@@ -103,12 +113,14 @@ class RankFiles:
                 start = rank * extra.partition
                 n = min(extra.partition, numel - start)
                 if n > 0:
-                    self.model_states(rank).frozen_fragment(extra.local_name).read(0, n, out=out[start:start + n])
+                    self.model_states(rank).frozen_fragment(extra.local_name).read(0, n, out=out[start : start + n])
             return out.view(extra.shape)
         lazy = self.model_states(0).module_tensor(extra.local_name)
         if tuple(lazy.shape) != tuple(extra.shape) or lazy.dtype != dtype:
-            raise CheckpointError(self.model_paths[0], f"'{extra.local_name}' is {tuple(lazy.shape)} {lazy.dtype}, "
-                                  f"metadata says {tuple(extra.shape)} {dtype}")
+            raise CheckpointError(
+                self.model_paths[0],
+                f"'{extra.local_name}' is {tuple(lazy.shape)} {lazy.dtype}, metadata says {tuple(extra.shape)} {dtype}",
+            )
         return lazy.load()
 
     def close(self) -> None:
@@ -128,17 +140,25 @@ def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], b
         return infer_metas(tag_dir, _rules(layout_rules, tag_dir)), True
     first = read_meta(tag_dir, 0)
     topo = first.topology
-    missing = [meta_filename(r) for r in range(1, topo.tp * topo.pp)
-               if not os.path.isfile(os.path.join(tag_dir, meta_filename(r)))]
+    missing = [
+        meta_filename(r)
+        for r in range(1, topo.tp * topo.pp)
+        if not os.path.isfile(os.path.join(tag_dir, meta_filename(r)))
+    ]
     if missing:
-        raise CheckpointError(tag_dir, f"saved at {topo.describe()} ({topo.tp * topo.pp} model-parallel "
-                              f"ranks) but metadata is missing: {', '.join(missing)}")
+        raise CheckpointError(
+            tag_dir,
+            f"saved at {topo.describe()} ({topo.tp * topo.pp} model-parallel "
+            f"ranks) but metadata is missing: {', '.join(missing)}",
+        )
     metas = [first] + [read_meta(tag_dir, r) for r in range(1, topo.tp * topo.pp)]
     for r, meta in enumerate(metas):
         if meta.topology != topo or meta.pp_rank * topo.tp + meta.tp_rank != r:
-            raise CheckpointError(os.path.join(tag_dir, meta_filename(r)),
-                                  f"metadata of model-parallel rank {r} says {meta.topology.describe()} "
-                                  f"tp_rank={meta.tp_rank} pp_rank={meta.pp_rank}; rank 0 says {topo.describe()}")
+            raise CheckpointError(
+                os.path.join(tag_dir, meta_filename(r)),
+                f"metadata of model-parallel rank {r} says {meta.topology.describe()} "
+                f"tp_rank={meta.tp_rank} pp_rank={meta.pp_rank}; rank 0 says {topo.describe()}",
+            )
     return metas, False
 
 
@@ -146,8 +166,9 @@ def _rules(layout_rules: Any, where: str) -> tuple:
     try:
         return parse_rules(layout_rules)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(str(layout_rules) if isinstance(layout_rules, str) else where,
-                              f"bad layout rules: {exc}") from None
+        raise CheckpointError(
+            str(layout_rules) if isinstance(layout_rules, str) else where, f"bad layout rules: {exc}"
+        ) from None
 
 
 class NativeCheckpoint:
@@ -158,8 +179,9 @@ class NativeCheckpoint:
     tensor reads, to measure their cost.
     """
 
-    def __init__(self, ckpt_dir: str, tag: str | None = None, layout_rules: Any = None, check: bool = True,
-                 verify: bool = True):
+    def __init__(
+        self, ckpt_dir: str, tag: str | None = None, layout_rules: Any = None, check: bool = True, verify: bool = True
+    ):
         self.ckpt_dir = os.path.abspath(ckpt_dir)
         self.tag = resolve_tag(self.ckpt_dir, tag)
         self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
@@ -172,8 +194,9 @@ class NativeCheckpoint:
         self.ranks = [RankFiles(self.tag_dir, r, meta, verify) for r, meta in enumerate(self.metas)]
         missing = [os.path.basename(p) for rank in self.ranks for p in rank.needed if not os.path.isfile(p)]
         if missing:
-            raise CheckpointError(self.tag_dir, f"saved at {topo.describe()} but rank files are missing: "
-                                  f"{', '.join(missing)}")
+            raise CheckpointError(
+                self.tag_dir, f"saved at {topo.describe()} but rank files are missing: {', '.join(missing)}"
+            )
         if check:
             try:
                 self._check_files()
@@ -186,8 +209,11 @@ class NativeCheckpoint:
         shapes, partitions and steps agreeing. Raises before anything is converted."""
         for rank in self.ranks:
             topo = rank.meta.topology
-            problems = [(rank.model_paths[d], p) for d in range(len(rank.model_paths))
-                        for p in check_model_states(rank.meta, rank.model_states(d), len(self.ranks))]
+            problems = [
+                (rank.model_paths[d], p)
+                for d in range(len(rank.model_paths))
+                for p in check_model_states(rank.meta, rank.model_states(d), len(self.ranks))
+            ]
             if topo.zero_stage > 0:
                 optims = [rank.optim(d) for d in range(topo.dp)]
                 try:
@@ -203,7 +229,7 @@ class NativeCheckpoint:
         """What was read from each rank file, by path and record, for a CRC check here or on another rank."""
         return {f.path: f.file.pieces() for rank in self.ranks for f in rank.files()}
 
-    def check_reads(self, more: list[dict[str, dict[str, list[tuple[int, int, int]]]]] = ()) -> None:
+    def check_reads(self, more: Sequence[dict[str, dict[str, list[tuple[int, int, int]]]]] = ()) -> None:
         """Raise if anything read from the rank files (here, or by other processes: `more`) fails its CRC-32."""
         opened = {f.path: f for rank in self.ranks for f in rank.files()}
         extra: dict[str, dict[str, list[tuple[int, int, int]]]] = {}

@@ -4,6 +4,7 @@ ZeRO-1/2 (`DeepSpeedZeroOptimizer`, `BF16_Optimizer`) and ZeRO-3 store the same 
 different keys; `OptimRankFile` hides that so the converter sees one shape of data: per flat
 buffer, a 1-D tensor for the fp32 master and for each per-element optimizer state.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -64,8 +65,11 @@ class OptimRankFile:
 
     def scalars(self, index: int) -> dict[str, Any]:
         """Scalar optimizer state of a flat buffer, such as Adam's `step`, materialised."""
-        return {k: materialize(v) for k, v in self._states[index].items()
-                if not (isinstance(v, LazyTensor) and len(v.shape) == 1)}
+        return {
+            k: materialize(v)
+            for k, v in self._states[index].items()
+            if not (isinstance(v, LazyTensor) and len(v.shape) == 1)
+        }
 
     def hyperparams(self) -> list[dict[str, Any]] | None:
         """Hyperparameters of each optimizer param group, or None when the file does not store them."""
@@ -86,8 +90,13 @@ class OptimRankFile:
 
     def global_state(self) -> dict[str, Any]:
         """Everything in the file except the per-rank tensors, plus param_groups: DeepSpeed's `optimizer_state.pt`."""
-        sharded = {"base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups",
-                   "fp32_flat_groups", "optimizer_state_dict"}
+        sharded = {
+            "base_optimizer_state",
+            "param_slice_mappings",
+            "single_partition_of_fp32_groups",
+            "fp32_flat_groups",
+            "optimizer_state_dict",
+        }
         out = {k: materialize(v) for k, v in self._sd.items() if k not in sharded}
         base = self._sd.get("optimizer_state_dict" if self.zero_stage == 3 else "base_optimizer_state")
         if isinstance(base, dict):

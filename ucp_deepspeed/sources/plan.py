@@ -5,6 +5,7 @@ per tensor-parallel rank of the pipeline stage that owns it (split or averaged l
 tensor-parallel rank 0 alone (replicated). A pipeline stage's copy of a tied weight (`alias`) is
 read only if the owner's copy is absent.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,7 +49,8 @@ def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
     tp = metas[0].topology.tp
     found: dict[str, list[tuple[SaveMeta, int, ParamSlot | ExtraTensor, bool]]] = {}
     for mp_rank, meta in enumerate(metas):
-        for item in (*meta.params, *meta.extras):
+        items: list[ParamSlot | ExtraTensor] = [*meta.params, *meta.extras]
+        for item in items:
             alias = isinstance(item, ParamSlot) and item.alias
             found.setdefault(item.name, []).append((meta, mp_rank, item, alias))
     out = []
@@ -58,16 +60,22 @@ def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
         owners = [e for e in owners if e[0].pp_rank == stages[0]]
         by_tp = {meta.tp_rank: (mp_rank, item) for meta, mp_rank, item, _ in owners}
         first = by_tp.get(0)
-        if first is None or sorted(by_tp) != list(range(tp)) and first[1].layout.kind != "replicated":
-            raise CheckpointError(where, f"'{name}' is held by tensor-parallel ranks {sorted(by_tp)} of stage "
-                                  f"{stages[0]}, expected 0..{tp - 1}")
+        if first is None or (sorted(by_tp) != list(range(tp)) and first[1].layout.kind != "replicated"):
+            raise CheckpointError(
+                where,
+                f"'{name}' is held by tensor-parallel ranks {sorted(by_tp)} of stage {stages[0]}, expected 0..{tp - 1}",
+            )
         item = first[1]
         for _, other in by_tp.values():
             if (other.layout, tuple(other.shape)) != (item.layout, tuple(item.shape)):
-                raise CheckpointError(where, f"'{name}': tensor-parallel ranks disagree on its layout or shape "
-                                      f"({item.layout}, {item.shape} vs {other.layout}, {other.shape})")
-        shards = (Shard(first[0], item),) if item.layout.kind == "replicated" \
-            else tuple(Shard(*by_tp[r]) for r in range(tp))
+                raise CheckpointError(
+                    where,
+                    f"'{name}': tensor-parallel ranks disagree on its layout or shape "
+                    f"({item.layout}, {item.shape} vs {other.layout}, {other.shape})",
+                )
+        shards = (
+            (Shard(first[0], item),) if item.layout.kind == "replicated" else tuple(Shard(*by_tp[r]) for r in range(tp))
+        )
         try:
             shape = item.layout.full_shape(item.shape, tp)
         except ValueError as exc:

@@ -6,6 +6,7 @@ metadata is there and every rank file opens as a whole torch archive of this sav
 directory and pickle read and check out, it carries the save id, and it agrees with the metadata;
 tensor bytes are checked against their CRCs when read).
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,8 +64,9 @@ def resume_tag(ckpt_dir: str) -> str | None:
         reason = incomplete_reason(ckpt_dir, latest)
         if reason is None:
             return latest
-        log.warning("ucp: 'latest' names %s, which is incomplete (%s); looking for an older complete one",
-                    latest, reason)
+        log.warning(
+            "ucp: 'latest' names %s, which is incomplete (%s); looking for an older complete one", latest, reason
+        )
     return newest_complete(ckpt_dir)
 
 
@@ -89,8 +91,11 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
     needed = {t for kept in complete[:keep] for t in _needs(ckpt_dir, kept)}
     doomed = [t for t in tags if t not in complete[:keep] and t not in needed and _order(ckpt_dir, t) < oldest_kept]
     for tag in doomed:
-        for path in (os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, f"{tag}.universal"),
-                     os.path.join(ckpt_dir, f"{tag}_universal")):
+        for path in (
+            os.path.join(ckpt_dir, tag),
+            os.path.join(ckpt_dir, f"{tag}.universal"),
+            os.path.join(ckpt_dir, f"{tag}_universal"),
+        ):
             if os.path.isdir(path):
                 shutil.rmtree(path)
     return doomed

@@ -1,4 +1,5 @@
 """The `ucp` command: convert, inspect, verify and diff checkpoints without any model code."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,41 +34,93 @@ def _size(nbytes: float) -> str:
 def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
     """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only."""
     found = locate(path, tag)
-    if found.kind == "checkn_run":
+    if found.kind == "checkn_run" and found.tag is not None:
         m = read_element(found.root, found.tag)
-        params = {n: {"shape": r["shape"], "dtype": r["dtype"], "keys": r["keys"], "trainable": r["trainable"],
-                      "bytes": m["files"][r["file"]]["bytes"], "table": r.get("table")} for n, r in m["params"].items()}
-        return {"kind": "check-n-run", "path": found.path, "source_topology": m["source"]["topology"],
-                "counters": m["counters"], "param_groups": len(m["param_groups"]), "params": params,
-                "buffers": list(m["buffers"]), "tied": m["tied"], "differential": m["differential"],
-                "total_bytes": sum(f["bytes"] for f in m["files"].values()), "files": len(m["files"])}
+        params = {
+            n: {
+                "shape": r["shape"],
+                "dtype": r["dtype"],
+                "keys": r["keys"],
+                "trainable": r["trainable"],
+                "bytes": m["files"][r["file"]]["bytes"],
+                "table": r.get("table"),
+            }
+            for n, r in m["params"].items()
+        }
+        return {
+            "kind": "check-n-run",
+            "path": found.path,
+            "source_topology": m["source"]["topology"],
+            "counters": m["counters"],
+            "param_groups": len(m["param_groups"]),
+            "params": params,
+            "buffers": list(m["buffers"]),
+            "tied": m["tied"],
+            "differential": m["differential"],
+            "total_bytes": sum(f["bytes"] for f in m["files"].values()),
+            "files": len(m["files"]),
+        }
     if found.kind == "universal":
         ckpt = UniversalCheckpoint(found.path)
         m = ckpt.manifest
-        params = {n: {"shape": r["shape"], "dtype": r["dtype"], "keys": r["keys"], "trainable": r["trainable"],
-                      "bytes": m["files"][r["file"]]["bytes"]} for n, r in ckpt.params.items()}
-        return {"kind": "universal", "path": ckpt.root, "source_topology": m["source"]["topology"],
-                "counters": m["counters"], "param_groups": len(m["param_groups"]), "params": params,
-                "buffers": list(ckpt.buffers), "tied": m["tied"],
-                "total_bytes": sum(f["bytes"] for f in m["files"].values()), "files": len(m["files"])}
+        params = {
+            n: {
+                "shape": r["shape"],
+                "dtype": r["dtype"],
+                "keys": r["keys"],
+                "trainable": r["trainable"],
+                "bytes": m["files"][r["file"]]["bytes"],
+            }
+            for n, r in ckpt.params.items()
+        }
+        return {
+            "kind": "universal",
+            "path": ckpt.root,
+            "source_topology": m["source"]["topology"],
+            "counters": m["counters"],
+            "param_groups": len(m["param_groups"]),
+            "params": params,
+            "buffers": list(ckpt.buffers),
+            "tied": m["tied"],
+            "total_bytes": sum(f["bytes"] for f in m["files"].values()),
+            "files": len(m["files"]),
+        }
     if found.kind == "ds_universal":
-        raise CheckpointError(found.path, "is in DeepSpeed's universal layout; import it first with "
-                              "load_checkpoint, or inspect the checkpoint it was made from")
+        raise CheckpointError(
+            found.path,
+            "is in DeepSpeed's universal layout; import it first with "
+            "load_checkpoint, or inspect the checkpoint it was made from",
+        )
     src = NativeCheckpoint(found.root, found.tag)
     try:
         meta = src.meta
         keys = ["fp32"] + src.state_keys()
-        params = {t.name: {"shape": list(t.shape), "dtype": t.dtype, "keys": keys if t.kind == "param" else ["value"],
-                           "trainable": t.kind == "param",
-                           "bytes": t.nbytes * (len(keys) if t.kind == "param" else 1)}
-                  for t in src.tensors if t.kind != "buffer"}
+        params = {
+            t.name: {
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "keys": keys if t.kind == "param" else ["value"],
+                "trainable": t.kind == "param",
+                "bytes": t.nbytes * (len(keys) if t.kind == "param" else 1),
+            }
+            for t in src.tensors
+            if t.kind != "buffer"
+        }
         files = src.source_files()
-        return {"kind": "deepspeed", "path": src.tag_dir, "tag": src.tag, "source_topology": meta.topology.__dict__,
-                "counters": src.model_states(0).counters(), "param_groups": meta.num_groups, "params": params,
-                "buffers": [t.name for t in src.tensors if t.kind == "buffer"],
-                "tied": {k: v for m in src.metas for k, v in m.tied.items()},
-                "total_bytes": sum(os.path.getsize(f) for f in files), "files": len(files),
-                "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed"}
+        return {
+            "kind": "deepspeed",
+            "path": src.tag_dir,
+            "tag": src.tag,
+            "source_topology": meta.topology.__dict__,
+            "counters": src.model_states(0).counters(),
+            "param_groups": meta.num_groups,
+            "params": params,
+            "buffers": [t.name for t in src.tensors if t.kind == "buffer"],
+            "tied": {k: v for m in src.metas for k, v in m.tied.items()},
+            "total_bytes": sum(os.path.getsize(f) for f in files),
+            "files": len(files),
+            "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed",
+        }
     finally:
         src.close()
 
@@ -75,29 +128,36 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
 def _print_summary(s: dict[str, Any]) -> None:
     topo = s["source_topology"]
     print(f"{s['kind']} checkpoint: {s['path']}")
-    print(f"  saved at: zero{topo['zero_stage']} dp={topo['dp']} tp={topo['tp']} pp={topo['pp']} ep={topo['ep']} "
-          f"{topo['dtype']} ({topo['optimizer']})")
+    print(
+        f"  saved at: zero{topo['zero_stage']} dp={topo['dp']} tp={topo['tp']} pp={topo['pp']} ep={topo['ep']} "
+        f"{topo['dtype']} ({topo['optimizer']})"
+    )
     if "metadata" in s:
         print(f"  metadata: {s['metadata']}")
     print("  counters: " + ", ".join(f"{k}={v}" for k, v in s["counters"].items()))
     trainable = [p for p in s["params"].values() if p["trainable"]]
     numel = sum(math.prod(p["shape"]) for p in trainable)
-    print(f"  params: {len(s['params'])} ({len(trainable)} trainable, {numel:,} elements), "
-          f"{s['param_groups']} param groups, buffers: {len(s['buffers'])}, tied: {len(s['tied'])}")
+    print(
+        f"  params: {len(s['params'])} ({len(trainable)} trainable, {numel:,} elements), "
+        f"{s['param_groups']} param groups, buffers: {len(s['buffers'])}, tied: {len(s['tied'])}"
+    )
     print(f"  files: {s['files']}, {_size(s['total_bytes'])}")
     diff = s.get("differential")
     if diff:
         quant = diff["quantize"]
-        print(f"  check-n-run: {diff['kind']} ({diff['policy'] or 'quantized only'}), chain: "
-              + " -> ".join(diff["chain"]) + (f"; fp32 rows quantized {quant['method']} {quant['bits']} bits"
-                                              if quant else "") + f"; restores so far: {diff['restores']}")
+        print(
+            f"  check-n-run: {diff['kind']} ({diff['policy'] or 'quantized only'}), chain: "
+            + " -> ".join(diff["chain"])
+            + (f"; fp32 rows quantized {quant['method']} {quant['bits']} bits" if quant else "")
+            + f"; restores so far: {diff['restores']}"
+        )
         for name, p in s["params"].items():
             if p["table"]:
                 print(f"    table {name}: {p['table']['saved_rows']:,} of {p['table']['rows']:,} rows")
     width = max((len(n) for n in s["params"]), default=4)
     for name, p in s["params"].items():
         size = _size(p["bytes"]) if p["bytes"] is not None else "-"
-        print(f"    {name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']:<9} {size:>9}  {','.join(p['keys'])}")
+        print(f"    {name:<{width}}  {tuple(p['shape'])!s:<16} {p['dtype']:<9} {size:>9}  {','.join(p['keys'])}")
 
 
 def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
@@ -110,10 +170,14 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
     if found.kind == "native":
         src = NativeCheckpoint(found.root, found.tag)
         try:
-            return src.verify(), ("every rank file matches the CRCs in its zip directory, carries this save's id "
-                                  "and agrees with the metadata")
+            return src.verify(), (
+                "every rank file matches the CRCs in its zip directory, carries this save's id "
+                "and agrees with the metadata"
+            )
         finally:
             src.close()
+    if found.tag is None:
+        raise CheckpointError(found.path, f"is a {found.kind} checkpoint, which `ucp verify` cannot check")
     problems = crc_problems(found.root, chain(found.root, found.tag))
     copy = os.path.join(found.root, f"{found.tag}.universal")
     what = "every file of the chain matches its manifest"
@@ -125,8 +189,18 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
 
 def _print_diff(report: DiffReport, everything: bool, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"identical": report.identical, "states": [dataclasses.asdict(s) for s in report.states],
-                          "only_a": report.only_a, "only_b": report.only_b, "values": report.values}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "identical": report.identical,
+                    "states": [dataclasses.asdict(s) for s in report.states],
+                    "only_a": report.only_a,
+                    "only_b": report.only_b,
+                    "values": report.values,
+                },
+                indent=1,
+            )
+        )
         return
     shown = [s for s in report.states if everything or not s.equal]
     width = max((len(f"{s.name}:{s.key}") for s in shown), default=0)
@@ -139,34 +213,53 @@ def _print_diff(report: DiffReport, everything: bool, as_json: bool) -> None:
     for line in report.values:
         print(f"  {line}")
     same = sum(s.equal for s in report.states)
-    print(f"{len(report.states)} tensor states compared, {same} bit-identical; "
-          + ("checkpoints are identical" if report.identical else "checkpoints differ"))
+    print(
+        f"{len(report.states)} tensor states compared, {same} bit-identical; "
+        + ("checkpoints are identical" if report.identical else "checkpoints differ")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ucp` console script."""
     parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint (or materialize a Check-N-Run chain) to the "
-                       "universal format")
+    p = sub.add_parser(
+        "convert", help="convert a DeepSpeed checkpoint (or materialize a Check-N-Run chain) to the universal format"
+    )
     p.add_argument("ckpt_dir")
     p.add_argument("--tag", help="checkpoint tag (default: the one in 'latest')")
-    p.add_argument("--output", help="output folder (default: CKPT_DIR/TAG.universal, or CKPT_DIR/TAG_universal "
-                   "for --format deepspeed)")
-    p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
-                   help="ucp: our format; deepspeed: DeepSpeed's universal layout, loadable with load_universal")
-    p.add_argument("--workers", type=int, default=2,
-                   help="writer threads (default 2: one process converting alone; the config key `workers` "
-                   "defaults to 1 because every rank of a loading job already converts its share)")
-    p.add_argument("--layout-rules", metavar="RULES.json",
-                   help="how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata")
+    p.add_argument(
+        "--output",
+        help="output folder (default: CKPT_DIR/TAG.universal, or CKPT_DIR/TAG_universal for --format deepspeed)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["ucp", "deepspeed"],
+        default="ucp",
+        help="ucp: our format; deepspeed: DeepSpeed's universal layout, loadable with load_universal",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="writer threads (default 2: one process converting alone; the config key `workers` "
+        "defaults to 1 because every rank of a loading job already converts its share)",
+    )
+    p.add_argument(
+        "--layout-rules",
+        metavar="RULES.json",
+        help="how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
     p.add_argument("path")
     p.add_argument("--tag")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = sub.add_parser("verify", help="check every file of a checkpoint: a universal folder against its manifest, "
-                       "a Check-N-Run tag's whole chain, or a native tag's rank files and their zip crc32s")
+    p = sub.add_parser(
+        "verify",
+        help="check every file of a checkpoint: a universal folder against its manifest, "
+        "a Check-N-Run tag's whole chain, or a native tag's rank files and their zip crc32s",
+    )
     p.add_argument("path")
     p.add_argument("--tag", help="tag of a native or Check-N-Run checkpoint (default: the one in 'latest')")
     p = sub.add_parser("export-hf", help="write a megatron-core GPT checkpoint as a Hugging Face transformers folder")
@@ -199,19 +292,38 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             if args.format == "deepspeed":
-                out = export_deepspeed(args.ckpt_dir, args.tag, args.output, args.workers,
-                                       progress=not args.no_progress)
+                out = export_deepspeed(
+                    args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress
+                )
             else:
-                out = convert(args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress,
-                              layout_rules=args.layout_rules)
+                out = convert(
+                    args.ckpt_dir,
+                    args.tag,
+                    args.output,
+                    args.workers,
+                    progress=not args.no_progress,
+                    layout_rules=args.layout_rules,
+                )
             print(out)
         elif args.command == "inspect":
             summary = summarize(args.path, args.tag)
             print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
         elif args.command == "export-hf":
-            print(export_hf(args.ckpt, args.out, args.arch, args.num_heads, args.num_kv_heads, args.norm_eps,
-                            args.rope_theta, args.max_positions, int(args.shard_size * 2**20),
-                            progress=not args.no_progress, experts_per_token=args.experts_per_token))
+            print(
+                export_hf(
+                    args.ckpt,
+                    args.out,
+                    args.arch,
+                    args.num_heads,
+                    args.num_kv_heads,
+                    args.norm_eps,
+                    args.rope_theta,
+                    args.max_positions,
+                    int(args.shard_size * 2**20),
+                    progress=not args.no_progress,
+                    experts_per_token=args.experts_per_token,
+                )
+            )
         elif args.command == "import-hf":
             print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
         elif args.command == "diff":

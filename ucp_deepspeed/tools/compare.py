@@ -10,6 +10,7 @@ and the max relative difference, taken against the largest magnitude in the firs
 (so zeros do not blow it up). The step counters and each param group's hyperparameters and scalar
 optimizer state (e.g. Adam's `step`) are compared as values.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,12 @@ class DiffReport:
 
     def within(self, atol: float) -> bool:
         """Same structure and values, and every tensor within `atol`."""
-        return not self.only_a and not self.only_b and not self.values and \
-            all(s.max_abs <= atol and not s.note for s in self.states)
+        return (
+            not self.only_a
+            and not self.only_b
+            and not self.values
+            and all(s.max_abs <= atol and not s.note for s in self.states)
+        )
 
 
 @contextlib.contextmanager
@@ -69,7 +74,7 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], 
     """(manifest-shaped summary, read(name, key)) for any kind of checkpoint."""
     found = locate(path, tag)
     kind = kind_of(found.path) if found.tag else None
-    if kind is not None:  # e.g. a Check-N-Run chain, replayed into a scratch universal folder
+    if kind is not None and found.tag is not None:  # e.g. a Check-N-Run chain, replayed into a scratch universal folder
         scratch = tempfile.mkdtemp(prefix="ucp_diff_")
         try:
             with opened(kind.materialize(found.root, found.tag, os.path.join(scratch, found.tag))) as result:
@@ -97,7 +102,7 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], 
             t = tensors[name]
             return assemble(src, t, key) if t.kind == "param" else assemble(src, t)
 
-        yield build_manifest(src), read_native
+        yield build_manifest(src).encode(), read_native
         src.check_reads()  # what was compared must be what was saved
     finally:
         src.close()
@@ -119,8 +124,9 @@ def _compare(name: str, key: str, a: torch.Tensor, b: torch.Tensor) -> StateDiff
     fa, fb = a.double(), b.double()
     max_abs = float((fa - fb).abs().max())
     scale = float(fa.abs().max())
-    return StateDiff(name, key, max_abs, max_abs / scale if scale else (0.0 if max_abs == 0 else float("inf")),
-                     equal, note)
+    return StateDiff(
+        name, key, max_abs, max_abs / scale if scale else (0.0 if max_abs == 0 else float("inf")), equal, note
+    )
 
 
 def _value_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -139,8 +145,13 @@ def _value_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-def diff(path_a: str, path_b: str, tag_a: str | None = None, tag_b: str | None = None,
-         progress: Callable[[str], None] | None = None) -> DiffReport:
+def diff(
+    path_a: str,
+    path_b: str,
+    tag_a: str | None = None,
+    tag_b: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> DiffReport:
     """Compare every tensor state, counter and optimizer value of two checkpoints."""
     with opened(path_a, tag_a) as (man_a, read_a), opened(path_b, tag_b) as (man_b, read_b):
         entries_a, entries_b = _entries(man_a), _entries(man_b)
@@ -151,7 +162,9 @@ def diff(path_a: str, path_b: str, tag_a: str | None = None, tag_b: str | None =
             if progress:
                 progress(name)
             states.append(_compare(name, key, read_a(name, key), read_b(name, key)))
-        return DiffReport(tuple(states),
-                          tuple(f"{n}:{k}" for n, k in entries_a if (n, k) not in entries_b),
-                          tuple(f"{n}:{k}" for n, k in entries_b if (n, k) not in entries_a),
-                          tuple(_value_differences(man_a, man_b)))
+        return DiffReport(
+            tuple(states),
+            tuple(f"{n}:{k}" for n, k in entries_a if (n, k) not in entries_b),
+            tuple(f"{n}:{k}" for n, k in entries_b if (n, k) not in entries_a),
+            tuple(_value_differences(man_a, man_b)),
+        )

@@ -1,0 +1,75 @@
+"""The universal format without any launch: a manifest round-trips through its typed form, and a malformed
+one is refused with a `CheckpointError` naming the file, never a `KeyError` inside a load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ucp_deepspeed import CheckpointError, UniversalCheckpoint
+from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord
+from ucp_deepspeed.format.universal import (
+    BUFFERS,
+    MANIFEST,
+    STATE,
+    param_file,
+    write_manifest,
+    write_object,
+    write_tensors,
+)
+
+
+def _folder(root) -> Manifest:
+    weight = torch.arange(12.0).reshape(3, 4)
+    records = [
+        write_tensors(str(root), param_file("w"), {"fp32": weight, "exp_avg": weight * 2}),
+        write_tensors(str(root), BUFFERS, {"b": torch.ones(2)}),
+        write_object(str(root), STATE, {"lr_scheduler": None, "client_state": {}, "optimizer_wrapper": {}}),
+    ]
+    manifest = Manifest(
+        created_by={"test": 1},
+        source={"path": "x", "topology": {"dp": 1}},
+        counters={"global_steps": 3, "global_samples": 6, "skipped_steps": 0},
+        param_groups=(GroupRecord({"lr": 0.1}, {"step": 3}),),
+        params={"w": ParamRecord((3, 4), "float32", 0, True, param_file("w"), ("fp32", "exp_avg"))},
+        buffers={"b": BufferRecord((2,), "float32")},
+        extra={"save_id": "abc-1"},
+    )
+    write_manifest(str(root), manifest, records)
+    return manifest
+
+
+def test_manifest_round_trips_and_reads(tmp_path):
+    written = _folder(tmp_path)
+    raw = json.loads((tmp_path / MANIFEST).read_text())
+    assert Manifest.decode(raw, "m") == written
+    ckpt = UniversalCheckpoint(str(tmp_path))
+    assert torch.equal(ckpt.read("w", "exp_avg"), torch.arange(12.0) * 2)
+    assert ckpt.manifest["save_id"] == "abc-1"
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda m: m.pop("params"), "lacks 'params'"),
+        (lambda m: m["params"]["w"].update(shape=[3, "4"]), "params.w"),
+        (lambda m: m["params"]["w"].update(shape=[3, -4]), "params.w"),
+        (lambda m: m["params"]["w"].update(file="params/other.safetensors"), "not in the file table"),
+        (lambda m: m["params"]["w"].update(keys=[]), "params.w"),
+        (lambda m: m["params"]["w"].pop("group"), "lacks 'group'"),
+        (lambda m: m["buffers"].update(b={"shape": [2]}), "buffers.b"),
+        (lambda m: m.update(param_groups={"0": {}}), "param_groups"),
+        (lambda m: m["source"].update(topology=[1]), "source"),
+    ],
+)
+def test_malformed_manifest_is_refused_naming_the_file(tmp_path, damage, reason):
+    _folder(tmp_path)
+    path = tmp_path / MANIFEST
+    raw = json.loads(path.read_text())
+    damage(raw)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError) as info:
+        UniversalCheckpoint(str(tmp_path))
+    assert str(path) in str(info.value) and reason in str(info.value), str(info.value)
