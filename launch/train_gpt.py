@@ -531,16 +531,33 @@ def main() -> None:
     )
     parser.add_argument("--init-tag", help="train: the tag of --init-from to start from (default: the latest)")
     parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens (pp=1)")
+    parser.add_argument(
+        "--each",
+        action="append",
+        default=[],
+        metavar="OUT:ARCH:ZERO:TP:PP",
+        help="save: one more source in the same launch (megatron-core's groups are rebuilt for each layout)",
+    )
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep
-    )
-    megatron_cpu.install()
-    {"save": do_save, "load": do_load, "train": do_train}[args.mode](args)
-    dist.barrier()
-    ps.destroy_model_parallel()
+    runs = [args] + [_layout(args, spec) for spec in args.each]
+    for run in runs:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp, expert_model_parallel_size=run.ep
+        )
+        megatron_cpu.install()
+        {"save": do_save, "load": do_load, "train": do_train}[run.mode](run)
+        dist.barrier()
+        ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _layout(args: argparse.Namespace, spec: str) -> argparse.Namespace:
+    """A copy of `args` saving another layout: `OUT:ARCH:ZERO:TP:PP`."""
+    out, arch, zero, tp, pp = spec.rsplit(":", 4)
+    return argparse.Namespace(
+        **{**vars(args), "out": out, "arch": arch, "zero": int(zero), "tp": int(tp), "pp": int(pp)}
+    )
 
 
 if __name__ == "__main__":

@@ -87,9 +87,19 @@ def _layout_args(arch: str, zero: int, tp: int, pp: int) -> list[str]:
 def gpt_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every source layout, trained 3 steps and saved once per session."""
     out = tmp_path_factory.mktemp("gpt_sources")
-    for name, (world, arch, zero, tp, pp) in SOURCES.items():
+    for world in sorted({w for w, *_ in SOURCES.values()}):  # one launch per world size saves all its layouts
+        first, *rest = [(name, layout) for name, (w, *layout) in SOURCES.items() if w == world]
+        name, (arch, zero, tp, pp) = first
+        more = [a for n, (ar, z, t, p) in rest for a in ("--each", f"{out / n}:{ar}:{z}:{t}:{p}")]
         torchrun(
-            world, "save", "--out", str(out / name), *_layout_args(arch, zero, tp, pp), worker=GPT_WORKER, attempts=2
+            world,
+            "save",
+            "--out",
+            str(out / name),
+            *_layout_args(arch, zero, tp, pp),
+            *more,
+            worker=GPT_WORKER,
+            attempts=2,
         )
     return {name: out / name for name in SOURCES}
 
