@@ -4,44 +4,57 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
+import pytest
 from conftest import ROOT, torch_env
 
+PROGRESS = re.compile(r"^(== |source |  resume at )")
 
-def test_benchmark_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_convert.py"), "--smoke", "--work", str(tmp_path)]
-    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+def run_benchmark(script: str, *args: str, capsys: pytest.CaptureFixture) -> str:
+    """Run a benchmark script; echo its progress lines as they come (a smoke run takes minutes, and pytest
+    alone would show one dot); fail with the output's tail if it fails or runs past 15 minutes."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args]
+    lines: list[str] = []
+    with subprocess.Popen(cmd, env=torch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        watchdog = threading.Timer(900, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout or ():
+                lines.append(line)
+                if PROGRESS.match(line):
+                    with capsys.disabled():
+                        print(f"  {Path(script).stem}: {line.strip()}", flush=True)
+        finally:
+            watchdog.cancel()
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def test_benchmark_smoke(tmp_path, capsys):
+    output = run_benchmark("bench_convert.py", "--work", str(tmp_path), capsys=capsys)
     for source in ("z1-dp4-0.5M", "z3-dp4-0.5M", "z1-tp2-dp2-0.5M", "z1-moe-ep2-dp4-0.5M"):
-        assert f"| {source} (" in proc.stdout, source
-    assert "resharded load at ZeRO-2" in proc.stdout
+        assert f"| {source} (" in output, source
+    assert "resharded load at ZeRO-2" in output
 
 
-def test_checkn_run_benchmark_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_checkn_run.py"), "--smoke", "--work", str(tmp_path)]
-    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| intermittent | 4 |" in proc.stdout and "restored from adaptive-4 bits" in proc.stdout
+def test_checkn_run_benchmark_smoke(tmp_path, capsys):
+    output = run_benchmark("bench_checkn_run.py", "--work", str(tmp_path), capsys=capsys)
+    assert "| intermittent | 4 |" in output and "restored from adaptive-4 bits" in output
 
 
-def test_loss_continuity_short(tmp_path):
+def test_loss_continuity_short(tmp_path, capsys):
     """The paper's loss-continuity run, shortened: a resharding regression splits the curves and fails here."""
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "loss_continuity.py"),
-        "--smoke",
-        "--work",
-        str(tmp_path / "work"),
-        "--out",
-        str(out),
-        "--bound",
-        "1",
-    ]
-    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_benchmark(
+        "loss_continuity.py", "--work", str(tmp_path / "work"), "--out", str(out), "--bound", "1", capsys=capsys
+    )
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["target"] for r in runs] == ["TP=1 PP=1 DP=2 ZeRO-1", "TP=1 PP=2 DP=2 ZeRO-1", "TP=1 PP=1 DP=3 ZeRO-3"]
     for run in runs:  # fp32: only the reduction order differs when TP or DP changes
