@@ -409,9 +409,9 @@ def integrity_table(report: dict) -> str:
         ),
     ]
     lines = [
-        f"Measured on the {name} source ({e['params'] / 1e6:.0f}M parameters, {gb(e['source_bytes'])}, "
-        f"{DP} ranks), each with and without the checks in the same run; loads are medians of 3 alternating "
-        "runs:",
+        f"Measured ({time.strftime('%Y-%m-%d')}) on the {name} source ({e['params'] / 1e6:.0f}M parameters, "
+        f"{gb(e['source_bytes'])}, {DP} ranks), each with and without the checks in the same run; loads are "
+        "medians of 3 alternating runs:",
         "",
         "| operation | with the checks | without | ratio | baseline |",
         "|---|---|---|---|---|",

@@ -67,11 +67,13 @@ def assemble(src: NativeCheckpoint, tensor: FullTensor, state: str = VALUE) -> t
 def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
     meta = src.meta
     item = job.item
-    if job.kind == "param" and item is not None:
+    if job.kind in ("param", "frozen"):
+        if item is None:
+            raise ValueError(f"{job.kind} job {job.relpath} names no tensor")
+        if job.kind == "frozen":
+            return write_tensors(out, job.relpath, {VALUE: assemble(src, item)})
         entries = [(key, torch.float32, item.shape) for key in [FP32, *src.state_keys()]]
         return stream_tensors(out, job.relpath, entries, lambda key: assemble(src, item, key))
-    if job.kind == "frozen" and item is not None:
-        return write_tensors(out, job.relpath, {VALUE: assemble(src, item)})
     if job.kind == "buffers":
         return write_tensors(out, job.relpath, {t.name: assemble(src, t) for t in src.tensors if t.kind == "buffer"})
     model = src.model_states(0)

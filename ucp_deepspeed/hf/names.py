@@ -170,7 +170,7 @@ def from_hf(link: Link, read: Callable[[str], torch.Tensor], h: Heads) -> torch.
         return _fuse_qkv(parts[0], parts[1], parts[2], h)
     fused = parts[0].t() if parts[0].dim() == 2 else parts[0]
     q, k, v = fused.chunk(3, 0)
-    k, v = (_fold(t, Heads(h.heads, h.kv_heads), link.hf[0]) for t in (k, v))
+    k, v = (_fold(t, h, link.hf[0]) for t in (k, v))
     return _fuse_qkv(q, k, v, h)
 
 

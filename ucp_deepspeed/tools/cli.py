@@ -11,9 +11,10 @@ import os
 import sys
 from typing import Any
 
-from ucp_deepspeed.checkn_run.chain import chain, crc_problems, read_element
+from ucp_deepspeed.checkn_run.chain import read_element
 from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.paths import locate
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.hf.export import export_hf
@@ -31,22 +32,23 @@ def _size(nbytes: float) -> str:
     return ""
 
 
+def _param_summaries(manifest: dict[str, Any], with_table: bool = False) -> dict[str, dict[str, Any]]:
+    """Each parameter's shape, dtype, keys and file size, from a manifest (and its Check-N-Run table entry)."""
+    out = {}
+    for name, r in manifest["params"].items():
+        keep = ("shape", "dtype", "keys", "trainable")
+        out[name] = {**{k: r[k] for k in keep}, "bytes": manifest["files"][r["file"]]["bytes"]}
+        if with_table:
+            out[name]["table"] = r.get("table")
+    return out
+
+
 def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
     """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only."""
     found = locate(path, tag)
     if found.kind == "checkn_run" and found.tag is not None:
         m = read_element(found.root, found.tag)
-        params = {
-            n: {
-                "shape": r["shape"],
-                "dtype": r["dtype"],
-                "keys": r["keys"],
-                "trainable": r["trainable"],
-                "bytes": m["files"][r["file"]]["bytes"],
-                "table": r.get("table"),
-            }
-            for n, r in m["params"].items()
-        }
+        params = _param_summaries(m, with_table=True)
         return {
             "kind": "check-n-run",
             "path": found.path,
@@ -63,16 +65,7 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
     if found.kind == "universal":
         ckpt = UniversalCheckpoint(found.path)
         m = ckpt.manifest
-        params = {
-            n: {
-                "shape": r["shape"],
-                "dtype": r["dtype"],
-                "keys": r["keys"],
-                "trainable": r["trainable"],
-                "bytes": m["files"][r["file"]]["bytes"],
-            }
-            for n, r in ckpt.params.items()
-        }
+        params = _param_summaries(m)
         return {
             "kind": "universal",
             "path": ckpt.root,
@@ -176,14 +169,15 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
             )
         finally:
             src.close()
-    if found.tag is None:
+    kind = kind_of(found.path) if found.tag is not None else None
+    if kind is None or found.tag is None:
         raise CheckpointError(found.path, f"is a {found.kind} checkpoint, which `ucp verify` cannot check")
-    problems = crc_problems(found.root, chain(found.root, found.tag))
+    problems = kind.verify(found.root, found.tag)
     copy = os.path.join(found.root, f"{found.tag}.universal")
-    what = "every file of the chain matches its manifest"
-    if os.path.isfile(os.path.join(copy, MANIFEST)):  # loads reuse this full copy of the chain
+    what = f"every file of the {kind.name} tag and the tags it needs matches its manifest"
+    if os.path.isfile(os.path.join(copy, MANIFEST)):  # loads reuse this full copy
         problems += UniversalCheckpoint(copy).verify()
-        what += ", and so does the chain's full copy " + copy
+        what += ", and so does its full copy " + copy
     return problems, what
 
 
