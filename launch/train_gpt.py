@@ -23,6 +23,7 @@ import io
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -535,12 +536,16 @@ def main() -> None:
         "--each",
         action="append",
         default=[],
-        metavar="OUT:ARCH:ZERO:TP:PP",
-        help="save: one more source in the same launch (megatron-core's groups are rebuilt for each layout)",
+        metavar="'ARGS'",
+        help="one more run in the same launch, given as its own quoted arguments (e.g. 'load --tp 2 --source A "
+        "--results R'); megatron-core's groups are rebuilt for each run, so one launch serves every layout of a "
+        "world size",
     )
     args = parser.parse_args()
+    runs = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
+    if any(run.each for run in runs[1:]):
+        parser.error("--each runs cannot nest")
     deepspeed.init_distributed(dist_backend="gloo")
-    runs = [args] + [_layout(args, spec) for spec in args.each]
     for run in runs:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp, expert_model_parallel_size=run.ep
@@ -550,14 +555,6 @@ def main() -> None:
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()
-
-
-def _layout(args: argparse.Namespace, spec: str) -> argparse.Namespace:
-    """A copy of `args` saving another layout: `OUT:ARCH:ZERO:TP:PP`."""
-    out, arch, zero, tp, pp = spec.rsplit(":", 4)
-    return argparse.Namespace(
-        **{**vars(args), "out": out, "arch": arch, "zero": int(zero), "tp": int(tp), "pp": int(pp)}
-    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -55,6 +56,14 @@ def torchrun(
     pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{tail}")
 
 
+def gpt_launch(world: int, runs: list[list[str]], attempts: int = 1) -> None:
+    """Several `train_gpt.py` runs, each given as its own arguments, in one launch of `world` ranks: the
+    launch's start-up (imports of torch, DeepSpeed and megatron-core) is paid once, not once per layout."""
+    first, *rest = runs
+    more = [arg for run in rest for arg in ("--each", shlex.join(run))]
+    torchrun(world, *first, *more, worker=GPT_WORKER, attempts=attempts)
+
+
 def swap_pickle(path: Path, data: bytes) -> None:
     """Replace a real torch file's pickle with `data`, keeping its tensor records (the zip CRCs match)."""
     with zipfile.ZipFile(path) as zf:
@@ -83,3 +92,38 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # every test depends on this launch; one retry keeps a transient launcher failure from failing them all
     torchrun(SOURCE_DP, "save", "--out", str(out), "--variant", *SOURCE_VARIANTS, attempts=2)
     return {name: out / name for name in SOURCE_VARIANTS}
+
+
+# Every megatron-core source checkpoint of the suite: name -> (world size, layout arguments, also save logits).
+# Layouts are `--arch --zero --tp --pp` (DP is the rest of the world size); `moe-*` adds megatron-core MoE
+# (4 experts, top-2, SequentialMLP) at an expert-parallel size; `hf-*` keep logits for the export tests.
+MEGATRON_SOURCES: dict[str, tuple[int, list[str], bool]] = {
+    "gpt-z1-tp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "2", "--pp", "1"], False),
+    "gpt-z1-pp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "1", "--pp", "2"], False),
+    "gpt-z2-tp2dp2": (4, ["--arch", "gpt", "--zero", "2", "--tp", "2", "--pp", "1"], False),
+    "llama-z1-tp2pp2": (4, ["--arch", "llama", "--zero", "1", "--tp", "2", "--pp", "2"], False),
+    "llama-z1-dp4": (4, ["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "1"], False),
+    "llama-z1-dp2": (2, ["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "1"], False),
+    "llama-z3-tp2": (2, ["--arch", "llama", "--zero", "3", "--tp", "2", "--pp", "1"], False),
+    "moe-z1-ep2": (2, ["--arch", "llama", "--zero", "1", "--moe", "--ep", "2"], False),
+    "moe-z1-ep1": (1, ["--arch", "llama", "--zero", "1", "--moe", "--ep", "1"], False),
+    "moe-z2-ep2-w4": (4, ["--arch", "llama", "--zero", "2", "--moe", "--ep", "2"], False),
+    "hf-gpt": (2, ["--arch", "gpt", "--tp", "2"], True),
+    "hf-llama": (2, ["--arch", "llama", "--tp", "2"], True),
+    "hf-moe": (2, ["--arch", "llama", "--moe", "--ep", "2"], True),
+}
+
+
+@pytest.fixture(scope="session")
+def megatron_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every megatron-core source, trained 3 steps and saved once per session: one launch per world size
+    (`<name>.logits.pt` beside the `hf-*` ones)."""
+    out = tmp_path_factory.mktemp("megatron_sources")
+    for world in sorted({w for w, _, _ in MEGATRON_SOURCES.values()}):
+        runs = [
+            ["save", *layout, "--out", str(out / name), *(["--logits", f"{out / name}.logits.pt"] if logits else [])]
+            for name, (w, layout, logits) in MEGATRON_SOURCES.items()
+            if w == world
+        ]
+        gpt_launch(world, runs, attempts=2)
+    return {name: out / name for name in MEGATRON_SOURCES}

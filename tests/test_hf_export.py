@@ -23,26 +23,10 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """GPT-2- and Llama-style models at TP=2 and a Mixtral-style MoE at EP=2, trained 3 steps, saved with logits."""
-    root = tmp_path_factory.mktemp("hf")
-    layouts = {
-        "gpt": ["--arch", "gpt", "--tp", "2"],
-        "llama": ["--arch", "llama", "--tp", "2"],
-        "moe": ["--arch", "llama", "--moe", "--ep", "2"],
-    }
-    for name, layout in layouts.items():
-        torchrun(
-            2,
-            "save",
-            *layout,
-            "--out",
-            str(root / name),
-            "--logits",
-            str(root / f"{name}.logits.pt"),
-            worker=GPT_WORKER,
-        )
-    return {**{name: root / name for name in layouts}, "root": root}
+def trained(megatron_sources: dict[str, Path]) -> dict[str, Path]:
+    """GPT-2- and Llama-style models at TP=2 and a Mixtral-style MoE at EP=2, trained 3 steps, saved with
+    logits (conftest's `hf-*` sources)."""
+    return {arch: megatron_sources[f"hf-{arch}"] for arch in ("gpt", "llama", "moe")}
 
 
 @pytest.mark.parametrize("arch,hf_arch", [("gpt", "gpt2"), ("llama", "llama"), ("moe", "mixtral")])
@@ -75,7 +59,7 @@ def test_exported_model_reproduces_megatron_logits(trained, tmp_path, arch, hf_a
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     model.eval()
     assert model.config.vocab_size == 70, "vocab padding is dropped"
-    reference = torch.load(trained["root"] / f"{arch}.logits.pt")
+    reference = torch.load(trained[arch].parent / f"hf-{arch}.logits.pt")
     with torch.no_grad():
         logits = model(reference["tokens"]).logits
     assert logits.shape == reference["logits"].shape

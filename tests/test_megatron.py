@@ -1,10 +1,11 @@
 """Tensor- and pipeline-parallel megatron-core GPT: save at one TP x PP x DP layout, resume at another.
 
-Sources are saved once per session; each target layout is one torchrun launch that loads several
-of them. Every full fp32 weight and Adam state (gathered over TP, PP and DP, merged with the same
-layouts the converter uses) must be torch.equal to the state gathered before saving, a last
-stage's tied copy of the embedding must equal the first stage's, and the next 3 losses must match
-the uninterrupted run. Layouts are `arch zZERO tpT ppP`; DP is the rest of the world size.
+Sources are saved once per session (conftest's `megatron_sources`, one launch per world size); every
+target layout of one world size loads its sources in one launch, megatron-core's groups rebuilt per
+layout. Every full fp32 weight and Adam state (gathered over TP, PP and DP, merged with the same
+layouts the converter uses) must be torch.equal to the state gathered before saving, a last stage's
+tied copy of the embedding must equal the first stage's, and the next 3 losses must match the
+uninterrupted run. Layouts are `arch zZERO tpT ppP`; DP is the rest of the world size.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GPT_WORKER, load_results, torchrun
+from conftest import gpt_launch, load_results
 from safetensors.torch import load_file
 
 from ucp_deepspeed import CheckpointError, convert
@@ -26,21 +27,7 @@ from ucp_deepspeed.tools.compare import diff
 
 LOSS_RTOL = 1e-5
 
-# name: (world size, arch, zero, tp, pp)
-SOURCES = {
-    "gpt-z1-tp2": (2, "gpt", 1, 2, 1),
-    "gpt-z1-pp2": (2, "gpt", 1, 1, 2),
-    "gpt-z2-tp2dp2": (4, "gpt", 2, 2, 1),
-    "llama-z1-tp2pp2": (4, "llama", 1, 2, 2),
-    "llama-z1-dp4": (4, "llama", 1, 1, 1),
-    "llama-z1-dp2": (2, "llama", 1, 1, 1),
-    "llama-z3-tp2": (2, "llama", 3, 2, 1),
-}
-
-# megatron-core MoE (4 experts, top-2, SequentialMLP) on the llama variant: name: (world, zero, ep)
-MOE_SOURCES = {"moe-z1-ep2": (2, 1, 2), "moe-z1-ep1": (1, 1, 1), "moe-z2-ep2-w4": (4, 2, 2)}
-
-# (world, zero, ep, sources)
+# (world, zero, ep, sources): megatron-core MoE on the llama variant
 MOE_TARGETS = [
     pytest.param(1, 1, 1, ("moe-z1-ep2",), id="moe-ep1<-ep2"),
     pytest.param(2, 1, 2, ("moe-z1-ep1", "moe-z1-ep2"), id="moe-ep2<-ep1,ep2-same"),
@@ -48,7 +35,7 @@ MOE_TARGETS = [
     pytest.param(3, 2, 1, ("moe-z2-ep2-w4",), id="moe-z2-ep1-dp3<-z2-ep2-edp2-dp4"),
 ]
 
-# (world size, arch, zero, tp, pp, extra args, sources)
+# (world size, arch, zero, tp, pp, extra args, sources); sources are conftest's MEGATRON_SOURCES
 TARGETS = [
     pytest.param(1, "gpt", 1, 1, 1, (), ("gpt-z1-tp2", "gpt-z1-pp2"), id="gpt-z1-dp1<-tp2,pp2"),
     pytest.param(3, "gpt", 2, 1, 1, (), ("gpt-z2-tp2dp2", "gpt-z1-tp2"), id="gpt-z2-dp3<-z2tp2dp2,z1tp2"),
@@ -83,53 +70,59 @@ def _layout_args(arch: str, zero: int, tp: int, pp: int) -> list[str]:
     return ["--arch", arch, "--zero", str(zero), "--tp", str(tp), "--pp", str(pp)]
 
 
-@pytest.fixture(scope="session")
-def gpt_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every source layout, trained 3 steps and saved once per session."""
-    out = tmp_path_factory.mktemp("gpt_sources")
-    for world in sorted({w for w, *_ in SOURCES.values()}):  # one launch per world size saves all its layouts
-        first, *rest = [(name, layout) for name, (w, *layout) in SOURCES.items() if w == world]
-        name, (arch, zero, tp, pp) = first
-        more = [a for n, (ar, z, t, p) in rest for a in ("--each", f"{out / n}:{ar}:{z}:{t}:{p}")]
-        torchrun(
-            world,
-            "save",
-            "--out",
-            str(out / name),
-            *_layout_args(arch, zero, tp, pp),
-            *more,
-            worker=GPT_WORKER,
-            attempts=2,
-        )
-    return {name: out / name for name in SOURCES}
+def _loads() -> dict[str, tuple[int, bool, list[str], tuple[str, ...]]]:
+    """Every load of this module: id -> (world size, slow, layout arguments, source names)."""
+    loads = {}
+    for p in TARGETS:
+        world, arch, zero, tp, pp, extra, names = p.values
+        loads[p.id] = (world, bool(p.marks), [*_layout_args(arch, zero, tp, pp), *extra], names)
+    for p in MOE_TARGETS:
+        world, zero, ep, names = p.values
+        loads[p.id] = (world, bool(p.marks), [*_layout_args("llama", zero, 1, 1), "--moe", "--ep", str(ep)], names)
+    # re-saved at TP1xDP4 for test_universal_is_independent_of_source_layout
+    loads["resave"] = (4, False, _layout_args("llama", 1, 1, 1), ("llama-z1-tp2pp2",))
+    return loads
 
 
-@pytest.fixture(scope="session")
-def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """megatron-core MoE GPTs at several expert-parallel sizes, trained 3 steps and saved once per session."""
-    out = tmp_path_factory.mktemp("gpt_moe_sources")
-    for name, (world, zero, ep) in MOE_SOURCES.items():
-        torchrun(
-            world,
-            "save",
-            "--out",
-            str(out / name),
-            *_layout_args("llama", zero, 1, 1),
-            "--moe",
-            "--ep",
-            str(ep),
-            worker=GPT_WORKER,
-            attempts=2,
-        )
-    return {name: out / name for name in MOE_SOURCES}
+LOADS = _loads()
+
+
+class Launches:
+    """Every load of one world size (slow ones apart) runs in one launch, the first time a test asks for one."""
+
+    def __init__(self, sources: dict[str, Path], root: Path):
+        self.sources, self.root, self.done = sources, root, set()
+
+    def results(self, load_id: str) -> list[dict]:
+        world, slow, _, _ = LOADS[load_id]
+        if (world, slow) not in self.done:
+            runs = [
+                [
+                    "load",
+                    *args,
+                    *(["--resave", str(self.root / "resaved")] if i == "resave" else []),
+                    "--results",
+                    str(self.root / f"{n}.json"),
+                    "--source",
+                    *(str(self.sources[s]) for s in names),
+                ]
+                for n, (i, (w, sl, args, names)) in enumerate(LOADS.items())
+                if (w, sl) == (world, slow)
+            ]
+            gpt_launch(world, runs)
+            self.done.add((world, slow))
+        return load_results(self.root / f"{list(LOADS).index(load_id)}.json")
+
+
+@pytest.fixture(scope="module")
+def launched(megatron_sources, tmp_path_factory) -> Launches:
+    return Launches(megatron_sources, tmp_path_factory.mktemp("megatron_loads"))
 
 
 @pytest.mark.parametrize("world,zero,ep,names", MOE_TARGETS)
-def test_megatron_moe_reshard(moe_sources, tmp_path, world, zero, ep, names):
+def test_megatron_moe_reshard(launched, request, world, zero, ep, names):
     """Experts by global id: every expert's fp32 weight and Adam states equal after a change of EP/DP/ZeRO."""
-    results = _load(
-        tmp_path, world, _layout_args("llama", zero, 1, 1), [moe_sources[n] for n in names], "--moe", "--ep", str(ep)
-    )
+    results = launched.results(request.node.callspec.id)
     assert len(results) == len(names)
     for r in results:
         label = f"{r['saved']} -> {r['live']}"
@@ -137,14 +130,6 @@ def test_megatron_moe_reshard(moe_sources, tmp_path, world, zero, ep, names):
         assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"])
         assert r["tensors"] >= 150, label  # 4 layers x 4 experts x 2 weights x 3 states, plus the dense part
         assert r["max_rel_loss"] <= LOSS_RTOL, f"{label}: losses {r['losses']} vs uninterrupted {r['reference_losses']}"
-
-
-def _load(tmp_path: Path, world: int, layout: list[str], sources: list[Path], *extra: str) -> list[dict]:
-    results = tmp_path / "results.json"
-    torchrun(
-        world, "load", *layout, *extra, "--results", str(results), "--source", *map(str, sources), worker=GPT_WORKER
-    )
-    return load_results(results)
 
 
 def _check(results: list[dict], expected: int) -> None:
@@ -158,8 +143,8 @@ def _check(results: list[dict], expected: int) -> None:
 
 
 @pytest.mark.parametrize("world,arch,zero,tp,pp,extra,names", TARGETS)
-def test_megatron_reshard(gpt_sources, tmp_path, world, arch, zero, tp, pp, extra, names):
-    results = _load(tmp_path, world, _layout_args(arch, zero, tp, pp), [gpt_sources[n] for n in names], *extra)
+def test_megatron_reshard(launched, request, world, arch, zero, tp, pp, extra, names):
+    results = launched.results(request.node.callspec.id)
     _check(results, len(names))
     if pp > 1:
         assert all(r["aliases"] > 0 for r in results), "the last stage's tied embedding copy was not checked"
@@ -170,14 +155,11 @@ def _tensors(root: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {name: load_file(str(root / rec["file"])) for name, rec in ckpt.params.items()}
 
 
-def test_universal_is_independent_of_source_layout(gpt_sources, tmp_path):
+def test_universal_is_independent_of_source_layout(launched, megatron_sources, tmp_path):
     """The TP2xPP2 checkpoint, and the same state re-saved at TP1xDP4, convert to identical tensors."""
-    resaved = tmp_path / "resaved"
-    results = _load(
-        tmp_path, 4, _layout_args("llama", 1, 1, 1), [gpt_sources["llama-z1-tp2pp2"]], "--resave", str(resaved)
-    )
-    _check(results, 1)
-    a = Path(convert(str(gpt_sources["llama-z1-tp2pp2"]), output=str(tmp_path / "a"), progress=False))
+    _check(launched.results("resave"), 1)
+    resaved = launched.root / "resaved"
+    a = Path(convert(str(megatron_sources["llama-z1-tp2pp2"]), output=str(tmp_path / "a"), progress=False))
     b = Path(convert(str(resaved), output=str(tmp_path / "b"), progress=False))
     ta, tb = _tensors(a), _tensors(b)
     assert sorted(ta) == sorted(tb)
@@ -191,7 +173,7 @@ def test_universal_is_independent_of_source_layout(gpt_sources, tmp_path):
         assert ma[key] == mb[key], key
     assert ma["source"]["topology"]["tp"] == 2 and mb["source"]["topology"]["tp"] == 1
     assert ta["embedding.word_embeddings.weight"]["fp32"].shape[0] == 70, "vocab padding must be trimmed"
-    native = diff(str(gpt_sources["llama-z1-tp2pp2"]), str(resaved))  # the native files, compared directly
+    native = diff(str(megatron_sources["llama-z1-tp2pp2"]), str(resaved))  # the native files, compared directly
     assert native.identical and len(native.states) == 3 * len(ta), native
 
 
@@ -206,10 +188,10 @@ def test_universal_is_independent_of_source_layout(gpt_sources, tmp_path):
         ),
     ],
 )
-def test_missing_model_parallel_rank_is_named(gpt_sources, tmp_path, victim, message):
+def test_missing_model_parallel_rank_is_named(megatron_sources, tmp_path, victim, message):
     """A TP2xPP2 checkpoint with one model-parallel rank's file gone fails before anything is written."""
     src = tmp_path / "ckpt"
-    shutil.copytree(gpt_sources["llama-z1-tp2pp2"], src, ignore=shutil.ignore_patterns("*.universal"))
+    shutil.copytree(megatron_sources["llama-z1-tp2pp2"], src, ignore=shutil.ignore_patterns("*.universal"))
     (src / "global_step3" / victim).unlink()
     before = sorted(p.name for p in (src / "global_step3").iterdir())
     with pytest.raises(CheckpointError, match=re.escape(message)) as info:
@@ -219,8 +201,8 @@ def test_missing_model_parallel_rank_is_named(gpt_sources, tmp_path, victim, mes
     assert sorted(p.name for p in (src / "global_step3").iterdir()) == before
 
 
-def test_inspect_shows_full_shapes_of_a_split_checkpoint(gpt_sources, capsys):
-    assert cli_main(["inspect", "--json", str(gpt_sources["llama-z1-tp2pp2"])]) == 0
+def test_inspect_shows_full_shapes_of_a_split_checkpoint(megatron_sources, capsys):
+    assert cli_main(["inspect", "--json", str(megatron_sources["llama-z1-tp2pp2"])]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["source_topology"]["tp"] == 2 and summary["source_topology"]["pp"] == 2
     params = summary["params"]
@@ -238,11 +220,11 @@ GPT_TP_RULES = [
 ]
 
 
-def test_tp_checkpoint_without_metadata_needs_rules(gpt_sources, tmp_path, capsys):
+def test_tp_checkpoint_without_metadata_needs_rules(megatron_sources, tmp_path, capsys):
     """A TP=2 checkpoint whose ucp metadata is gone (as if saved by plain DeepSpeed): refused without layout
     rules, naming the parameters; with rules, converted to exactly what the metadata would have given."""
     bare = tmp_path / "bare"
-    shutil.copytree(gpt_sources["gpt-z2-tp2dp2"], bare, ignore=shutil.ignore_patterns("*.universal", "*.lock"))
+    shutil.copytree(megatron_sources["gpt-z2-tp2dp2"], bare, ignore=shutil.ignore_patterns("*.universal", "*.lock"))
     removed = [p.unlink() for p in bare.glob("*/ucp_meta_mp_rank_*.json")]
     assert len(removed) == 2
     assert cli_main(["convert", str(bare), "--no-progress"]) == 2
@@ -257,5 +239,5 @@ def test_tp_checkpoint_without_metadata_needs_rules(gpt_sources, tmp_path, capsy
     rules.write_text(json.dumps(GPT_TP_RULES))
     out = tmp_path / "from_rules"
     assert cli_main(["convert", str(bare), "--layout-rules", str(rules), "--output", str(out), "--no-progress"]) == 0
-    report = diff(str(out), str(gpt_sources["gpt-z2-tp2dp2"]))
+    report = diff(str(out), str(megatron_sources["gpt-z2-tp2dp2"]))
     assert report.identical and len(report.states) > 40, report
