@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -20,13 +21,23 @@ SOURCE_DP = 2
 SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "sgdz2", "z2nofrozen", "z1b")
 
 
+@functools.cache
+def _cpu_info() -> str:
+    """DeepSpeed's CPU probe, run once per session (tests/site/sitecustomize.py hands it to every launch)."""
+    import cpuinfo
+
+    return json.dumps(cpuinfo.get_cpu_info())
+
+
 def torch_env() -> dict[str, str]:
-    """Environment for every launch: CPU accelerator, one op cache for all launches, one thread per rank."""
+    """Environment for every launch: CPU accelerator, one op cache for all launches, one thread per rank, and
+    the CPU probe measured once."""
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "ucp_torch_extensions"))
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "site"), str(ROOT), env.get("PYTHONPATH", "")])
+    env["UCP_TEST_CPU_INFO"] = _cpu_info()
     return env
 
 

@@ -1,0 +1,19 @@
+"""Test launches only (conftest puts this folder on PYTHONPATH): answer DeepSpeed's CPU probe from the value the
+test session measured once.
+
+DeepSpeed's CPU op builders call `cpuinfo.get_cpu_info()` each time an op loads (the shm comm op at every
+engine, cpu_adam with offload); py-cpuinfo runs it in a subprocess, about 1.2 s a call. Every rank of every
+test launch paid it again for the same machine. The library and the launch scripts are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_PROBED = os.environ.get("UCP_TEST_CPU_INFO")
+if _PROBED:
+    import cpuinfo
+
+    _info = json.loads(_PROBED)
+    cpuinfo.get_cpu_info = lambda: dict(_info)
