@@ -282,7 +282,7 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
                 variants.update(
                     native_plain=("--zero", "1", "--plain"), resharded_no_verify=("--zero", "2", "--verify", "0")
                 )
-            torchrun(DP, *load, "--zero", "2")  # converts once; every timed resharded load reuses the copy
+                torchrun(DP, *load, "--zero", "2")  # converts once; every timed resharded load reuses the copy
             runs: dict[str, list[float]] = {k: [] for k in variants}
             for _ in range(1 if args.smoke else 3):  # alternate, so a slow moment of the machine hits all alike
                 for key, extra in variants.items():

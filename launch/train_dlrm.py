@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -170,8 +171,25 @@ def main() -> None:
     parser.add_argument("--stop-at", type=int, default=0, help="exit after this step (a simulated failure)")
     parser.add_argument("--results")
     parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
+    parser.add_argument(
+        "--each",
+        action="append",
+        default=[],
+        metavar="'ARGS'",
+        help="one more job in the same launch, given as its own quoted arguments (start-up is paid once)",
+    )
     args = parser.parse_args()
+    jobs = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
+    if any(job.each for job in jobs[1:]):
+        parser.error("--each jobs cannot nest")
     deepspeed.init_distributed(dist_backend="gloo")
+    for job in jobs:
+        run(job)
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Train (resuming from the newest complete tag of --ckpt-dir if there is one), saving as configured."""
     engine = build(args)
     resumed = None
     if not args.no_save and list_tags(args.ckpt_dir):
@@ -247,7 +265,6 @@ def main() -> None:
                     indent=1,
                 )
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -67,12 +67,13 @@ def torchrun(
     pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{tail}")
 
 
-def gpt_launch(world: int, runs: list[list[str]], attempts: int = 1) -> None:
-    """Several `train_gpt.py` runs, each given as its own arguments, in one launch of `world` ranks: the
-    launch's start-up (imports of torch, DeepSpeed and megatron-core) is paid once, not once per layout."""
-    first, *rest = runs
-    more = [arg for run in rest for arg in ("--each", shlex.join(run))]
-    torchrun(world, *first, *more, worker=GPT_WORKER, attempts=attempts)
+def launch_jobs(world: int, jobs: list[list[str]], worker: Path = GPT_WORKER, attempts: int = 1) -> None:
+    """Several runs of a launch/ script that takes `--each` (train_gpt.py, train_dlrm.py), each given as its own
+    arguments, in one launch of `world` ranks: start-up (imports of torch, DeepSpeed, megatron-core, process
+    groups) is paid once, not once per run."""
+    first, *rest = jobs
+    more = [arg for job in rest for arg in ("--each", shlex.join(job))]
+    torchrun(world, *first, *more, worker=worker, attempts=attempts)
 
 
 def swap_pickle(path: Path, data: bytes) -> None:
@@ -136,5 +137,5 @@ def megatron_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
             for name, (w, layout, logits) in MEGATRON_SOURCES.items()
             if w == world
         ]
-        gpt_launch(world, runs, attempts=2)
+        launch_jobs(world, runs, attempts=2)
     return {name: out / name for name in MEGATRON_SOURCES}

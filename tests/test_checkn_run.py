@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, torch_env, torchrun
+from conftest import ROOT, launch_jobs, torch_env
 
 from ucp_deepspeed.checkn_run.chain import chain, materialize
 from ucp_deepspeed.checkn_run.differential import new_baseline_pays
@@ -34,34 +34,19 @@ CASES = {  # name: (policy, extra options, saved at (dp, zero), resumed at (dp, 
 }
 
 
-def _train(ckpt: Path, policy: str, extra: list[str], dp: int, zero: int, steps: int) -> None:
-    torchrun(
-        dp,
-        "train",
-        "--ckpt-dir",
-        str(ckpt),
-        "--policy",
-        policy,
-        "--zero",
-        str(zero),
-        "--steps",
-        str(steps),
-        "--keep",
-        "10",
-        "--snapshots",
-        *extra,
-        worker=DLRM,
-    )
+def _job(ckpt: Path, policy: str, extra: list[str], zero: int, steps: int) -> list[str]:
+    options = ["--policy", policy, "--zero", str(zero), "--steps", str(steps), "--keep", "10", "--snapshots"]
+    return ["train", "--ckpt-dir", str(ckpt), *options, *extra]
 
 
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """For each case, a checkpoint directory after 8 steps with a save every 2 steps."""
-    out = {}
-    for name, (policy, extra, (dp, zero), _) in CASES.items():
-        ckpt = tmp_path_factory.mktemp(name)
-        _train(ckpt, policy, extra, dp, zero, steps=8)
-        out[name] = ckpt
+    """For each case, a checkpoint directory after 8 steps with a save every 2 steps (one launch: all are
+    saved at dp=2)."""
+    out = {name: tmp_path_factory.mktemp(name) for name in CASES}
+    assert {dp for _, _, (dp, _), _ in CASES.values()} == {2}
+    jobs = [_job(out[name], policy, extra, zero, 8) for name, (policy, extra, (_, zero), _) in CASES.items()]
+    launch_jobs(2, jobs, DLRM)
     return out
 
 
@@ -74,7 +59,7 @@ def test_resume_from_chain_at_another_layout(saved, tmp_path, name):
     policy, extra, _, (dp, zero) = CASES[name]
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved[name], ckpt)
-    _train(ckpt, policy, extra, dp, zero, steps=10)
+    launch_jobs(dp, [_job(ckpt, policy, extra, zero, steps=10)], DLRM)
     before = torch.load(ckpt / "saved_step8.pt", weights_only=False)
     after = torch.load(ckpt / "resumed_step8.pt", weights_only=False)
     assert sorted(before["fp32"]) == sorted(after["fp32"]) and len(before["fp32"]) == 11

@@ -47,7 +47,7 @@ def test_manifest_round_trips_and_reads(tmp_path):
     assert Manifest.decode(raw, "m") == written
     ckpt = UniversalCheckpoint(str(tmp_path))
     assert torch.equal(ckpt.read("w", "exp_avg"), torch.arange(12.0) * 2)
-    assert ckpt.manifest["save_id"] == "abc-1"
+    assert ckpt.manifest.extra["save_id"] == "abc-1"
 
 
 @pytest.mark.parametrize(

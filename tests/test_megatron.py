@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gpt_launch, load_results
+from conftest import launch_jobs, load_results
 from safetensors.torch import load_file
 
 from ucp_deepspeed import CheckpointError, convert
@@ -109,7 +109,7 @@ class Launches:
                 for n, (i, (w, sl, args, names)) in enumerate(LOADS.items())
                 if (w, sl) == (world, slow)
             ]
-            gpt_launch(world, runs)
+            launch_jobs(world, runs)
             self.done.add((world, slow))
         return load_results(self.root / f"{list(LOADS).index(load_id)}.json")
 
@@ -152,7 +152,7 @@ def test_megatron_reshard(launched, request, world, arch, zero, tp, pp, extra, n
 
 def _tensors(root: Path) -> dict[str, dict[str, torch.Tensor]]:
     ckpt = UniversalCheckpoint(str(root))
-    return {name: load_file(str(root / rec["file"])) for name, rec in ckpt.params.items()}
+    return {name: load_file(str(root / rec.file)) for name, rec in ckpt.params.items()}
 
 
 def test_universal_is_independent_of_source_layout(launched, megatron_sources, tmp_path):
@@ -170,8 +170,8 @@ def test_universal_is_independent_of_source_layout(launched, megatron_sources, t
             assert torch.equal(ta[name][key], tb[name][key]), f"{name}/{key}"
     ma, mb = UniversalCheckpoint(str(a)).manifest, UniversalCheckpoint(str(b)).manifest
     for key in ("params", "param_groups", "counters", "buffers"):
-        assert ma[key] == mb[key], key
-    assert ma["source"]["topology"]["tp"] == 2 and mb["source"]["topology"]["tp"] == 1
+        assert getattr(ma, key) == getattr(mb, key), key
+    assert ma.source["topology"]["tp"] == 2 and mb.source["topology"]["tp"] == 1
     assert ta["embedding.word_embeddings.weight"]["fp32"].shape[0] == 70, "vocab padding must be trimmed"
     native = diff(str(megatron_sources["llama-z1-tp2pp2"]), str(resaved))  # the native files, compared directly
     assert native.identical and len(native.states) == 3 * len(ta), native

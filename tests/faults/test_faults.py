@@ -64,7 +64,7 @@ def test_converted_tensors_match_reference(sources, clean_conversion):
             assert torch.equal(ckpt.read(name, key).view(value.shape), ref["state"][f"{name}/{key}"]), (name, key)
     assert torch.equal(ckpt.read("scale", "value").view(-1), ref["lp"]["scale"])
     assert torch.equal(ckpt.read_buffer("calls"), ref["buffers"]["calls"])
-    assert ckpt.manifest["tied"] == {"head.weight": "embed.weight"}
+    assert ckpt.manifest.tied == {"head.weight": "embed.weight"}
 
 
 def test_missing_rank_file(z3_copy):
@@ -134,7 +134,7 @@ def test_missing_metadata_of_a_checkpoint_without_frozen_parameters(sources, tmp
     (dst / TAG / meta_filename(0)).unlink()
     bare = convert(str(dst), output=str(tmp_path / "bare"), progress=False)
     with_meta = convert(str(sources["z2nofrozen"]), output=str(tmp_path / "meta"), progress=False)
-    assert UniversalCheckpoint(bare).manifest["frozen_excluded"] is True
+    assert UniversalCheckpoint(bare).manifest.frozen_excluded is True
     report = diff(bare, with_meta)
     assert report.identical and "scale" not in {s.name for s in report.states}, report
 

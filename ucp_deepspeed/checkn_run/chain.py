@@ -11,17 +11,17 @@ universal checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
-from typing import Any
 
 import torch
 
 from ucp_deepspeed.checkn_run.quantize import dequantize, from_tensors
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import Manifest
+from ucp_deepspeed.format.manifest import Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import INTENT
 from ucp_deepspeed.format.universal import (
@@ -46,12 +46,12 @@ def is_element(tag_dir: str) -> bool:
     return os.path.isfile(os.path.join(tag_dir, MARKER))
 
 
-def read_element(ckpt_dir: str, tag: str) -> dict[str, Any]:
+def read_element(ckpt_dir: str, tag: str) -> Manifest:
     """One chain element's manifest, after checking that every file it lists is there at its size."""
     root = os.path.join(ckpt_dir, tag)
     manifest = read_manifest(root)
     path = os.path.join(root, MANIFEST)
-    if not isinstance(manifest.get("differential"), dict):
+    if not manifest.section("differential"):
         raise CheckpointError(path, "not a Check-N-Run checkpoint (no 'differential' section)")
     for relpath, want in Folder(root, manifest).records.items():
         file = os.path.join(root, relpath)
@@ -64,27 +64,27 @@ def read_element(ckpt_dir: str, tag: str) -> dict[str, Any]:
     return manifest
 
 
-def chain(ckpt_dir: str, tag: str) -> list[tuple[str, dict[str, Any]]]:
+def chain(ckpt_dir: str, tag: str) -> list[tuple[str, Manifest]]:
     """The elements a restore of `tag` needs, baseline first, each checked for presence and size.
 
     Each element's manifest records its own save id and the ids of the elements before it, so an
     element replaced by one from another run (or an older save of the same tag) is refused.
     """
     target = read_element(ckpt_dir, tag)
-    section = target["differential"]
+    section = target.section("differential")
     tags = section.get("chain")
     ids = section.get("chain_ids")
     if not isinstance(tags, list) or not tags or tags[-1] != tag or (ids is not None and len(ids) != len(tags)):
         raise CheckpointError(os.path.join(ckpt_dir, tag, MANIFEST), "malformed chain in the 'differential' section")
     elements = [(t, read_element(ckpt_dir, t) if t != tag else target) for t in tags]
     for i, (t, manifest) in enumerate(elements):
-        if ids is not None and manifest.get("save_id") != ids[i]:
+        if ids is not None and manifest.extra.get("save_id") != ids[i]:
             raise CheckpointError(
                 os.path.join(ckpt_dir, t, MANIFEST),
-                f"is save {manifest.get('save_id')}, but {tag} was written on top of save {ids[i]}: "
+                f"is save {manifest.extra.get('save_id')}, but {tag} was written on top of save {ids[i]}: "
                 "this element was replaced after the chain was written",
             )
-    if elements[0][1]["differential"]["kind"] != "baseline":
+    if elements[0][1].section("differential").get("kind") != "baseline":
         raise CheckpointError(os.path.join(ckpt_dir, tags[0]), "first element of the chain is not a baseline")
     return elements
 
@@ -95,18 +95,18 @@ def require_rows(path: str, rows: torch.Tensor, total: int) -> None:
         raise CheckpointError(path, f"row index is not sorted, unique and within [0, {total})")
 
 
-def crc_problems(ckpt_dir: str, elements: list[tuple[str, dict[str, Any]]]) -> list[str]:
+def crc_problems(ckpt_dir: str, elements: list[tuple[str, Manifest]]) -> list[str]:
     """Files of the chain whose blocks do not match their element's manifest."""
     return [p for tag, manifest in elements for p in Folder(os.path.join(ckpt_dir, tag), manifest).verify()]
 
 
-def _table_rows(
-    folder: Folder, name: str, record: dict[str, Any]
-) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+def _table_rows(folder: Folder, name: str, record: ParamRecord) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """Row index (None: all rows) and fp32 (dequantized) and state values of one table in one element."""
-    handle = folder.file(record["file"])
+    handle = folder.file(record.file)
     path = handle.path
-    table = record["table"]
+    table = record.extra.get("table")
+    if not isinstance(table, dict):
+        raise CheckpointError(path, f"table {name} has no table record in its manifest")
     stored = {k: handle.full(k) for k in handle.keys()}
     rows = stored.pop("rows", None)
     if table["partial"] != (rows is not None):
@@ -114,9 +114,9 @@ def _table_rows(
     if rows is not None:
         require_rows(path, rows, table["rows"])
     count = table["saved_rows"]
-    width = record["shape"][1:]
+    width = record.shape[1:]
     values = {}
-    for key in record["keys"]:
+    for key in record.keys:
         quant = table["quantize"]
         if key == FP32 and quant:
             q = from_tensors(
@@ -143,9 +143,11 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     Every file of the chain is read through its manifest's block CRCs as it is replayed.
     """
     elements = chain(ckpt_dir, tag)
-    fingerprint = [[t, manifest.get("save_id") or _manifest_crc(os.path.join(ckpt_dir, t))] for t, manifest in elements]
+    fingerprint = [
+        [t, manifest.extra.get("save_id") or _manifest_crc(os.path.join(ckpt_dir, t))] for t, manifest in elements
+    ]
     if os.path.isfile(os.path.join(out, MANIFEST)):
-        if read_manifest(out).get("source", {}).get("chain") == fingerprint:
+        if read_manifest(out).source.get("chain") == fingerprint:
             return out
         shutil.rmtree(out)
     folders = [(t, Folder(os.path.join(ckpt_dir, t), manifest), manifest) for t, manifest in elements]
@@ -159,32 +161,37 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     )
     records, params = [], {}
     try:
-        for name, record in target["params"].items():
-            record = dict(record)
-            if "table" in record:
+        for name, record in target.params.items():
+            if "table" in record.extra:
                 full: dict[str, torch.Tensor] = {}
-                for _, folder, manifest in folders:
-                    rows, values = _table_rows(folder, name, manifest["params"][name])
+                for t, folder, manifest in folders:
+                    if name not in manifest.params:
+                        raise CheckpointError(os.path.join(ckpt_dir, t, MANIFEST), f"chain element lacks table {name}")
+                    rows, values = _table_rows(folder, name, manifest.params[name])
                     if rows is None:
                         full = {k: v.clone() for k, v in values.items()}
                     else:
                         for key, value in values.items():
                             full[key][rows] = value
-                record.pop("table")
-                record["file"] = param_file(name)
-                records.append(write_tensors(out, record["file"], full))
+                extra = {k: v for k, v in record.extra.items() if k != "table"}
+                record = dataclasses.replace(record, file=param_file(name), extra=extra)
+                records.append(write_tensors(out, record.file, full))
             else:
-                records.append(copy_checked(here, record["file"], out))
+                records.append(copy_checked(here, record.file, out))
             params[name] = record
         for relpath in (BUFFERS, STATE):
             records.append(copy_checked(here, relpath, out))
     finally:
         for _, folder, _ in folders:
             folder.close()
-    body = {k: v for k, v in target.items() if k not in ("differential", "files", "format", "version", "block_size")}
-    body["params"] = params
-    body["source"] = dict(body["source"], chain=fingerprint, differential=target["differential"])
-    write_manifest(out, Manifest.decode(body, out), records)
+    full_copy = dataclasses.replace(
+        target,
+        params=params,
+        source=dict(target.source, chain=fingerprint, differential=target.section("differential")),
+        extra={k: v for k, v in target.extra.items() if k != "differential"},
+        files={},
+    )
+    write_manifest(out, full_copy, records)
     os.unlink(os.path.join(out, INTENT))
     return out
 

@@ -32,6 +32,7 @@ from ucp_deepspeed.checkn_run.chain import MARKER
 from ucp_deepspeed.checkn_run.live_save import TableSave, check_supported, write_live
 from ucp_deepspeed.checkn_run.quantize import choose_bits
 from ucp_deepspeed.checkn_run.tracking import RowTracker, check_optimizer, find_tables, rows_of
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.universal import atomic_write
 from ucp_deepspeed.runtime.capture import live_params
 
@@ -151,9 +152,9 @@ class DifferentialSaver:
             return "baseline", {}
         return "delta", {m: rows_of(f) for m, f in self.since_baseline.items()}
 
-    def restored(self, manifest: dict[str, Any]) -> None:
+    def restored(self, manifest: Manifest | None) -> None:
         """After a restore from `manifest`: count a lossy restore, and make the next save a baseline."""
-        section = manifest.get("source", {}).get("differential") or {}
+        section = (manifest.source.get("differential") if manifest is not None else None) or {}
         self.restores = int(section.get("restores", 0)) + (1 if section.get("quantize") else 0)
         self.chain, self.chain_ids, self.since_baseline, self.history = [], [], {}, []
         if self.tracker is not None:

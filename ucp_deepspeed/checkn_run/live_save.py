@@ -24,7 +24,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.checkn_run.quantize import quantize
-from ucp_deepspeed.format.manifest import Manifest
+from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import (
     BUFFERS,
@@ -70,7 +70,7 @@ def _state_keys(engine: Any) -> list[str]:
     return []
 
 
-def _param_groups(engine: Any) -> list[dict[str, Any]]:
+def _param_groups(engine: Any) -> tuple[GroupRecord, ...]:
     base = engine.optimizer.optimizer
     groups = []
     for group in base.param_groups:
@@ -80,12 +80,12 @@ def _param_groups(engine: Any) -> list[dict[str, Any]]:
                 scalars = {k: v for k, v in base.state[p].items() if not (torch.is_tensor(v) and v.dim() > 0)}
                 break
         groups.append(
-            {
-                "hyperparams": {k: encode_value(v) for k, v in group.items() if k != "params"},
-                "scalars": {k: encode_value(v) for k, v in scalars.items()},
-            }
+            GroupRecord(
+                {k: encode_value(v) for k, v in group.items() if k != "params"},
+                {k: encode_value(v) for k, v in scalars.items()},
+            )
         )
-    return groups
+    return tuple(groups)
 
 
 def _dtype(p: torch.Tensor) -> str:
@@ -102,38 +102,26 @@ def write_live(
     groups = param_groups(engine)
     placed = live_params(engine)
     records: list[FileRecord] = []
-    params: dict[str, Any] = {}
+    params: dict[str, ParamRecord] = {}
     for p, info in placed.items():
         name = info.name
-        shape = list(info.shape)
+        shape = tuple(info.shape)
         if not p.requires_grad:
             with deepspeed.zero.GatheredParameters([p], enabled=compat.is_zero3_param(p)):
                 value = p.detach().cpu().clone()
             if rank0:
                 records.append(write_tensors(out, param_file(name), {VALUE: value}))
-            params[name] = {
-                "shape": shape,
-                "dtype": _dtype(p),
-                "group": 0,
-                "trainable": False,
-                "file": param_file(name),
-                "keys": [VALUE],
-            }
+            params[name] = ParamRecord(shape, _dtype(p), 0, False, param_file(name), (VALUE,))
             continue
         state = {FP32: safe_get_full_fp32_param(p).detach().cpu().reshape(shape)}
         for key in keys:
             state[key] = safe_get_full_optimizer_state(p, key).detach().cpu().reshape(shape)
-        record = {"shape": shape, "dtype": _dtype(p), "group": groups[p], "trainable": True, "keys": [FP32, *keys]}
-        if name in tables:
-            spec = tables[name]
-            record.update(file=table_file(name), table=_table_record(spec, shape[0]))
-            if rank0:
-                records.append(write_tensors(out, table_file(name), _table_tensors(state, spec)))
-        else:
-            record["file"] = param_file(name)
-            if rank0:
-                records.append(write_tensors(out, param_file(name), state))
-        params[name] = record
+        spec = tables.get(name)
+        file = param_file(name) if spec is None else table_file(name)
+        if rank0:
+            records.append(write_tensors(out, file, state if spec is None else _table_tensors(state, spec)))
+        table = {} if spec is None else {"table": _table_record(spec, shape[0])}
+        params[name] = ParamRecord(shape, _dtype(p), groups[p], True, file, (FP32, *keys), table)
     to_global = namer(engine)
     buffers = dict(engine.module.named_buffers())
     names = compat.buffer_names(engine)
@@ -155,32 +143,30 @@ def write_live(
             },
         )
     )
-    manifest = {
-        "created_by": {
+    manifest = Manifest(
+        created_by={
             "ucp_deepspeed": __version__,
             "deepspeed": package_version("deepspeed"),
             "torch": torch.__version__,
         },
-        "source": {
+        source={
             "path": out,
             "tag": os.path.basename(out),
             "topology": asdict(topology(engine)),
             "versions": {"base_optimizer": type(engine.optimizer.optimizer).__name__},
             "fingerprint": [],
         },
-        "counters": {
+        counters={
             "global_steps": engine.global_steps,
             "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps,
         },
-        "param_groups": _param_groups(engine),
-        "params": params,
-        "buffers": {to_global(n): {"shape": list(buffers[n].shape), "dtype": _dtype(buffers[n])} for n in names},
-        "tied": {},
-        "frozen_excluded": False,
-        **extra,
-    }
-    return write_manifest(out, Manifest.decode(manifest, out), records), sum(r.nbytes for r in records)
+        param_groups=_param_groups(engine),
+        params=params,
+        buffers={to_global(n): BufferRecord(tuple(buffers[n].shape), _dtype(buffers[n])) for n in names},
+        extra=extra,
+    )
+    return write_manifest(out, manifest, records), sum(r.nbytes for r in records)
 
 
 def _table_record(spec: TableSave, total: int) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | N
     want = fingerprint(src)
     intent_path = os.path.join(out, INTENT)
     if is_complete(out):
-        if read_manifest(out).get("source", {}).get("fingerprint") == want:
+        if read_manifest(out).source.get("fingerprint") == want:
             return None
         raise CheckpointError(
             out, "holds a finished conversion of a different checkpoint; remove it or pick another output"

@@ -139,6 +139,19 @@ class Manifest:
     frozen_excluded: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     """Top-level sections outside the core body, kept as they are."""
+    files: dict[str, Any] = field(default_factory=dict)
+    """The file table of a manifest read from disk, in JSON form (`Folder` checks each entry); writers leave it
+    empty, `write_manifest` adds the table of what they wrote."""
+
+    @property
+    def weights_only(self) -> bool:
+        """Whether the checkpoint holds weights without optimizer state (a Hugging Face import)."""
+        return bool(self.extra.get("weights_only"))
+
+    def section(self, name: str) -> dict[str, Any]:
+        """An extension's top-level section (e.g. Check-N-Run's `differential`); empty when absent."""
+        value = self.extra.get(name)
+        return value if isinstance(value, dict) else {}
 
     def encode(self) -> dict[str, Any]:
         """The JSON body (without the envelope `write_manifest` adds)."""
@@ -159,7 +172,7 @@ class Manifest:
         """Parse and validate a manifest read from `where`; a `CheckpointError` naming it when malformed."""
         at = "the manifest"
         try:
-            files = raw.get("files", {})
+            files = _dict(raw.get("files", {}), "files")
             params = {}
             for name, rec in _dict(raw["params"], "params").items():
                 at = f"params.{name}"
@@ -191,6 +204,7 @@ class Manifest:
                 tied,
                 bool(raw.get("frozen_excluded", False)),
                 {k: v for k, v in raw.items() if k not in _BODY and k not in _ENVELOPE},
+                files,
             )
         except KeyError as exc:
             raise CheckpointError(where, f"manifest is malformed: {at} lacks {exc}") from None

@@ -212,8 +212,8 @@ def write_manifest(root: str, manifest: Manifest, records: Iterable[FileRecord])
     return path
 
 
-def read_manifest(root: str) -> dict[str, Any]:
-    """A folder's manifest, parsed and checked for format and version (not yet for its contents)."""
+def read_manifest(root: str) -> Manifest:
+    """A folder's manifest, parsed, checked for format and version, and validated (`Manifest.decode`)."""
     path = os.path.join(root, MANIFEST)
     if not os.path.isfile(path):
         raise CheckpointError(path, "manifest missing: not a universal checkpoint, or an unfinished conversion")
@@ -235,8 +235,7 @@ def read_manifest(root: str) -> dict[str, Any]:
         raise CheckpointError(path, f"block size {manifest.get('block_size')!r}, expected {BLOCK}")
     if not isinstance(manifest.get("files"), dict):
         raise CheckpointError(path, "manifest has no file table")
-    Manifest.decode(manifest, path)
-    return manifest
+    return Manifest.decode(manifest, path)
 
 
 class CheckedFile:
@@ -384,11 +383,11 @@ class CheckedFile:
 class Folder:
     """The files a manifest lists, opened on first use for checked reads."""
 
-    def __init__(self, root: str, manifest: dict[str, Any], verify: bool = True):
+    def __init__(self, root: str, manifest: Manifest, verify: bool = True):
         self.root = os.path.abspath(root)
         self.verify_reads = verify
         where = os.path.join(self.root, MANIFEST)
-        self.records = {p: FileRecord.from_json(p, r, where) for p, r in manifest["files"].items()}
+        self.records = {p: FileRecord.from_json(p, r, where) for p, r in manifest.files.items()}
         self._open: dict[str, CheckedFile] = {}
         self._lock = threading.Lock()
 
@@ -485,7 +484,7 @@ class UniversalCheckpoint:
 
     def __init__(self, root: str, verify: bool = True):
         self.root = os.path.abspath(root)
-        self.manifest: dict[str, Any] = read_manifest(self.root)
+        self.manifest = read_manifest(self.root)
         where = os.path.join(self.root, MANIFEST)
         kind = kind_of(self.root)
         if kind is not None:
@@ -494,19 +493,19 @@ class UniversalCheckpoint:
                 f"a {kind.name} tag, which may hold only part of the state: load it with "
                 "load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`",
             )
-        self.params: dict[str, dict[str, Any]] = dict(self.manifest["params"])  # checked by read_manifest
-        self.buffers: dict[str, dict[str, Any]] = dict(self.manifest["buffers"])
+        self.params = self.manifest.params
+        self.buffers = self.manifest.buffers
         self.folder = Folder(self.root, self.manifest, verify)
 
     def _param_file(self, name: str, key: str) -> CheckedFile:
         record = self.params[name]
-        handle = self.folder.file(record["file"])
-        if key not in record["keys"]:
+        handle = self.folder.file(record.file)
+        if key not in record.keys:
             raise CheckpointError(handle.path, f"{name} has no state {key!r} in the manifest")
         _, shape, _ = handle.header().get(key, (None, None, 0))
-        if shape is None or list(shape) != list(record["shape"]):
+        if shape is None or tuple(shape) != record.shape:
             raise CheckpointError(
-                handle.path, f"{name}:{key} is {shape} in the file, {record['shape']} in the manifest"
+                handle.path, f"{name}:{key} is {shape} in the file, {list(record.shape)} in the manifest"
             )
         return handle
 
@@ -517,7 +516,7 @@ class UniversalCheckpoint:
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """Entries [start, start+length) along `dim` of a parameter state."""
         handle = self._param_file(name, key)
-        shape = self.params[name]["shape"]
+        shape = self.params[name].shape
         if not shape:
             return handle.tensor(key).reshape(1)
         if dim == 0:
@@ -544,7 +543,7 @@ class UniversalCheckpoint:
         total = math.prod(local_shape)
         numel = total - start if numel is None else numel
         pieces = layout.pieces(local_shape, rank, tp)
-        dtype = torch.float32 if key != VALUE else torch_dtype(self.params[name]["dtype"])
+        dtype = torch.float32 if key != VALUE else torch_dtype(self.params[name].dtype)
         if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
             row = math.prod(local_shape[1:])
             kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0

@@ -68,23 +68,24 @@ class Entry:
 def _shape(ckpt: UniversalCheckpoint, heads: int, kv_heads: int | None, max_positions: int | None) -> Shape:
     params = ckpt.params
     layers = 1 + max((int(m.group(1)) for n in params if (m := _LAYER.match(n))), default=-1)
-    vocab, hidden = params["embedding.word_embeddings.weight"]["shape"]
+    vocab, hidden = params["embedding.word_embeddings.weight"].shape
     experts = sum(1 for n in params if _EXPERT_FC2.fullmatch(n))
     fc2 = (
         "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
         if experts
         else "decoder.layers.0.mlp.linear_fc2.weight"
     )
-    ffn = params[fc2]["shape"][1]
+    ffn = params[fc2].shape[1]
     kv_heads = kv_heads or heads
-    qkv_rows = params["decoder.layers.0.self_attention.linear_qkv.weight"]["shape"][0]
+    qkv_rows = params["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0]
     if hidden % heads or heads % kv_heads or qkv_rows != (heads + 2 * kv_heads) * (hidden // heads):
         raise CheckpointError(
             ckpt.root,
             f"{heads} heads and {kv_heads} key/value heads do not fit linear_qkv "
             f"({qkv_rows} rows for hidden size {hidden}); pass --num-heads / --num-kv-heads",
         )
-    positions = params.get("embedding.position_embeddings.weight", {}).get("shape", [max_positions or 4096])[0]
+    position = params.get("embedding.position_embeddings.weight")
+    positions = position.shape[0] if position is not None else max_positions or 4096
     return Shape(layers, hidden, ffn, vocab, heads, kv_heads, max_positions or positions, experts)
 
 
@@ -99,7 +100,7 @@ def entries(arch: str, read: Callable[[str], torch.Tensor], ckpt: UniversalCheck
     for link in links(arch, s.layers, s.experts):
         if link.mcore not in ckpt.params:
             raise CheckpointError(ckpt.root, f"{arch} export needs {link.mcore}, which this checkpoint lacks")
-        shapes = hf_shapes(link, tuple(ckpt.params[link.mcore]["shape"]), heads)
+        shapes = hf_shapes(link, ckpt.params[link.mcore].shape, heads)
         out += [
             Entry(name, shape, functools.partial(make, link, j)) for j, (name, shape) in enumerate(zip(link.hf, shapes))
         ]
@@ -211,8 +212,8 @@ def export_hf(
         if name not in ckpt.params:
             raise CheckpointError(ckpt.root, f"{arch} export needs {name}, which this checkpoint lacks")
         record = ckpt.params[name]
-        key = FP32 if FP32 in record["keys"] else VALUE
-        return ckpt.read(name, key).reshape(record["shape"]).to(torch.float32)
+        key = FP32 if FP32 in record.keys else VALUE
+        return ckpt.read(name, key).reshape(record.shape).to(torch.float32)
 
     tensors = entries(arch, read, ckpt, s)
     shards = plan_shards(tensors, shard_bytes)

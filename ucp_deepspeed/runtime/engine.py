@@ -213,7 +213,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             ckpt = UniversalCheckpoint(load_dir, verify=options.verify)
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
             engine.ucp_last_load = LoadReport(
-                "universal", Topology(**ckpt.manifest["source"]["topology"]).describe(), live_desc(), load_dir
+                "universal", Topology(**ckpt.manifest.source["topology"]).describe(), live_desc(), load_dir
             )
             return load_dir, client
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
@@ -233,7 +233,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             if saver is not None:
                 saver.restored(ckpt.manifest)
             engine.ucp_last_load = LoadReport(
-                kind.name, Topology(**ckpt.manifest["source"]["topology"]).describe(), live_desc(), ckpt.root, kind.name
+                kind.name, Topology(**ckpt.manifest.source["topology"]).describe(), live_desc(), ckpt.root, kind.name
             )
             tdist.barrier()
             return os.path.join(load_dir, tag), client

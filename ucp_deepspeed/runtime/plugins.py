@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ucp_deepspeed.format.manifest import Manifest
+
 
 class Saver(Protocol):
     """Writes checkpoints in place of DeepSpeed's `save_checkpoint`."""
@@ -30,7 +32,7 @@ class Saver(Protocol):
     ) -> Any:
         """Write checkpoint `tag` (collective)."""
 
-    def restored(self, manifest: dict[str, Any] | None) -> None:
+    def restored(self, manifest: Manifest | None) -> None:
         """After a load: `manifest` of the restored tag when it was one of this saver's, else None."""
 
 

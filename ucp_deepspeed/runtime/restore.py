@@ -42,25 +42,26 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
         except ValueError as exc:
             problems.append(f"{info.name}: {exc}")
             continue
-        if rec["shape"] != shape:
+        stored = list(rec.shape)
+        if stored != shape:
             hint = ""
             if (
                 info.layout.is_split
-                and len(shape) == len(rec["shape"])
-                and [d for d in range(len(shape)) if shape[d] != rec["shape"][d]] == [info.layout.dim]
+                and len(shape) == len(stored)
+                and [d for d in range(len(shape)) if shape[d] != stored[d]] == [info.layout.dim]
             ):
                 hint = " (if this is vocabulary padding, set checkpoint.universal.vocab_size to the unpadded size)"
-            problems.append(f"{info.name}: checkpoint shape {rec['shape']}, model shape {shape}{hint}")
-        elif rec["trainable"] != p.requires_grad:
-            problems.append(f"{info.name}: trainable={rec['trainable']} in checkpoint, {p.requires_grad} in model")
+            problems.append(f"{info.name}: checkpoint shape {stored}, model shape {shape}{hint}")
+        elif rec.trainable != p.requires_grad:
+            problems.append(f"{info.name}: trainable={rec.trainable} in checkpoint, {p.requires_grad} in model")
         elif (
             not stage3
             and p.requires_grad
             and id(p) in live_groups
-            and rec["group"] != live_groups[id(p)]
-            and not ckpt.manifest.get("weights_only")
+            and rec.group != live_groups[id(p)]
+            and not ckpt.manifest.weights_only
         ):
-            problems.append(f"{info.name}: param group {rec['group']} in checkpoint, {live_groups[id(p)]} in model")
+            problems.append(f"{info.name}: param group {rec.group} in checkpoint, {live_groups[id(p)]} in model")
     sizes = expert_groups(engine)
     for block in expert_blocks(engine.module):
         saved = {block.expert_of(n) for n in ckpt.params if block.expert_of(n) is not None}
@@ -74,12 +75,10 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
     missing_buffers = sorted({to_global(n) for n in compat.buffer_names(engine)} - set(ckpt.buffers))
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
-    if len(ckpt.manifest["param_groups"]) != len(engine.optimizer.optimizer.param_groups) and not ckpt.manifest.get(
-        "weights_only"
-    ):
+    saved_groups = len(ckpt.manifest.param_groups)
+    if saved_groups != len(engine.optimizer.optimizer.param_groups) and not ckpt.manifest.weights_only:
         problems.append(
-            f"{len(ckpt.manifest['param_groups'])} param groups in checkpoint, "
-            f"{len(engine.optimizer.optimizer.param_groups)} in optimizer"
+            f"{saved_groups} param groups in checkpoint, {len(engine.optimizer.optimizer.param_groups)} in optimizer"
         )
     return problems, names
 
@@ -95,7 +94,7 @@ def check_compatible(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn
     problems = list(dict.fromkeys(p for part, _ in everyone for p in part))
     all_names = {n for _, part in everyone for n in part}
     frozen = {info.name for p, info in live.items() if not p.requires_grad}
-    skipped = frozen if ckpt.manifest.get("frozen_excluded") else set()  # saved with exclude_frozen_parameters
+    skipped = frozen if ckpt.manifest.frozen_excluded else set()  # saved with exclude_frozen_parameters
     missing = sorted(all_names - set(ckpt.params) - skipped)
     extra = sorted(set(ckpt.params) - all_names)
     if missing:
@@ -118,24 +117,24 @@ def _apply_group_state(
 ) -> None:
     if not load_optimizer_states:
         return
-    record = ckpt.manifest["param_groups"][group_index]
+    record = ckpt.manifest.param_groups[group_index]
     state = opt.optimizer.state[flat]
     state.clear()
-    state.update({k: decode_value(v) for k, v in record["scalars"].items()})
+    state.update({k: decode_value(v) for k, v in record.scalars.items()})
     state.update(bufs)
 
 
 def _apply_hyperparams(opt: Any, ckpt: UniversalCheckpoint) -> None:
-    for group, record in zip(opt.optimizer.param_groups, ckpt.manifest["param_groups"]):
-        for key, value in (record["hyperparams"] or {}).items():
+    for group, record in zip(opt.optimizer.param_groups, ckpt.manifest.param_groups):
+        for key, value in (record.hyperparams or {}).items():
             if key not in _NON_PARAM_KEYS:
                 group[key] = decode_value(value)
 
 
 def _state_keys(ckpt: UniversalCheckpoint) -> list[str]:
     for rec in ckpt.params.values():
-        if rec["trainable"]:
-            return [k for k in rec["keys"] if k != FP32]
+        if rec.trainable:
+            return [k for k in rec.keys if k != FP32]
     return []
 
 
@@ -218,7 +217,7 @@ def _restore_module_extras(engine: Any, ckpt: UniversalCheckpoint, live: dict[to
 
 
 def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_scheduler_states: bool) -> dict[str, Any]:
-    counters = ckpt.manifest["counters"]
+    counters = ckpt.manifest.counters
     engine.global_steps = counters.get("global_steps", engine.global_steps)
     engine.global_samples = counters.get("global_samples", engine.global_samples)
     engine.skipped_steps = counters.get("skipped_steps", engine.skipped_steps)
@@ -246,7 +245,7 @@ def restore(
     live = live_params(engine)
     check_compatible(engine, ckpt, live)
     # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
-    load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.get("weights_only")
+    load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.weights_only
     stage3 = int(engine.zero_optimization_stage()) == 3
 
     def read_everything() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from ucp_deepspeed.checkn_run.chain import read_element
 from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.paths import locate
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.hf.export import export_hf
@@ -32,52 +33,45 @@ def _size(nbytes: float) -> str:
     return ""
 
 
-def _param_summaries(manifest: dict[str, Any], with_table: bool = False) -> dict[str, dict[str, Any]]:
-    """Each parameter's shape, dtype, keys and file size, from a manifest (and its Check-N-Run table entry)."""
-    out = {}
-    for name, r in manifest["params"].items():
-        keep = ("shape", "dtype", "keys", "trainable")
-        out[name] = {**{k: r[k] for k in keep}, "bytes": manifest["files"][r["file"]]["bytes"]}
-        if with_table:
-            out[name]["table"] = r.get("table")
-    return out
+def _manifest_summary(kind: str, path: str, m: Manifest) -> dict[str, Any]:
+    """What a manifest says a universal folder or Check-N-Run tag holds: each parameter's shape, dtype, keys and
+    file size (and its Check-N-Run table entry), counters, groups, buffers and files."""
+    params = {}
+    for name, r in m.params.items():
+        params[name] = {
+            "shape": list(r.shape),
+            "dtype": r.dtype,
+            "keys": list(r.keys),
+            "trainable": r.trainable,
+            "bytes": m.files[r.file]["bytes"],
+        }
+        if kind == "check-n-run":
+            params[name]["table"] = r.extra.get("table")
+    summary = {
+        "kind": kind,
+        "path": path,
+        "source_topology": m.source["topology"],
+        "counters": m.counters,
+        "param_groups": len(m.param_groups),
+        "params": params,
+        "buffers": list(m.buffers),
+        "tied": m.tied,
+        "total_bytes": sum(f["bytes"] for f in m.files.values()),
+        "files": len(m.files),
+    }
+    if kind == "check-n-run":
+        summary["differential"] = m.section("differential")
+    return summary
 
 
 def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
     """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only."""
     found = locate(path, tag)
     if found.kind == "checkn_run" and found.tag is not None:
-        m = read_element(found.root, found.tag)
-        params = _param_summaries(m, with_table=True)
-        return {
-            "kind": "check-n-run",
-            "path": found.path,
-            "source_topology": m["source"]["topology"],
-            "counters": m["counters"],
-            "param_groups": len(m["param_groups"]),
-            "params": params,
-            "buffers": list(m["buffers"]),
-            "tied": m["tied"],
-            "differential": m["differential"],
-            "total_bytes": sum(f["bytes"] for f in m["files"].values()),
-            "files": len(m["files"]),
-        }
+        return _manifest_summary("check-n-run", found.path, read_element(found.root, found.tag))
     if found.kind == "universal":
         ckpt = UniversalCheckpoint(found.path)
-        m = ckpt.manifest
-        params = _param_summaries(m)
-        return {
-            "kind": "universal",
-            "path": ckpt.root,
-            "source_topology": m["source"]["topology"],
-            "counters": m["counters"],
-            "param_groups": len(m["param_groups"]),
-            "params": params,
-            "buffers": list(ckpt.buffers),
-            "tied": m["tied"],
-            "total_bytes": sum(f["bytes"] for f in m["files"].values()),
-            "files": len(m["files"]),
-        }
+        return _manifest_summary("universal", ckpt.root, ckpt.manifest)
     if found.kind == "ds_universal":
         raise CheckpointError(
             found.path,

@@ -19,13 +19,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ucp_deepspeed.convert.core import assemble, build_manifest
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.paths import locate
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.sources import NativeCheckpoint
@@ -70,8 +70,8 @@ class DiffReport:
 
 
 @contextlib.contextmanager
-def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], Reader]]:
-    """(manifest-shaped summary, read(name, key)) for any kind of checkpoint."""
+def opened(path: str, tag: str | None = None) -> Iterator[tuple[Manifest, Reader]]:
+    """(manifest, read(name, key)) for any kind of checkpoint; a native tag's is the one a conversion would write."""
     found = locate(path, tag)
     kind = kind_of(found.path) if found.tag else None
     if kind is not None and found.tag is not None:  # e.g. a Check-N-Run chain, replayed into a scratch universal folder
@@ -88,7 +88,7 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], 
         def read_universal(name: str, key: str) -> torch.Tensor:
             if name in ckpt.buffers:
                 return ckpt.read_buffer(name)
-            return ckpt.read(name, key).reshape(ckpt.params[name]["shape"])
+            return ckpt.read(name, key).reshape(ckpt.params[name].shape)
 
         yield ckpt.manifest, read_universal
         return
@@ -102,15 +102,15 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[dict[str, Any], 
             t = tensors[name]
             return assemble(src, t, key) if t.kind == "param" else assemble(src, t)
 
-        yield build_manifest(src).encode(), read_native
+        yield build_manifest(src), read_native
         src.check_reads()  # what was compared must be what was saved
     finally:
         src.close()
 
 
-def _entries(manifest: dict[str, Any]) -> dict[tuple[str, str], None]:
-    out = {(name, key): None for name, rec in manifest["params"].items() for key in rec["keys"]}
-    out.update({(name, "buffer"): None for name in manifest["buffers"]})
+def _entries(manifest: Manifest) -> dict[tuple[str, str], None]:
+    out = {(name, key): None for name, rec in manifest.params.items() for key in rec.keys}
+    out.update({(name, "buffer"): None for name in manifest.buffers})
     return out
 
 
@@ -129,19 +129,21 @@ def _compare(name: str, key: str, a: torch.Tensor, b: torch.Tensor) -> StateDiff
     )
 
 
-def _value_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def _value_differences(a: Manifest, b: Manifest) -> list[str]:
     out = []
-    for key in sorted(set(a["counters"]) | set(b["counters"])):
-        if a["counters"].get(key) != b["counters"].get(key):
-            out.append(f"counter {key}: {a['counters'].get(key)} vs {b['counters'].get(key)}")
-    if len(a["param_groups"]) != len(b["param_groups"]):
-        out.append(f"param groups: {len(a['param_groups'])} vs {len(b['param_groups'])}")
-    for i, (ga, gb) in enumerate(zip(a["param_groups"], b["param_groups"])):
-        for part in ("hyperparams", "scalars"):
-            va, vb = ga.get(part) or {}, gb.get(part) or {}
+    for key in sorted(set(a.counters) | set(b.counters)):
+        if a.counters.get(key) != b.counters.get(key):
+            out.append(f"counter {key}: {a.counters.get(key)} vs {b.counters.get(key)}")
+    if len(a.param_groups) != len(b.param_groups):
+        out.append(f"param groups: {len(a.param_groups)} vs {len(b.param_groups)}")
+    for i, (ga, gb) in enumerate(zip(a.param_groups, b.param_groups)):
+        for part, va, vb in (
+            ("hyperparam", ga.hyperparams or {}, gb.hyperparams or {}),
+            ("scalar", ga.scalars, gb.scalars),
+        ):
             for key in sorted(set(va) | set(vb)):
                 if va.get(key) != vb.get(key):
-                    out.append(f"param group {i} {part[:-1]} {key}: {va.get(key)} vs {vb.get(key)}")
+                    out.append(f"param group {i} {part} {key}: {va.get(key)} vs {vb.get(key)}")
     return out
 
 
