@@ -6,7 +6,8 @@
                                              row-parallel linears and vocab-parallel embedding
     save ... --ep 2                          DeepSpeed MoE blocks of 4 experts, 2 expert-parallel ranks
     load --params-m 300 --zero 2 --source DIR  time engine.load_checkpoint (native or resharded); with
-                                             --plain, DeepSpeed's own load without our checks
+                                             --plain, DeepSpeed's own load without our checks; --each
+                                             'ARGS' adds another load to the launch
     async --params-m 300 --out DIR           how long a synchronous save stalls training (with and
                                              without syncing it to disk), against an asynchronous one
                                              (which syncs in the background), and a training step
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -197,7 +200,16 @@ def main() -> None:
     parser.add_argument(
         "--ep", type=int, default=0, help="DeepSpeed MoE blocks (4 experts) at this expert-parallel size"
     )
+    parser.add_argument(
+        "--each",
+        action="append",
+        default=[],
+        metavar="'ARGS'",
+        help="load: one more timed load in the same launch, given as its own quoted arguments (a fresh engine)",
+    )
     args = parser.parse_args()
+    if args.each and args.mode != "load":
+        parser.error("--each is for load")
     deepspeed.init_distributed(dist_backend="gloo")
     if args.tp > 1:
         from megatron.core import parallel_state
@@ -247,20 +259,29 @@ def main() -> None:
         layers, hidden, vocab = shape_for(args.params_m, experts)
         gates = EXPERTS * hidden if args.ep else 0
         result["params"] = vocab * hidden + layers * (experts * (8 * hidden * hidden + 5 * hidden) + gates) + 2 * hidden
-    elif args.plain:  # DeepSpeed's own load with none of our checks: what they cost is measured against it
-        engine = build(args)
-        ce = engine.checkpoint_engine
-        del ce.load  # the guarded load is an attribute of the instance; the class's is DeepSpeed's
-        result["load_s"] = timed(lambda: deepspeed.DeepSpeedEngine.load_checkpoint(engine, args.source))
-        result["mode"] = "plain"
     else:
-        engine = build(args)
-        result["load_s"] = timed(lambda: engine.load_checkpoint(args.source))
-        result["mode"] = engine.ucp_last_load.mode
-    if dist.get_rank() == 0:
+        results = []
+        for run in [args] + [parser.parse_args(shlex.split(more)) for more in args.each]:
+            results.append(load(run))
+            gc.collect()  # one engine's state at a time, at any size
+        if dist.get_rank() == 0:
+            for one in results:
+                print("RESULT " + json.dumps(one), flush=True)
+    if args.mode != "load" and dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def load(args: argparse.Namespace) -> dict:
+    """Time one load into a fresh engine: ours, or with --plain DeepSpeed's own."""
+    engine = build(args)
+    if args.plain:  # DeepSpeed's own load with none of our checks: what they cost is measured against it
+        ce = engine.checkpoint_engine
+        del ce.load  # the guarded load is an attribute of the instance; the class's is DeepSpeed's
+        seconds = timed(lambda: deepspeed.DeepSpeedEngine.load_checkpoint(engine, args.source))
+        return {"load_s": seconds, "mode": "plain"}
+    return {"load_s": timed(lambda: engine.load_checkpoint(args.source)), "mode": engine.ucp_last_load.mode}
 
 
 if __name__ == "__main__":

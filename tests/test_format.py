@@ -3,6 +3,7 @@ one is refused with a `CheckpointError` naming the file, never a `KeyError` insi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -44,7 +45,9 @@ def _folder(root) -> Manifest:
 def test_manifest_round_trips_and_reads(tmp_path):
     written = _folder(tmp_path)
     raw = json.loads((tmp_path / MANIFEST).read_text())
-    assert Manifest.decode(raw, "m") == written
+    read = Manifest.decode(raw, "m")
+    assert dataclasses.replace(read, files={}) == written
+    assert sorted(read.files) == sorted(raw["files"]) == [BUFFERS, param_file("w"), STATE]
     ckpt = UniversalCheckpoint(str(tmp_path))
     assert torch.equal(ckpt.read("w", "exp_avg"), torch.arange(12.0) * 2)
     assert ckpt.manifest.extra["save_id"] == "abc-1"
