@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, launch_jobs, torch_env
 
 from ucp_deepspeed.checkn_run.chain import chain, materialize
-from ucp_deepspeed.checkn_run.differential import new_baseline_pays
+from ucp_deepspeed.checkn_run.differential import DifferentialSaver, new_baseline_pays
 from ucp_deepspeed.checkn_run.quantize import dequantize, quantize
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.sources.tags import prune, resume_tag
@@ -199,3 +199,13 @@ def test_reused_full_copy_and_replaced_elements_are_caught(saved, tmp_path, caps
     shutil.copytree(saved["intermittent"] / "global_step2", ckpt / "global_step2")  # another run's baseline
     with pytest.raises(CheckpointError, match="was replaced after the chain was written"):
         chain(str(ckpt), "global_step8")
+
+
+def test_a_load_that_is_not_a_chain_restarts_the_chain():
+    """`load_checkpoint` of a plain tag or universal folder tells the saver `restored(None)`: the next save must
+    be a baseline, and no lossy restore is counted (it used to fail on None)."""
+    saver = DifferentialSaver.__new__(DifferentialSaver)  # the state restored() touches, without an engine
+    saver.tracker, saver.chain, saver.chain_ids, saver.restores = None, ["global_step2"], ["run-1"], 2
+    saver.since_baseline, saver.history = {}, [0.1]
+    saver.restored(None)
+    assert (saver.chain, saver.chain_ids, saver.history, saver.restores) == ([], [], [], 0)

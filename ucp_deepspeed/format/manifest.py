@@ -1,4 +1,4 @@
-"""The manifest's body as frozen dataclasses: every writer builds one, every reader validates one.
+"""The manifest as frozen dataclasses: every writer builds one, every reader gets a validated one.
 
 `manifest.json` is the universal folder's commit marker (see `universal.py`). Its body says what the
 checkpoint holds; `write_manifest` adds the format name, version, block size and file table.
