@@ -53,7 +53,7 @@ def launch(args: argparse.Namespace, jobs: list[tuple[Path, list[str]]]) -> list
         *first,
         *(arg for run in rest for arg in ("--each", shlex.join(run))),
     ]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800 * len(jobs))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return [json.loads(_results(ckpt, i).read_text()) for i, (ckpt, _) in enumerate(jobs)]
@@ -74,9 +74,10 @@ def chain_bytes(ckpt: Path, tag: str) -> int:
 
 
 def storage(args: argparse.Namespace, work: Path, report: dict) -> None:
+    """One launch per policy: its checkpoints (every bit width) are measured and removed before the next."""
     steps = args.interval * args.checkpoints
-    jobs, names = [], []
     for policy in POLICIES:
+        jobs, names = [], []
         for bits in BITS:
             name = f"{policy}-{bits or 32}"
             shutil.rmtree(work / name, ignore_errors=True)
@@ -85,16 +86,16 @@ def storage(args: argparse.Namespace, work: Path, report: dict) -> None:
             extra += ["--bits", str(bits), "--method", "adaptive"] if bits else []
             print(f"== {name}", flush=True)
             jobs.append((work / name, extra))
-            names.append((name, policy, bits))
-    for (name, policy, bits), run in zip(names, launch(args, jobs)):
-        report["storage"][name] = {
-            "policy": policy,
-            "bits": bits,
-            "saves": run["saves"],
-            "written": sum(s["bytes"] for s in run["saves"]),
-            "held": chain_bytes(work / name, f"global_step{steps}"),
-        }
-        shutil.rmtree(work / name)
+            names.append((name, bits))
+        for (name, bits), run in zip(names, launch(args, jobs)):
+            report["storage"][name] = {
+                "policy": policy,
+                "bits": bits,
+                "saves": run["saves"],
+                "written": sum(s["bytes"] for s in run["saves"]),
+                "held": chain_bytes(work / name, f"global_step{steps}"),
+            }
+            shutil.rmtree(work / name)
 
 
 def tracking(args: argparse.Namespace, work: Path, report: dict) -> None:

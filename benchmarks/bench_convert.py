@@ -33,7 +33,7 @@ from docs_table import update_doc  # benchmarks/docs_table.py, next to this scri
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "synthetic.py"
-DP = 4
+RANKS = 4  # ranks that save each source (--ranks)
 
 
 def env() -> dict[str, str]:
@@ -218,6 +218,7 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     report["machine"] = {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)}
+    ranks = report["ranks"] = args.ranks
     specs = []
     for spec in args.sources.split(","):
         layout, size = spec.split(":")
@@ -229,12 +230,12 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
         (z, tp, ep): max(s for stage, t, e, s in specs if (stage, t, e) == (z, tp, ep)) for z, tp, ep, _ in specs
     }
     for zero, tp, ep, size in specs:
-        name = f"z{zero}-{f'tp{tp}-' if tp > 1 else ''}{f'moe-ep{ep}-' if ep else ''}dp{DP // tp}-{size:g}M"
+        name = f"z{zero}-{f'tp{tp}-' if tp > 1 else ''}{f'moe-ep{ep}-' if ep else ''}dp{ranks // tp}-{size:g}M"
         ckpt = work / name
         shutil.rmtree(ckpt, ignore_errors=True)
         print(f"== saving {name}", flush=True)
         (saved,) = torchrun(
-            DP,
+            ranks,
             "save",
             "--params-m",
             str(size),
@@ -282,14 +283,16 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
                 variants.update(
                     native_plain=("--zero", "1", "--plain"), resharded_no_verify=("--zero", "2", "--verify", "0")
                 )
-            # one launch: a first load converts (timed loads reuse the copy), then the timed loads, each into a
-            # fresh engine, alternating so that a slow moment of the machine hits all alike
+            # one launch: an untimed warm-up load (it reuses the conversion `ours` left), then the timed loads,
+            # each into a fresh engine, alternating so that a slow moment of the machine hits all alike
             order = [key for _ in range(1 if args.smoke else 3) for key in variants]
             jobs = [[*load, *variants[key]] for key in order]
             if not args.smoke:
                 jobs.insert(0, [*load, "--zero", "2"])
             first, *rest = jobs
-            results = torchrun(DP, *first, *(arg for job in rest for arg in ("--each", shlex.join(job))))
+            results = torchrun(ranks, *first, *(arg for job in rest for arg in ("--each", shlex.join(job))))
+            if len(results) != len(jobs):
+                raise RuntimeError(f"{len(jobs)} loads in one launch printed {len(results)} results")
             runs: dict[str, list[float]] = {k: [] for k in variants}
             for key, result in zip(order, results[len(jobs) - len(order) :]):
                 runs[key].append(result["load_s"])
@@ -308,7 +311,7 @@ def best(entries: dict) -> tuple[str, dict] | None:
 def table(report: dict) -> str:
     lines = [
         f"Machine: {report['machine']['cpus']} cores, {report['machine']['mem_gb']} GiB RAM; sources saved by "
-        f"{DP} ranks with fp32 AdamW; warm page cache. `ours` is `ucp convert` (threads), `DeepSpeed` is "
+        f"{report['ranks']} ranks with fp32 AdamW; warm page cache. `ours` is `ucp convert` (threads), `DeepSpeed` is "
         "`python -m deepspeed.checkpoint.ds_to_universal` at its fastest worker setting (extract/merge).",
         "",
         "| source | state | ours: time (workers) | DeepSpeed: time (workers) | ratio | ours: peak RSS | "
@@ -343,7 +346,7 @@ def table(report: dict) -> str:
         lines += [
             "",
             "The tensor-parallel source is the same model built from megatron-core's vocab-parallel "
-            "embedding and column/row-parallel linears, saved at TP=2 x DP=2. It carries no "
+            f"embedding and column/row-parallel linears, saved at TP=2 x DP={report['ranks'] // 2}. It carries no "
             "`universal_checkpoint_info`, so `ds_to_universal` (with `--inject_missing_state`) has no TP "
             "layout to go by; its result is shown as it came. Ours merges each parameter by the layout read "
             "from megatron-core's parameter attributes.",
@@ -375,7 +378,7 @@ def table(report: dict) -> str:
         native = loads["native"]["load_s"]
         lines += [
             "",
-            f"Load of the largest ZeRO-1 source by {DP} ranks: native same-topology load {native:.1f} s; "
+            f"Load of the largest ZeRO-1 source by {report['ranks']} ranks: native same-topology load {native:.1f} s; "
             f"resharded load at ZeRO-2 from the converted copy {loads['resharded']['load_s']:.1f} s "
             f"({loads['resharded']['load_s'] / native:.2f}x), every block it reads checked.",
         ]
@@ -416,8 +419,8 @@ def integrity_table(report: dict) -> str:
     ]
     lines = [
         f"Measured ({time.strftime('%Y-%m-%d')}) on the {name} source ({e['params'] / 1e6:.0f}M parameters, "
-        f"{gb(e['source_bytes'])}, {DP} ranks), each with and without the checks in the same run; loads are "
-        "medians of 3 alternating runs:",
+        f"{gb(e['source_bytes'])}, {report['ranks']} ranks), each with and without the checks in the same run; "
+        "loads are medians of 3 alternating runs:",
         "",
         "| operation | with the checks | without | ratio | baseline |",
         "|---|---|---|---|---|",
@@ -437,14 +440,15 @@ def main() -> None:
         "ds_to_universal setting",
     )
     parser.add_argument("--work", default="/tmp/ucp_bench")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on 2 ranks, for CI")
+    parser.add_argument("--ranks", type=int, default=RANKS, help="ranks that save each source (data-parallel x TP)")
     parser.add_argument("--keep", action="store_true", help="keep the source checkpoints")
     parser.add_argument("--merge", action="store_true", help="add to benchmarks/results.json instead of replacing it")
     parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args()
     results = ROOT / "benchmarks" / "results.json"
-    if args.smoke:
-        args.sources = "z1:0.5,z3:0.5,z1tp2:0.5,z1ep2:0.5"
+    if args.smoke:  # every kind of source and every tool, at the smallest size and world that show they work
+        args.sources, args.ranks = "z1:0.5,z3:0.5,z1tp2:0.5,z1ep2:0.5", 2
     report = json.loads(results.read_text()) if args.merge and results.exists() else {}
 
     def save(partial: dict) -> None:

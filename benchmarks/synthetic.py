@@ -208,8 +208,9 @@ def main() -> None:
         help="load: one more timed load in the same launch, given as its own quoted arguments (a fresh engine)",
     )
     args = parser.parse_args()
-    if args.each and args.mode != "load":
-        parser.error("--each is for load")
+    loads = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
+    if args.each and any(run.mode != "load" or run.tp != args.tp or (run.each and run is not args) for run in loads):
+        parser.error("--each adds loads at the first run's --tp, and cannot nest")
     deepspeed.init_distributed(dist_backend="gloo")
     if args.tp > 1:
         from megatron.core import parallel_state
@@ -261,7 +262,7 @@ def main() -> None:
         result["params"] = vocab * hidden + layers * (experts * (8 * hidden * hidden + 5 * hidden) + gates) + 2 * hidden
     else:
         results = []
-        for run in [args] + [parser.parse_args(shlex.split(more)) for more in args.each]:
+        for run in loads:
             results.append(load(run))
             gc.collect()  # one engine's state at a time, at any size
         if dist.get_rank() == 0:

@@ -73,7 +73,7 @@ def launch_jobs(world: int, jobs: list[list[str]], worker: Path = GPT_WORKER, at
     groups) is paid once, not once per run."""
     first, *rest = jobs
     more = [arg for job in rest for arg in ("--each", shlex.join(job))]
-    torchrun(world, *first, *more, worker=worker, attempts=attempts)
+    torchrun(world, *first, *more, worker=worker, attempts=attempts, timeout=120 + 180 * len(jobs))
 
 
 def swap_pickle(path: Path, data: bytes) -> None:

@@ -39,7 +39,7 @@ def run_benchmark(script: str, *args: str, capsys: pytest.CaptureFixture) -> str
 
 def test_benchmark_smoke(tmp_path, capsys):
     output = run_benchmark("bench_convert.py", "--work", str(tmp_path), capsys=capsys)
-    for source in ("z1-dp4-0.5M", "z3-dp4-0.5M", "z1-tp2-dp2-0.5M", "z1-moe-ep2-dp4-0.5M"):
+    for source in ("z1-dp2-0.5M", "z3-dp2-0.5M", "z1-tp2-dp1-0.5M", "z1-moe-ep2-dp2-0.5M"):
         assert f"| {source} (" in output, source
     assert "resharded load at ZeRO-2" in output
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, launch_jobs, torch_env
+from conftest import ROOT, launch_jobs
 
 from ucp_deepspeed.checkn_run.chain import chain, materialize
 from ucp_deepspeed.checkn_run.differential import DifferentialSaver, new_baseline_pays
@@ -132,47 +130,16 @@ def test_retention_keeps_what_the_kept_deltas_need(saved, tmp_path):
     assert [t for t, _ in chain(str(ckpt), "global_step8")] == ["global_step2", "global_step8"]
 
 
-def test_inspect_shows_the_chain_and_convert_materializes(saved, tmp_path):
+def test_inspect_shows_the_chain_and_convert_materializes(saved, tmp_path, capsys):
+    from ucp_deepspeed.tools.cli import main as cli_main
+
     ckpt = saved["incremental"]
-    shown = subprocess.run(
-        [sys.executable, "-m", "ucp_deepspeed.tools.cli", "inspect", str(ckpt / "global_step8")],
-        env=torch_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert shown.returncode == 0, shown.stderr
-    assert (
-        "delta (incremental)" in shown.stdout
-        and "global_step2 -> global_step4 -> global_step6 -> global_step8" in shown.stdout
-    )
+    assert cli_main(["inspect", str(ckpt / "global_step8")]) == 0
+    shown = capsys.readouterr().out
+    assert "delta (incremental)" in shown and "global_step2 -> global_step4 -> global_step6 -> global_step8" in shown
     out = tmp_path / "full"
-    made = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ucp_deepspeed.tools.cli",
-            "convert",
-            str(ckpt),
-            "--tag",
-            "global_step8",
-            "--output",
-            str(out),
-        ],
-        env=torch_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert made.returncode == 0, made.stderr
-    verify = subprocess.run(
-        [sys.executable, "-m", "ucp_deepspeed.tools.cli", "verify", str(out)],
-        env=torch_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert cli_main(["convert", str(ckpt), "--tag", "global_step8", "--output", str(out), "--no-progress"]) == 0
+    assert cli_main(["verify", str(out)]) == 0, capsys.readouterr()
 
 
 def test_reused_full_copy_and_replaced_elements_are_caught(saved, tmp_path, capsys):

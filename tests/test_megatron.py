@@ -91,11 +91,13 @@ class Launches:
     """Every load of one world size (slow ones apart) runs in one launch, the first time a test asks for one."""
 
     def __init__(self, sources: dict[str, Path], root: Path):
-        self.sources, self.root, self.done = sources, root, set()
+        self.sources, self.root = sources, root
+        self.done: dict[tuple[int, bool], str | None] = {}  # launch -> its failure, if it failed
 
     def results(self, load_id: str) -> list[dict]:
         world, slow, _, _ = LOADS[load_id]
         if (world, slow) not in self.done:
+            self.done[world, slow] = "the shared launch did not finish"  # a failed launch is not run again
             runs = [
                 [
                     "load",
@@ -109,8 +111,15 @@ class Launches:
                 for n, (i, (w, sl, args, names)) in enumerate(LOADS.items())
                 if (w, sl) == (world, slow)
             ]
-            launch_jobs(world, runs)
-            self.done.add((world, slow))
+            try:
+                launch_jobs(world, runs)
+            except BaseException as exc:
+                self.done[world, slow] = f"the shared launch of world size {world} failed:\n{exc}"[-6000:]
+                raise
+            self.done[world, slow] = None
+        failure = self.done[world, slow]
+        if failure is not None:
+            pytest.fail(failure)
         return load_results(self.root / f"{list(LOADS).index(load_id)}.json")
 
 

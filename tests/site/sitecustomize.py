@@ -4,6 +4,10 @@ test session measured once.
 DeepSpeed's CPU op builders call `cpuinfo.get_cpu_info()` each time an op loads (the shm comm op at every
 engine, cpu_adam with offload); py-cpuinfo runs it in a subprocess, about 1.2 s a call. Every rank of every
 test launch paid it again for the same machine. The library and the launch scripts are unchanged.
+
+Being first on PYTHONPATH, this file hides any other `sitecustomize` in test launches (the virtualenv of
+`.ci/install` has none). The probe passes through JSON, so its tuples come back as lists; DeepSpeed reads only
+`arch`, `flags` and `vendor_id_raw`.
 """
 
 from __future__ import annotations
