@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from bench_convert import env  # benchmarks/bench_convert.py, next to this script
+from bench_convert import each, env  # benchmarks/bench_convert.py, next to this script
 from docs_table import update_doc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +41,6 @@ def launch(args: argparse.Namespace, jobs: list[tuple[Path, list[str]]]) -> list
         ["train", "--ckpt-dir", str(ckpt), *common, "--results", str(_results(ckpt, i)), *extra]
         for i, (ckpt, extra) in enumerate(jobs)
     ]
-    first, *rest = runs
     cmd = [
         sys.executable,
         "-m",
@@ -50,8 +48,7 @@ def launch(args: argparse.Namespace, jobs: list[tuple[Path, list[str]]]) -> list
         "--standalone",
         "--nproc_per_node=1",
         str(WORKER),
-        *first,
-        *(arg for run in rest for arg in ("--each", shlex.join(run))),
+        *each(runs),
     ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800 * len(jobs))
     if proc.returncode != 0:

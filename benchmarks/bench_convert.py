@@ -104,6 +104,13 @@ def measure(cmd: list[str], watch: Path | None = None) -> dict:
     }
 
 
+def each(jobs: list[list[str]]) -> list[str]:
+    """The arguments of one launch that runs `jobs` in turn: the first job's, then `--each 'ARGS'` for every other
+    (synthetic.py, launch/train_gpt.py and launch/train_dlrm.py take them)."""
+    first, *rest = jobs
+    return [*first, *(arg for job in rest for arg in ("--each", shlex.join(job)))]
+
+
 def torchrun(nproc: int, *args: str) -> list[dict]:
     """Run the synthetic worker; return its RESULT lines (one per run of the launch)."""
     cmd = [
@@ -289,8 +296,7 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
             jobs = [[*load, *variants[key]] for key in order]
             if not args.smoke:
                 jobs.insert(0, [*load, "--zero", "2"])
-            first, *rest = jobs
-            results = torchrun(ranks, *first, *(arg for job in rest for arg in ("--each", shlex.join(job))))
+            results = torchrun(ranks, *each(jobs))
             if len(results) != len(jobs):
                 raise RuntimeError(f"{len(jobs)} loads in one launch printed {len(results)} results")
             runs: dict[str, list[float]] = {k: [] for k in variants}

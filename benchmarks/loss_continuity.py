@@ -26,7 +26,6 @@ import contextlib
 import csv
 import datetime
 import json
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_convert import env  # benchmarks/bench_convert.py, next to this script
+from bench_convert import each, env  # benchmarks/bench_convert.py, next to this script
 from docs_table import update_doc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +102,6 @@ def launch(world: int, jobs: list[Job]) -> list[list[dict]]:
         ["train", "--data", "markov", "--results", str(results), *layout.flags(), *extra]
         for layout, results, extra in jobs
     ]
-    first, *rest = runs
     cmd = [
         sys.executable,
         "-m",
@@ -111,8 +109,7 @@ def launch(world: int, jobs: list[Job]) -> list[list[dict]]:
         "--standalone",
         f"--nproc_per_node={world}",
         str(WORKER),
-        *first,
-        *(arg for run in rest for arg in ("--each", shlex.join(run))),
+        *each(runs),
     ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800 * len(jobs))
     if proc.returncode != 0:
