@@ -2,6 +2,7 @@
 
 python shim.py slow SECONDS ARGS...     every parameter file takes SECONDS longer to write
 python shim.py enospc BYTES ARGS...     writes fail with ENOSPC once BYTES have been written
+python shim.py hold PATH ARGS...        the first parameter file waits until PATH exists (a test's go signal)
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ def slow_writes(seconds: float) -> None:
         return original(*args, **kwargs)
 
     convert_module.stream_tensors = slow
+
+
+def held_until(path: str) -> None:
+    original = convert_module.stream_tensors
+    deadline = time.monotonic() + 300
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return original(*args, **kwargs)
+
+    convert_module.stream_tensors = held
 
 
 def disk_full_after(limit: float) -> None:
@@ -57,6 +70,9 @@ def disk_full_after(limit: float) -> None:
 
 
 if __name__ == "__main__":
-    fault, value = sys.argv[1], float(sys.argv[2])
-    {"slow": slow_writes, "enospc": disk_full_after}[fault](value)
+    fault, value = sys.argv[1], sys.argv[2]
+    if fault == "hold":
+        held_until(value)
+    else:
+        {"slow": slow_writes, "enospc": disk_full_after}[fault](float(value))
     sys.exit(main(sys.argv[3:]))

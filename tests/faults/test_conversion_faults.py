@@ -34,7 +34,7 @@ def digest(root: Path) -> dict[str, str]:
 
 
 def ucp(
-    *args: str, fault: tuple[str, float] | None = None, prefix: tuple[str, ...] = (), wait: bool = True
+    *args: str, fault: tuple[str, float | Path] | None = None, prefix: tuple[str, ...] = (), wait: bool = True
 ) -> subprocess.CompletedProcess | subprocess.Popen:
     cmd = [
         *prefix,
@@ -106,17 +106,25 @@ def test_disk_full_during_conversion(source, tmp_path):
 
 
 def test_two_converters_at_once_take_turns(source, tmp_path):
-    out = tmp_path / "out"
-    first = ucp("convert", str(source), "--output", str(out), "--workers", "1", fault=("slow", 0.3), wait=False)
+    out, go = tmp_path / "out", tmp_path / "go"
+    # the first converter holds the folder until the second has said it waits: no race on a slow host
+    first = ucp("convert", str(source), "--output", str(out), "--workers", "1", fault=("hold", go), wait=False)
     deadline = time.monotonic() + 120
     while not (out / ".ucp_source.json").exists():
         assert time.monotonic() < deadline and first.poll() is None
         time.sleep(0.05)
-    second = ucp("convert", str(source), "--output", str(out))
+    second = ucp("convert", str(source), "--output", str(out), wait=False)
+    said = []
+    for line in second.stderr:
+        said.append(line)
+        if "being written by another conversion; waiting" in line:
+            break
+    go.touch()
     _, first_err = first.communicate(timeout=300)
+    _, second_err = second.communicate(timeout=300)
     assert first.returncode == 0, first_err
-    assert second.returncode == 0, second.stderr
-    assert "being written by another conversion; waiting" in second.stderr
+    assert second.returncode == 0, "".join(said) + second_err
+    assert "being written by another conversion; waiting" in "".join(said)
     assert UniversalCheckpoint(str(out)).verify() == [] and diff(str(source), str(out)).identical
 
 
