@@ -83,6 +83,29 @@ def commit_decoupled_checkpoint(engine: Any) -> None:
     engine._commit_decoupled_checkpoint()
 
 
+def pipeline_layer_files(module: Any) -> dict[str, tuple[str, str]]:
+    """Where a `PipelineModule` saves each tensor of its layers: module name -> (layer file name, key in it).
+
+    DeepSpeed writes each layer's `state_dict` to `layer_XX[-model_YY]-model_states.pt` (XX the global
+    layer index) instead of the model-states file; a tied layer once per stage that builds it with a
+    state dict, and a layer without `state_dict` (a function, a tied `forward_fn`) nowhere. Empty for
+    any other module.
+    """
+    from deepspeed.pipe import PipelineModule
+
+    if not isinstance(module, PipelineModule):
+        return {}
+    path_of = {id(sub): path for path, sub in module.named_modules()}
+    out: dict[str, tuple[str, str]] = {}
+    for local_idx, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "state_dict") or id(layer) not in path_of:
+            continue
+        file = module.ckpt_layer_path("", local_idx)
+        for key in layer.state_dict():
+            out.setdefault(f"{path_of[id(layer)]}.{key}", (file, key))
+    return out
+
+
 def is_zero3_param(p: Any) -> bool:
     """Whether ZeRO-3 partitioned this parameter (its data is then a placeholder)."""
     return hasattr(p, "ds_id")

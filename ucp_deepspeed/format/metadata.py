@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +19,10 @@ from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 META_VERSION = 1
 FP32 = "fp32"  # state name of the fp32 master weight, next to optimizer states such as exp_avg
 VALUE = "value"  # state name of a frozen parameter's only tensor
+
+
+LAYER_FILE = re.compile(r"layer_\d+(-[a-z]+_\d+)*-model_states\.pt")
+"""A `PipelineModule` layer file, e.g. `layer_03-model_01-model_states.pt`."""
 
 
 def meta_filename(mp_rank: int = 0) -> str:
@@ -92,6 +97,9 @@ class ExtraTensor:
     """A tensor the optimizer does not own: a frozen parameter or a persistent buffer.
 
     `partition` is non-zero for ZeRO-3 frozen parameters, which are stored as per-rank fragments.
+    A `PipelineModule` saves its layers' tensors in per-layer files: `file` names the one in the tag
+    folder that holds this tensor, under `key`; empty means the rank's model-states file, under the
+    local name.
     """
 
     name: str
@@ -101,6 +109,13 @@ class ExtraTensor:
     partition: int = 0
     layout: Layout = REPLICATED
     local: str = ""
+    file: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        # a name read from disk becomes a path: only DeepSpeed's own layer-file names, never a way out of the tag
+        if self.file and not LAYER_FILE.fullmatch(self.file):
+            raise ValueError(f"'{self.name}' names {self.file!r}, which is not a pipeline layer file")
 
     @property
     def local_name(self) -> str:

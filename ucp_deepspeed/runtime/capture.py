@@ -208,6 +208,21 @@ def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[Pa
     return slots
 
 
+def same_stage(engine: Any, metas: list[SaveMeta]) -> bool:
+    """Whether this rank's pipeline stage holds the parameters its saved stage held (same layer split).
+
+    Two pipelines of one size may split the layers differently (`partition_method`); DeepSpeed's own
+    load would then read another stage's optimizer partitions.
+    """
+    mp = model_parallel(engine)
+    if mp.pp == 1 or expert_blocks(engine.module):  # expert slots list every expert-parallel rank's experts
+        return True
+    saved = metas[mp.pp_rank * mp.tp + mp.tp_rank]
+    placed = infos(engine)
+    live = {placed[n].name for n, p in engine.module.named_parameters() if p.requires_grad}
+    return live == {s.name for s in saved.params}
+
+
 def param_groups(engine: Any) -> dict[Any, int]:
     """Each trainable parameter's optimizer param group, without a collective (unlike `describe`)."""
     opt = engine.optimizer
@@ -235,6 +250,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     else:
         raise NotImplementedError(UNSUPPORTED)
     owned = {s.local or s.name for s in slots}
+    layer_files = compat.pipeline_layer_files(module)
     extras = []
     for name, p in module.named_parameters():
         if name in owned:
@@ -250,6 +266,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
                 compat.zero3_partition_numel(p) if z3 else 0,
                 info.layout,
                 name if name != info.name else "",
+                *layer_files.get(name, ("", "")),
             )
         )
     buffers = dict(module.named_buffers())
@@ -262,6 +279,8 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
                 _dtype_name(buf.dtype),
                 "buffer",
                 local=name if name != to_global(name) else "",
+                file=layer_files.get(name, ("", ""))[0],
+                key=layer_files.get(name, ("", ""))[1],
             )
         )
     tied: dict[str, str] = {}

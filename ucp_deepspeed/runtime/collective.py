@@ -44,3 +44,10 @@ def guarded(work: Callable[[], Any]) -> Any:
 def on_rank0(work: Callable[[], Any]) -> None:
     """Run `work` on rank 0 only; a failure there is raised on every rank (collective)."""
     guarded(work if dist.get_rank() == 0 else lambda: None)
+
+
+def everywhere(flag: bool) -> bool:
+    """True when `flag` holds on every rank (collective)."""
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return all(flags)

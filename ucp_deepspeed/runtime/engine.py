@@ -31,8 +31,8 @@ from ucp_deepspeed.format.metadata import Topology, write_meta
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
-from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, supported, topology
-from ucp_deepspeed.runtime.collective import all_ok, failure_of, on_rank0
+from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, same_stage, supported, topology
+from ucp_deepspeed.runtime.collective import all_ok, everywhere, failure_of, on_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.runtime.native_io import guard
@@ -102,12 +102,6 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         return engine
     if not supported(engine):
         raise NotImplementedError(UNSUPPORTED)  # refuse now rather than at the first save, mid-training
-    if isinstance(engine, deepspeed.PipelineEngine):
-        raise NotImplementedError(
-            "DeepSpeed's PipelineEngine stores module weights in per-layer files, which "
-            "ucp_deepspeed does not read yet; pipeline megatron-core GPTModel stages instead "
-            "(see launch/train_gpt.py and the README)"
-        )
     engine._ucp_options = options
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
     if options.async_save:
@@ -241,7 +235,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         meta = metas[0]
         saved, live = meta.topology, topology(engine)
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
-        if saved.same_layout(live) and not megatron_moe_layers(engine.module):
+        if saved.same_layout(live) and not megatron_moe_layers(engine.module) and everywhere(same_stage(engine, metas)):
             if not checked_tag:  # resume_tag has already opened and checked every file of the tag it picked
                 on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())
             engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)

@@ -1,4 +1,4 @@
-"""Read a DeepSpeed model-states file: module tensors, counters, scheduler and client state."""
+"""Read DeepSpeed model-states files: module tensors, counters, scheduler and client state; pipeline layer files."""
 
 from __future__ import annotations
 
@@ -65,6 +65,34 @@ class ModelStatesFile:
         if missing:
             raise CheckpointError(self.path, f"client_state keys {missing} recorded in metadata are missing")
         return {k: plain(self._obj[k]) for k in keys}
+
+    @property
+    def file(self) -> TorchFile:
+        """The archive, for checking what was read from it."""
+        return self._file
+
+    def close(self) -> None:
+        """Release the underlying file."""
+        self._file.close()
+
+
+class LayerStatesFile:
+    """One `PipelineModule` layer file (`layer_XX[-model_YY]-model_states.pt`): a layer's state dict, opened lazily."""
+
+    def __init__(self, path: str, verify: bool = True):
+        self.path = path
+        self._file = TorchFile(path, verify)
+        self.save_id = self._file.save_id
+        if not isinstance(self._file.obj, dict):
+            raise CheckpointError(path, "not a pipeline layer file: it holds no state dict")
+        self._obj: dict[str, Any] = self._file.obj
+
+    def tensor(self, key: str) -> LazyTensor:
+        """A tensor of the layer's state dict."""
+        tensor = self._obj.get(key)
+        if not isinstance(tensor, LazyTensor):
+            raise CheckpointError(self.path, f"layer state has no tensor '{key}'")
+        return tensor
 
     @property
     def file(self) -> TorchFile:

@@ -24,7 +24,7 @@ from ucp_deepspeed.io.torch_file import TorchFile
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, fail
 from ucp_deepspeed.sources.infer import infer_metas
-from ucp_deepspeed.sources.model_states import ModelStatesFile
+from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 from ucp_deepspeed.sources.plan import full_tensors
 
@@ -51,10 +51,12 @@ class RankFiles:
             ]
         else:
             self.model_paths = [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
-        self.needed = self.model_paths + (self.optim_paths if topo.zero_stage > 0 else [])
+        self.layer_paths = sorted({os.path.join(tag_dir, e.file) for e in meta.extras if e.file})
+        self.needed = self.model_paths + (self.optim_paths if topo.zero_stage > 0 else []) + self.layer_paths
         self._lock = threading.Lock()
         self._optim: dict[int, OptimRankFile] = {}
         self._model: dict[int, ModelStatesFile] = {}
+        self._layers: dict[str, LayerStatesFile] = {}
 
     def optim(self, rank: int) -> OptimRankFile:
         """The optimizer file of data-parallel rank `rank`, opened once."""
@@ -72,6 +74,13 @@ class RankFiles:
                 self._model[rank] = self._bound(ModelStatesFile(self.model_paths[rank], self.verify))
             return self._model[rank]
 
+    def layer(self, path: str) -> LayerStatesFile:
+        """A pipeline layer file of this rank, opened once."""
+        with self._lock:
+            if path not in self._layers:
+                self._layers[path] = self._bound(LayerStatesFile(path, self.verify))
+            return self._layers[path]
+
     def _bound(self, opened: Any) -> Any:
         """A file is used only if it carries this save's id (when the save recorded one)."""
         want = self.meta.save_id
@@ -88,7 +97,7 @@ class RankFiles:
     def files(self) -> list[Any]:
         """Every rank file opened so far."""
         with self._lock:
-            return list(self._optim.values()) + list(self._model.values())
+            return [*self._optim.values(), *self._model.values(), *self._layers.values()]
 
     def read_param(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """One state (`fp32` or an optimizer key) of this rank's share of a parameter, from every DP rank."""
@@ -115,17 +124,23 @@ class RankFiles:
                 if n > 0:
                     self.model_states(rank).frozen_fragment(extra.local_name).read(0, n, out=out[start : start + n])
             return out.view(extra.shape)
-        lazy = self.model_states(0).module_tensor(extra.local_name)
+        if extra.file:
+            path = os.path.join(self.tag_dir, extra.file)
+            lazy = self.layer(path).tensor(extra.key)
+        else:
+            path = self.model_paths[0]
+            lazy = self.model_states(0).module_tensor(extra.local_name)
         if tuple(lazy.shape) != tuple(extra.shape) or lazy.dtype != dtype:
             raise CheckpointError(
-                self.model_paths[0],
-                f"'{extra.local_name}' is {tuple(lazy.shape)} {lazy.dtype}, metadata says {tuple(extra.shape)} {dtype}",
+                path,
+                f"'{extra.key or extra.local_name}' is {tuple(lazy.shape)} {lazy.dtype}, "
+                f"metadata says {tuple(extra.shape)} {dtype}",
             )
         return lazy.load()
 
     def close(self) -> None:
         """Release every opened file."""
-        for f in list(self._optim.values()) + list(self._model.values()):
+        for f in self.files():
             f.close()
 
 
@@ -214,6 +229,21 @@ class NativeCheckpoint:
                 for d in range(len(rank.model_paths))
                 for p in check_model_states(rank.meta, rank.model_states(d), len(self.ranks))
             ]
+            for extra in (e for e in rank.meta.extras if e.file):
+                path = os.path.join(rank.tag_dir, extra.file)
+                try:
+                    lazy = rank.layer(path).tensor(extra.key)
+                except CheckpointError as exc:
+                    problems.append((path, exc.reason))
+                    continue
+                if tuple(lazy.shape) != tuple(extra.shape) or lazy.dtype != getattr(torch, extra.dtype):
+                    problems.append(
+                        (
+                            path,
+                            f"'{extra.key}' is {tuple(lazy.shape)} {lazy.dtype}, metadata says "
+                            f"{tuple(extra.shape)} {extra.dtype}",
+                        )
+                    )
             if topo.zero_stage > 0:
                 optims = [rank.optim(d) for d in range(topo.dp)]
                 try:
@@ -249,6 +279,8 @@ class NativeCheckpoint:
             for r, p in enumerate(rank.model_paths):
                 if p == path:
                     return rank.model_states(r)
+            if path in rank.layer_paths:
+                return rank.layer(path)
         raise CheckpointError(path, "is not a file of this checkpoint")
 
     def source_files(self) -> list[str]:

@@ -1,0 +1,295 @@
+"""Train a GPT built as a DeepSpeed `PipelineModule` (the way Megatron-DeepSpeed builds `GPTModelPipe`),
+save, and resume it at another pipeline/data-parallel layout or ZeRO stage, checking every state.
+
+The model: a word embedding shared with the output head through `TiedLayerSpec` (the head is a
+`forward_fn` on the last stage), a learned position embedding, transformer blocks as `LayerSpec`s
+(causal self-attention and an MLP, each block with an integer buffer), a layer with no parameters,
+and a final norm with a frozen scale. AdamW with two parameter groups and an LR scheduler.
+
+    save --out DIR --variant NAME ...: train STEPS steps, snapshot every state, save, continue CONT steps;
+          rank 0 writes DIR/NAME/reference.pt
+    load --case TARGET SOURCE... ...: build TARGET at this launch's world size, load each SOURCE, compare
+          every state with its reference (torch.equal), continue CONT steps and compare the losses;
+          rank 0 writes one JSON result per (target, source) to --results
+
+A variant fixes the pipeline size, the ZeRO stage, the precision and how layers are split into
+stages; data parallelism takes the rest of the world. One launch handles several variants, because
+each launch pays for importing DeepSpeed. On a CPU machine, export `DS_ACCELERATOR=cpu` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from compare import compare  # launch/compare.py, next to this script
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing import checkpointing
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+import ucp_deepspeed
+
+GLOBAL_BATCH = 8
+MICRO_BATCHES = 2  # gradient accumulation steps: the same at every layout, so only summation order changes
+SEQ = 8
+VOCAB = 256  # the tied embedding outweighs a stage of one block: it crosses a DP partition there only
+HIDDEN = 16
+HEADS = 2
+BLOCKS = 4
+STEPS = 3
+CONT = 3
+
+VARIANTS = {
+    "pp2": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters"},
+    "pp2u": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "uniform"},
+    "pp1": {"pp": 1, "stage": 1, "dtype": "fp32", "partition": "parameters"},
+    "pp4": {"pp": 4, "stage": 1, "dtype": "fp32", "partition": "type:Block"},
+    "pp2ckpt": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "type:Block", "activation_checkpoint": 1},
+    "bf16pp2z0": {"pp": 2, "stage": 0, "dtype": "bf16", "partition": "parameters"},
+    "bf16pp2": {"pp": 2, "stage": 1, "dtype": "bf16", "partition": "uniform"},
+    "bf16pp1z0": {"pp": 1, "stage": 0, "dtype": "bf16", "partition": "parameters"},
+}
+
+
+class Embedding(torch.nn.Module):
+    """Word embedding; tied to the output head, which reuses `word.weight` on the last stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.word = torch.nn.Embedding(VOCAB, HIDDEN)
+        torch.nn.init.normal_(self.word.weight, std=0.05)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.word(tokens)
+
+
+def head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, embedding.word.weight).float()
+
+
+class Positions(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight[: x.shape[1]]
+
+
+class Block(torch.nn.Module):
+    """Pre-norm causal self-attention and MLP; `calls` is a persistent integer buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(HIDDEN)
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.ln2 = torch.nn.LayerNorm(HIDDEN)
+        self.up = torch.nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.down = torch.nn.Linear(4 * HIDDEN, HIDDEN)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, h // HEADS).permute(2, 0, 3, 1, 4)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class FinalNorm(torch.nn.LayerNorm):
+    """The final norm, with a frozen per-channel scale."""
+
+    def __init__(self) -> None:
+        super().__init__(HIDDEN)
+        self.scale = torch.nn.Parameter(torch.rand(HIDDEN) + 0.5, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def layers() -> list:
+    return [
+        TiedLayerSpec("embed", Embedding, tied_weight_attr="word.weight"),
+        LayerSpec(Positions),
+        *[LayerSpec(Block) for _ in range(BLOCKS)],
+        LayerSpec(torch.nn.Dropout, 0.0),  # a layer with no parameters: an empty layer file
+        LayerSpec(FinalNorm),
+        TiedLayerSpec("embed", Embedding, forward_fn=head, tied_weight_attr="word.weight"),
+    ]
+
+
+def build(variant_name: str) -> deepspeed.PipelineEngine:
+    variant = VARIANTS[variant_name]
+    world, pp = dist.get_world_size(), variant["pp"]
+    dp = world // pp
+    model = PipelineModule(
+        layers(),
+        num_stages=pp,
+        loss_fn=loss_fn,
+        partition_method=variant["partition"],
+        activation_checkpoint_interval=variant.get("activation_checkpoint", 0),
+        # DeepSpeed's reentrant checkpoint would also wrap the embedding, whose input (tokens) needs no grad
+        activation_checkpoint_func=checkpointing.non_reentrant_checkpoint,
+        seed_layers=True,  # each layer from its own seed, so its weights do not depend on the stage split
+        seed_fn=torch.manual_seed,
+        base_seed=1234,
+    )
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
+    groups = [
+        {"params": decay, "weight_decay": 0.1, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95), "name": "no_decay"},
+    ]
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * MICRO_BATCHES),
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": variant["stage"]},
+        "checkpoint": {"universal": {"enabled": True, "progress": False}},
+    }
+    if variant["dtype"] == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, _, _, _ = ucp_deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(groups, lr=3e-3),
+        config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)),
+    )
+    return engine
+
+
+def batches(engine: deepspeed.PipelineEngine):
+    """This data-parallel rank's micro-batches of the step's global batch, the same whatever the layout."""
+    g = torch.Generator().manual_seed(1000 + engine.global_steps)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    dp, rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    mine = tokens.chunk(dp)[rank]
+    for micro in mine.chunk(MICRO_BATCHES):
+        yield micro[:, :-1], micro[:, 1:]
+
+
+def train(engine: deepspeed.PipelineEngine, steps: int) -> list[float]:
+    return [engine.train_batch(batches(engine)).item() for _ in range(steps)]
+
+
+def snapshot(engine: deepspeed.PipelineEngine) -> dict:
+    """Every state that must survive a reshard, by global name, gathered from every stage."""
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):  # DeepSpeed links later groups' state views lazily
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
+    keys = ("exp_avg", "exp_avg_sq")
+    snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}}
+    for name, p in engine.module.named_parameters():
+        snap["lp"][name] = p.detach().cpu().clone()
+        if p.requires_grad:
+            snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            for key in keys:
+                snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+    for name, b in engine.module.named_buffers():
+        snap["buffers"][name] = b.detach().cpu().clone()
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: snap[k] for k in ("fp32", "state", "lp", "buffers")})
+    for part in parts:
+        for k in ("fp32", "state", "lp", "buffers"):
+            for name, t in part[k].items():
+                # both stages holding the tied embedding must hold the same values
+                snap[k][name] = t if name not in snap[k] or torch.equal(snap[k][name], t) else torch.full_like(t, 1e9)
+    snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
+    snap["scheduler"] = engine.lr_scheduler.state_dict()
+    snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
+    return snap
+
+
+def do_save(args: argparse.Namespace) -> None:
+    for name in args.variant:
+        engine = build(name)
+        ckpt = os.path.join(args.out, name)
+        train(engine, STEPS)
+        snap = snapshot(engine)
+        engine.save_checkpoint(ckpt, client_state={"epoch": 7})
+        cont = train(engine, CONT)
+        if dist.get_rank() == 0:
+            torch.save({"snapshot": snap, "continuation": cont}, os.path.join(ckpt, "reference.pt"))
+            print(f"[{name} world={dist.get_world_size()}] saved to {ckpt}; next losses {cont}", flush=True)
+        dist.barrier()
+
+
+def do_load(args: argparse.Namespace) -> None:
+    results = []
+    for target, source in ((case[0], src) for case in args.case for src in case[1:]):
+        ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False)
+        engine = build(target)
+        _, client = engine.load_checkpoint(source)
+        snap = snapshot(engine)
+        diffs = compare(ref["snapshot"], snap) + compare({"epoch": 7}, client, "client_state")
+        losses = train(engine, CONT)
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
+        report = engine.ucp_last_load
+        results.append(
+            {
+                "source": source,
+                "target": target,
+                "mode": report.mode,
+                "saved": report.saved,
+                "live": report.live,
+                "diffs": diffs,
+                "tensors": sum(len(snap[k]) for k in ("fp32", "state", "lp", "buffers")),
+                "losses": losses,
+                "reference_losses": ref["continuation"],
+                "max_rel_loss": rel if math.isfinite(rel) else 1e9,
+            }
+        )
+        if dist.get_rank() == 0:
+            print(
+                f"[{target} world={dist.get_world_size()}] from {os.path.basename(source)} ({report.mode}): "
+                f"{'bit-exact' if not diffs else f'{len(diffs)} differences'}; losses {losses}",
+                flush=True,
+            )
+    if dist.get_rank() == 0:
+        with open(args.results, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--variant", nargs="+", default=[], choices=sorted(VARIANTS))
+    parser.add_argument("--out")
+    parser.add_argument("--results")
+    parser.add_argument(
+        "--case",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="VARIANT SOURCE",
+        help="load: a target variant and the sources it loads; repeat to load several targets in one launch",
+    )
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    do_save(args) if args.mode == "save" else do_load(args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    # A C++ thread (gloo or DeepSpeed's shm op) occasionally aborts interpreter teardown after all work is
+    # done and written; skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
