@@ -76,6 +76,25 @@ def launch_jobs(world: int, jobs: list[list[str]], worker: Path = GPT_WORKER, at
     torchrun(world, *first, *more, worker=worker, attempts=attempts, timeout=120 + 180 * len(jobs))
 
 
+def ds_to_universal(tag_dir: Path, out: Path, workers: int | None = None) -> Path:
+    """DeepSpeed's own converter, as a user runs it (`--inject_missing_state`, which pipeline checkpoints need);
+    `workers` extract and merge processes instead of its defaults."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tag_dir),
+        "--output_folder",
+        str(out),
+        "--inject_missing_state",
+        *(["--num_extract_workers", str(workers), "--num_merge_workers", str(workers)] if workers else []),
+    ]
+    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
 def swap_pickle(path: Path, data: bytes) -> None:
     """Replace a real torch file's pickle with `data`, keeping its tensor records (the zip CRCs match)."""
     with zipfile.ZipFile(path) as zf:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from conftest import load_results, torch_env, torchrun
+from conftest import ds_to_universal, load_results, torchrun
 
 from ucp_deepspeed.tools.cli import main as cli_main
 
@@ -20,20 +18,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _ds_to_universal(ckpt: Path) -> Path:
-    out = ckpt / "global_step3_universal"
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder",
-        str(ckpt / "global_step3"),
-        "--output_folder",
-        str(out),
-        "--inject_missing_state",
-    ]
-    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
+    return ds_to_universal(ckpt / "global_step3", ckpt / "global_step3_universal")
 
 
 def test_export_matches_ds_to_universal_and_loads_in_stock_deepspeed(sources, tmp_path):

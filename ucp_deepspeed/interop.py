@@ -16,6 +16,7 @@ the manifest lists them under `notes`.
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import shutil
@@ -29,7 +30,7 @@ from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.convert.core import assemble
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import Manifest
-from ucp_deepspeed.format.metadata import FP32, VALUE
+from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, VALUE
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.universal import (
     BUFFERS,
@@ -46,7 +47,7 @@ from ucp_deepspeed.io.torch_file import load_file, plain
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
-from ucp_deepspeed.sources.model_states import ModelStatesFile
+from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.plan import FullTensor
 from ucp_deepspeed.version import __version__
 
@@ -115,8 +116,8 @@ def export_deepspeed(
         _save_pt(
             os.path.join(out, ZERO, OPTIMIZER_STATE), {k: rebuild(v) for k, v in src.optim(0).global_state().items()}
         )
-        for rank in src.ranks:
-            for path in rank.model_paths:
+        for rank in src.ranks:  # DeepSpeed reads these; a PipelineModule's layer files keep its buffers for us
+            for path in rank.model_paths + rank.layer_paths:
                 shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
         atomic_write(os.path.join(os.path.dirname(out), LATEST_UNIVERSAL), os.path.basename(out).encode())
         return out
@@ -133,22 +134,111 @@ def deepspeed_universal_folder(path: str) -> str | None:
     return path if os.path.isfile(os.path.join(path, ZERO, OPTIMIZER_STATE)) else None
 
 
-def import_deepspeed(folder: str, output: str) -> str:
-    """Rewrite a DeepSpeed universal folder in our format (with a manifest saying what was inferred)."""
-    model_files = sorted(f for f in os.listdir(folder) if f.endswith("model_states.pt"))
-    if not model_files:
+def _stage_files(folder: str) -> list[str]:
+    """The model-states files of a DeepSpeed universal folder (one per model-parallel rank), layer files apart."""
+    names = sorted(f for f in os.listdir(folder) if f.endswith("model_states.pt") and not LAYER_FILE.fullmatch(f))
+    if not names:
         raise CheckpointError(
             folder,
             "no *model_states.pt in this DeepSpeed universal folder; its param groups, "
             "buffers and frozen parameters cannot be recovered",
         )
-    model_path = os.path.join(folder, model_files[0])
+    return [os.path.join(folder, n) for n in names]
+
+
+class _ModuleTensors:
+    """Buffers and frozen parameters of a DeepSpeed universal folder, which `ds_to_universal` does not convert:
+    from the copied model-states files, or for a `PipelineModule` from its layer files when they are in the folder
+    (`ucp convert --format deepspeed` copies them; DeepSpeed's converter does not)."""
+
+    def __init__(self, folder: str, models: list[ModelStatesFile]):
+        self.folder, self.models = folder, models
+        self.layers: dict[str, LayerStatesFile] = {}
+
+    def load(self, name: str) -> torch.Tensor | None:
+        for model in self.models:
+            if name in model.module_tensors():
+                return model.module_tensor(name).load()
+        layer, _, key = name.partition(".")
+        if not layer.isdigit():
+            return None
+        # tensor-parallel layer files sort model_00 first: what a replicated buffer needs
+        files = sorted(glob.glob(os.path.join(glob.escape(self.folder), f"layer_{int(layer):02d}-*model_states.pt")))
+        if not files:
+            return None
+        if files[0] not in self.layers:
+            self.layers[files[0]] = LayerStatesFile(files[0])
+        return self.layers[files[0]].tensor(key).load()
+
+    def layer_frozen(self, trainable: set[str], known: set[str]) -> list[str]:
+        """Frozen weights in the layer files of layers that also train something (`<layer>.<key>`, not yet `known`).
+
+        A layer with nothing trainable is skipped: its file may be a tied module's, whose tensors have other names;
+        a frozen layer left out this way is reported by name when the checkpoint is loaded.
+        """
+        trained_layers = {n.split(".", 1)[0] for n in trainable}
+        out = []
+        for path in sorted(glob.glob(os.path.join(glob.escape(self.folder), "layer_*-model_states.pt"))):
+            layer = str(int(os.path.basename(path)[len("layer_") :].split("-", 1)[0]))
+            if layer not in trained_layers:
+                continue
+            if path not in self.layers:
+                self.layers[path] = LayerStatesFile(path)
+            names = (f"{layer}.{key}" for key in self.layers[path].keys())
+            out += [n for n in names if n not in trainable and n not in known and n not in out]
+        return out
+
+    def check_reads(self) -> None:
+        """Raise if anything read from these files fails its CRC-32."""
+        for f in self._files():
+            f.file.check_reads()
+
+    def close(self) -> None:
+        """Release every opened file."""
+        for f in self._files():
+            f.close()
+
+    def _files(self) -> list[ModelStatesFile | LayerStatesFile]:
+        return [*self.models, *self.layers.values()]
+
+
+def _frozen_names(model: ModelStatesFile, trainable: set[str], buffers: list[str], aliases: dict) -> list[str]:
+    """Frozen parameters of one model-states file: listed by ZeRO-2/3, else whatever else its module holds."""
+    listed = model.entry("frozen_param_shapes")
+    if listed:
+        return list(listed)
+    return [n for n in model.module_names() if n not in trainable and n not in buffers and n not in aliases]
+
+
+def import_deepspeed(folder: str, output: str) -> str:
+    """Rewrite a DeepSpeed universal folder in our format (with a manifest saying what was inferred)."""
     check_output(output, [folder])
-    model = ModelStatesFile(model_path)
+    models = [ModelStatesFile(p) for p in _stage_files(folder)]
+    module = _ModuleTensors(folder, models)
+    model, model_files = models[0], [os.path.basename(m.path) for m in models]
     try:
-        groups = [list(g) for g in model.entry("param_shapes", [])]
+        # each pipeline stage lists its own parameters; tensor-parallel ranks list the same ones again
+        groups: list[list[str]] = []
+        for stage in models:
+            for g, names in enumerate(stage.entry("param_shapes", [])):
+                groups.extend([] for _ in range(g + 1 - len(groups)))
+                groups[g] += [n for n in names if n not in groups[g]]
         if not groups:
-            raise CheckpointError(model_path, "no param_shapes; cannot tell trainable parameters and their groups")
+            raise CheckpointError(model.path, "no param_shapes; cannot tell trainable parameters and their groups")
+        trainable = {n for names in groups for n in names}
+        buffer_names = list(dict.fromkeys(n for m in models for n in m.entry("buffer_names", [])))
+        aliases = {k: v for m in models for k, v in (m.entry("shared_params") or {}).items()}
+        frozen = list(dict.fromkeys(n for m in models for n in _frozen_names(m, trainable, buffer_names, aliases)))
+        frozen += module.layer_frozen(trainable, {*frozen, *buffer_names, *aliases})
+        found = {n: module.load(n) for n in [*frozen, *buffer_names]}
+        missing = [n for n, v in found.items() if v is None]
+        if missing:
+            raise CheckpointError(
+                folder,
+                f"holds no value for {len(missing)} buffers or frozen parameters ({', '.join(missing[:6])}"
+                f"{' ...' if len(missing) > 6 else ''}): DeepSpeed's ds_to_universal does not copy a "
+                "PipelineModule's layer files. Copy the source tag's layer_*-model_states.pt files into this folder",
+            )
         optim_state = load_file(os.path.join(folder, ZERO, OPTIMIZER_STATE))
         records: list[FileRecord] = []
         params: dict[str, Any] = {}
@@ -158,7 +248,7 @@ def import_deepspeed(folder: str, output: str) -> str:
             for name in names:
                 pdir = os.path.join(folder, ZERO, name)
                 if not os.path.isdir(pdir):
-                    raise CheckpointError(pdir, f"parameter '{name}' listed in {model_files[0]} has no folder")
+                    raise CheckpointError(pdir, f"parameter '{name}' listed in {', '.join(model_files)} has no folder")
                 tensors = {}
                 for fname in sorted(os.listdir(pdir)):
                     key = fname.removesuffix(".pt")
@@ -178,14 +268,9 @@ def import_deepspeed(folder: str, output: str) -> str:
                     "file": param_file(name),
                     "keys": keys,
                 }
-        trainable = {n for names in groups for n in names}
-        buffer_names = model.entry("buffer_names", [])
-        aliases = model.entry("shared_params") or {}
-        frozen = model.entry("frozen_param_shapes") or [
-            n for n in model.module_names() if n not in trainable and n not in buffer_names and n not in aliases
-        ]
+        values = {n: v for n, v in found.items() if v is not None}
         for name in frozen:
-            value = model.module_tensor(name).load()
+            value = values[name]
             records.append(write_tensors(output, param_file(name), {VALUE: value}))
             params[name] = {
                 "shape": list(value.shape),
@@ -195,7 +280,7 @@ def import_deepspeed(folder: str, output: str) -> str:
                 "file": param_file(name),
                 "keys": [VALUE],
             }
-        buffers = {n: model.module_tensor(n).load() for n in buffer_names}
+        buffers = {n: values[n] for n in buffer_names}
         records.append(write_tensors(output, BUFFERS, buffers))
         client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
         wrapper = {
@@ -211,6 +296,7 @@ def import_deepspeed(folder: str, output: str) -> str:
             )
         )
         hyper = optim_state.get("param_groups") or []
+        dims = model.entry("checkpoint_parallel_dimensions") or {}
         manifest = {
             "created_by": {"ucp_deepspeed": __version__},
             "source": {
@@ -218,8 +304,8 @@ def import_deepspeed(folder: str, output: str) -> str:
                 "format": "deepspeed_universal",
                 "topology": {
                     "dp": int(model.entry("dp_world_size", 1)),
-                    "tp": int(model.entry("mp_world_size", 1)),
-                    "pp": 1,
+                    "tp": int(dims.get("tp_degree", model.entry("mp_world_size", 1))),
+                    "pp": int(dims.get("pp_degree", 1)),
                     "ep": 1,
                     "zero_stage": int(optim_state.get("zero_stage", 0)),
                     "dtype": "fp32",
@@ -245,14 +331,14 @@ def import_deepspeed(folder: str, output: str) -> str:
             "tied": dict(aliases),
             "notes": [
                 f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
-                f"taken from {model_files[0]}: DeepSpeed's universal folder does not record them"
+                f"taken from {', '.join(model_files)}: DeepSpeed's universal folder does not record them"
             ],
         }
-        model.file.check_reads()
+        module.check_reads()
         write_manifest(output, Manifest.decode(manifest, output), records)
         return output
     finally:
-        model.close()
+        module.close()
 
 
 def _loaded_folder(engine: Any, load_dir: str) -> str | None:

@@ -94,6 +94,10 @@ class LayerStatesFile:
             raise CheckpointError(self.path, f"layer state has no tensor '{key}'")
         return tensor
 
+    def keys(self) -> list[str]:
+        """Names of the tensors in the layer's state dict."""
+        return [k for k, v in self._obj.items() if isinstance(v, LazyTensor)]
+
     @property
     def file(self) -> TorchFile:
         """The archive, for checking what was read from it."""
