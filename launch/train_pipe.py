@@ -14,7 +14,8 @@ and a final norm with a frozen scale. AdamW with two parameter groups and an LR 
           plain DeepSpeed loading its own universal format (`"load_universal": true`)
 
 A variant fixes the pipeline size, the ZeRO stage, the precision and how layers are split into
-stages; data parallelism takes the rest of the world. One launch handles several variants, because
+stages (`plain` variants train with plain DeepSpeed, so their checkpoints carry no ucp metadata);
+data parallelism takes the rest of the world. One launch handles several variants, because
 each launch pays for importing DeepSpeed. On a CPU machine, export `DS_ACCELERATOR=cpu` first.
 """
 
@@ -35,6 +36,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
+from ucp_deepspeed.runtime.capture import infos, namer
 
 GLOBAL_BATCH = 8
 MICRO_BATCHES = 2  # gradient accumulation steps: the same at every layout, so only summation order changes
@@ -48,6 +50,7 @@ CONT = 3
 
 VARIANTS = {
     "pp2": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters"},
+    "plainpp2": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters", "plain": True},
     "pp2u": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "uniform"},
     "pp1": {"pp": 1, "stage": 1, "dtype": "fp32", "partition": "parameters"},
     "pp4": {"pp": 4, "stage": 1, "dtype": "fp32", "partition": "type:Block"},
@@ -55,6 +58,8 @@ VARIANTS = {
     "bf16pp2z0": {"pp": 2, "stage": 0, "dtype": "bf16", "partition": "parameters"},
     "bf16pp2": {"pp": 2, "stage": 1, "dtype": "bf16", "partition": "uniform"},
     "bf16pp1z0": {"pp": 1, "stage": 0, "dtype": "bf16", "partition": "parameters"},
+    # the same layers as a plain module (no PipelineEngine); its embedding is layer 0, the checkpoints' tied module
+    "seq": {"pp": 0, "stage": 1, "dtype": "fp32", "rename": {"0.": "tied_modules.embed."}},
 }
 
 
@@ -120,6 +125,32 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
+class TiedHead(torch.nn.Module):
+    """The output head of the plain model: the embedding's weight, as the pipeline's tied `forward_fn` uses it."""
+
+    def __init__(self, embedding: Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return head(self.embedding, x)
+
+
+class Plain(torch.nn.Sequential):
+    """The pipeline's layers as one module, numbered as `PipelineModule` numbers them, each from its layer's seed."""
+
+    def __init__(self) -> None:
+        built: list[torch.nn.Module] = []
+        for index, spec in enumerate(layers()):
+            torch.manual_seed(1234 + index)
+            is_head = isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None
+            built.append(TiedHead(built[0]) if is_head else spec.build())
+        super().__init__(*built)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(super().forward(tokens), labels)
+
+
 def layers() -> list:
     return [
         TiedLayerSpec("embed", Embedding, tied_weight_attr="word.weight"),
@@ -135,8 +166,10 @@ def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
     """The engine of a variant; `stock` builds it with plain DeepSpeed, loading DeepSpeed's universal format."""
     variant = VARIANTS[variant_name]
     world, pp = dist.get_world_size(), variant["pp"]
-    dp = world // pp
-    model = PipelineModule(
+    dp = world // max(pp, 1)
+    if pp == 0:  # DeepSpeed keeps the last PipelineEngine's grid as its global mpu; a plain engine must not see it
+        deepspeed.utils.groups.mpu = None
+    model = Plain() if pp == 0 else PipelineModule(
         layers(),
         num_stages=pp,
         loss_fn=loss_fn,
@@ -159,13 +192,16 @@ def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * MICRO_BATCHES),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": variant["stage"]},
-        "checkpoint": {"universal": {"enabled": True, "progress": False}},
+        "checkpoint": {"universal": {"enabled": True, "progress": False, "rename": variant.get("rename", {})}},
     }
     if variant["dtype"] == "bf16":
         config["bf16"] = {"enabled": True}
     init = ucp_deepspeed.initialize
     if stock:
         config["checkpoint"] = {"load_universal": True}
+        init = deepspeed.initialize
+    if variant.get("plain"):  # saved by plain DeepSpeed: no ucp metadata
+        del config["checkpoint"]
         init = deepspeed.initialize
     engine, _, _, _ = init(
         model=model,
@@ -176,18 +212,34 @@ def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
     return engine
 
 
-def batches(engine: deepspeed.PipelineEngine):
+def batches(engine: deepspeed.DeepSpeedEngine):
     """This data-parallel rank's micro-batches of the step's global batch, the same whatever the layout."""
     g = torch.Generator().manual_seed(1000 + engine.global_steps)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    dp, rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    piped = isinstance(engine, deepspeed.PipelineEngine)
+    dp = engine.grid.get_data_parallel_world_size() if piped else dist.get_world_size()
+    rank = engine.grid.get_data_parallel_rank() if piped else dist.get_rank()
     mine = tokens.chunk(dp)[rank]
     for micro in mine.chunk(MICRO_BATCHES):
         yield micro[:, :-1], micro[:, 1:]
 
 
-def train(engine: deepspeed.PipelineEngine, steps: int) -> list[float]:
-    return [engine.train_batch(batches(engine)).item() for _ in range(steps)]
+def train_step(engine: deepspeed.DeepSpeedEngine) -> float:
+    """One optimizer step; the loss averaged over micro-batches and data-parallel ranks, as `train_batch` reports."""
+    if isinstance(engine, deepspeed.PipelineEngine):
+        return engine.train_batch(batches(engine)).item()
+    total = torch.zeros(())
+    for tokens, labels in batches(engine):
+        loss = engine(tokens, labels)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float() / MICRO_BATCHES
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
+    return [train_step(engine) for _ in range(steps)]
 
 
 def snapshot(engine: deepspeed.PipelineEngine) -> dict:
@@ -199,14 +251,16 @@ def snapshot(engine: deepspeed.PipelineEngine) -> dict:
     flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
     keys = ("exp_avg", "exp_avg_sq")
     snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}}
-    for name, p in engine.module.named_parameters():
+    placed, to_global = infos(engine), namer(engine)  # names in checkpoints (a plain module's `rename` applied)
+    for local, p in engine.module.named_parameters():
+        name = placed[local].name
         snap["lp"][name] = p.detach().cpu().clone()
         if p.requires_grad:
             snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
             for key in keys:
                 snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
-    for name, b in engine.module.named_buffers():
-        snap["buffers"][name] = b.detach().cpu().clone()
+    for local, b in engine.module.named_buffers():
+        snap["buffers"][to_global(local)] = b.detach().cpu().clone()
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, {k: snap[k] for k in ("fp32", "state", "lp", "buffers")})
     for part in parts:

@@ -27,7 +27,7 @@ LOSS_RTOL = 1e-5
 LOSS_RTOL_BF16_OTHER_DP = 1e-4
 
 # world size -> variants saved by one launch (data parallelism takes the rest of the world)
-SAVES = {2: ("pp2", "bf16pp2z0"), 4: ("pp2u", "pp1")}
+SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "seq"), 4: ("pp2u", "pp1")}
 
 # (world, target variant, source "world/variant", expected mode)
 CASES = [
@@ -44,7 +44,10 @@ CASES = [
     (4, "pp4", "4/pp2u", "resharded"),  # PP2 -> PP4 (split by block type)
     (4, "pp2ckpt", "2/pp2", "resharded"),  # into activation-checkpointed layers
     (2, "pp1", "4/pp2u/global_step3_universal", "imported"),  # ds_to_universal's folder, layer files copied in
+    (4, "pp2u", "2/plainpp2", "resharded"),  # saved by plain DeepSpeed: metadata read off its own files
     (4, "stock:pp2u", "2/pp2", "stock"),  # `ucp convert --format deepspeed`, loaded by DeepSpeed's load_universal
+    (2, "seq", "2/pp2", "resharded"),  # PipelineModule -> the same layers as a plain module (`rename`)
+    (4, "pp2u", "2/seq", "resharded"),  # and back
 ]
 
 

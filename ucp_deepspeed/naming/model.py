@@ -87,15 +87,32 @@ def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
     return inside
 
 
-def global_namer(module: torch.nn.Module, ep_ranks: dict[str, int] | None = None) -> Callable[[str], str]:
+def renamer(prefixes: dict[str, str]) -> Callable[[str], str]:
+    """Replaces the longest matching prefix of a name (the `rename` option: model names -> checkpoint names)."""
+    ordered = sorted(prefixes.items(), key=lambda kv: -len(kv[0]))
+
+    def rename(name: str) -> str:
+        for old, new in ordered:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    return rename
+
+
+def global_namer(
+    module: torch.nn.Module, ep_ranks: dict[str, int] | None = None, rename: dict[str, str] | None = None
+) -> Callable[[str], str]:
     """Maps a name in this rank's module to its name in the whole model.
 
     Pipeline stages number layers locally, and each expert-parallel rank numbers its experts from 0;
-    `ep_ranks` gives this rank's expert-parallel rank per expert group.
+    `ep_ranks` gives this rank's expert-parallel rank per expert group. `rename` then maps model name
+    prefixes to the checkpoint's (a plain module resuming a `PipelineModule` checkpoint).
     """
     prefixes = _global_prefixes(module)
     tied = _tied_output(module)
     blocks = expert_blocks(module)
+    renamed = renamer(rename or {})
 
     def to_global(name: str) -> str:
         name = tied.get(name, name)
@@ -104,8 +121,8 @@ def global_namer(module: torch.nn.Module, ep_ranks: dict[str, int] | None = None
                 name = block.rename(name, (ep_ranks or {}).get(block.group, 0))
         for local, glob in prefixes:
             if name.startswith(local):
-                return glob + name[len(local) :]
-        return name
+                return renamed(glob + name[len(local) :])
+        return renamed(name)
 
     return to_global
 
@@ -117,9 +134,10 @@ def param_infos(
     rules: Sequence[Rule] = (),
     vocab_size: int = 0,
     ep_ranks: dict[str, int] | None = None,
+    rename: dict[str, str] | None = None,
 ) -> dict[str, ParamInfo]:
     """Global name and layout of each named parameter; ValueError listing any we cannot place."""
-    to_global = global_namer(module, ep_ranks)
+    to_global = global_namer(module, ep_ranks, rename)
     tied = _tied_output(module)
     in_megatron = _in_megatron(module)
     infos, unknown = {}, []

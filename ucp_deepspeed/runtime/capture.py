@@ -72,9 +72,14 @@ def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
     return {b.group: compat.expert_parallel(b.group)[:2] for b in expert_blocks(engine.module)}
 
 
+def _rename(engine: Any) -> dict[str, str]:
+    options = getattr(engine, "_ucp_options", None)
+    return dict(options.rename) if options is not None else {}
+
+
 def namer(engine: Any) -> Callable[[str], str]:
     """Local-to-global parameter and buffer names of this rank's module (pipeline stage, expert-parallel rank)."""
-    return global_namer(engine.module, {g: rank for g, (_, rank) in expert_groups(engine).items()})
+    return global_namer(engine.module, {g: rank for g, (_, rank) in expert_groups(engine).items()}, _rename(engine))
 
 
 def topology(engine: Any) -> Topology:
@@ -100,7 +105,13 @@ def infos(engine: Any) -> dict[str, ParamInfo]:
     ep_ranks = {g: rank for g, (_, rank) in expert_groups(engine).items()}
     try:
         return param_infos(
-            engine.module, engine.module.named_parameters(), model_parallel(engine).tp, rules, vocab, ep_ranks
+            engine.module,
+            engine.module.named_parameters(),
+            model_parallel(engine).tp,
+            rules,
+            vocab,
+            ep_ranks,
+            _rename(engine),
         )
     except ValueError as exc:
         raise CheckpointError("checkpoint.universal.layout_rules", str(exc)) from None

@@ -38,6 +38,16 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Unpadded vocabulary size: vocab-parallel embedding/output rows beyond it are padding, dropped on conversion."""
     layout_rules: str | list[dict[str, Any]] | None = None
     """Layout rules (a list, or a JSON file path) for tensor-parallel models that are not megatron-core."""
+    rename: dict[str, str] = Field(default_factory=dict)
+    """Name prefixes of this engine's model -> the prefixes its checkpoints use (longest match wins), at save and
+    load: e.g. `{"0.": "tied_modules.embed."}` lets a plain module resume a `PipelineModule` checkpoint."""
+
+    @field_validator("rename")
+    @classmethod
+    def _rename_one_to_one(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(set(value.values())) != len(value):
+            raise ValueError("two model prefixes are renamed to the same checkpoint prefix")
+        return value
 
     @field_validator("layout_rules")
     @classmethod

@@ -9,12 +9,15 @@ gives every rank ceil(numel / dp) elements of each parameter. Both are checked a
 loading wrong values.
 
 What the files do not say is how a tensor-parallel rank's slice was cut from the full tensor, so a
-TP-split checkpoint needs layout rules, and pipeline stages (local layer numbering) and expert
-parallelism are refused.
+TP-split checkpoint needs layout rules. A DeepSpeed `PipelineModule` names its parameters by global
+layer index and keeps its layers' buffers and frozen weights in per-layer files
+(`layer_XX[-model_YY]-model_states.pt`), which are read here; other pipeline stages (numbering their
+layers locally) and expert parallelism are refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import os
@@ -27,7 +30,7 @@ from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.geometry.layout import REPLICATED
 from ucp_deepspeed.naming.rules import Rule
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
-from ucp_deepspeed.sources.model_states import ModelStatesFile
+from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
 RULES_HINT = (
@@ -66,30 +69,76 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
         dims = first.entry("checkpoint_parallel_dimensions") or {}
         tp = int(dims.get("tp_degree", first.entry("mp_world_size", 1)))
         pp = int(dims.get("pp_degree", 1))
+        layered = first.layers_apart()
     finally:
         first.close()
-    if pp > 1:
+    if pp > 1 and not layered:
         raise CheckpointError(
             tag_dir,
             f"saved with pipeline parallelism ({pp} stages) and without ucp_deepspeed "
             "metadata: stage files number their layers locally, so the full model's layer "
             "order is unknown. Save through ucp_deepspeed to reshard pipeline checkpoints",
         )
-    missing = [f"mp_rank_{r:02d}" for r in range(tp) if r not in paths]
+    missing = [f"mp_rank_{r:02d}" for r in range(tp * pp) if r not in paths]
     if missing:
         raise CheckpointError(
-            tag_dir, f"saved at tensor-parallel size {tp} but model-states files of {', '.join(missing)} are missing"
+            tag_dir,
+            f"saved at tensor-parallel size {tp} and pipeline size {pp} but model-states files of "
+            f"{', '.join(missing)} are missing",
         )
-    if len(paths) != tp:  # DeepSpeed before checkpoint_parallel_dimensions: stage files look like more ranks
+    if len(paths) != tp * pp:  # DeepSpeed before checkpoint_parallel_dimensions: stage files look like more ranks
         raise CheckpointError(
             tag_dir,
             f"{len(paths)} model-parallel ranks' files for tensor-parallel size {tp}: "
             "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata",
         )
-    return [_infer_rank(tag_dir, paths[r], r, tp, rules) for r in range(tp)]
+    return [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered) for r in range(tp * pp)]
 
 
-def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Sequence[Rule]) -> SaveMeta:
+def _layer_extras(
+    tag_dir: str, mp_rank: int, tp: int, trainable: list[str], buffers: list[str], rules: Sequence[Rule], path: str
+) -> list[ExtraTensor]:
+    """A `PipelineModule` stage's buffers and frozen weights, from the layer files of the layers it trains.
+
+    Frozen weights are what those files hold beyond the trainable parameters and buffers; DeepSpeed names
+    neither per layer, so a buffer of a tied module (no layer index in its name) is refused.
+    """
+    suffix = f"-model_{mp_rank % tp:02d}" if tp > 1 else ""
+    known = set(trainable) | set(buffers)
+    layers = sorted({int(n.split(".", 1)[0]) for n in [*trainable, *buffers] if n.split(".", 1)[0].isdigit()})
+    extras = []
+    for layer in layers:
+        file = f"layer_{layer:02d}{suffix}-model_states.pt"
+        if not os.path.isfile(os.path.join(tag_dir, file)):
+            raise CheckpointError(os.path.join(tag_dir, file), "pipeline layer file is missing")
+        states = LayerStatesFile(os.path.join(tag_dir, file))
+        try:
+            for key in states.keys():
+                name = f"{layer}.{key}"
+                if name in trainable:
+                    continue
+                tensor = states.tensor(key)
+                kind = "buffer" if name in known else "frozen"
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                extras.append(ExtraTensor(name, tuple(tensor.shape), dtype, kind, file=file, key=key))
+        finally:
+            states.close()
+    layouts = _layouts([e.name for e in extras if e.kind == "frozen"], tp, rules, path)
+    extras = [dataclasses.replace(e, layout=layouts[e.name]) if e.name in layouts else e for e in extras]
+    unplaced = sorted(set(buffers) - {e.name for e in extras})
+    if unplaced:
+        raise CheckpointError(
+            path,
+            f"buffers {unplaced[:6]} of a PipelineModule saved without ucp_deepspeed metadata are in no layer "
+            "file named by their layer index (a tied module's?). Save through ucp_deepspeed to reshard them",
+        )
+    return extras
+
+
+def _infer_rank(
+    tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Sequence[Rule], pp: int = 1, layered: bool = False
+) -> SaveMeta:
+    """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files."""
     states = ModelStatesFile(model_path)
     try:
         ds_config = states.entry("ds_config") or {}
@@ -160,7 +209,7 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
                 )
     finally:
         optim.close()
-    extras = []
+    extras = _layer_extras(tag_dir, mp_rank, tp, trainable, buffers, rules, model_path) if layered else []
     for name in frozen:
         tensor = frozen_z3[name] if stage == 3 else module[name]
         extras.append(
@@ -173,18 +222,19 @@ def _infer_rank(tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Seq
                 layouts[name],
             )
         )
-    for name in buffers:
+    for name in [] if layered else buffers:
         tensor = module[name]
         extras.append(ExtraTensor(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), "buffer"))
     optimizer = "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
     return SaveMeta(
-        topology=Topology(dp=dp, zero_stage=stage, dtype=_dtype(ds_config), tp=tp, optimizer=optimizer),
+        topology=Topology(dp=dp, zero_stage=stage, dtype=_dtype(ds_config), tp=tp, pp=pp, optimizer=optimizer),
         params=tuple(slots),
         extras=tuple(extras),
         tied=shared,
         num_groups=num_groups,
         client_state_keys=client_keys,
-        tp_rank=mp_rank,
+        tp_rank=mp_rank % tp,
+        pp_rank=mp_rank // tp,
         frozen_excluded=frozen_excluded,
         versions={"deepspeed": version, "inferred": "from DeepSpeed's files, no ucp metadata"},
     )

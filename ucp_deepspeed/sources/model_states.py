@@ -36,6 +36,10 @@ class ModelStatesFile:
         """Every tensor of the saved module state dict (skipping non-tensor entries such as `_extra_state`)."""
         return {k: v for k, v in (self._obj.get("module") or {}).items() if isinstance(v, LazyTensor)}
 
+    def layers_apart(self) -> bool:
+        """Whether the module's tensors are in per-layer files, as a `PipelineModule` saves them (`module` is None)."""
+        return "module" in self._obj and self._obj["module"] is None and "param_shapes" in self._obj
+
     def frozen_fragment(self, name: str) -> LazyTensor:
         """This rank's ZeRO-3 fragment of a frozen parameter."""
         tensor = (self._obj.get("frozen_param_fragments") or {}).get(name)
