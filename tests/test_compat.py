@@ -262,6 +262,31 @@ def test_megatron_modules(megatron_model):
         megatron_model.pre_process = True
 
 
+def test_pipeline_layer_files():
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    class Norm(torch.nn.LayerNorm):
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.register_buffer("seen", torch.zeros(()))
+
+    specs = [
+        TiedLayerSpec("embed", torch.nn.Embedding, 8, 4),
+        LayerSpec(Norm),
+        torch.relu,  # a function: no state, no file
+        TiedLayerSpec("embed", torch.nn.Embedding, 8, 4, forward_fn=lambda m, x: x @ m.weight.T),
+    ]
+    deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule builds its grid through deepspeed.comm
+    pipe = PipelineModule(specs, num_stages=1, loss_fn=torch.nn.functional.cross_entropy)
+    assert compat.pipeline_layer_files(pipe) == {
+        "tied_modules.embed.weight": ("layer_00-model_states.pt", "weight"),
+        "1.weight": ("layer_01-model_states.pt", "weight"),
+        "1.bias": ("layer_01-model_states.pt", "bias"),
+        "1.seen": ("layer_01-model_states.pt", "seen"),
+    }
+    assert compat.pipeline_layer_files(torch.nn.Linear(2, 2)) == {}
+
+
 def test_trainer_and_accelerate_restores():
     import inspect
 
