@@ -51,6 +51,9 @@ CONT = 3
 VARIANTS = {
     "pp2": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters"},
     "plainpp2": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters", "plain": True},
+    "pp2z0": {"pp": 2, "stage": 0, "dtype": "fp32", "partition": "parameters"},
+    "pp1z0": {"pp": 1, "stage": 0, "dtype": "fp32", "partition": "uniform"},
+    "plainpp2z0": {"pp": 2, "stage": 0, "dtype": "fp32", "partition": "parameters", "plain": True},
     "pp2u": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "uniform"},
     "pp1": {"pp": 1, "stage": 1, "dtype": "fp32", "partition": "parameters"},
     "pp4": {"pp": 4, "stage": 1, "dtype": "fp32", "partition": "type:Block"},
@@ -248,14 +251,18 @@ def snapshot(engine: deepspeed.PipelineEngine) -> dict:
     if hasattr(opt, "_hp_optimizer_states_linked"):  # DeepSpeed links later groups' state views lazily
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
-    flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
+    base = getattr(opt, "optimizer", opt)  # without ZeRO or bf16, DeepSpeed steps the torch optimizer itself
     keys = ("exp_avg", "exp_avg_sq")
     snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}}
     placed, to_global = infos(engine), namer(engine)  # names in checkpoints (a plain module's `rename` applied)
     for local, p in engine.module.named_parameters():
         name = placed[local].name
         snap["lp"][name] = p.detach().cpu().clone()
-        if p.requires_grad:
+        if p.requires_grad and base is opt:  # the parameter is its own fp32 master
+            snap["fp32"][name] = p.detach().cpu().clone()
+            for key in keys:
+                snap["state"][f"{name}/{key}"] = opt.state[p][key].detach().cpu().clone()
+        elif p.requires_grad:
             snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
             for key in keys:
                 snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
@@ -268,8 +275,13 @@ def snapshot(engine: deepspeed.PipelineEngine) -> dict:
             for name, t in part[k].items():
                 # both stages holding the tied embedding must hold the same values
                 snap[k][name] = t if name not in snap[k] or torch.equal(snap[k][name], t) else torch.full_like(t, 1e9)
-    snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
-    snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
+    snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    snap["steps"] = {}
+    for g, group in enumerate(base.param_groups):  # one flat buffer per group with ZeRO, every parameter without
+        steps = [base.state[t]["step"] for t in group["params"] if "step" in base.state[t]]
+        if steps:
+            agree = all(torch.equal(s, steps[0]) for s in steps)
+            snap["steps"][g] = steps[0].clone() if agree else torch.full_like(steps[0], float("nan"))
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap

@@ -199,20 +199,26 @@ def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
 def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     """Every state that must survive a reshard, gathered in full on every rank."""
     opt = engine.optimizer
+    base = getattr(opt, "optimizer", opt)  # without ZeRO or bf16, DeepSpeed steps the torch optimizer itself
     if hasattr(opt, "_hp_optimizer_states_linked"):
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
     if engine.zero_optimization_stage() == 3:  # ZeRO-3 keeps its fp32 flats out of param_groups between steps
         flats = [(opt.sub_group_to_group_id[i], f) for i, f in enumerate(opt.fp32_partitioned_groups_flat)]
     else:
-        flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
-    first_state = opt.optimizer.state[flats[0][1]]
-    keys = sorted(k for k, v in first_state.items() if torch.is_tensor(v) and v.dim() == 1)
+        flats = [(g, f) for g, group in enumerate(base.param_groups) for f in group["params"]]
+    first_state = base.state[flats[0][1]]
+    keys = sorted(k for k, v in first_state.items() if torch.is_tensor(v) and v.dim() >= 1)
     # keyed by global name: each expert-parallel rank holds other experts, merged over all ranks below
     name_of = {local: info.name for local, info in infos(engine).items()}
     snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}, "state_keys": keys}
     for local, p in engine.module.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and base is opt:  # the parameter is its own fp32 master
+            name = name_of[local]
+            snap["fp32"][name] = p.detach().cpu().clone()
+            for key in keys:
+                snap["state"][f"{name}/{key}"] = opt.state[p][key].detach().cpu().clone()
+        elif p.requires_grad:
             name = name_of[local]
             snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
             for key in keys:
@@ -230,10 +236,13 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     for name, b in engine.module.named_buffers():
         snap["buffers"][name] = b.detach().cpu().clone()
     # DeepSpeed names MoE param groups after the expert-parallel size ("ep_size_2"): structure, not a hyperparameter
-    snap["hyperparams"] = [
-        {k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups
-    ]
-    snap["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
+    snap["hyperparams"] = [{k: v for k, v in g.items() if k not in ("params", "name")} for g in base.param_groups]
+    snap["steps"] = {}
+    for g, f in flats:  # one flat buffer per group with ZeRO, every parameter without: all must agree
+        step = base.state[f].get("step")
+        if step is not None:
+            agree = g not in snap["steps"] or torch.equal(snap["steps"][g], step)
+            snap["steps"][g] = step.clone() if agree else torch.full_like(step, float("nan"))
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap

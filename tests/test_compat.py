@@ -262,6 +262,13 @@ def test_megatron_modules(megatron_model):
         megatron_model.pre_process = True
 
 
+def test_base_optimizer_and_unpartitioned(zero12):
+    assert isinstance(compat.base_optimizer(zero12), torch.optim.AdamW) and not compat.is_unpartitioned(zero12)
+    plain = _engine(0)
+    assert compat.base_optimizer(plain) is plain.optimizer and compat.is_unpartitioned(plain)
+    assert compat.data_parallel_rank(plain) == 0 and compat.data_parallel_rank(zero12) == 0
+
+
 def test_pipeline_layer_files():
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 

@@ -27,7 +27,7 @@ LOSS_RTOL = 1e-5
 LOSS_RTOL_BF16_OTHER_DP = 1e-4
 
 # world size -> variants saved by one launch (data parallelism takes the rest of the world)
-SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "seq"), 4: ("pp2u", "pp1")}
+SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "seq", "pp2z0"), 4: ("pp2u", "pp1")}
 
 # (world, target variant, source "world/variant", expected mode)
 CASES = [
@@ -46,6 +46,10 @@ CASES = [
     (2, "pp1", "4/pp2u/global_step3_universal", "imported"),  # ds_to_universal's folder, layer files copied in
     (4, "pp2u", "2/plainpp2", "resharded"),  # saved by plain DeepSpeed: metadata read off its own files
     (4, "stock:pp2u", "2/pp2", "stock"),  # `ucp convert --format deepspeed`, loaded by DeepSpeed's load_universal
+    (2, "pp1z0", "2/pp2z0", "resharded"),  # ZeRO-0 fp32 (a torch optimizer on whole tensors), PP2 -> PP1 DP2
+    (2, "pp1", "2/pp2z0", "resharded"),  # ZeRO-0 -> ZeRO-1
+    (4, "pp1z0", "2/pp2", "resharded"),  # ZeRO-1 -> ZeRO-0, DP1 -> DP4
+    (4, "stock:pp2u", "2/pp2z0", "stock"),  # ZeRO-0 exported to DeepSpeed's format, loaded by its ZeRO-1
     (2, "seq", "2/pp2", "resharded"),  # PipelineModule -> the same layers as a plain module (`rename`)
     (4, "pp2u", "2/seq", "resharded"),  # and back
 ]
@@ -61,7 +65,8 @@ def pipe_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[t
     for layer_file in (root / "4/pp2u/global_step3").glob("layer_*-model_states.pt"):
         shutil.copy(layer_file, theirs)
     shutil.copy(root / "4/pp2u/reference.pt", theirs)  # where the worker looks for it
-    assert cli_main(["convert", "--format", "deepspeed", "--no-progress", str(root / "2/pp2")]) == 0
+    for exported in ("2/pp2", "2/pp2z0"):
+        assert cli_main(["convert", "--format", "deepspeed", "--no-progress", str(root / exported)]) == 0
     out = {}
     for world in sorted({c[0] for c in CASES}):
         targets: dict[str, list[str]] = {}

@@ -83,6 +83,25 @@ def commit_decoupled_checkpoint(engine: Any) -> None:
     engine._commit_decoupled_checkpoint()
 
 
+def base_optimizer(engine: Any) -> Any:
+    """The torch optimizer DeepSpeed steps: ZeRO and bf16 wrap it (`.optimizer`); ZeRO-0 in fp32 uses it as is."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def is_unpartitioned(engine: Any) -> bool:
+    """Whether the engine steps a plain torch optimizer on whole fp32 parameters (ZeRO-0 without bf16/fp16)."""
+    import torch
+
+    return isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+def data_parallel_rank(engine: Any) -> int:
+    """This rank's index in its data-parallel group (a pipeline stage's replicas; not the global rank)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group=engine.seq_data_parallel_group)
+
+
 def pipeline_layer_files(module: Any) -> dict[str, tuple[str, str]]:
     """Where a `PipelineModule` saves each tensor of its layers: module name -> (layer file name, key in it).
 

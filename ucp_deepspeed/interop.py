@@ -113,9 +113,13 @@ def export_deepspeed(
                 bar.update()
         bar.close()
         src.check_reads()
-        _save_pt(
-            os.path.join(out, ZERO, OPTIMIZER_STATE), {k: rebuild(v) for k, v in src.optim(0).global_state().items()}
-        )
+        if src.meta.topology.unpartitioned:  # a torch optimizer's state dict: only its param groups are global
+            hyperparams, _ = src.optimizer_groups()
+            version = src.model_states(0).entry("ds_version")
+            global_state: dict[str, Any] = {"param_groups": hyperparams, "zero_stage": 0, "ds_version": version}
+        else:
+            global_state = {k: rebuild(v) for k, v in src.optim(0).global_state().items()}
+        _save_pt(os.path.join(out, ZERO, OPTIMIZER_STATE), global_state)
         for rank in src.ranks:  # DeepSpeed reads these; a PipelineModule's layer files keep its buffers for us
             for path in rank.model_paths + rank.layer_paths:
                 shutil.copyfile(path, os.path.join(out, os.path.basename(path)))

@@ -42,6 +42,11 @@ class Topology:
     ep: int = 1
     optimizer: str = ""
 
+    @property
+    def unpartitioned(self) -> bool:
+        """ZeRO-0 in fp32: DeepSpeed steps the torch optimizer itself and saves its state dict whole."""
+        return self.zero_stage == 0 and self.dtype == "fp32"
+
     def describe(self) -> str:
         """Short human-readable form, e.g. `zero2 dp=4 fp32`."""
         parts = [f"zero{self.zero_stage}", f"dp={self.dp}"]
@@ -60,6 +65,12 @@ class Topology:
         )
 
 
+def _check_layer_file(name: str, file: str) -> None:
+    # a name read from disk becomes a path: only DeepSpeed's own layer-file names, never a way out of the tag
+    if file and not LAYER_FILE.fullmatch(file):
+        raise ValueError(f"'{name}' names {file!r}, which is not a pipeline layer file")
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where a trainable parameter's fp32 master and optimizer states live in the flat buffers.
@@ -73,6 +84,9 @@ class ParamSlot:
     An `alias` is a second copy of another parameter (a tied output layer on the last stage).
     `ranks` lists the data-parallel ranks whose files hold partitions 0, 1, ... when they are not
     all ranks in order: an expert's partitions live in its expert-data-parallel group's files.
+    ZeRO-0 in fp32 has no flat buffers: the parameter is its own fp32 master, in the model-states file
+    (or the pipeline layer file `file`, under `key`), and its states are entry `flat` of the torch
+    optimizer's state dict, saved in the model-states file; `offset` is 0 and `partition` its size.
     """
 
     name: str
@@ -85,6 +99,11 @@ class ParamSlot:
     local: str = ""
     alias: bool = False
     ranks: tuple[int, ...] = ()
+    file: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        _check_layer_file(self.name, self.file)
 
     @property
     def numel(self) -> int:
@@ -113,9 +132,7 @@ class ExtraTensor:
     key: str = ""
 
     def __post_init__(self) -> None:
-        # a name read from disk becomes a path: only DeepSpeed's own layer-file names, never a way out of the tag
-        if self.file and not LAYER_FILE.fullmatch(self.file):
-            raise ValueError(f"'{self.name}' names {self.file!r}, which is not a pipeline layer file")
+        _check_layer_file(self.name, self.file)
 
     @property
     def local_name(self) -> str:

@@ -26,7 +26,8 @@ from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.version import __version__
 
 UNSUPPORTED = (
-    "universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, or bf16's BF16_Optimizer)"
+    "universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, bf16's BF16_Optimizer, "
+    "or a torch optimizer at stage 0 in fp32); fp16 without ZeRO is not supported"
 )
 
 
@@ -200,6 +201,31 @@ def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[P
     return slots
 
 
+def _whole_slots(opt: Any, names: dict, placed: dict[str, ParamInfo], layer_files: dict) -> list[ParamSlot]:
+    """ZeRO-0 fp32: parameter k of the torch optimizer (in group order, as its state dict numbers them) is
+    entry k of the saved state; its fp32 value is the module's own tensor."""
+    slots = []
+    index = 0
+    for g, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            file, key = layer_files.get(names[p], ("", ""))
+            slots.append(
+                _slot(
+                    placed[names[p]],
+                    names[p],
+                    shape=tuple(p.shape),
+                    group=g,
+                    flat=index,
+                    offset=0,
+                    partition=p.numel(),
+                    file=file,
+                    key=key,
+                )
+            )
+            index += 1
+    return slots
+
+
 def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[ParamSlot]:
     slots = []
     for sub in compat.zero3_subgroups(opt):
@@ -239,12 +265,19 @@ def param_groups(engine: Any) -> dict[Any, int]:
     opt = engine.optimizer
     if int(engine.zero_optimization_stage()) == 3:
         return {p: sub.group for sub in compat.zero3_subgroups(opt) for p in sub.params}
+    if compat.is_unpartitioned(engine):
+        return {p: i for i, group in enumerate(opt.param_groups) for p in group["params"]}
     return {p: i for i, group in enumerate(compat.zero12_groups(opt)) for p in group.params}
 
 
 def supported(engine: Any) -> bool:
-    """Whether the engine's optimizer keeps flat fp32 partitions this package knows how to describe."""
-    return int(engine.zero_optimization_stage()) in (1, 2, 3) or compat.is_bf16_optimizer(engine.optimizer)
+    """Whether the engine's optimizer keeps fp32 state this package knows how to describe: flat partitions, or
+    whole parameters stepped by a torch optimizer."""
+    return (
+        int(engine.zero_optimization_stage()) in (1, 2, 3)
+        or compat.is_bf16_optimizer(engine.optimizer)
+        or compat.is_unpartitioned(engine)
+    )
 
 
 def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
@@ -254,14 +287,16 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     placed = infos(engine)
     to_global = namer(engine)
     stage = int(engine.zero_optimization_stage())
+    layer_files = compat.pipeline_layer_files(module)
     if stage == 3:
         slots = _zero3_slots(engine.optimizer, names, placed)
+    elif compat.is_unpartitioned(engine):
+        slots = _whole_slots(engine.optimizer, names, placed, layer_files)
     elif supported(engine):
         slots = _all_expert_ranks(engine, _zero12_slots(engine.optimizer, names, placed))
     else:
         raise NotImplementedError(UNSUPPORTED)
     owned = {s.local or s.name for s in slots}
-    layer_files = compat.pipeline_layer_files(module)
     extras = []
     for name, p in module.named_parameters():
         if name in owned:
@@ -308,7 +343,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
         params=tuple(slots),
         extras=tuple(extras),
         tied=tied,
-        num_groups=len(engine.optimizer.optimizer.param_groups),
+        num_groups=len(compat.base_optimizer(engine).param_groups),
         client_state_keys=tuple(client_state_keys),
         tp_rank=mp.tp_rank,
         pp_rank=mp.pp_rank,
@@ -316,6 +351,6 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
             "ucp_deepspeed": __version__,
             "deepspeed": deepspeed.__version__,
             "torch": torch.__version__,
-            "base_optimizer": type(engine.optimizer.optimizer).__name__,
+            "base_optimizer": type(compat.base_optimizer(engine)).__name__,
         },
     )

@@ -141,7 +141,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             meta = dataclasses.replace(
                 meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"), frozen_excluded=True
             )
-        if _dp_rank(engine) == 0:
+        if compat.data_parallel_rank(engine) == 0:
             write_meta(meta, os.path.join(save_dir, str(tag)), engine.checkpoint_mp_rank)
         try:
             return native_save(
@@ -282,14 +282,6 @@ def _pick_tag(load_dir: str) -> tuple[str | None, tuple[str, str] | None]:
     newest = read_latest(load_dir) if os.path.isfile(os.path.join(load_dir, "latest")) else list_tags(load_dir)[-1]
     reason = incomplete_reason(load_dir, newest) or "unreadable"
     return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
-
-
-def _dp_rank(engine: Any) -> int:
-    return (
-        tdist.get_rank(group=engine.optimizer.dp_process_group)
-        if hasattr(engine.optimizer, "dp_process_group")
-        else tdist.get_rank()
-    )
 
 
 def _imported(engine: Any, fmt: ForeignFormat, folder: str) -> UniversalCheckpoint:

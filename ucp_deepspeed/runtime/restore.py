@@ -29,7 +29,9 @@ _NON_PARAM_KEYS = ("params", "name", "moe")
 def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
     problems = []
     tp = model_parallel(engine).tp
-    live_groups = {id(p): g for g, group in enumerate(engine.optimizer.optimizer.param_groups) for p in group["params"]}
+    live_groups = {
+        id(p): g for g, group in enumerate(compat.base_optimizer(engine).param_groups) for p in group["params"]
+    }
     stage3 = int(engine.zero_optimization_stage()) == 3
     names = set()
     for p, info in live.items():
@@ -76,9 +78,9 @@ def _problems(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parame
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
     saved_groups = len(ckpt.manifest.param_groups)
-    if saved_groups != len(engine.optimizer.optimizer.param_groups) and not ckpt.manifest.weights_only:
+    if saved_groups != len(compat.base_optimizer(engine).param_groups) and not ckpt.manifest.weights_only:
         problems.append(
-            f"{saved_groups} param groups in checkpoint, {len(engine.optimizer.optimizer.param_groups)} in optimizer"
+            f"{saved_groups} param groups in checkpoint, {len(compat.base_optimizer(engine).param_groups)} in optimizer"
         )
     return problems, names
 
@@ -124,8 +126,8 @@ def _apply_group_state(
     state.update(bufs)
 
 
-def _apply_hyperparams(opt: Any, ckpt: UniversalCheckpoint) -> None:
-    for group, record in zip(opt.optimizer.param_groups, ckpt.manifest.param_groups):
+def _apply_hyperparams(engine: Any, ckpt: UniversalCheckpoint) -> None:
+    for group, record in zip(compat.base_optimizer(engine).param_groups, ckpt.manifest.param_groups):
         for key, value in (record.hyperparams or {}).items():
             if key not in _NON_PARAM_KEYS:
                 group[key] = decode_value(value)
@@ -175,6 +177,30 @@ def _restore_zero12(
     for group in groups:
         for lp in group.params:
             lp.data.copy_(read(lp, FP32, 0, lp.numel()).view(lp.shape))
+
+
+def _restore_whole(
+    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], load_optimizer_states: bool
+) -> None:
+    """ZeRO-0 fp32: DeepSpeed steps a torch optimizer on the parameters themselves, which are the fp32 masters."""
+    opt = engine.optimizer
+    read = _reader(engine, ckpt, live)
+    keys = _state_keys(ckpt) if load_optimizer_states else []
+    for g, group in enumerate(opt.param_groups):
+        scalars = ckpt.manifest.param_groups[g].scalars
+        for p in group["params"]:
+            p.data.copy_(read(p, FP32, 0, p.numel()).view(p.shape))
+            if not load_optimizer_states:
+                continue
+            state = opt.state[p]
+            state.clear()
+            # every parameter owns its step: torch's Adam increments each one in place
+            state.update({k: _owned(decode_value(v)) for k, v in scalars.items()})
+            state.update({k: read(p, k, 0, p.numel()).view(p.shape).clone() for k in keys})
+
+
+def _owned(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _restore_zero3(
@@ -251,10 +277,12 @@ def restore(
     def read_everything() -> dict[str, Any]:
         if stage3:
             _restore_zero3(engine, ckpt, live, load_optimizer_states)
+        elif compat.is_unpartitioned(engine):
+            _restore_whole(engine, ckpt, live, load_optimizer_states)
         else:
             _restore_zero12(engine, ckpt, live, load_optimizer_states)
         if load_optimizer_states:
-            _apply_hyperparams(engine.optimizer, ckpt)
+            _apply_hyperparams(engine, ckpt)
         _restore_module_extras(engine, ckpt, live)
         return {} if load_module_only else _restore_training_state(engine, ckpt, load_lr_scheduler_states)
 

@@ -84,6 +84,31 @@ def check_model_states(meta: SaveMeta, states: ModelStatesFile, mp_size: int) ->
     return problems
 
 
+def check_whole(meta: SaveMeta, states: ModelStatesFile) -> list[str]:
+    """ZeRO-0 fp32: every parameter the metadata places has its states, shaped like it, in the saved optimizer."""
+    problems = []
+    try:
+        keys = states.optimizer_state_keys()
+        groups, _ = states.optimizer_groups()
+    except CheckpointError as exc:
+        return [exc.reason]
+    if len(groups) != meta.num_groups:
+        problems.append(f"optimizer has {len(groups)} param groups, metadata says {meta.num_groups}")
+    for slot in meta.params:
+        for key in keys:
+            try:
+                shape = tuple(states.optimizer_state(slot.flat, key).shape)
+            except CheckpointError as exc:
+                problems.append(exc.reason)
+                break
+            if shape != tuple(slot.shape):
+                problems.append(
+                    f"state {key} of parameter {slot.flat} ('{slot.name}') is {list(shape)}, "
+                    f"metadata says {list(slot.shape)}"
+                )
+    return problems
+
+
 def check_optim(meta: SaveMeta, optim: OptimRankFile, rank: int) -> list[str]:
     """Contradictions between one model-parallel rank's metadata and data-parallel rank `rank`'s optimizer file."""
     topo = meta.topology

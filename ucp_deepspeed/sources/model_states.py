@@ -40,6 +40,39 @@ class ModelStatesFile:
         """Whether the module's tensors are in per-layer files, as a `PipelineModule` saves them (`module` is None)."""
         return "module" in self._obj and self._obj["module"] is None and "param_shapes" in self._obj
 
+    def optimizer_state(self, index: int, key: str) -> LazyTensor:
+        """A state tensor of entry `index` of the torch optimizer state dict saved whole (ZeRO-0 in fp32)."""
+        tensor = self._optimizer_entries().get(index, {}).get(key)
+        if not isinstance(tensor, LazyTensor):
+            raise CheckpointError(self.path, f"optimizer state has no tensor '{key}' for parameter {index}")
+        return tensor
+
+    def optimizer_state_keys(self) -> list[str]:
+        """Per-element state keys (shaped like the parameter, not scalars such as `step`) of that state dict."""
+        first = next(iter(self._optimizer_entries().values()), {})
+        return [k for k, v in first.items() if isinstance(v, LazyTensor) and len(v.shape) > 0]
+
+    def optimizer_groups(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+        """Hyperparameters of each param group of that state dict, and the scalar state of its first parameter."""
+        groups = (self._obj.get("optimizer") or {}).get("param_groups")
+        if not isinstance(groups, list):
+            raise CheckpointError(self.path, "no optimizer param_groups: not a ZeRO-0 fp32 checkpoint")
+        entries = self._optimizer_entries()
+        hyperparams, scalars = [], {}
+        for g, group in enumerate(groups):
+            hyperparams.append({k: plain(v) for k, v in group.items() if k != "params"})
+            first = entries.get(group["params"][0], {}) if group.get("params") else {}
+            found = {k: materialize(v) for k, v in first.items() if not (isinstance(v, LazyTensor) and len(v.shape))}
+            if found:
+                scalars[g] = found
+        return hyperparams, scalars
+
+    def _optimizer_entries(self) -> dict[Any, dict[str, Any]]:
+        state = (self._obj.get("optimizer") or {}).get("state")
+        if not isinstance(state, dict):
+            raise CheckpointError(self.path, "no optimizer state: not a ZeRO-0 fp32 checkpoint")
+        return state
+
     def frozen_fragment(self, name: str) -> LazyTensor:
         """This rank's ZeRO-3 fragment of a frozen parameter."""
         tensor = (self._obj.get("frozen_param_fragments") or {}).get(name)

@@ -12,6 +12,7 @@ import torch
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import (
+    FP32,
     ExtraTensor,
     ParamSlot,
     SaveMeta,
@@ -22,7 +23,7 @@ from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.geometry.fragments import fragments
 from ucp_deepspeed.io.torch_file import TorchFile
 from ucp_deepspeed.naming.rules import parse_rules
-from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, fail
+from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, check_whole, fail
 from ucp_deepspeed.sources.infer import infer_metas
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
@@ -51,8 +52,9 @@ class RankFiles:
             ]
         else:
             self.model_paths = [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
-        self.layer_paths = sorted({os.path.join(tag_dir, e.file) for e in meta.extras if e.file})
-        self.needed = self.model_paths + (self.optim_paths if topo.zero_stage > 0 else []) + self.layer_paths
+        files = {s.file for s in meta.params} | {e.file for e in meta.extras}
+        self.layer_paths = sorted(os.path.join(tag_dir, f) for f in files if f)
+        self.needed = self.model_paths + ([] if topo.unpartitioned else self.optim_paths) + self.layer_paths
         self._lock = threading.Lock()
         self._optim: dict[int, OptimRankFile] = {}
         self._model: dict[int, ModelStatesFile] = {}
@@ -102,6 +104,8 @@ class RankFiles:
     def read_param(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """One state (`fp32` or an optimizer key) of this rank's share of a parameter, from every DP rank."""
         topo = self.meta.topology
+        if topo.unpartitioned:
+            return self._read_whole(slot, state)
         out = torch.empty(slot.numel, dtype=torch.float32)
         for frag in fragments(slot, topo.zero_stage, topo.dp):
             lazy = self.optim(frag.rank).flat(slot.flat, state)
@@ -111,6 +115,22 @@ class RankFiles:
                 )
             lazy.read(frag.src, frag.numel, out=out[frag.dst : frag.dst + frag.numel])
         return out.view(slot.shape)
+
+    def _read_whole(self, slot: ParamSlot, state: str) -> torch.Tensor:
+        """ZeRO-0 fp32: the parameter itself (its fp32 master) or its entry in the saved torch optimizer state."""
+        path = os.path.join(self.tag_dir, slot.file) if slot.file else self.model_paths[0]
+        if state != FP32:
+            lazy = self.model_states(0).optimizer_state(slot.flat, state)
+        elif slot.file:
+            lazy = self.layer(path).tensor(slot.key)
+        else:
+            lazy = self.model_states(0).module_tensor(slot.local or slot.name)
+        if tuple(lazy.shape) != tuple(slot.shape) or lazy.dtype != torch.float32:
+            raise CheckpointError(
+                path,
+                f"{state} of '{slot.name}' is {tuple(lazy.shape)} {lazy.dtype}, metadata says {slot.shape} float32",
+            )
+        return lazy.load()
 
     def read_extra(self, extra: ExtraTensor) -> torch.Tensor:
         """A frozen parameter or buffer, gathered from ZeRO-3 fragments when it was partitioned."""
@@ -244,7 +264,9 @@ class NativeCheckpoint:
                             f"{tuple(extra.shape)} {extra.dtype}",
                         )
                     )
-            if topo.zero_stage > 0:
+            if topo.unpartitioned:
+                problems += [(rank.model_paths[0], p) for p in check_whole(rank.meta, rank.model_states(0))]
+            else:
                 optims = [rank.optim(d) for d in range(topo.dp)]
                 try:
                     problems += [(o.path, p) for d, o in enumerate(optims) for p in check_optim(rank.meta, o, d)]
@@ -316,7 +338,13 @@ class NativeCheckpoint:
     def state_keys(self) -> list[str]:
         """Per-element optimizer state keys, e.g. `exp_avg`, `exp_avg_sq`."""
         rank = next((r for r in self.ranks if r.meta.params), None)
-        return rank.optim(0).state_keys(0) if rank is not None else []
+        if rank is None:
+            return []
+        return (
+            rank.model_states(0).optimizer_state_keys()
+            if self.meta.topology.unpartitioned
+            else rank.optim(0).state_keys(0)
+        )
 
     def optimizer_groups(self) -> tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]:
         """Hyperparameters per param group, and the scalar state (e.g. `step`) per param group.
@@ -328,6 +356,11 @@ class NativeCheckpoint:
         hyperparams = None
         for rank in self.ranks:
             if not rank.meta.params:
+                continue
+            if self.meta.topology.unpartitioned:
+                groups, found = rank.model_states(0).optimizer_groups()
+                hyperparams = hyperparams or groups
+                scalars = {**found, **scalars}
                 continue
             first = rank.optim(0)
             hyperparams = hyperparams or first.hyperparams()
