@@ -229,15 +229,16 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
     specs = []
     for spec in args.sources.split(","):
         layout, size = spec.split(":")
-        found = re.fullmatch(r"z(\d)(?:tp(\d))?(?:ep(\d))?", layout)
+        found = re.fullmatch(r"z(\d)(?:tp(\d))?(?:pp(\d))?(?:ep(\d))?", layout)
         if found is None:
-            raise SystemExit(f"bad source {spec!r}: expected z<stage>[tp<size>][ep<size>]:<million params>")
-        specs.append((int(found.group(1)), int(found.group(2) or 1), int(found.group(3) or 0), float(size)))
-    largest = {
-        (z, tp, ep): max(s for stage, t, e, s in specs if (stage, t, e) == (z, tp, ep)) for z, tp, ep, _ in specs
-    }
-    for zero, tp, ep, size in specs:
-        name = f"z{zero}-{f'tp{tp}-' if tp > 1 else ''}{f'moe-ep{ep}-' if ep else ''}dp{ranks // tp}-{size:g}M"
+            raise SystemExit(f"bad source {spec!r}: expected z<stage>[tp<size>][pp<size>][ep<size>]:<million params>")
+        tp, pp, ep = (int(found.group(i) or d) for i, d in ((2, 1), (3, 1), (4, 0)))
+        specs.append((int(found.group(1)), tp, pp, ep, float(size)))
+    largest = {key[:4]: max(s[4] for s in specs if s[:4] == key[:4]) for key in specs}
+    for zero, tp, pp, ep, size in specs:
+        parallel = f"{f'tp{tp}-' if tp > 1 else ''}{f'pp{pp}-' if pp > 1 else ''}{f'moe-ep{ep}-' if ep else ''}"
+        name = f"z{zero}-{parallel}dp{ranks // (tp * pp)}-{size:g}M"
+        plain_dense = (zero, tp, pp, ep) == (1, 1, 1, 0)
         ckpt = work / name
         shutil.rmtree(ckpt, ignore_errors=True)
         print(f"== saving {name}", flush=True)
@@ -250,6 +251,8 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
             str(zero),
             "--tp",
             str(tp),
+            "--pp",
+            str(pp),
             "--ep",
             str(ep),
             "--out",
@@ -272,17 +275,17 @@ def run(args: argparse.Namespace, report: dict, save: Callable[[dict], None]) ->
         for workers in (2,) if args.smoke else (1, 2):
             print(f"== ucp convert {name} --workers {workers}", flush=True)
             entry["ours"][str(workers)] = ours(ckpt, workers)
-        if (zero, tp, ep) == (1, 1, 0) and size == largest[zero, tp, ep] and not args.smoke:
+        if plain_dense and size == largest[zero, tp, pp, ep] and not args.smoke:
             print(f"== ucp convert {name} --workers 2, source CRC checks off", flush=True)
             entry["ours_unverified"] = ours(ckpt, 2, verify=False)
-        settings = [(1, 1), (2, 1), (4, 2)] if size == largest[zero, tp, ep] and not args.smoke else [(2, 1)]
+        settings = [(1, 1), (2, 1), (4, 2)] if size == largest[zero, tp, pp, ep] and not args.smoke else [(2, 1)]
         for extract, merge in settings:
             print(f"== ds_to_universal {name} extract={extract} merge={merge}", flush=True)
             try:
                 entry["deepspeed"][f"{extract}/{merge}"] = deepspeeds(ckpt, extract, merge)
             except RuntimeError as exc:  # recorded, not fatal: which layouts DeepSpeed cannot convert is a result
                 entry["deepspeed"][f"{extract}/{merge}"] = {"error": str(exc).splitlines()[-1][:300]}
-        if (zero, tp, ep) == (1, 1, 0) and size == largest[zero, tp, ep]:
+        if plain_dense and size == largest[zero, tp, pp, ep]:
             print(f"== loads of {name}", flush=True)
             load = ("load", "--params-m", str(size), "--source", str(ckpt))
             variants = {"native": ("--zero", "1"), "resharded": ("--zero", "2")}
@@ -356,6 +359,13 @@ def table(report: dict) -> str:
             "`universal_checkpoint_info`, so `ds_to_universal` (with `--inject_missing_state`) has no TP "
             "layout to go by; its result is shown as it came. Ours merges each parameter by the layout read "
             "from megatron-core's parameter attributes.",
+        ]
+    if any("-pp" in name for name in report["sources"]):
+        lines += [
+            "",
+            "The pipeline source is the same model as a DeepSpeed `PipelineModule` (`PipelineEngine`), its "
+            "embedding tied to an output head on the last stage as in Megatron-DeepSpeed's `GPTModelPipe`, saved "
+            "at PP=2. `ds_to_universal` needs `--inject_missing_state` for it.",
         ]
     if any("-moe-" in name for name in report["sources"]):
         lines += [
@@ -441,7 +451,7 @@ def main() -> None:
     # ZeRO-3 at 300M does not fit: four CPU ranks gathering parameters for the training step exceed 24 GiB
     parser.add_argument(
         "--sources",
-        default="z1:75,z1:150,z1:300,z3:150,z1tp2:300,z1ep2:300",
+        default="z1:75,z1:150,z1:300,z3:150,z1tp2:300,z1pp2:300,z1ep2:300",
         help="ZeRO stage and million parameters of each source; the largest per stage gets every "
         "ds_to_universal setting",
     )
@@ -454,7 +464,7 @@ def main() -> None:
     args = parser.parse_args()
     results = ROOT / "benchmarks" / "results.json"
     if args.smoke:  # every kind of source and every tool, at the smallest size and world that show they work
-        args.sources, args.ranks = "z1:0.5,z3:0.5,z1tp2:0.5,z1ep2:0.5", 2
+        args.sources, args.ranks = "z1:0.5,z3:0.5,z1tp2:0.5,z1pp2:0.5,z1ep2:0.5", 2
     report = json.loads(results.read_text()) if args.merge and results.exists() else {}
 
     def save(partial: dict) -> None:

@@ -10,7 +10,9 @@ saw, and its loss curve should lie on the uninterrupted one.
 
 1. one source (TP=2 PP=2 DP=1, ZeRO-1) to many targets;
 2. many sources to one target (TP=1 PP=1 DP=2);
-3. MoE: EP=2 to EP=1 and EP=4.
+3. MoE: EP=2 to EP=1 and EP=4;
+4. DeepSpeed's PipelineEngine (launch/train_pipe.py, a PipelineModule GPT whose blocks are megatron-core
+   parallel linears): TP=2 PP=2 to other TP/PP/DP sizes, ZeRO-0, and a plain module of the same layers.
 
 Writes a PNG per experiment to --figures (docs/img/ by default), and to --out
 (benchmarks/loss_continuity/): losses.csv with
@@ -38,6 +40,7 @@ from docs_table import update_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_gpt.py"
+PIPE_WORKER = ROOT / "launch" / "train_pipe.py"
 
 
 @dataclass(frozen=True)
@@ -49,19 +52,29 @@ class Layout:
     pp: int = 1
     zero: int = 1
     ep: int = 0  # 0: dense model; otherwise MoE with this expert-parallel size
+    variant: str = ""  # a launch/train_pipe.py variant (PipelineEngine) with these sizes; "" is train_gpt.py's GPT
 
     @property
     def name(self) -> str:
         moe = f"EP={self.ep} " if self.ep else ""
-        return f"{moe}TP={self.tp} PP={self.pp} DP={self.world // (self.tp * self.pp)} ZeRO-{self.zero}"
+        sizes = f"{moe}TP={self.tp} PP={self.pp} DP={self.world // (self.tp * self.pp)} ZeRO-{self.zero}"
+        if self.variant == "seq":
+            return f"plain module DP={self.world} ZeRO-{self.zero}"
+        return f"{sizes}{' PipelineEngine' if self.variant else ''}"
 
     @property
     def key(self) -> str:
-        return "-".join(f"{k}{getattr(self, k)}" for k in ("world", "tp", "pp", "zero", "ep"))
+        return "-".join(f"{k}{getattr(self, k)}" for k in ("world", "tp", "pp", "zero", "ep", "variant"))
+
+    @property
+    def worker(self) -> Path:
+        return PIPE_WORKER if self.variant else WORKER
 
     def flags(self) -> list[str]:
+        if self.variant:
+            return ["--variant", self.variant]
         moe = ["--moe", "--ep", str(self.ep)] if self.ep else []
-        return ["--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero), *moe]
+        return ["--data", "markov", "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero), *moe]
 
 
 @dataclass(frozen=True)
@@ -85,10 +98,21 @@ def experiments(smoke: bool) -> list[Experiment]:
         ]
     sources = [source, Layout(4, tp=2), Layout(4, pp=2), Layout(4, zero=2), Layout(2, zero=3)]
     moe = Layout(2, ep=2)
+    pipe = Layout(4, tp=2, pp=2, variant="tp2pp2")
+    pipe_targets = [
+        Layout(4, pp=2, variant="tp1pp2"),
+        Layout(4, tp=2, variant="tp2pp1"),
+        Layout(2, variant="pp1"),
+        Layout(2, zero=0, variant="pp1z0"),
+        Layout(2, variant="seq"),
+    ]
     return [
         Experiment("one_to_many", "One source (TP=2 PP=2 DP=1), many targets", tuple((source, t) for t in targets)),
         Experiment("many_to_one", "Many sources, one target (TP=1 PP=1 DP=2)", tuple((s, Layout(2)) for s in sources)),
         Experiment("moe", "MoE: EP=2 to EP=1 and EP=4", ((moe, Layout(2, ep=1)), (moe, Layout(4, ep=4)))),
+        Experiment(
+            "pipeline", "DeepSpeed PipelineEngine: TP=2 PP=2 DP=1, many targets", tuple((pipe, t) for t in pipe_targets)
+        ),
     ]
 
 
@@ -96,24 +120,26 @@ Job = tuple[Layout, Path, list[str]]  # layout, results file, extra arguments of
 
 
 def launch(world: int, jobs: list[Job]) -> list[list[dict]]:
-    """The worker's train jobs, all at `world` ranks, in one torchrun launch (megatron-core's groups are rebuilt
-    per job and its start-up is paid once); returns each job's per-step loss log."""
-    runs = [
-        ["train", "--data", "markov", "--results", str(results), *layout.flags(), *extra]
-        for layout, results, extra in jobs
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        str(WORKER),
-        *each(runs),
-    ]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800 * len(jobs))
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    """The workers' train jobs, all at `world` ranks, one torchrun launch per worker script (megatron-core's groups
+    are rebuilt per job and start-up is paid once); returns each job's per-step loss log, in order."""
+    for worker in dict.fromkeys(layout.worker for layout, _, _ in jobs):
+        runs = [
+            ["train", "--results", str(results), *layout.flags(), *extra]
+            for layout, results, extra in jobs
+            if layout.worker == worker
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={world}",
+            str(worker),
+            *each(runs),
+        ]
+        proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800 * len(runs))
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return [json.loads(results.read_text())["log"] for _, results, _ in jobs]
 
 
@@ -151,7 +177,7 @@ def run_all(args: argparse.Namespace, work: Path, plan: list[Experiment]) -> tup
         jobs += [target_job(s, t) for s, t in ready]
         if jobs:
             logs.update(zip(keys, launch(world, jobs)))
-            launches += 1
+            launches += len({layout.worker for layout, _, _ in jobs})
     for source, target in pairs:  # targets of a world size whose sources were saved only by a later launch
         if (source.key, target.key) not in logs:
             logs[source.key, target.key] = launch(target.world, [target_job(source, target)])[0]

@@ -134,6 +134,33 @@ class MoELM(torch.nn.Module):
         return self.norm(x).pow(2).mean()
 
 
+class Block(torch.nn.Sequential):
+    """SyntheticLM's residual MLP block, as a pipeline layer."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
+def pipeline_lm(layers: int, hidden: int, vocab: int, stages: int) -> torch.nn.Module:
+    """SyntheticLM as a DeepSpeed PipelineModule, with the embedding tied to an output head on the last stage
+    (as Megatron-DeepSpeed's GPTModelPipe)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    def head(embed: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, embed.weight)
+
+    specs = [
+        TiedLayerSpec("embed", torch.nn.Embedding, vocab, hidden),
+        *[LayerSpec(Block, hidden) for _ in range(layers)],
+        LayerSpec(torch.nn.LayerNorm, hidden),
+        TiedLayerSpec("embed", torch.nn.Embedding, vocab, hidden, forward_fn=head),
+    ]
+    return PipelineModule(specs, num_stages=stages, loss_fn=lambda logits, _: logits.pow(2).mean())
+
+
 def shape_for(params_m: float, experts: int = 1) -> tuple[int, int, int]:
     """(layers, hidden, vocab) giving about `params_m` million parameters (tiny sizes shrink everything)."""
     hidden, vocab = (HIDDEN, VOCAB) if params_m >= 20 else (64, 512)
@@ -144,7 +171,7 @@ def shape_for(params_m: float, experts: int = 1) -> tuple[int, int, int]:
 def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
     layers, hidden, vocab = shape_for(args.params_m, EXPERTS if args.ep else 1)
-    dp = dist.get_world_size() // args.tp
+    dp = dist.get_world_size() // (args.tp * args.pp)
     config = {
         "train_batch_size": dp,
         "train_micro_batch_size_per_gpu": 1,
@@ -168,6 +195,8 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     with deepspeed.zero.Init(config_dict_or_path=config) if args.zero == 3 else contextlib.nullcontext():
         if args.ep:
             model = MoELM(layers, hidden, vocab, args.ep)
+        elif args.pp > 1:
+            model = pipeline_lm(layers, hidden, vocab, args.pp)
         else:
             model = (TensorParallelLM if args.tp > 1 else SyntheticLM)(layers, hidden, vocab)
     groups = [{"params": list(model.parameters()), "name": "all"}]
@@ -197,6 +226,7 @@ def main() -> None:
         "--plain", action="store_true", help="load: DeepSpeed's own load, without ucp_deepspeed's checks"
     )
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--pp", type=int, default=1, help="a DeepSpeed PipelineModule of this many stages")
     parser.add_argument(
         "--ep", type=int, default=0, help="DeepSpeed MoE blocks (4 experts) at this expert-parallel size"
     )
@@ -223,6 +253,9 @@ def main() -> None:
         tokens = torch.randint(0, shape_for(args.params_m)[2], (1, 16))
 
         def step() -> None:
+            if isinstance(engine, deepspeed.PipelineEngine):
+                engine.train_batch(iter([(tokens, tokens)]))
+                return
             engine.backward(engine(tokens))
             engine.step()
 

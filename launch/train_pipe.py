@@ -8,6 +8,8 @@ and a final norm with a frozen scale. AdamW with two parameter groups and an LR 
 
     save --out DIR --variant NAME ...: train STEPS steps, snapshot every state, save, continue CONT steps;
           rank 0 writes DIR/NAME/reference.pt
+    train --variant NAME --ckpt-dir DIR --steps N --ckpt-every K: a training job; on start it resumes from the
+          newest complete checkpoint in DIR, whatever layout saved it, and logs `step N loss L world W`
     load --case TARGET SOURCE... ...: build TARGET at this launch's world size, load each SOURCE, compare
           every state with its reference (torch.equal), continue CONT steps and compare the losses;
           rank 0 writes one JSON result per (target, source) to --results. A target `stock:NAME` is
@@ -25,18 +27,23 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 
 import deepspeed
+import megatron_cpu  # launch/megatron_cpu.py: megatron-core's CUDA-only helpers, on a CPU
 import torch
 import torch.distributed as dist
 from compare import compare  # launch/compare.py, next to this script
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing import checkpointing
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
 from ucp_deepspeed.runtime.capture import infos, namer
+from ucp_deepspeed.sources import list_tags
+from ucp_deepspeed.sources.tags import prune
 
 GLOBAL_BATCH = 8
 MICRO_BATCHES = 2  # gradient accumulation steps: the same at every layout, so only summation order changes
@@ -44,6 +51,7 @@ SEQ = 8
 VOCAB = 256  # the tied embedding outweighs a stage of one block: it crosses a DP partition there only
 HIDDEN = 16
 HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
 BLOCKS = 4
 STEPS = 3
 CONT = 3
@@ -62,6 +70,10 @@ VARIANTS = {
     "bf16pp2": {"pp": 2, "stage": 1, "dtype": "bf16", "partition": "uniform"},
     "bf16pp1z0": {"pp": 1, "stage": 0, "dtype": "bf16", "partition": "parameters"},
     # the same layers as a plain module (no PipelineEngine); its embedding is layer 0, the checkpoints' tied module
+    # blocks of megatron-core column/row-parallel layers, at tensor-parallel size `tp`
+    "tp2pp2": {"pp": 2, "tp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters", "megatron": True},
+    "tp2pp1": {"pp": 1, "tp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters", "megatron": True},
+    "tp1pp2": {"pp": 2, "tp": 1, "stage": 1, "dtype": "fp32", "partition": "uniform", "megatron": True},
     "seq": {"pp": 0, "stage": 1, "dtype": "fp32", "rename": {"0.": "tied_modules.embed."}},
 }
 
@@ -106,11 +118,58 @@ class Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, h // HEADS).permute(2, 0, 3, 1, 4)
+        b, s, _ = x.shape
+        # q, k, v interleaved per head, so a column-parallel qkv gives each tensor-parallel rank whole heads
+        qkv = _out(self.qkv(self.ln1(x)))
+        heads = qkv.shape[-1] // (3 * HEAD_DIM)
+        q, k, v = qkv.view(b, s, heads, 3, HEAD_DIM).permute(3, 0, 2, 1, 4)
         att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
-        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+        x = x + _out(self.proj(att.transpose(1, 2).reshape(b, s, heads * HEAD_DIM)))
+        return x + _out(self.down(torch.nn.functional.gelu(_out(self.up(self.ln2(x))))))
+
+
+def _out(y: torch.Tensor | tuple) -> torch.Tensor:
+    """megatron-core's parallel linear layers return (output, bias); torch's return the output."""
+    return y[0] if isinstance(y, tuple) else y
+
+
+class TPBlock(Block):
+    """The same block with megatron-core's column/row-parallel projections, as Megatron-DeepSpeed builds its layers:
+    heads and the MLP's hidden units are split over the tensor-parallel ranks; the norms are replicated."""
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.model_parallel_config import ModelParallelConfig
+
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            use_cpu_initialization=True,  # the full weight is drawn, then split: the same at every TP size
+            params_dtype=torch.float32,
+            gradient_accumulation_fusion=False,
+        )
+
+        def init(weight: torch.Tensor) -> None:
+            torch.nn.init.normal_(weight, std=0.05)
+
+        def column(n_in: int, n_out: int) -> torch.nn.Module:
+            return tensor_parallel.ColumnParallelLinear(
+                n_in, n_out, config=config, init_method=init, bias=True, gather_output=False
+            )
+
+        def row(n_in: int, n_out: int) -> torch.nn.Module:
+            return tensor_parallel.RowParallelLinear(
+                n_in, n_out, config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False
+            )
+
+        self.ln1 = torch.nn.LayerNorm(HIDDEN)
+        self.qkv = column(HIDDEN, 3 * HIDDEN)
+        self.proj = row(HIDDEN, HIDDEN)
+        self.ln2 = torch.nn.LayerNorm(HIDDEN)
+        self.up = column(HIDDEN, 4 * HIDDEN)
+        self.down = row(4 * HIDDEN, HIDDEN)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
 
 class FinalNorm(torch.nn.LayerNorm):
@@ -154,35 +213,64 @@ class Plain(torch.nn.Sequential):
         return loss_fn(super().forward(tokens), labels)
 
 
-def layers() -> list:
+def layers(block: type = Block) -> list:
     return [
         TiedLayerSpec("embed", Embedding, tied_weight_attr="word.weight"),
         LayerSpec(Positions),
-        *[LayerSpec(Block) for _ in range(BLOCKS)],
+        *[LayerSpec(block) for _ in range(BLOCKS)],
         LayerSpec(torch.nn.Dropout, 0.0),  # a layer with no parameters: an empty layer file
         LayerSpec(FinalNorm),
         TiedLayerSpec("embed", Embedding, forward_fn=head, tied_weight_attr="word.weight"),
     ]
 
 
+# the layers that are not megatron-core's: embedding, positions, norms (layout rules come before megatron-core's own
+# attributes, so they must not match the parallel linears)
+REPLICATED_TORCH_LAYERS = [
+    {"match": r"tied_modules\..*|\d+\.(weight|bias|scale)|\d+\.ln[12]\.(weight|bias)", "layout": "replicated"}
+]
+
+
+def megatron_groups(tp: int, pp: int, wanted: bool) -> bool:
+    """megatron-core's parallel state, for variants whose layers are its parallel linears (none otherwise: with it,
+    ucp_deepspeed would hand a plain engine megatron-core's groups). Ranks are numbered as DeepSpeed's pipeline
+    topology numbers them: tensor-parallel fastest, then data, then pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if wanted:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if not torch.cuda.is_available():
+            megatron_cpu.install()
+    return wanted
+
+
 def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
     """The engine of a variant; `stock` builds it with plain DeepSpeed, loading DeepSpeed's universal format."""
     variant = VARIANTS[variant_name]
-    world, pp = dist.get_world_size(), variant["pp"]
-    dp = world // max(pp, 1)
+    world, pp, tp = dist.get_world_size(), variant["pp"], variant.get("tp", 1)
+    dp = world // (max(pp, 1) * tp)
     if pp == 0:  # DeepSpeed keeps the last PipelineEngine's grid as its global mpu; a plain engine must not see it
         deepspeed.utils.groups.mpu = None
-    model = Plain() if pp == 0 else PipelineModule(
-        layers(),
-        num_stages=pp,
-        loss_fn=loss_fn,
-        partition_method=variant["partition"],
-        activation_checkpoint_interval=variant.get("activation_checkpoint", 0),
-        # DeepSpeed's reentrant checkpoint would also wrap the embedding, whose input (tokens) needs no grad
-        activation_checkpoint_func=checkpointing.non_reentrant_checkpoint,
-        seed_layers=True,  # each layer from its own seed, so its weights do not depend on the stage split
-        seed_fn=torch.manual_seed,
-        base_seed=1234,
+    megatron = megatron_groups(tp, max(pp, 1), variant.get("megatron", False))
+    model = (
+        Plain()
+        if pp == 0
+        else PipelineModule(
+            layers(TPBlock if megatron else Block),
+            # megatron-core layers: a tensor-parallel axis (layer files `layer_XX-model_YY-...`); else pipe x data only
+            topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) if megatron else None,
+            num_stages=None if megatron else pp,
+            loss_fn=loss_fn,
+            partition_method=variant["partition"],
+            activation_checkpoint_interval=variant.get("activation_checkpoint", 0),
+            # DeepSpeed's reentrant checkpoint would also wrap the embedding, whose input (tokens) needs no grad
+            activation_checkpoint_func=checkpointing.non_reentrant_checkpoint,
+            seed_layers=True,  # each layer from its own seed, so its weights do not depend on the stage split
+            seed_fn=torch.manual_seed,
+            base_seed=1234,
+        )
     )
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
@@ -197,6 +285,8 @@ def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
         "zero_optimization": {"stage": variant["stage"]},
         "checkpoint": {"universal": {"enabled": True, "progress": False, "rename": variant.get("rename", {})}},
     }
+    if variant.get("megatron"):  # megatron-core's layers say how they are split; plain torch ones are replicated
+        config["checkpoint"]["universal"]["layout_rules"] = REPLICATED_TORCH_LAYERS
     if variant["dtype"] == "bf16":
         config["bf16"] = {"enabled": True}
     init = ucp_deepspeed.initialize
@@ -219,6 +309,11 @@ def batches(engine: deepspeed.DeepSpeedEngine):
     """This data-parallel rank's micro-batches of the step's global batch, the same whatever the layout."""
     g = torch.Generator().manual_seed(1000 + engine.global_steps)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    # each token follows a fixed successor table 80% of the time: a pattern to learn, so the loss falls
+    successor = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
+    follow = torch.rand(GLOBAL_BATCH, SEQ + 1, generator=g) < 0.8
+    for t in range(1, SEQ + 1):
+        tokens[:, t] = torch.where(follow[:, t], successor[tokens[:, t - 1]], tokens[:, t])
     piped = isinstance(engine, deepspeed.PipelineEngine)
     dp = engine.grid.get_data_parallel_world_size() if piped else dist.get_world_size()
     rank = engine.grid.get_data_parallel_rank() if piped else dist.get_rank()
@@ -268,13 +363,27 @@ def snapshot(engine: deepspeed.PipelineEngine) -> dict:
                 snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
     for local, b in engine.module.named_buffers():
         snap["buffers"][to_global(local)] = b.detach().cpu().clone()
+    # tensor-parallel shards are joined along their split dimension; every other copy (data-parallel replicas, the
+    # tied embedding on two stages) must be equal
+    split = {info.name: info.layout.dim for info in placed.values() if info.layout.is_split}
+    tp_rank = engine.grid.get_slice_parallel_rank() if isinstance(engine, deepspeed.PipelineEngine) else 0
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {k: snap[k] for k in ("fp32", "state", "lp", "buffers")})
-    for part in parts:
-        for k in ("fp32", "state", "lp", "buffers"):
+    dist.all_gather_object(parts, ({k: snap[k] for k in ("fp32", "state", "lp", "buffers")}, split, tp_rank))
+    for k in ("fp32", "state", "lp", "buffers"):
+        copies: dict[str, dict[int, torch.Tensor]] = {}
+        dims: dict[str, int] = {}
+        for part, part_split, rank in parts:
             for name, t in part[k].items():
-                # both stages holding the tied embedding must hold the same values
-                snap[k][name] = t if name not in snap[k] or torch.equal(snap[k][name], t) else torch.full_like(t, 1e9)
+                param = name.split("/")[0]
+                key = rank if param in part_split else 0
+                if param in part_split:
+                    dims[name] = part_split[param]
+                held = copies.setdefault(name, {})
+                held[key] = t if key not in held or torch.equal(held[key], t) else torch.full_like(t, 1e9)
+        snap[k] = {
+            name: torch.cat([held[r] for r in sorted(held)], dim=dims[name]) if name in dims else held[0]
+            for name, held in copies.items()
+        }
     snap["hyperparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     snap["steps"] = {}
     for g, group in enumerate(base.param_groups):  # one flat buffer per group with ZeRO, every parameter without
@@ -342,9 +451,36 @@ def do_load(args: argparse.Namespace) -> None:
             json.dump(results, f, indent=1)
 
 
+def do_train(args: argparse.Namespace) -> None:
+    """Train to --steps, saving every --ckpt-every steps and keeping --keep; resume whatever layout saved."""
+    engine = build(args.variant[0])
+    resumed = None
+    source = args.init_from or args.ckpt_dir
+    if source and os.path.isdir(source) and list_tags(source):
+        engine.load_checkpoint(source, tag=args.init_tag)
+        report = engine.ucp_last_load
+        resumed = {"step": engine.global_steps, "saved": report.saved, "live": report.live, "mode": report.mode}
+        if dist.get_rank() == 0:
+            print(f"resumed from step {engine.global_steps} at topology {report.saved} -> {report.live}", flush=True)
+    log = []
+    while engine.global_steps < args.steps:
+        loss = train_step(engine)
+        log.append({"step": engine.global_steps, "loss": loss, "world": dist.get_world_size()})
+        if dist.get_rank() == 0:
+            print(f"step {engine.global_steps} loss {loss:.6f} world {dist.get_world_size()}", flush=True)
+        if args.ckpt_every and engine.global_steps % args.ckpt_every == 0:
+            engine.save_checkpoint(args.ckpt_dir)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                prune(args.ckpt_dir, args.keep)
+    if dist.get_rank() == 0 and args.results:
+        with open(args.results, "w") as f:
+            json.dump({"resumed": resumed, "log": log, "final_step": engine.global_steps}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "train"])
     parser.add_argument("--variant", nargs="+", default=[], choices=sorted(VARIANTS))
     parser.add_argument("--out")
     parser.add_argument("--results")
@@ -357,10 +493,28 @@ def main() -> None:
         help="load: a target variant and the sources it loads; repeat to load several targets in one launch; "
         "a target 'stock:VARIANT' is built with plain DeepSpeed and loads its universal format (load_universal)",
     )
+    parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
+    parser.add_argument("--ckpt-dir", help="train: checkpoint directory, resumed from when it holds a tag")
+    parser.add_argument("--steps", type=int, default=8, help="train: last step")
+    parser.add_argument("--ckpt-every", type=int, default=2, help="train: 0 saves nothing")
+    parser.add_argument("--keep", type=int, default=2, help="train: complete checkpoints to keep")
+    parser.add_argument("--init-from", help="train: start from this checkpoint instead of resuming from --ckpt-dir")
+    parser.add_argument("--init-tag", help="train: the tag of --init-from")
+    parser.add_argument(
+        "--each",
+        action="append",
+        default=[],
+        metavar="'ARGS'",
+        help="one more run in the same launch, given as its own quoted arguments",
+    )
     args = parser.parse_args()
+    runs = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
+    if any(run.each for run in runs[1:]):
+        parser.error("--each runs cannot nest")
     deepspeed.init_distributed(dist_backend="gloo")
-    do_save(args) if args.mode == "save" else do_load(args)
-    dist.barrier()
+    for run in runs:
+        {"save": do_save, "load": do_load, "train": do_train}[run.mode](run)
+        dist.barrier()
     dist.destroy_process_group()
 
 

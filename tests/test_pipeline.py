@@ -1,5 +1,6 @@
 """DeepSpeed's `PipelineEngine` (a `PipelineModule` GPT, as Megatron-DeepSpeed builds `GPTModelPipe`): reshard across
-pipeline size, stage split (`partition_method`), data-parallel size and ZeRO stage 0 <-> 1.
+pipeline size, stage split (`partition_method`), data-parallel size, ZeRO stage 0 <-> 1, and tensor-parallel size
+when the blocks are megatron-core column/row-parallel layers; to and from a plain module and DeepSpeed's format.
 
 Each load compares every fp32 master, Adam state, low-precision weight, buffer, step, per-group hyperparameter,
 scheduler and counter with torch.equal (keyed by global name, merged over all stages; both copies of the tied
@@ -9,11 +10,14 @@ world size; two launches load every target, one per world size.
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, ds_to_universal, load_results, torchrun
+from conftest import ROOT, ds_to_universal, load_results, torch_env, torchrun
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import read_meta
@@ -27,7 +31,7 @@ LOSS_RTOL = 1e-5
 LOSS_RTOL_BF16_OTHER_DP = 1e-4
 
 # world size -> variants saved by one launch (data parallelism takes the rest of the world)
-SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "seq", "pp2z0"), 4: ("pp2u", "pp1")}
+SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "seq", "pp2z0", "tp1pp2", "tp2pp1"), 4: ("pp2u", "pp1", "tp2pp2")}
 
 # (world, target variant, source "world/variant", expected mode)
 CASES = [
@@ -50,6 +54,11 @@ CASES = [
     (2, "pp1", "2/pp2z0", "resharded"),  # ZeRO-0 -> ZeRO-1
     (4, "pp1z0", "2/pp2", "resharded"),  # ZeRO-1 -> ZeRO-0, DP1 -> DP4
     (4, "stock:pp2u", "2/pp2z0", "stock"),  # ZeRO-0 exported to DeepSpeed's format, loaded by its ZeRO-1
+    # megatron-core column/row-parallel layers inside LayerSpecs (TP x PP x DP)
+    (2, "tp2pp1", "4/tp2pp2", "resharded"),  # 2x2x1 -> 2x1x1
+    (2, "tp1pp2", "4/tp2pp2", "resharded"),  # 2x2x1 -> 1x2x1, another split
+    (4, "tp2pp2", "2/tp1pp2", "resharded"),  # 1x2x1 -> 2x2x1
+    (4, "tp2pp2", "2/tp2pp1", "resharded"),  # 2x1x1 -> 2x2x1
     (2, "seq", "2/pp2", "resharded"),  # PipelineModule -> the same layers as a plain module (`rename`)
     (4, "pp2u", "2/seq", "resharded"),  # and back
 ]
@@ -124,3 +133,37 @@ def test_ds_to_universal_folder_without_layer_files_names_what_is_missing(pipe_r
         import_deepspeed(str(root / "bare_universal"), str(tmp_path / "out"))
     assert "layer_*-model_states.pt" in err.value.reason and "2.calls" in err.value.reason
     assert not (tmp_path / "out").exists(), "nothing is written before the folder is known to be complete"
+
+
+def test_deepspeed_launcher_job_resumes_at_another_layout(tmp_path):
+    """A pipeline training job under the `deepspeed` launcher, restarted on twice the ranks with another stage split:
+    it resumes from the newest checkpoint, resharded, and its losses follow the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    logs = []
+    for ranks, variant, name in ((2, "pp2", "first"), (4, "pp2u", "second")):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), str(WORKER), "train"]
+        cmd += ["--variant", variant, "--ckpt-dir", str(ckpt), "--steps", "6", "--ckpt-every", "4"]
+        proc = subprocess.run(
+            [*cmd, "--results", str(tmp_path / f"{name}.json")],
+            env=torch_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        logs.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    first, second = logs
+    assert first["resumed"] is None and [e["step"] for e in first["log"]] == [1, 2, 3, 4, 5, 6]
+    assert second["resumed"] == {
+        "step": 4,
+        "saved": "zero1 dp=1 pp=2 fp32",
+        "live": "zero1 dp=2 pp=2 fp32",
+        "mode": "resharded",
+    }
+    uninterrupted = {e["step"]: e["loss"] for e in first["log"]}
+    assert [e["step"] for e in second["log"]] == [5, 6]
+    for e in second["log"]:
+        assert abs(e["loss"] - uninterrupted[e["step"]]) <= LOSS_RTOL * abs(uninterrupted[e["step"]]), e

@@ -20,6 +20,7 @@ from typing import Any
 
 import deepspeed
 import torch.distributed as tdist
+from deepspeed.pipe import PipelineModule
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.convert.core import finish, run_jobs
@@ -73,15 +74,18 @@ def initialize(
 
     `default_universal` applies when the config has no `checkpoint.universal` entry. With
     megatron-core's parallel_state initialised (or passed as `mpu`), DeepSpeed gets an adapter for
-    it, so tensor/pipeline/data-parallel groups come from megatron-core.
+    it, so tensor/pipeline/data-parallel groups come from megatron-core; a `PipelineModule` keeps its
+    own grid (megatron-core layers inside it use parallel_state for their tensor-parallel groups).
     """
     raw = config if config is not None else config_params
     if raw is None and getattr(args, "deepspeed_config", None) is not None:
         raw, args.deepspeed_config = args.deepspeed_config, None  # DeepSpeed refuses a config given twice
     ds_config, options = split_config(load_config(raw), default_universal)
     mpu = kwargs.get("mpu")
-    if (mpu is None and megatron_initialized()) or (
-        mpu is not None and mpu is sys.modules.get("megatron.core.parallel_state")
+    piped = isinstance(kwargs.get("model"), PipelineModule)  # its grid is its mpu; DeepSpeed wants none
+    if not piped and (
+        (mpu is None and megatron_initialized())
+        or (mpu is not None and mpu is sys.modules.get("megatron.core.parallel_state"))
     ):
         kwargs["mpu"] = MegatronMpu()
     with (

@@ -103,14 +103,16 @@ def _layer_extras(
     Frozen weights are what those files hold beyond the trainable parameters and buffers; DeepSpeed names
     neither per layer, so a buffer of a tied module (no layer index in its name) is refused.
     """
-    suffix = f"-model_{mp_rank % tp:02d}" if tp > 1 else ""
     known = set(trainable) | set(buffers)
     layers = sorted({int(n.split(".", 1)[0]) for n in [*trainable, *buffers] if n.split(".", 1)[0].isdigit()})
     extras = []
     for layer in layers:
-        file = f"layer_{layer:02d}{suffix}-model_states.pt"
-        if not os.path.isfile(os.path.join(tag_dir, file)):
-            raise CheckpointError(os.path.join(tag_dir, file), "pipeline layer file is missing")
+        # the topology's tensor-parallel axis, when it has one, names the file (even at size 1)
+        names = [f"layer_{layer:02d}-model_{mp_rank % tp:02d}-model_states.pt"]
+        names += [f"layer_{layer:02d}-model_states.pt"] if tp == 1 else []
+        file = next((n for n in names if os.path.isfile(os.path.join(tag_dir, n))), None)
+        if file is None:
+            raise CheckpointError(os.path.join(tag_dir, names[-1]), "pipeline layer file is missing")
         states = LayerStatesFile(os.path.join(tag_dir, file))
         try:
             for key in states.keys():
