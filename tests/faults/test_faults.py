@@ -156,6 +156,16 @@ def test_missing_metadata_of_a_bf16_optimizer_checkpoint(sources, tmp_path):
     assert not list(tmp_path.glob("bf16/*.universal"))
 
 
+def test_missing_metadata_of_a_zero0_checkpoint(sources, tmp_path):
+    """At ZeRO-0 DeepSpeed saves the torch optimizer's state dict, numbered, not named: refused, not guessed."""
+    dst = tmp_path / "z0"
+    shutil.copytree(sources["z0"], dst, ignore=shutil.ignore_patterns("*.universal"))
+    (dst / TAG / meta_filename(0)).unlink()
+    with pytest.raises(CheckpointError, match="ZeRO stage 0: DeepSpeed saved the torch optimizer's state dict"):
+        convert(str(dst), progress=False)
+    assert not list(tmp_path.glob("z0/*.universal"))
+
+
 def test_unknown_metadata_version(z3_copy):
     path = z3_copy / TAG / meta_filename(0)
     meta = json.loads(path.read_text())

@@ -150,12 +150,19 @@ def _infer_rank(
             if os.path.basename(model_path).startswith("zero_pp_rank_")
             else int((ds_config.get("zero_optimization") or {}).get("stage", 0))
         )
-        if stage == 0 or glob.glob(os.path.join(tag_dir, "bf16_zero_pp_rank_*")):
+        if glob.glob(os.path.join(tag_dir, "bf16_zero_pp_rank_*")):
             raise CheckpointError(
                 tag_dir,
-                "saved without ucp_deepspeed metadata and without a ZeRO optimizer "
-                f"(stage {stage}, or bf16's BF16_Optimizer): its flat layout is not described by "
-                "DeepSpeed's files. Save through ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
+                "saved without ucp_deepspeed metadata and without a ZeRO optimizer (bf16's "
+                "BF16_Optimizer): its flat layout is not described by DeepSpeed's files. Save through "
+                "ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
+            )
+        if stage == 0:
+            raise CheckpointError(
+                tag_dir,
+                "saved without ucp_deepspeed metadata at ZeRO stage 0: DeepSpeed saved the torch "
+                "optimizer's state dict, which numbers parameters instead of naming them. Save through "
+                "ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
             )
         shapes = [{name: tuple(shape) for name, shape in group.items()} for group in states.entry("param_shapes")]
         shared = dict(states.entry("shared_params") or {})
