@@ -29,6 +29,7 @@ import math
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 
 import deepspeed
 import megatron_cpu  # launch/megatron_cpu.py: megatron-core's CUDA-only helpers, on a CPU
@@ -91,6 +92,7 @@ class Embedding(torch.nn.Module):
 
 
 def head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The output layer: the word embedding's weight, reused on the last stage (`TiedLayerSpec.forward_fn`)."""
     return torch.nn.functional.linear(x, embedding.word.weight).float()
 
 
@@ -214,6 +216,7 @@ class Plain(torch.nn.Sequential):
 
 
 def layers(block: type = Block) -> list:
+    """The model as DeepSpeed layer specs, numbered 0-8: embedding, positions, 4 blocks, dropout, norm, head."""
     return [
         TiedLayerSpec("embed", Embedding, tied_weight_attr="word.weight"),
         LayerSpec(Positions),
@@ -305,7 +308,7 @@ def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
     return engine
 
 
-def batches(engine: deepspeed.DeepSpeedEngine):
+def batches(engine: deepspeed.DeepSpeedEngine) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's micro-batches of the step's global batch, the same whatever the layout."""
     g = torch.Generator().manual_seed(1000 + engine.global_steps)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
@@ -337,6 +340,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine) -> float:
 
 
 def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
+    """`steps` optimizer steps; their losses."""
     return [train_step(engine) for _ in range(steps)]
 
 

@@ -164,3 +164,11 @@ def test_unmatched_parameters_of_a_tensor_parallel_model_are_an_error():
 def test_bad_rules_name_the_rule(rule, message):
     with pytest.raises(ValueError, match=message):
         parse_rules([rule])
+
+
+def test_rename_maps_prefixes_and_refuses_collisions():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    placed = param_infos(net, net.named_parameters(), 1, rename={"0.": "tied_modules.embed."})
+    assert placed["0.weight"].name == "tied_modules.embed.weight" and placed["1.bias"].name == "1.bias"
+    with pytest.raises(ValueError, match="would both be '1.weight'"):
+        param_infos(net, net.named_parameters(), 1, rename={"0.": "1."})

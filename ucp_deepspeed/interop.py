@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import io
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,7 +31,7 @@ from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.convert.core import assemble
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import Manifest
-from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, VALUE
+from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, VALUE, check_name
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.universal import (
     BUFFERS,
@@ -163,9 +164,10 @@ class _ModuleTensors:
         for model in self.models:
             if name in model.module_tensors():
                 return model.module_tensor(name).load()
-        layer, _, key = name.partition(".")
-        if not layer.isdigit():
+        found = re.fullmatch(r"([0-9]+)\.(.+)", name, re.S)
+        if found is None:
             return None
+        layer, key = found.groups()
         # tensor-parallel layer files sort model_00 first: what a replicated buffer needs
         files = sorted(glob.glob(os.path.join(glob.escape(self.folder), f"layer_{int(layer):02d}-*model_states.pt")))
         if not files:
@@ -183,7 +185,8 @@ class _ModuleTensors:
         trained_layers = {n.split(".", 1)[0] for n in trainable}
         out = []
         for path in sorted(glob.glob(os.path.join(glob.escape(self.folder), "layer_*-model_states.pt"))):
-            layer = str(int(os.path.basename(path)[len("layer_") :].split("-", 1)[0]))
+            found = LAYER_FILE.fullmatch(os.path.basename(path))
+            layer = str(int(os.path.basename(path)[len("layer_") :].split("-", 1)[0])) if found else ""
             if layer not in trained_layers:
                 continue
             if path not in self.layers:
@@ -217,16 +220,28 @@ def _frozen_names(model: ModelStatesFile, trainable: set[str], buffers: list[str
 def import_deepspeed(folder: str, output: str) -> str:
     """Rewrite a DeepSpeed universal folder in our format (with a manifest saying what was inferred)."""
     check_output(output, [folder])
-    models = [ModelStatesFile(p) for p in _stage_files(folder)]
-    module = _ModuleTensors(folder, models)
-    model, model_files = models[0], [os.path.basename(m.path) for m in models]
+    module = _ModuleTensors(folder, [])
     try:
+        for path in _stage_files(folder):
+            module.models.append(ModelStatesFile(path))
+        models = module.models
+        model, model_files = models[0], [os.path.basename(m.path) for m in models]
         # each pipeline stage lists its own parameters; tensor-parallel ranks list the same ones again
         groups: list[list[str]] = []
+        counts = {len(stage.entry("param_shapes") or []) for stage in models}
+        if len(counts) > 1:  # a stage without parameters of some group numbers its groups differently
+            raise CheckpointError(
+                folder, f"its stages list {sorted(counts)} param groups; their order cannot be matched"
+            )
         for stage in models:
-            for g, names in enumerate(stage.entry("param_shapes", [])):
+            for g, names in enumerate(stage.entry("param_shapes") or []):
                 groups.extend([] for _ in range(g + 1 - len(groups)))
                 groups[g] += [n for n in names if n not in groups[g]]
+        for name in (n for names in groups for n in names):
+            try:
+                check_name(name)
+            except ValueError as exc:
+                raise CheckpointError(model.path, str(exc)) from None
         if not groups:
             raise CheckpointError(model.path, "no param_shapes; cannot tell trainable parameters and their groups")
         trainable = {n for names in groups for n in names}

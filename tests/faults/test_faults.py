@@ -166,6 +166,17 @@ def test_missing_metadata_of_a_zero0_checkpoint(sources, tmp_path):
     assert not list(tmp_path.glob("z0/*.universal"))
 
 
+def test_a_tensor_name_that_is_a_path_is_refused(z3_copy, tmp_path):
+    """Names read from disk become output file names: one with a path separator never leaves the output folder."""
+    path = z3_copy / TAG / meta_filename(0)
+    meta = json.loads(path.read_text())
+    meta["params"][0]["name"] = "../../escaped"
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="holds a path separator"):
+        convert(str(z3_copy), progress=False)
+    assert not list(tmp_path.rglob("escaped*"))
+
+
 def test_unknown_metadata_version(z3_copy):
     path = z3_copy / TAG / meta_filename(0)
     meta = json.loads(path.read_text())

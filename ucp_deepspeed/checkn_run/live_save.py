@@ -56,6 +56,10 @@ def table_file(name: str) -> str:
 
 def check_supported(engine: Any) -> None:
     """Live saves gather whole parameters over data parallelism only."""
+    if compat.is_unpartitioned(engine):
+        raise NotImplementedError(
+            "Check-N-Run checkpoints (differential or quantized) need a ZeRO optimizer (stage 1, 2 or 3) or bf16"
+        )
     mp = model_parallel(engine)
     if mp.tp > 1 or mp.pp > 1 or topology(engine).ep > 1:
         raise NotImplementedError(

@@ -21,7 +21,7 @@ FP32 = "fp32"  # state name of the fp32 master weight, next to optimizer states 
 VALUE = "value"  # state name of a frozen parameter's only tensor
 
 
-LAYER_FILE = re.compile(r"layer_\d+(-[a-z]+_\d+)*-model_states\.pt")
+LAYER_FILE = re.compile(r"layer_[0-9]+(-[a-z]+_[0-9]+)*-model_states\.pt")
 """A `PipelineModule` layer file, e.g. `layer_03-model_01-model_states.pt`."""
 
 
@@ -65,8 +65,15 @@ class Topology:
         )
 
 
+def check_name(name: str) -> None:
+    """Refuse a tensor name that could not be a file name: names read from disk become `params/<name>.safetensors`."""
+    if not name or any(c in name for c in "/\\\0"):
+        raise ValueError(f"tensor name {name!r} is empty or holds a path separator or NUL")
+
+
 def _check_layer_file(name: str, file: str) -> None:
     # a name read from disk becomes a path: only DeepSpeed's own layer-file names, never a way out of the tag
+    check_name(name)
     if file and not LAYER_FILE.fullmatch(file):
         raise ValueError(f"'{name}' names {file!r}, which is not a pipeline layer file")
 

@@ -88,7 +88,8 @@ def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
 
 
 def renamer(prefixes: dict[str, str]) -> Callable[[str], str]:
-    """Replaces the longest matching prefix of a name (the `rename` option: model names -> checkpoint names)."""
+    """Model names -> checkpoint names by longest prefix (the `rename` option), so two modules that differ only by
+    prefixes, such as a PipelineModule and a plain module of the same layers, share checkpoints."""
     ordered = sorted(prefixes.items(), key=lambda kv: -len(kv[0]))
 
     def rename(name: str) -> str:
@@ -151,6 +152,12 @@ def param_infos(
                 continue
             layout = REPLICATED
         infos[name] = ParamInfo(to_global(name), layout, alias=name in tied)
+    owner: dict[str, str] = {}
+    for local, info in infos.items():
+        if not info.alias and owner.setdefault(info.name, local) != local:
+            raise ValueError(
+                f"'{owner[info.name]}' and '{local}' would both be '{info.name}' in the checkpoint (rename?)"
+            )
     if unknown:
         raise ValueError(
             f"{len(unknown)} parameters have no layout at tensor-parallel size {tp}: {unknown[:10]}"

@@ -276,7 +276,8 @@ def supported(engine: Any) -> bool:
     return (
         int(engine.zero_optimization_stage()) in (1, 2, 3)
         or compat.is_bf16_optimizer(engine.optimizer)
-        or compat.is_unpartitioned(engine)
+        # DeepSpeed saves a MoE model's torch optimizer whole into per-expert-rank files at ZeRO-0: not described
+        or (compat.is_unpartitioned(engine) and not expert_blocks(engine.module))
     )
 
 

@@ -33,7 +33,7 @@ from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, same_stage, supported, topology
-from ucp_deepspeed.runtime.collective import all_ok, everywhere, failure_of, on_rank0
+from ucp_deepspeed.runtime.collective import all_ok, everywhere, failure_of, guarded, on_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.runtime.native_io import guard
@@ -239,7 +239,10 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         meta = metas[0]
         saved, live = meta.topology, topology(engine)
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
-        if saved.same_layout(live) and not megatron_moe_layers(engine.module) and everywhere(same_stage(engine, metas)):
+        # every rank answers (a stage may hold MoE layers or fail alone): the collective runs everywhere or nowhere
+        if saved.same_layout(live) and everywhere(
+            guarded(lambda: not megatron_moe_layers(engine.module) and same_stage(engine, metas))
+        ):
             if not checked_tag:  # resume_tag has already opened and checked every file of the tag it picked
                 on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())
             engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)

@@ -187,20 +187,21 @@ def _restore_whole(
     read = _reader(engine, ckpt, live)
     keys = _state_keys(ckpt) if load_optimizer_states else []
     for g, group in enumerate(opt.param_groups):
-        scalars = ckpt.manifest.param_groups[g].scalars
         for p in group["params"]:
             p.data.copy_(read(p, FP32, 0, p.numel()).view(p.shape))
             if not load_optimizer_states:
                 continue
             state = opt.state[p]
             state.clear()
-            # every parameter owns its step: torch's Adam increments each one in place
-            state.update({k: _owned(decode_value(v)) for k, v in scalars.items()})
-            state.update({k: read(p, k, 0, p.numel()).view(p.shape).clone() for k in keys})
+            state.update({k: _step_of(decode_value(v)) for k, v in ckpt.manifest.param_groups[g].scalars.items()})
+            state.update({k: read(p, k, 0, p.numel()).view(p.shape).to(p.device) for k in keys})
 
 
-def _owned(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
+def _step_of(value: Any) -> Any:
+    """A scalar state as torch's optimizers keep it: a tensor of each parameter's own (they step it in place)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return torch.tensor(float(value), dtype=torch.float32) if isinstance(value, (int, float)) else value
 
 
 def _restore_zero3(

@@ -94,7 +94,11 @@ def check_whole(meta: SaveMeta, states: ModelStatesFile) -> list[str]:
         return [exc.reason]
     if len(groups) != meta.num_groups:
         problems.append(f"optimizer has {len(groups)} param groups, metadata says {meta.num_groups}")
+    indices = states.optimizer_group_indices()
     for slot in meta.params:
+        if slot.group >= len(indices) or slot.flat not in indices[slot.group]:
+            problems.append(f"'{slot.name}' is entry {slot.flat} of group {slot.group}, which the optimizer lacks")
+            continue
         for key in keys:
             try:
                 shape = tuple(states.optimizer_state(slot.flat, key).shape)
@@ -106,6 +110,12 @@ def check_whole(meta: SaveMeta, states: ModelStatesFile) -> list[str]:
                     f"state {key} of parameter {slot.flat} ('{slot.name}') is {list(shape)}, "
                     f"metadata says {list(slot.shape)}"
                 )
+    # one step per group is what a universal checkpoint keeps: a parameter left behind (never given a gradient)
+    # would be silently moved to its group's step
+    for g, members in enumerate(indices):
+        steps = {repr(states.optimizer_scalars(i).get("step")) for i in members}
+        if len(steps) > 1:
+            problems.append(f"the parameters of param group {g} are at different optimizer steps: {sorted(steps)}")
     return problems
 
 

@@ -33,6 +33,8 @@ from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
+_LAYER_INDEX = re.compile(r"([0-9]+)\.")  # a PipelineModule names its layers' tensors `<layer index>.<name>`
+
 RULES_HINT = (
     'Pass layout rules (`ucp convert --layout-rules rules.json`, or "checkpoint": {"universal": '
     '{"layout_rules": ...}}) saying how each parameter was split, e.g. '
@@ -104,7 +106,7 @@ def _layer_extras(
     neither per layer, so a buffer of a tied module (no layer index in its name) is refused.
     """
     known = set(trainable) | set(buffers)
-    layers = sorted({int(n.split(".", 1)[0]) for n in [*trainable, *buffers] if n.split(".", 1)[0].isdigit()})
+    layers = sorted({int(m.group(1)) for n in [*trainable, *buffers] if (m := _LAYER_INDEX.match(n))})
     extras = []
     for layer in layers:
         # the topology's tensor-parallel axis, when it has one, names the file (even at size 1)
@@ -138,7 +140,7 @@ def _layer_extras(
 
 
 def _infer_rank(
-    tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Sequence[Rule], pp: int = 1, layered: bool = False
+    tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Sequence[Rule], pp: int, layered: bool
 ) -> SaveMeta:
     """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files."""
     states = ModelStatesFile(model_path)

@@ -57,15 +57,23 @@ class ModelStatesFile:
         groups = (self._obj.get("optimizer") or {}).get("param_groups")
         if not isinstance(groups, list):
             raise CheckpointError(self.path, "no optimizer param_groups: not a ZeRO-0 fp32 checkpoint")
-        entries = self._optimizer_entries()
         hyperparams, scalars = [], {}
         for g, group in enumerate(groups):
             hyperparams.append({k: plain(v) for k, v in group.items() if k != "params"})
-            first = entries.get(group["params"][0], {}) if group.get("params") else {}
-            found = {k: materialize(v) for k, v in first.items() if not (isinstance(v, LazyTensor) and len(v.shape))}
+            found = self.optimizer_scalars(group["params"][0]) if group.get("params") else {}
             if found:
                 scalars[g] = found
         return hyperparams, scalars
+
+    def optimizer_group_indices(self) -> list[list[int]]:
+        """The state-dict indices of each param group's parameters, in order."""
+        groups = (self._obj.get("optimizer") or {}).get("param_groups") or []
+        return [[int(i) for i in group.get("params", [])] for group in groups]
+
+    def optimizer_scalars(self, index: int) -> dict[str, Any]:
+        """The scalar states (such as `step`) of entry `index` of that state dict, materialised."""
+        entry = self._optimizer_entries().get(index, {})
+        return {k: materialize(v) for k, v in entry.items() if not (isinstance(v, LazyTensor) and len(v.shape))}
 
     def _optimizer_entries(self) -> dict[Any, dict[str, Any]]:
         state = (self._obj.get("optimizer") or {}).get("state")

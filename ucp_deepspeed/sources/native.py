@@ -172,7 +172,10 @@ def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], b
     `layout_rules` when it is tensor-parallel.
     """
     if not os.path.isfile(os.path.join(tag_dir, meta_filename(0))):
-        return infer_metas(tag_dir, _rules(layout_rules, tag_dir)), True
+        try:
+            return infer_metas(tag_dir, _rules(layout_rules, tag_dir)), True
+        except ValueError as exc:  # a name in DeepSpeed's files that cannot be a tensor's (see check_name)
+            raise CheckpointError(tag_dir, str(exc)) from None
     first = read_meta(tag_dir, 0)
     topo = first.topology
     missing = [
@@ -249,19 +252,22 @@ class NativeCheckpoint:
                 for d in range(len(rank.model_paths))
                 for p in check_model_states(rank.meta, rank.model_states(d), len(self.ranks))
             ]
-            for extra in (e for e in rank.meta.extras if e.file):
+            in_layers: list[tuple[ExtraTensor | ParamSlot, str]] = [
+                (t, t.dtype) for t in rank.meta.extras if t.file
+            ] + [(t, "float32") for t in rank.meta.params if t.file]  # ZeRO-0 fp32: a trainable weight is its master
+            for extra, dtype in in_layers:
                 path = os.path.join(rank.tag_dir, extra.file)
                 try:
                     lazy = rank.layer(path).tensor(extra.key)
                 except CheckpointError as exc:
                     problems.append((path, exc.reason))
                     continue
-                if tuple(lazy.shape) != tuple(extra.shape) or lazy.dtype != getattr(torch, extra.dtype):
+                if tuple(lazy.shape) != tuple(extra.shape) or lazy.dtype != getattr(torch, dtype):
                     problems.append(
                         (
                             path,
                             f"'{extra.key}' is {tuple(lazy.shape)} {lazy.dtype}, metadata says "
-                            f"{tuple(extra.shape)} {extra.dtype}",
+                            f"{tuple(extra.shape)} {dtype}",
                         )
                     )
             if topo.unpartitioned:
