@@ -22,6 +22,7 @@ from conftest import ROOT, ds_to_universal, load_results, torch_env, torchrun
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import read_meta
 from ucp_deepspeed.interop import import_deepspeed
+from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.tools.cli import main as cli_main
 
 WORKER = ROOT / "launch" / "train_pipe.py"
@@ -167,3 +168,15 @@ def test_deepspeed_launcher_job_resumes_at_another_layout(tmp_path):
     assert [e["step"] for e in second["log"]] == [5, 6]
     for e in second["log"]:
         assert abs(e["loss"] - uninterrupted[e["step"]]) <= LOSS_RTOL * abs(uninterrupted[e["step"]]), e
+
+
+def test_stages_with_different_param_group_counts_are_refused(pipe_results, tmp_path):
+    """DeepSpeed drops a stage's empty param groups, so group numbers would not match across stages: refused."""
+    root, _ = pipe_results
+    ckpt = shutil.copytree(root / "2/pp2", tmp_path / "pp2", ignore=shutil.ignore_patterns("*.universal"))
+    meta_path = ckpt / "global_step3" / "ucp_meta_mp_rank_01.json"
+    meta = json.loads(meta_path.read_text())
+    meta["num_groups"] = 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"have \[1, 2\] optimizer param groups"):
+        NativeCheckpoint(str(ckpt))

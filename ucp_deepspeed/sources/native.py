@@ -171,6 +171,18 @@ def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], b
     Trainer, Accelerate) gets metadata rebuilt from DeepSpeed's own bookkeeping, which needs
     `layout_rules` when it is tensor-parallel.
     """
+    metas, inferred = _read_metas(tag_dir, layout_rules)
+    counts = sorted({m.num_groups for m in metas})
+    if len(counts) > 1:
+        raise CheckpointError(
+            tag_dir,
+            f"its model-parallel ranks have {counts} optimizer param groups: DeepSpeed drops a stage's empty "
+            "groups, so their numbers cannot be matched across stages. Give every stage a parameter of every group",
+        )
+    return metas, inferred
+
+
+def _read_metas(tag_dir: str, layout_rules: Any) -> tuple[list[SaveMeta], bool]:
     if not os.path.isfile(os.path.join(tag_dir, meta_filename(0))):
         try:
             return infer_metas(tag_dir, _rules(layout_rules, tag_dir)), True
