@@ -88,12 +88,22 @@ def seed(base: int) -> None:
     torch.manual_seed(base)
 
 
+def sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """megatron-core's sliding-window mask (True = masked) without its `device="cuda"`: each query sees the keys
+    from `window_size[0]` before it to `window_size[1]` after it."""
+    keep = torch.ones(sq, skv, dtype=torch.bool)
+    keep = torch.triu(keep, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(keep, diagonal=skv - sq + window_size[1])
+
+
 def install() -> None:
     """Swap megatron-core's CUDA-only helpers for CPU ones; call after initialize_model_parallel."""
     from megatron.core import parallel_state as ps
+    from megatron.core.fusions import fused_softmax
     from megatron.core.transformer.moe import moe_utils
 
     ps._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_mask
     if not hasattr(moe_utils, "te_general_gemm"):  # referenced without Transformer Engine on 0.16 (fixed in 0.19)
         moe_utils.te_general_gemm = None
     if not torch.cuda.is_available():

@@ -43,7 +43,9 @@ from megatron.core.transformer import TransformerConfig
 
 import ucp_deepspeed
 import ucp_deepspeed.runtime.mpu
+from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.geometry.layout import merge
+from ucp_deepspeed.hf.models import megatron_kwargs
 from ucp_deepspeed.runtime.capture import infos
 from ucp_deepspeed.sources import list_tags
 from ucp_deepspeed.sources.tags import prune
@@ -79,27 +81,51 @@ def padded_vocab(tp: int) -> int:
     return -(-VOCAB // multiple) * multiple
 
 
-def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedEngine:
-    """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine."""
+def model_args(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(TransformerConfig, GPTModel) arguments: the model a universal checkpoint recorded (`--model`, e.g. a
+    Hugging Face import), or this script's tiny `--arch` model."""
+    if args.model:
+        spec = UniversalCheckpoint(args.model).manifest.model
+        if spec is None:
+            raise SystemExit(f"{args.model} records no model")
+        if spec.vocab_size != VOCAB:
+            raise SystemExit(f"{args.model}: this script's data has {VOCAB} tokens, the model {spec.vocab_size}")
+        return megatron_kwargs(spec)
     arch = dict(ARCHS[args.arch])
     position = arch.pop("position_embedding_type")
-    if args.moe:  # 4 experts, top-2, SequentialMLP; the load-balancing loss is per rank, so it is left out
-        arch.update(
-            num_moe_experts=EXPERTS,
-            moe_router_topk=2,
+    if args.moe:  # 4 experts, top-2; SequentialMLP
+        arch.update(num_moe_experts=EXPERTS, moe_router_topk=2, add_bias_linear=False)
+    transformer = {
+        "num_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "ffn_hidden_size": 96,
+        **arch,
+    }
+    gpt = {
+        "vocab_size": VOCAB,
+        "max_sequence_length": SEQ,
+        "share_embeddings_and_output_weights": True,
+        "position_embedding_type": position,
+    }
+    return transformer, gpt
+
+
+def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
+    """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine."""
+    transformer, gpt = model_args(args)
+    num_layers = transformer["num_layers"]
+    experts = transformer.get("num_moe_experts") or 0
+    if experts:  # the load-balancing loss is per rank, so it is left out
+        transformer.update(
             expert_model_parallel_size=args.ep,
             moe_grouped_gemm=False,
             moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
-            add_bias_linear=False,
         )
     megatron_cpu.seed(1234)
     config = TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         pipeline_dtype=torch.float32,
@@ -115,30 +141,31 @@ def build(args: argparse.Namespace, num_layers: int = 4) -> deepspeed.DeepSpeedE
         gradient_accumulation_fusion=False,
         num_layers_in_first_pipeline_stage=args.first_stage_layers or None,
         num_layers_in_last_pipeline_stage=(num_layers - args.first_stage_layers) if args.first_stage_layers else None,
-        **arch,
+        **transformer,
     )
     with megatron_cpu.cpu_model_construction():
         spec = get_gpt_layer_local_spec(
-            num_experts=EXPERTS if args.moe else None, moe_grouped_gemm=False, normalization=config.normalization
+            num_experts=experts or None, moe_grouped_gemm=False, normalization=config.normalization
         )
         model = GPTModel(
             config,
             spec,
             vocab_size=padded_vocab(args.tp),
-            max_sequence_length=SEQ,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=True,
-            position_embedding_type=position,
+            **{k: v for k, v in gpt.items() if k != "vocab_size"},
         )
+    padded = [model.embedding.word_embeddings.weight] if model.pre_process else []
+    padded += (
+        [model.output_layer.weight] if model.post_process and not model.share_embeddings_and_output_weights else []
+    )
+    with torch.no_grad():  # padding rows start at zero and, with padded logits masked, stay there
+        for weight in padded:
+            first = ps.get_tensor_model_parallel_rank() * weight.shape[0]
+            weight[max(0, VOCAB - first) :].zero_()
     tied = model.shared_embedding_or_output_weight() if (model.pre_process or model.post_process) else None
-    if tied is not None:
-        with torch.no_grad():  # padding rows start at zero and, with padded logits masked, stay there
-            rows = tied.shape[0]
-            first = ps.get_tensor_model_parallel_rank() * rows
-            tied[max(0, VOCAB - first) :].zero_()
-        if not model.pre_process:
-            tied.ds_pipe_replicated = True  # DeepSpeed counts it once in the gradient norm
+    if tied is not None and model.share_embeddings_and_output_weights and not model.pre_process:
+        tied.ds_pipe_replicated = True  # DeepSpeed counts it once in the gradient norm
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
     groups = [
@@ -233,7 +260,7 @@ def train(engine: deepspeed.DeepSpeedEngine, steps: int, data: str = "random") -
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
             x = None
             if not first:
-                x = torch.empty(SEQ, inputs.shape[0], 64)
+                x = torch.empty(SEQ, inputs.shape[0], engine.module.config.hidden_size)
                 dist.recv(x, prev)
                 x.requires_grad_()
                 engine.module.set_input_tensor(x)
@@ -252,9 +279,10 @@ def train(engine: deepspeed.DeepSpeedEngine, steps: int, data: str = "random") -
             if m + 1 < len(micro):
                 engine.step()
         if ps.get_pipeline_model_parallel_world_size() > 1:
+            module = engine.module
             tied = (
-                engine.module.shared_embedding_or_output_weight()
-                if engine.module.pre_process or engine.module.post_process
+                module.shared_embedding_or_output_weight()
+                if module.share_embeddings_and_output_weights and (module.pre_process or module.post_process)
                 else None
             )
             if tied is not None:
@@ -326,31 +354,43 @@ def tied_copies_agree(snap: dict) -> list[str]:
 
 
 def save_logits(engine: deepspeed.DeepSpeedEngine, path: str) -> None:
-    """Logits of the saved weights on fixed tokens (single pipeline stage), for comparison with an export."""
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise SystemExit("--logits needs pp=1")
+    """Logits of the current weights on fixed tokens (through every pipeline stage), for comparison with
+    `transformers`; the last stage's first tensor-parallel rank writes them."""
+    prev, nxt = stage_ranks()
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(99))
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     with torch.no_grad():
-        logits = engine.module(tokens, torch.arange(SEQ).unsqueeze(0), mask)
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-    if dist.get_rank() == 0:
+        if prev is not None:
+            x = torch.empty(SEQ, tokens.shape[0], engine.module.config.hidden_size)
+            dist.recv(x, prev)
+            engine.module.set_input_tensor(x)
+        out = engine.module(tokens, torch.arange(SEQ).unsqueeze(0), mask)
+        if nxt is not None:
+            dist.send(out.contiguous(), nxt)
+            return
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save({"tokens": tokens, "logits": logits[..., :VOCAB].clone()}, path)
 
 
 def layout_name(args: argparse.Namespace) -> str:
     moe = f" moe ep{args.ep}" if args.moe else ""
-    return f"{args.arch}{moe} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
+    name = os.path.basename(args.model) if args.model else args.arch
+    return f"{name}{moe} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
 
 
 def do_save(args: argparse.Namespace) -> None:
     engine = build(args)
-    losses = train(engine, STEPS)
+    if args.init_from:
+        engine.load_checkpoint(args.init_from)
+        if args.logits_init:
+            save_logits(engine, args.logits_init)
+    losses = train(engine, args.save_steps)
     snap = snapshot(engine)
     engine.save_checkpoint(args.out)
     if args.logits:
         save_logits(engine, args.logits)
-    cont = train(engine, CONT)
+    cont = train(engine, args.cont)
     if dist.get_rank() == 0:
         print(f"[{layout_name(args)}] losses {losses} then {cont}; saved {len(snap['fp32'])} params", flush=True)
         torch.save(
@@ -368,7 +408,7 @@ def do_load(args: argparse.Namespace) -> None:
         snap = snapshot(engine)
         if args.resave:
             engine.save_checkpoint(args.resave)
-        losses = train(engine, CONT)
+        losses = train(engine, args.cont)
         if dist.get_rank() == 0:
             diffs = compare(
                 {k: v for k, v in ref["snapshot"].items() if k != "alias"},
@@ -527,11 +567,17 @@ def main() -> None:
     parser.add_argument("--results")
     parser.add_argument(
         "--init-from",
-        help="train: start from this checkpoint (e.g. a universal folder from "
+        help="train, save: start from this checkpoint (e.g. a universal folder from "
         "ucp import-hf) instead of resuming from --ckpt-dir",
     )
     parser.add_argument("--init-tag", help="train: the tag of --init-from to start from (default: the latest)")
-    parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens (pp=1)")
+    parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens")
+    parser.add_argument("--save-steps", type=int, default=STEPS, help="save: steps to train before saving")
+    parser.add_argument("--cont", type=int, default=CONT, help="save, load: steps to train after, losses compared")
+    parser.add_argument("--logits-init", help="save: logits right after loading --init-from, before training")
+    parser.add_argument(
+        "--model", help="build the megatron-core model a universal checkpoint recorded (e.g. from ucp import-hf)"
+    )
     parser.add_argument(
         "--each",
         action="append",

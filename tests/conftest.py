@@ -125,36 +125,30 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: out / name for name in SOURCE_VARIANTS}
 
 
-# Every megatron-core source checkpoint of the suite: name -> (world size, layout arguments, also save logits).
+# Every megatron-core source checkpoint of the suite: name -> (world size, layout arguments).
 # Layouts are `--arch --zero --tp --pp` (DP is the rest of the world size); `moe-*` adds megatron-core MoE
-# (4 experts, top-2, SequentialMLP) at an expert-parallel size; `hf-*` keep logits for the export tests.
-MEGATRON_SOURCES: dict[str, tuple[int, list[str], bool]] = {
-    "gpt-z1-tp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "2", "--pp", "1"], False),
-    "gpt-z1-pp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "1", "--pp", "2"], False),
-    "gpt-z2-tp2dp2": (4, ["--arch", "gpt", "--zero", "2", "--tp", "2", "--pp", "1"], False),
-    "llama-z1-tp2pp2": (4, ["--arch", "llama", "--zero", "1", "--tp", "2", "--pp", "2"], False),
-    "llama-z1-dp4": (4, ["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "1"], False),
-    "llama-z1-dp2": (2, ["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "1"], False),
-    "llama-z3-tp2": (2, ["--arch", "llama", "--zero", "3", "--tp", "2", "--pp", "1"], False),
-    "moe-z1-ep2": (2, ["--arch", "llama", "--zero", "1", "--moe", "--ep", "2"], False),
-    "moe-z1-ep1": (1, ["--arch", "llama", "--zero", "1", "--moe", "--ep", "1"], False),
-    "moe-z2-ep2-w4": (4, ["--arch", "llama", "--zero", "2", "--moe", "--ep", "2"], False),
-    "hf-gpt": (2, ["--arch", "gpt", "--tp", "2"], True),
-    "hf-llama": (2, ["--arch", "llama", "--tp", "2"], True),
-    "hf-moe": (2, ["--arch", "llama", "--moe", "--ep", "2"], True),
+# (4 experts, top-2, SequentialMLP) at an expert-parallel size.
+MEGATRON_SOURCES: dict[str, tuple[int, list[str]]] = {
+    "gpt-z1-tp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "2", "--pp", "1"]),
+    "gpt-z1-pp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "1", "--pp", "2"]),
+    "gpt-z2-tp2dp2": (4, ["--arch", "gpt", "--zero", "2", "--tp", "2", "--pp", "1"]),
+    "llama-z1-tp2pp2": (4, ["--arch", "llama", "--zero", "1", "--tp", "2", "--pp", "2"]),
+    "llama-z1-dp4": (4, ["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "1"]),
+    "llama-z1-dp2": (2, ["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "1"]),
+    "llama-z3-tp2": (2, ["--arch", "llama", "--zero", "3", "--tp", "2", "--pp", "1"]),
+    "moe-z1-ep2": (2, ["--arch", "llama", "--zero", "1", "--moe", "--ep", "2"]),
+    "moe-z1-ep1": (1, ["--arch", "llama", "--zero", "1", "--moe", "--ep", "1"]),
+    "moe-z2-ep2-w4": (4, ["--arch", "llama", "--zero", "2", "--moe", "--ep", "2"]),
 }
 
 
 @pytest.fixture(scope="session")
 def megatron_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every megatron-core source, trained 3 steps and saved once per session: one launch per world size
-    (`<name>.logits.pt` beside the `hf-*` ones)."""
+    """Every megatron-core source, trained 3 steps and saved once per session: one launch per world size."""
     out = tmp_path_factory.mktemp("megatron_sources")
-    for world in sorted({w for w, _, _ in MEGATRON_SOURCES.values()}):
+    for world in sorted({w for w, _ in MEGATRON_SOURCES.values()}):
         runs = [
-            ["save", *layout, "--out", str(out / name), *(["--logits", f"{out / name}.logits.pt"] if logits else [])]
-            for name, (w, layout, logits) in MEGATRON_SOURCES.items()
-            if w == world
+            ["save", *layout, "--out", str(out / name)] for name, (w, layout) in MEGATRON_SOURCES.items() if w == world
         ]
         launch_jobs(world, runs, attempts=2)
     return {name: out / name for name in MEGATRON_SOURCES}

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ucp_deepspeed import compat
+from ucp_deepspeed.format.model import ModelSpec
+from ucp_deepspeed.hf.models import activation_func as megatron_activation
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 
@@ -260,6 +262,33 @@ def test_megatron_modules(megatron_model):
         assert compat.megatron_tied_output_stage(megatron_model)
     finally:
         megatron_model.pre_process = True
+
+
+def test_megatron_gpt_architecture(megatron_model):
+    fields = compat.megatron_gpt_architecture(megatron_model)
+    assert fields is not None and ModelSpec(**fields) == ModelSpec(
+        num_layers=2,
+        hidden_size=16,
+        ffn_hidden_size=24,
+        num_attention_heads=2,
+        num_query_groups=2,
+        kv_channels=8,
+        vocab_size=32,
+        max_sequence_length=8,
+        layernorm_epsilon=1e-5,
+        activation="gelu",
+        gated_linear_unit=True,
+        tied=True,
+    )
+    assert compat.megatron_gpt_architecture(torch.nn.Linear(1, 1)) is None
+    config = megatron_model.config
+    original = config.qk_layernorm, config.activation_func
+    config.qk_layernorm, config.activation_func = True, megatron_activation("gelu_tanh")
+    try:
+        fields = compat.megatron_gpt_architecture(megatron_model)
+        assert fields["unmapped"] == {"qk_layernorm": True} and fields["activation"] == "gelu_tanh"
+    finally:
+        config.qk_layernorm, config.activation_func = original
 
 
 def test_base_optimizer_and_unpartitioned(zero12):

@@ -11,6 +11,8 @@ import torch
 
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint
 from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord
+from ucp_deepspeed.format.metadata import SaveMeta, Topology
+from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.universal import (
     BUFFERS,
     MANIFEST,
@@ -19,6 +21,22 @@ from ucp_deepspeed.format.universal import (
     write_manifest,
     write_object,
     write_tensors,
+)
+
+SPEC = ModelSpec(
+    num_layers=2,
+    hidden_size=8,
+    ffn_hidden_size=16,
+    num_attention_heads=2,
+    num_query_groups=1,
+    kv_channels=4,
+    vocab_size=10,
+    max_sequence_length=32,
+    normalization="RMSNorm",
+    activation="silu",
+    gated_linear_unit=True,
+    rotary_base=5e5,
+    unmapped={"qk_layernorm": True},
 )
 
 
@@ -36,7 +54,7 @@ def _folder(root) -> Manifest:
         param_groups=(GroupRecord({"lr": 0.1}, {"step": 3}),),
         params={"w": ParamRecord((3, 4), "float32", 0, True, param_file("w"), ("fp32", "exp_avg"))},
         buffers={"b": BufferRecord((2,), "float32")},
-        extra={"save_id": "abc-1"},
+        extra={"save_id": "abc-1", "model": SPEC.encode(), "hf_config": {"model_type": "llama"}},
     )
     write_manifest(str(root), manifest, records)
     return manifest
@@ -51,6 +69,13 @@ def test_manifest_round_trips_and_reads(tmp_path):
     ckpt = UniversalCheckpoint(str(tmp_path))
     assert torch.equal(ckpt.read("w", "exp_avg"), torch.arange(12.0) * 2)
     assert ckpt.manifest.extra["save_id"] == "abc-1"
+    assert ckpt.manifest.model == SPEC and ckpt.manifest.hf_config == {"model_type": "llama"}
+
+
+def test_save_metadata_carries_the_model():
+    meta = SaveMeta(Topology(1, 1, "fp32"), (), (), model=SPEC, hf_config={"model_type": "llama"})
+    assert SaveMeta.from_json(meta.to_json(), "m") == meta
+    assert SaveMeta.from_json(SaveMeta(Topology(1, 1, "fp32"), (), ()).to_json(), "m").model is None
 
 
 @pytest.mark.parametrize(
@@ -65,6 +90,12 @@ def test_manifest_round_trips_and_reads(tmp_path):
         (lambda m: m["buffers"].update(b={"shape": [2]}), "buffers.b"),
         (lambda m: m.update(param_groups={"0": {}}), "param_groups"),
         (lambda m: m["source"].update(topology=[1]), "source"),
+        (lambda m: m["model"].update(num_layers="2"), "model.num_layers is '2'"),
+        (lambda m: m["model"].update(num_layers=-2), "model.num_layers is -2"),
+        (lambda m: m["model"].update(tied=1), "model.tied is 1"),
+        (lambda m: m["model"].update(surprise=1), "unknown fields ['surprise']"),
+        (lambda m: m["model"].pop("vocab_size"), "model lacks fields"),
+        (lambda m: m.update(hf_config=[1]), "hf_config is not an object"),
     ],
 )
 def test_malformed_manifest_is_refused_naming_the_file(tmp_path, damage, reason):

@@ -353,6 +353,105 @@ def megatron_tied_output_stage(module: Any) -> bool:
     )
 
 
+# Function-changing megatron-core settings and their plain values; any other value is recorded as unmapped.
+_PLAIN_MEGATRON = {
+    "qk_layernorm": False,
+    "layernorm_zero_centered_gamma": False,
+    "apply_residual_connection_post_layernorm": False,
+    "apply_query_key_layer_scaling": False,
+    "rotary_interleaved": False,
+    "multi_latent_attention": False,
+    "softmax_scale": None,
+    "softmax_type": "vanilla",
+    "window_attn_skip_freq": None,
+    "moe_router_pre_softmax": False,
+    "moe_router_score_function": "softmax",
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_num_groups": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_layer_freq": 1,
+    "moe_input_jitter_eps": None,
+}
+
+
+def _activation_name(fn: Any) -> str:
+    import functools
+
+    import torch.nn.functional as F
+
+    if fn is F.gelu:
+        return "gelu"
+    if fn is F.silu:
+        return "silu"
+    if (
+        isinstance(fn, functools.partial)
+        and fn.func is F.gelu
+        and not fn.args
+        and fn.keywords == {"approximate": "tanh"}
+    ):
+        return "gelu_tanh"
+    try:
+        from megatron.core.transformer import utils as mutils
+    except ImportError:
+        mutils = None
+    if mutils is not None and any(fn is getattr(mutils, n, None) for n in ("openai_gelu", "gelu_impl")):
+        return "gelu_tanh"
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def megatron_gpt_architecture(module: Any) -> dict[str, Any] | None:
+    """The fields of a `ModelSpec` (format/model.py) read off a megatron-core `GPTModel` (any pipeline stage);
+    None for other modules. `vocab_size` is the padded one the model was built with."""
+    try:
+        from megatron.core.models.gpt import GPTModel
+    except ImportError:
+        return None
+    if not isinstance(module, GPTModel):
+        return None
+    c = module.config
+    window = getattr(c, "window_size", None)
+    unmapped: dict[str, Any] = {k: getattr(c, k) for k, v in _PLAIN_MEGATRON.items() if getattr(c, k, v) != v}
+    if window is not None and window[1] != 0:
+        unmapped["window_size"] = list(window)
+    if getattr(module, "mtp_process", False):
+        unmapped["mtp_num_layers"] = getattr(c, "mtp_num_layers", None)
+    rope = module.position_embedding_type in ("rope", "yarn", "mrope")
+    factor = 0.0
+    if rope and getattr(module, "rotary_scaling", False):
+        import torch
+
+        inv_freq = module.rotary_pos_emb.inv_freq.float().cpu()
+        dim = 2 * inv_freq.numel()
+        plain = 1.0 / (float(module.rotary_base) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        factor = round(float(plain[-1] / inv_freq[-1]), 6)  # the lowest frequency is divided by the factor
+    return {
+        "num_layers": int(c.num_layers),
+        "hidden_size": int(c.hidden_size),
+        "ffn_hidden_size": int(c.ffn_hidden_size),
+        "num_attention_heads": int(c.num_attention_heads),
+        "num_query_groups": int(c.num_query_groups or c.num_attention_heads),
+        "kv_channels": int(c.kv_channels),
+        "vocab_size": int(module.vocab_size),
+        "max_sequence_length": int(module.max_sequence_length),
+        "normalization": str(c.normalization),
+        "layernorm_epsilon": float(c.layernorm_epsilon),
+        "activation": _activation_name(c.activation_func),
+        "gated_linear_unit": bool(c.gated_linear_unit),
+        "add_bias_linear": bool(c.add_bias_linear),
+        "add_qkv_bias": bool(getattr(c, "add_qkv_bias", False)),
+        "position_embedding_type": str(module.position_embedding_type),
+        "rotary_base": float(module.rotary_base) if rope else 10000.0,
+        "rotary_percent": float(module.rotary_percent) if rope else 1.0,
+        "rope_scaling_factor": factor,
+        "window_size": int(window[0]) + 1 if window is not None and window[1] == 0 else 0,
+        "tied": bool(module.share_embeddings_and_output_weights),
+        "num_moe_experts": int(c.num_moe_experts or 0),
+        "moe_router_topk": int(c.moe_router_topk) if c.num_moe_experts else 0,
+        "unmapped": {k: v if isinstance(v, (bool, int, float, str, list)) else repr(v) for k, v in unmapped.items()},
+    }
+
+
 # --- transformers and accelerate: the two restores `install()` widens to other world sizes ------------
 
 

@@ -5,7 +5,8 @@ checkpoint holds; `write_manifest` adds the format name, version, block size and
 `Manifest.decode` checks types and cross-references (each parameter's file is in the file table,
 shapes are non-negative integers, keys are strings) and raises `CheckpointError` naming the file,
 never a `KeyError` deep inside a load. Sections an extension adds (Check-N-Run's `differential`,
-`save_id`) and notes (`weights_only`, `notes`) are kept in `extra`, untouched.
+`save_id`), the recorded model (`model`, `hf_config`) and notes (`weights_only`, `notes`) are kept in
+`extra`, untouched.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.model import ModelSpec
 
 _BODY = ("created_by", "source", "counters", "param_groups", "params", "buffers", "tied", "frozen_excluded")
 _ENVELOPE = ("format", "version", "block_size", "files")
@@ -148,6 +150,18 @@ class Manifest:
         """Whether the checkpoint holds weights without optimizer state (a Hugging Face import)."""
         return bool(self.extra.get("weights_only"))
 
+    @property
+    def model(self) -> ModelSpec | None:
+        """The megatron-core GPT this checkpoint holds, when its save (or import) recorded one."""
+        raw = self.extra.get("model")
+        return None if raw is None else ModelSpec.decode(raw)
+
+    @property
+    def hf_config(self) -> dict[str, Any] | None:
+        """The `config.json` of the Hugging Face model this run was imported from, if it was."""
+        raw = self.extra.get("hf_config")
+        return raw if isinstance(raw, dict) else None
+
     def section(self, name: str) -> dict[str, Any]:
         """An extension's top-level section (e.g. Check-N-Run's `differential`); empty when absent."""
         value = self.extra.get(name)
@@ -194,6 +208,11 @@ class Manifest:
             counters = _dict(raw["counters"], "counters")
             at = "tied"
             tied = _dict(raw.get("tied", {}), "tied")
+            at = "model"
+            if raw.get("model") is not None:
+                ModelSpec.decode(raw["model"])
+            if raw.get("hf_config") is not None:
+                _dict(raw["hf_config"], "hf_config")
             return cls(
                 _dict(raw.get("created_by", {}), "created_by"),
                 source,
@@ -210,3 +229,11 @@ class Manifest:
             raise CheckpointError(where, f"manifest is malformed: {at} lacks {exc}") from None
         except (TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(where, f"manifest is malformed at {at}: {exc}") from None
+
+
+def model_sections(model: ModelSpec | None, hf_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest's `model` and `hf_config` sections (see `Manifest.model`), empty for what is None."""
+    return {
+        **({"model": model.encode()} if model is not None else {}),
+        **({"hf_config": hf_config} if hf_config is not None else {}),
+    }

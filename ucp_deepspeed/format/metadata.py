@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 
 META_VERSION = 1
@@ -152,6 +153,9 @@ class SaveMeta:
     """Everything conversion needs about one model-parallel rank's part of a checkpoint.
 
     `save_id` is carried by every file the save wrote (`torch_file.stamp`), binding them together.
+    `model` describes a megatron-core GPT (None for other modules); `hf_config` is the `config.json` of the
+    Hugging Face model the run was imported from, carried from load to save so an export keeps its
+    fields (token ids, `model_type`) that megatron-core has no place for.
     """
 
     topology: Topology
@@ -165,6 +169,8 @@ class SaveMeta:
     pp_rank: int = 0
     frozen_excluded: bool = False
     save_id: str = ""
+    model: ModelSpec | None = None
+    hf_config: dict[str, Any] | None = None
     version: int = META_VERSION
 
     def to_json(self) -> str:
@@ -196,10 +202,18 @@ class SaveMeta:
                 pp_rank=raw.get("pp_rank", 0),
                 frozen_excluded=raw.get("frozen_excluded", False),
                 save_id=str(raw.get("save_id", "")),
+                model=ModelSpec.decode(raw["model"]) if raw.get("model") is not None else None,
+                hf_config=_object(raw.get("hf_config"), "hf_config"),
                 version=raw["version"],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(path, f"metadata is missing or has malformed fields ({exc})") from None
+
+
+def _object(value: Any, what: str) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{what} is not an object")
+    return value
 
 
 def _tensor_fields(raw: dict[str, Any]) -> dict[str, Any]:

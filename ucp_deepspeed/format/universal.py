@@ -153,6 +153,7 @@ def stream_tensors(
     relpath: str,
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
     produce: Callable[[str], torch.Tensor],
+    metadata: dict[str, str] | None = None,
 ) -> FileRecord:
     """Write a safetensors file one tensor at a time: `produce(key)` is called in order and then dropped.
 
@@ -160,7 +161,8 @@ def stream_tensors(
     and its bytes go to the file without a serialised copy. Written atomically, like every file;
     the CRCs are computed on the bytes as they go out.
     """
-    header, offset = {}, 0
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for key, dtype, shape in entries:
         nbytes = math.prod(shape) * dtype.itemsize
         header[key] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}

@@ -5,11 +5,12 @@ padding removed, so an export is the architecture's name table (`hf/names.py`) r
 megatron-core's side: renamings, plus the un-fusing of `linear_qkv` into q/k/v, of SwiGLU's
 `linear_fc1` into gate and up, and GPT-2's transposed `Conv1D` weights.
 
-The output is `config.json`, `model-0000k-of-0000n.safetensors` shards and
-`model.safetensors.index.json`, written atomically. Shards are planned from the manifest's shapes
-before any tensor is read, and each file is streamed one tensor at a time (`stream_tensors`), so
-memory stays bounded by the largest tensor. The embedding and output layer are tied, as in the
-megatron-core model.
+The model is the one recorded at save or import (`ModelSpec` in the manifest), so no flags are
+needed; `config.json` is built from it by `hf/models.py` over the original Hugging Face config when
+the run was imported from one. The output is that config, `model-0000k-of-0000n.safetensors`
+shards and `model.safetensors.index.json`, laid out like the Hub's, written atomically. Shards are
+planned from the manifest's shapes before any tensor is read, and each file is streamed one tensor
+at a time (`stream_tensors`), so memory stays bounded by the largest tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -28,32 +30,30 @@ from tqdm import tqdm
 from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, VALUE
+from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.paths import check_output, locate
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, atomic_write, stream_tensors
+from ucp_deepspeed.hf.models import ARCHS, arch_for, config_of, with_heads
 from ucp_deepspeed.hf.names import Heads, Link, hf_shapes, links, to_hf
 
-ARCHS = ("gpt2", "llama", "mixtral")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _EXPERT_FC2 = re.compile(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.\d+\.linear_fc2\.weight")
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What the exporter needs to know about the model beyond tensor shapes."""
+class Overrides:
+    """What `ucp export-hf` flags say about the model: needed for checkpoints that recorded none, checked against
+    the tensors' shapes, and applied over a recorded one."""
 
-    layers: int
-    hidden: int
-    ffn: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    max_positions: int
-    experts: int
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.hidden // self.heads
+    arch: str | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    max_positions: int | None = None
+    experts_per_token: int | None = None
+    activation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,112 +65,95 @@ class Entry:
     make: Callable[[], torch.Tensor]
 
 
-def _shape(ckpt: UniversalCheckpoint, heads: int, kv_heads: int | None, max_positions: int | None) -> Shape:
+def _inferred(ckpt: UniversalCheckpoint, o: Overrides) -> ModelSpec:
+    """The model of a checkpoint saved without a record of it, from its tensors and the flags."""
     params = ckpt.params
+    if o.arch is None or o.num_heads is None:
+        raise CheckpointError(ckpt.root, "records no model (saved without ucp_deepspeed?); pass --arch and --num-heads")
     layers = 1 + max((int(m.group(1)) for n in params if (m := _LAYER.match(n))), default=-1)
     vocab, hidden = params["embedding.word_embeddings.weight"].shape
     experts = sum(1 for n in params if _EXPERT_FC2.fullmatch(n))
-    fc2 = (
-        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
-        if experts
-        else "decoder.layers.0.mlp.linear_fc2.weight"
-    )
-    ffn = params[fc2].shape[1]
-    kv_heads = kv_heads or heads
-    qkv_rows = params["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0]
-    if hidden % heads or heads % kv_heads or qkv_rows != (heads + 2 * kv_heads) * (hidden // heads):
-        raise CheckpointError(
-            ckpt.root,
-            f"{heads} heads and {kv_heads} key/value heads do not fit linear_qkv "
-            f"({qkv_rows} rows for hidden size {hidden}); pass --num-heads / --num-kv-heads",
-        )
+    mlp = "decoder.layers.0.mlp." + ("experts.local_experts.0." if experts else "")
+    ffn = params[f"{mlp}linear_fc2.weight"].shape[1]
     position = params.get("embedding.position_embeddings.weight")
-    positions = position.shape[0] if position is not None else max_positions or 4096
-    return Shape(layers, hidden, ffn, vocab, heads, kv_heads, max_positions or positions, experts)
+    gpt2 = o.arch == "gpt2"
+    return ModelSpec(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=o.num_heads,
+        num_query_groups=o.num_kv_heads or o.num_heads,
+        kv_channels=hidden // o.num_heads,
+        vocab_size=vocab,
+        max_sequence_length=position.shape[0] if position is not None else o.max_positions or 4096,
+        normalization="LayerNorm" if "decoder.final_layernorm.bias" in params else "RMSNorm",
+        layernorm_epsilon=o.norm_eps or 1e-5,
+        activation=o.activation or ("gelu_tanh" if gpt2 else "silu"),
+        gated_linear_unit=params[f"{mlp}linear_fc1.weight"].shape[0] == 2 * ffn,
+        add_bias_linear="decoder.layers.0.self_attention.linear_proj.bias" in params,
+        add_qkv_bias=not gpt2 and "decoder.layers.0.self_attention.linear_qkv.bias" in params,
+        position_embedding_type="learned_absolute" if position is not None else "rope",
+        rotary_base=o.rope_theta or 10000.0,
+        tied="output_layer.weight" not in params,
+        num_moe_experts=experts,
+        moe_router_topk=(o.experts_per_token or 2) if experts else 0,
+    )
 
 
-def entries(arch: str, read: Callable[[str], torch.Tensor], ckpt: UniversalCheckpoint, s: Shape) -> list[Entry]:
-    """Every tensor of the exported model, from the architecture's name table, in file order."""
-    heads = Heads(s.heads, s.kv_heads)
+def model_of(ckpt: UniversalCheckpoint, o: Overrides) -> ModelSpec:
+    """The model to export: the recorded one (or one inferred from the tensors), with the flags applied."""
+    recorded = ckpt.manifest.model
+    spec = recorded if recorded is not None else _inferred(ckpt, o)
+    qkv = ckpt.params.get("decoder.layers.0.self_attention.linear_qkv.weight")
+    if qkv is not None and (o.num_heads or o.num_kv_heads or recorded is None):
+        spec = with_heads(spec, qkv.shape[0], o.num_heads, o.num_kv_heads, ckpt.root)
+    changes: dict[str, Any] = {
+        "layernorm_epsilon": o.norm_eps,
+        "rotary_base": o.rope_theta,
+        "max_sequence_length": o.max_positions if spec.position_embedding_type != "learned_absolute" else None,
+        "moe_router_topk": o.experts_per_token if spec.moe else None,
+        "activation": o.activation,
+    }
+    return replace(spec, **{k: v for k, v in changes.items() if v is not None})
+
+
+def entries(arch: str, read: Callable[[str], torch.Tensor], ckpt: UniversalCheckpoint, spec: ModelSpec) -> list[Entry]:
+    """Every tensor of the exported model, from the architecture's name table, in file order.
+
+    Every checkpoint parameter must have a place in the table and the shape the model says it has:
+    an export never drops a tensor or reinterprets one.
+    """
+    heads = Heads(spec.num_attention_heads, spec.num_query_groups)
 
     def make(link: Link, j: int) -> torch.Tensor:
         return to_hf(link, read(link.mcore), heads)[j]
 
+    table = links(arch, spec)
+    for name in sorted(set(ckpt.params) - {link.mcore for link in table}):
+        if name not in ckpt.manifest.tied:
+            raise CheckpointError(ckpt.root, f"{name} has no place in a {arch} model; exporting would drop it")
     out = []
-    for link in links(arch, s.layers, s.experts):
-        if link.mcore not in ckpt.params:
+    for link in table:
+        record = ckpt.params.get(link.mcore)
+        if record is None:
             raise CheckpointError(ckpt.root, f"{arch} export needs {link.mcore}, which this checkpoint lacks")
-        shapes = hf_shapes(link, ckpt.params[link.mcore].shape, heads)
+        if record.shape != link.shape:
+            raise CheckpointError(
+                ckpt.root, f"{link.mcore} has shape {record.shape}; the model ({arch}) says {link.shape}"
+            )
         out += [
-            Entry(name, shape, functools.partial(make, link, j)) for j, (name, shape) in enumerate(zip(link.hf, shapes))
+            Entry(name, shape, functools.partial(make, link, j))
+            for j, (name, shape) in enumerate(zip(link.hf, hf_shapes(link, heads)))
         ]
     return out
 
 
-def _config(arch: str, s: Shape, norm_eps: float, rope_theta: float, experts_per_token: int) -> dict:
-    if arch == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": s.vocab,
-            "n_positions": s.max_positions,
-            "n_embd": s.hidden,
-            "n_layer": s.layers,
-            "n_head": s.heads,
-            "n_inner": s.ffn,
-            "activation_function": "gelu",
-            "layer_norm_epsilon": norm_eps,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "tie_word_embeddings": True,
-            "bos_token_id": None,
-            "eos_token_id": None,
-            "torch_dtype": "float32",
-        }
-    moe = (
-        {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            "num_local_experts": s.experts,
-            "num_experts_per_tok": experts_per_token,
-            "router_aux_loss_coef": 0.0,
-            "output_router_logits": False,
-            "sliding_window": None,
-        }
-        if arch == "mixtral"
-        else {}
-    )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": s.vocab,
-        "hidden_size": s.hidden,
-        "intermediate_size": s.ffn,
-        "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "max_position_embeddings": s.max_positions,
-        "rms_norm_eps": norm_eps,
-        "rope_theta": rope_theta,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "torch_dtype": "float32",
-        **moe,
-    }
-
-
-def plan_shards(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
+def plan_shards(entries: list[Entry], shard_bytes: int, itemsize: int = 4) -> list[list[Entry]]:
     """Consecutive entries grouped into files of at most `shard_bytes` (a larger tensor gets its own)."""
     shards: list[list[Entry]] = [[]]
     size = 0
     for entry in entries:
-        nbytes = math.prod(entry.shape) * 4
+        nbytes = math.prod(entry.shape) * itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -182,45 +165,53 @@ def plan_shards(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
 def export_hf(
     path: str,
     out: str,
-    arch: str,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    norm_eps: float = 1e-5,
-    rope_theta: float = 10000.0,
-    max_positions: int | None = None,
-    shard_bytes: int = 2 * 2**30,
+    overrides: Overrides = Overrides(),
+    dtype: str = "fp32",
+    shard_bytes: int = 5 * 2**30,
     progress: bool = True,
-    experts_per_token: int = 2,
 ) -> str:
-    """Write a `transformers` model folder from a universal (or native, converted first) checkpoint."""
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    """Write a `transformers` model folder from a universal (or native, converted first) checkpoint.
+
+    Args:
+        path: a universal folder, or a native checkpoint directory (its latest tag is converted first).
+        out: the folder to write: `config.json`, `model-0000k-of-0000n.safetensors`, `model.safetensors.index.json`.
+        overrides: flags for checkpoints that recorded no model (`--arch`, `--num-heads`, ...), applied over a
+            recorded one.
+        dtype: `fp32` (the master weights exactly), `bf16` or `fp16`.
+        shard_bytes: the largest shard, as the Hub's `max_shard_size`.
+    Returns:
+        `out`.
+    Example:
+        >>> export_hf("checkpoints/global_step1000", "hf-out", dtype="bf16")
+        >>> AutoModelForCausalLM.from_pretrained("hf-out")
+    """
+    if overrides.arch is not None and overrides.arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {overrides.arch!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_output(out, [locate(path).path])
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         path = convert(path, progress=progress)
     ckpt = UniversalCheckpoint(path)
-    s = _shape(ckpt, num_heads, num_kv_heads, max_positions)
-    if (arch == "mixtral") != bool(s.experts):
-        raise CheckpointError(
-            ckpt.root,
-            f"--arch {arch} does not fit a checkpoint with {s.experts or 'no'} experts "
-            "per layer (mixtral is for MoE checkpoints, gpt2 and llama for dense ones)",
-        )
+    spec = model_of(ckpt, overrides)
+    hf_config = ckpt.manifest.hf_config
+    arch = overrides.arch or arch_for(spec, hf_config)
+    config = config_of(spec, arch, hf_config, str(DTYPES[dtype]).removeprefix("torch."), ckpt.root)
+    torch_dtype = DTYPES[dtype]
+    size = torch_dtype.itemsize
 
     @functools.lru_cache(maxsize=1)  # q/k/v and gate/up come from one fused tensor: read it once, not 2-3 times
     def read(name: str) -> torch.Tensor:
-        if name not in ckpt.params:
-            raise CheckpointError(ckpt.root, f"{arch} export needs {name}, which this checkpoint lacks")
         record = ckpt.params[name]
         key = FP32 if FP32 in record.keys else VALUE
         return ckpt.read(name, key).reshape(record.shape).to(torch.float32)
 
-    tensors = entries(arch, read, ckpt, s)
-    shards = plan_shards(tensors, shard_bytes)
+    tensors = entries(arch, read, ckpt, spec)
+    shards = plan_shards(tensors, shard_bytes, size)
     os.makedirs(out, exist_ok=True)
     weight_map, total = {}, 0
     bar = tqdm(
-        total=sum(math.prod(e.shape) * 4 for e in tensors),
+        total=sum(math.prod(e.shape) * size for e in tensors),
         unit="B",
         unit_scale=True,
         desc="ucp export-hf",
@@ -231,24 +222,21 @@ def export_hf(
         makers = {e.name: e for e in shard}
 
         def produce(name: str, makers: dict[str, Entry] = makers) -> torch.Tensor:
-            tensor = makers[name].make()
+            tensor = makers[name].make().to(torch_dtype)
             if tuple(tensor.shape) != makers[name].shape:
                 raise CheckpointError(
                     ckpt.root, f"{name}: made shape {tuple(tensor.shape)}, expected {makers[name].shape}"
                 )
-            bar.update(tensor.numel() * 4)
+            bar.update(tensor.numel() * size)
             return tensor
 
-        stream_tensors(out, fname, [(e.name, torch.float32, e.shape) for e in shard], produce)
-        total += sum(math.prod(e.shape) * 4 for e in shard)
+        stream_tensors(out, fname, [(e.name, torch_dtype, e.shape) for e in shard], produce, {"format": "pt"})
+        total += sum(math.prod(e.shape) * size for e in shard)
         weight_map.update({e.name: fname for e in shard})
     bar.close()
     atomic_write(
         os.path.join(out, "model.safetensors.index.json"),
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode(),
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode(),
     )
-    atomic_write(
-        os.path.join(out, "config.json"),
-        json.dumps(_config(arch, s, norm_eps, rope_theta, experts_per_token), indent=1).encode(),
-    )
+    atomic_write(os.path.join(out, "config.json"), json.dumps(config, indent=2, sort_keys=True).encode())
     return out

@@ -1,8 +1,12 @@
-"""Import a Hugging Face `transformers` GPT-2, Llama or Mixtral folder as a weights-only universal checkpoint.
+"""Import a Hugging Face `transformers` GPT-2, Llama, Mistral, Qwen2 or Mixtral folder as a weights-only universal
+checkpoint.
 
-The inverse of `hf.export`, from the same name table (`hf/names.py`) read from the `transformers`
-side: names go back to megatron-core's global ones, q/k/v are fused into `linear_qkv` by query
-group, gate/up into SwiGLU's `linear_fc1`, and GPT-2's `Conv1D` weights are transposed. The result
+The config is read by `transformers`' own config class and mapped to the megatron-core model that
+computes the same function (`hf/models.py`), refusing by name any field that model cannot carry;
+the manifest records that model and the original `config.json`. Every tensor of the folder must
+have a place in the name table (`hf/names.py`), read from the `transformers` side: names go back
+to megatron-core's global ones, q/k/v are fused into `linear_qkv` by query group, gate/up into
+SwiGLU's `linear_fc1`, and GPT-2's `Conv1D` weights are transposed. The result
 holds only fp32 weights (`"weights_only": true` in the manifest, step counters at zero, no
 optimizer state), so `load_checkpoint` starts training from it with a fresh optimizer at any
 DP/TP/PP/EP layout. GPT-2 folders exported from a grouped-query model repeat each
@@ -12,75 +16,101 @@ Tensors are read lazily from the safetensors shards and written one parameter fi
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-from collections.abc import Callable
+import re
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import Manifest, ParamRecord
+from ucp_deepspeed.format.manifest import Manifest, ParamRecord, model_sections
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
+from ucp_deepspeed.hf.models import read_config, spec_of
 from ucp_deepspeed.hf.names import Heads, from_hf, links
 from ucp_deepspeed.version import __version__
 
+_DERIVED = re.compile(r".*(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)")
+"""Buffers older `transformers` versions saved that are computed from the config, not learned."""
 
-def _reader(hf_dir: str) -> Callable[[str], torch.Tensor]:
-    """read(name) over a single-file or sharded safetensors folder."""
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = json.load(f)["weight_map"]
-    else:
-        single = os.path.join(hf_dir, "model.safetensors")
-        if not os.path.isfile(single):
-            raise CheckpointError(hf_dir, "no model.safetensors or model.safetensors.index.json")
-        with safe_open(single, framework="pt") as f:
-            files = {k: "model.safetensors" for k in f.keys()}
 
-    def read(name: str) -> torch.Tensor:
-        if name not in files:
-            raise CheckpointError(hf_dir, f"tensor {name} is missing")
-        with safe_open(os.path.join(hf_dir, files[name]), framework="pt") as f:
+class _Folder:
+    """The tensors of a single-file or sharded safetensors folder, read lazily by name."""
+
+    def __init__(self, hf_dir: str):
+        self.root = hf_dir
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.files: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(hf_dir, "model.safetensors")
+            if not os.path.isfile(single):
+                raise CheckpointError(hf_dir, "no model.safetensors or model.safetensors.index.json")
+            with safe_open(single, framework="pt") as f:
+                self.files = {k: "model.safetensors" for k in f.keys()}
+        for file in set(self.files.values()):
+            if os.path.basename(file) != file:
+                raise CheckpointError(index, f"shard {file!r} is not a file name in the folder")
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, upcast to fp32 (exact from bf16 and fp16)."""
+        if name not in self.files:
+            raise CheckpointError(self.root, f"tensor {name} is missing")
+        with safe_open(os.path.join(self.root, self.files[name]), framework="pt") as f:
             return f.get_tensor(name).to(torch.float32)
 
-    return read
+    def check_all_used(self, used: set[str], tied_to: str | None) -> None:
+        """Refuse tensors the name table has no place for: importing them would silently drop them."""
+        for name in sorted(set(self.files) - used):
+            if _DERIVED.fullmatch(name):
+                continue
+            if name == "lm_head.weight" and tied_to is not None:
+                if torch.equal(self.read(name), self.read(tied_to)):
+                    continue
+                raise CheckpointError(
+                    self.root, f"lm_head.weight differs from {tied_to}, but tie_word_embeddings is true"
+                )
+            raise CheckpointError(
+                self.root, f"tensor {name} has no place in the megatron-core model; it would be dropped"
+            )
 
 
 def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: bool = True) -> str:
-    """Write a weights-only universal checkpoint of a `transformers` folder; returns `out`."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    kind = config.get("model_type")
-    if kind not in ("gpt2", "llama", "mixtral"):
-        raise CheckpointError(os.path.join(hf_dir, "config.json"), f"model_type {kind!r} is not gpt2, llama or mixtral")
-    if not config.get("tie_word_embeddings", True):
-        raise CheckpointError(
-            os.path.join(hf_dir, "config.json"),
-            "untied output layers are not supported: the "
-            "megatron-core models here share the embedding with the output layer",
-        )
-    read = _reader(hf_dir)
-    if kind == "gpt2":
-        heads, layers = Heads(config["n_head"], num_kv_heads or config["n_head"]), config["n_layer"]
-    else:
-        heads = Heads(config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"])
-        layers = config["num_hidden_layers"]
-    table = links(kind, layers, config.get("num_local_experts", 0) if kind == "mixtral" else 0)
-    makers = {link.mcore: functools.partial(from_hf, link, read, heads) for link in table}
+    """Write a weights-only universal checkpoint of a `transformers` folder; returns `out`.
+
+    Args:
+        hf_dir: a folder with `config.json` and `model.safetensors` (or shards and their index).
+        out: the universal folder to create (must not exist or be empty).
+        num_kv_heads: for a GPT-2 folder exported from a grouped-query model, the key/value heads to fold back to.
+    Returns:
+        `out`, whose manifest records the megatron-core model (`model`) and the original `config.json`.
+    Example:
+        >>> import_hf("Llama-3.2-1B", "llama.universal")
+        >>> # build the model from ModelSpec.decode(manifest["model"]) with hf.models.megatron_kwargs, then
+        >>> engine.load_checkpoint("llama.universal")
+    """
+    config, raw = read_config(hf_dir)
+    arch, spec = spec_of(config, os.path.join(hf_dir, "config.json"), num_kv_heads)
+    folder = _Folder(hf_dir)
+    heads = Heads(spec.num_attention_heads, spec.num_query_groups)
+    table = links(arch, spec)
+    folder.check_all_used({n for link in table for n in link.hf}, None if not spec.tied else table[0].hf[0])
     check_output(out, [hf_dir])
     if os.path.isdir(out) and os.listdir(out):
         raise CheckpointError(out, "exists and is not empty; refusing to write into it")
     records, params = [], dict[str, ParamRecord]()
-    for name, make in tqdm(makers.items(), desc="ucp import-hf", disable=not progress):
-        tensor = make().contiguous()
-        records.append(write_tensors(out, param_file(name), {FP32: tensor}))
-        params[name] = ParamRecord(tuple(tensor.shape), "float32", 0, True, param_file(name), (FP32,))
+    for link in tqdm(table, desc="ucp import-hf", disable=not progress):
+        tensor = from_hf(link, folder.read, heads).contiguous()
+        if tuple(tensor.shape) != link.shape:
+            raise CheckpointError(
+                hf_dir, f"{', '.join(link.hf)} make {link.mcore} of shape {tuple(tensor.shape)}, not {link.shape}"
+            )
+        records.append(write_tensors(out, param_file(link.mcore), {FP32: tensor}))
+        params[link.mcore] = ParamRecord(link.shape, "float32", 0, True, param_file(link.mcore), (FP32,))
     records.append(write_tensors(out, BUFFERS, {}))
     records.append(write_object(out, STATE, {"lr_scheduler": None, "client_state": {}, "optimizer_wrapper": {}}))
     write_manifest(
@@ -89,7 +119,7 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
             created_by={
                 "ucp_deepspeed": __version__,
                 "torch": torch.__version__,
-                "transformers_config": config.get("transformers_version"),
+                "transformers_config": raw.get("transformers_version"),
             },
             source={
                 "path": os.path.abspath(hf_dir),
@@ -103,7 +133,7 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
                     "tp": 1,
                     "pp": 1,
                     "ep": 1,
-                    "optimizer": f"none (Hugging Face {kind} import)",
+                    "optimizer": f"none (Hugging Face {arch} import)",
                 },
             },
             counters={"global_steps": 0, "global_samples": 0, "skipped_steps": 0},
@@ -112,7 +142,8 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
             buffers={},
             extra={
                 "weights_only": True,
-                "notes": [f"weights of a transformers {kind} model; optimizer state starts fresh"],
+                "notes": [f"weights of a transformers {arch} model; optimizer state starts fresh"],
+                **model_sections(spec, raw),
             },
         ),
         records,

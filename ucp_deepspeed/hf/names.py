@@ -1,5 +1,9 @@
 """One two-way name table per Hugging Face architecture: megatron-core's global names against `transformers`'.
 
+The table of a model is built from its `ModelSpec` (`links`): which biases exist, whether the output
+layer is tied, how many experts, and every tensor's full shape, so import and export both check
+shapes against it before writing anything.
+
 A `Link` ties one megatron-core tensor to the `transformers` tensor(s) it becomes, and names the
 rearrangement between them (`Fuse`), so export and import read the same table in opposite
 directions:
@@ -22,6 +26,7 @@ from typing import Literal
 import torch
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.model import ModelSpec
 
 Fuse = Literal["same", "transpose", "qkv", "c_attn", "gate_up"]
 
@@ -36,72 +41,102 @@ class Heads:
 
 @dataclass(frozen=True)
 class Link:
-    """One megatron-core tensor and the `transformers` tensors it corresponds to."""
+    """One megatron-core tensor, its full shape (vocab unpadded), and the `transformers` tensors it corresponds to."""
 
     mcore: str
+    shape: tuple[int, ...]
     hf: tuple[str, ...]
     fuse: Fuse = "same"
 
 
-def _layer_links(arch: str, i: int, experts: int) -> list[Link]:
+def _layer_links(arch: str, s: ModelSpec, i: int) -> list[Link]:
     m = f"decoder.layers.{i}."
+    hidden, ffn, d = s.hidden_size, s.ffn_hidden_size, s.kv_channels
+    qkv_rows, attn = (s.num_attention_heads + 2 * s.num_query_groups) * d, s.num_attention_heads * d
     if arch == "gpt2":
         h = f"transformer.h.{i}."
         out = [
-            Link(f"{m}{mg}.{k}", (f"{h}{hf}.{k}",))
+            Link(f"{m}{mg}.{k}", (hidden,), (f"{h}{hf}.{k}",))
             for mg, hf in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
             for k in ("weight", "bias")
         ]
         out += [
-            Link(f"{m}self_attention.linear_qkv.{k}", (f"{h}attn.c_attn.{k}",), "c_attn") for k in ("weight", "bias")
+            Link(f"{m}self_attention.linear_qkv.weight", (qkv_rows, hidden), (f"{h}attn.c_attn.weight",), "c_attn"),
+            Link(f"{m}self_attention.linear_qkv.bias", (qkv_rows,), (f"{h}attn.c_attn.bias",), "c_attn"),
         ]
-        for mg, hf in (
-            ("self_attention.linear_proj", "attn.c_proj"),
-            ("mlp.linear_fc1", "mlp.c_fc"),
-            ("mlp.linear_fc2", "mlp.c_proj"),
+        for mg, hf, shape in (
+            ("self_attention.linear_proj", "attn.c_proj", (hidden, attn)),
+            ("mlp.linear_fc1", "mlp.c_fc", (ffn, hidden)),
+            ("mlp.linear_fc2", "mlp.c_proj", (hidden, ffn)),
         ):
             out += [
-                Link(f"{m}{mg}.weight", (f"{h}{hf}.weight",), "transpose"),
-                Link(f"{m}{mg}.bias", (f"{h}{hf}.bias",)),
+                Link(f"{m}{mg}.weight", shape, (f"{h}{hf}.weight",), "transpose"),
+                Link(f"{m}{mg}.bias", shape[:1], (f"{h}{hf}.bias",)),
             ]
         return out
     h = f"model.layers.{i}."
-    out = [
-        Link(f"{m}self_attention.linear_qkv.weight", tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-        Link(f"{m}self_attention.linear_proj.weight", (f"{h}self_attn.o_proj.weight",)),
-        Link(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",)),
-        Link(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",)),
-    ]
-    if experts:
-        out.append(Link(f"{m}mlp.router.weight", (f"{h}block_sparse_moe.gate.weight",)))
-        for e in range(experts):
+    attn_names = tuple(f"{h}self_attn.{p}_proj" for p in "qkv")
+    out = [Link(f"{m}input_layernorm.weight", (hidden,), (f"{h}input_layernorm.weight",))]
+    out.append(
+        Link(
+            f"{m}self_attention.linear_qkv.weight", (qkv_rows, hidden), tuple(f"{n}.weight" for n in attn_names), "qkv"
+        )
+    )
+    if s.add_qkv_bias or s.add_bias_linear:
+        out.append(
+            Link(f"{m}self_attention.linear_qkv.bias", (qkv_rows,), tuple(f"{n}.bias" for n in attn_names), "qkv")
+        )
+    out.append(Link(f"{m}self_attention.linear_proj.weight", (hidden, attn), (f"{h}self_attn.o_proj.weight",)))
+    if s.add_bias_linear:
+        out.append(Link(f"{m}self_attention.linear_proj.bias", (hidden,), (f"{h}self_attn.o_proj.bias",)))
+    out.append(Link(f"{m}pre_mlp_layernorm.weight", (hidden,), (f"{h}post_attention_layernorm.weight",)))
+    if s.moe:
+        out.append(Link(f"{m}mlp.router.weight", (s.num_moe_experts, hidden), (f"{h}block_sparse_moe.gate.weight",)))
+        for e in range(s.num_moe_experts):
             me, he = f"{m}mlp.experts.local_experts.{e}.", f"{h}block_sparse_moe.experts.{e}."
             out += [
-                Link(f"{me}linear_fc1.weight", (f"{he}w1.weight", f"{he}w3.weight"), "gate_up"),
-                Link(f"{me}linear_fc2.weight", (f"{he}w2.weight",)),
+                Link(f"{me}linear_fc1.weight", (2 * ffn, hidden), (f"{he}w1.weight", f"{he}w3.weight"), "gate_up"),
+                Link(f"{me}linear_fc2.weight", (hidden, ffn), (f"{he}w2.weight",)),
             ]
-    else:
-        out += [
-            Link(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up"),
-            Link(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",)),
-        ]
+        return out
+    mlp = f"{h}mlp."
+    out.append(
+        Link(
+            f"{m}mlp.linear_fc1.weight",
+            (2 * ffn, hidden),
+            (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
+            "gate_up",
+        )
+    )
+    if s.add_bias_linear:
+        out.append(
+            Link(f"{m}mlp.linear_fc1.bias", (2 * ffn,), (f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias"), "gate_up")
+        )
+    out.append(Link(f"{m}mlp.linear_fc2.weight", (hidden, ffn), (f"{mlp}down_proj.weight",)))
+    if s.add_bias_linear:
+        out.append(Link(f"{m}mlp.linear_fc2.bias", (hidden,), (f"{mlp}down_proj.bias",)))
     return out
 
 
-def links(arch: str, layers: int, experts: int = 0) -> list[Link]:
-    """The whole table of `arch` (`gpt2`, `llama`, `mixtral`) for a model of `layers` layers, in HF file order."""
+def links(arch: str, spec: ModelSpec) -> list[Link]:
+    """The whole table of `arch` (one of `hf.models.ARCHS`) for the model `spec` describes, in HF file order."""
+    hidden = spec.hidden_size
     if arch == "gpt2":
         head = [
-            Link("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
-            Link("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
+            Link("embedding.word_embeddings.weight", (spec.vocab_size, hidden), ("transformer.wte.weight",)),
+            Link(
+                "embedding.position_embeddings.weight", (spec.max_sequence_length, hidden), ("transformer.wpe.weight",)
+            ),
         ]
-        tail = [Link(f"decoder.final_layernorm.{k}", (f"transformer.ln_f.{k}",)) for k in ("weight", "bias")]
-    elif arch in ("llama", "mixtral"):
-        head = [Link("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
-        tail = [Link("decoder.final_layernorm.weight", ("model.norm.weight",))]
+        tail = [Link(f"decoder.final_layernorm.{k}", (hidden,), (f"transformer.ln_f.{k}",)) for k in ("weight", "bias")]
+    elif arch in ("llama", "mistral", "qwen2", "mixtral"):
+        head = [Link("embedding.word_embeddings.weight", (spec.vocab_size, hidden), ("model.embed_tokens.weight",))]
+        tail = [Link("decoder.final_layernorm.weight", (hidden,), ("model.norm.weight",))]
     else:
         raise ValueError(f"no name table for architecture {arch!r}")
-    return head + [link for i in range(layers) for link in _layer_links(arch, i, experts)] + tail
+    if not spec.tied:
+        tail.append(Link("output_layer.weight", (spec.vocab_size, hidden), ("lm_head.weight",)))
+    return head + [link for i in range(spec.num_layers) for link in _layer_links(arch, spec, i)] + tail
 
 
 def _split_qkv(fused: torch.Tensor, h: Heads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,8 +209,9 @@ def from_hf(link: Link, read: Callable[[str], torch.Tensor], h: Heads) -> torch.
     return _fuse_qkv(q, k, v, h)
 
 
-def hf_shapes(link: Link, shape: tuple[int, ...], h: Heads) -> list[tuple[int, ...]]:
-    """The shapes `to_hf` gives for a megatron-core tensor of `shape`, known before any tensor is read."""
+def hf_shapes(link: Link, h: Heads) -> list[tuple[int, ...]]:
+    """The shapes `to_hf` gives for the megatron-core tensor of `link`, known before any tensor is read."""
+    shape = link.shape
     if link.fuse == "same":
         return [shape]
     if link.fuse == "transpose":

@@ -19,6 +19,7 @@ from deepspeed import comm as dist
 from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta, Topology
+from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.geometry.layout import Layout
 from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.naming.model import ParamInfo, global_namer, param_infos
@@ -162,6 +163,7 @@ def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
         return slots
     files = _expert_file_ranks(engine)
     group_of_flat = {i: g.get("name") for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")}
+    namers: dict[tuple[str, int], Callable[[str], str]] = {}
     out = []
     for slot in slots:
         local = slot.local or slot.name
@@ -171,7 +173,11 @@ def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
             out.append(slot)
             continue
         for ep_rank, ranks in sorted(files[group].items()):
-            name = block.rename(local, ep_rank)  # `local` stays the name in the module of the ranks holding it
+            # the whole model's name: that rank's experts by global id, this stage's layers by global number;
+            # `local` stays the name in the module of the ranks holding it
+            if (block.group, ep_rank) not in namers:
+                namers[block.group, ep_rank] = global_namer(engine.module, {block.group: ep_rank}, _rename(engine))
+            name = namers[block.group, ep_rank](local)
             out.append(dataclasses.replace(slot, name=name, local=local if local != name else "", ranks=ranks))
     return out
 
@@ -281,6 +287,18 @@ def supported(engine: Any) -> bool:
     )
 
 
+def model_spec(engine: Any) -> ModelSpec | None:
+    """What the engine's megatron-core GPT computes (None for other modules), with the unpadded vocabulary when
+    `checkpoint.universal.vocab_size` gives it."""
+    fields = compat.megatron_gpt_architecture(engine.module)
+    if fields is None:
+        return None
+    options = getattr(engine, "_ucp_options", None)
+    if options is not None and options.vocab_size:
+        fields["vocab_size"] = options.vocab_size
+    return ModelSpec(**fields)
+
+
 def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     """Build the save-time metadata of a live engine."""
     module = engine.module
@@ -340,6 +358,8 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     tied.update({s.local: s.name for s in slots if s.alias})
     mp = model_parallel(engine)
     return SaveMeta(
+        model=model_spec(engine),
+        hf_config=getattr(engine, "ucp_hf_config", None),
         topology=topology(engine),
         params=tuple(slots),
         extras=tuple(extras),

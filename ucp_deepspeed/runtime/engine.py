@@ -205,11 +205,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             if folder is not None:
                 ckpt = _imported(engine, fmt, folder)
                 client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+                engine.ucp_hf_config = ckpt.manifest.hf_config
                 engine.ucp_last_load = LoadReport("imported", fmt.name, live_desc(), ckpt.root)
                 return folder, client
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
             ckpt = UniversalCheckpoint(load_dir, verify=options.verify)
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            engine.ucp_hf_config = ckpt.manifest.hf_config
             engine.ucp_last_load = LoadReport(
                 "universal", Topology(**ckpt.manifest.source["topology"]).describe(), live_desc(), load_dir
             )
@@ -230,6 +232,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
             if saver is not None:
                 saver.restored(ckpt.manifest)
+            engine.ucp_hf_config = ckpt.manifest.hf_config
             engine.ucp_last_load = LoadReport(
                 kind.name, Topology(**ckpt.manifest.source["topology"]).describe(), live_desc(), ckpt.root, kind.name
             )
@@ -248,6 +251,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)
             files.expect(os.path.join(load_dir, tag), meta.save_id)
             path, client = checked(native, tag=tag)
+            engine.ucp_hf_config = meta.hf_config
             # DeepSpeed mixes its own bookkeeping into client_state; return only what the user saved
             return path, {k: v for k, v in (client or {}).items() if k in meta.client_state_keys}
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
@@ -258,6 +262,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             )
         ckpt = _converted(engine, load_dir, tag)
         client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        engine.ucp_hf_config = ckpt.manifest.hf_config
         engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), ckpt.root)
         tdist.barrier()
         if not options.keep and tdist.get_rank() == 0:
@@ -275,6 +280,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         return result
 
     engine.ucp_last_load = None
+    engine.ucp_hf_config = None  # the Hugging Face config of the weights loaded last, carried into saves
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
     engine.wait_for_checkpoint = wait_for_checkpoint

@@ -16,10 +16,12 @@ from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.manifest import Manifest
+from ucp_deepspeed.format.model import ACTIVATIONS
 from ucp_deepspeed.format.paths import locate
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
-from ucp_deepspeed.hf.export import export_hf
+from ucp_deepspeed.hf.export import DTYPES, Overrides, export_hf
 from ucp_deepspeed.hf.import_ import import_hf
+from ucp_deepspeed.hf.models import ARCHS
 from ucp_deepspeed.interop import export_deepspeed
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.tools.compare import DiffReport, diff
@@ -253,14 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("export-hf", help="write a megatron-core GPT checkpoint as a Hugging Face transformers folder")
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
-    p.add_argument("--arch", choices=["gpt2", "llama", "mixtral"], required=True)
-    p.add_argument("--num-heads", type=int, required=True, help="attention heads (not recorded in the checkpoint)")
-    p.add_argument("--num-kv-heads", type=int, help="key/value heads, i.e. query groups (default: --num-heads)")
-    p.add_argument("--norm-eps", type=float, default=1e-5)
-    p.add_argument("--rope-theta", type=float, default=10000.0)
-    p.add_argument("--max-positions", type=int, help="default: the position embedding's rows (gpt2) or 4096")
-    p.add_argument("--shard-size", type=float, default=2048, help="MB per safetensors shard (default 2048)")
-    p.add_argument("--experts-per-token", type=int, default=2, help="mixtral: router top-k (default 2)")
+    over = p.add_argument_group(
+        "model overrides", "needed only for checkpoints that recorded no model; checked against the tensors' shapes"
+    )
+    over.add_argument("--arch", choices=ARCHS, help="default: the imported model's, else the one the model fits")
+    over.add_argument("--num-heads", type=int, help="attention heads")
+    over.add_argument("--num-kv-heads", type=int, help="key/value heads, i.e. query groups (default: --num-heads)")
+    over.add_argument("--norm-eps", type=float, help="default 1e-5")
+    over.add_argument("--rope-theta", type=float, help="default 10000")
+    over.add_argument("--max-positions", type=int, help="RoPE models: context length (default 4096)")
+    over.add_argument("--experts-per-token", type=int, help="mixtral: router top-k (default 2)")
+    over.add_argument("--activation", choices=ACTIVATIONS, help="default: the architecture's own")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights' dtype (default fp32, exact)")
+    p.add_argument("--shard-size", type=float, default=5120, help="MB per safetensors shard (default 5120, the Hub's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("import-hf", help="make a weights-only universal checkpoint of a transformers folder")
     p.add_argument("hf_dir")
@@ -297,21 +304,18 @@ def main(argv: list[str] | None = None) -> int:
             summary = summarize(args.path, args.tag)
             print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
         elif args.command == "export-hf":
-            print(
-                export_hf(
-                    args.ckpt,
-                    args.out,
-                    args.arch,
-                    args.num_heads,
-                    args.num_kv_heads,
-                    args.norm_eps,
-                    args.rope_theta,
-                    args.max_positions,
-                    int(args.shard_size * 2**20),
-                    progress=not args.no_progress,
-                    experts_per_token=args.experts_per_token,
-                )
+            overrides = Overrides(
+                args.arch,
+                args.num_heads,
+                args.num_kv_heads,
+                args.norm_eps,
+                args.rope_theta,
+                args.max_positions,
+                args.experts_per_token,
+                args.activation,
             )
+            shard = int(args.shard_size * 2**20)
+            print(export_hf(args.ckpt, args.out, overrides, args.dtype, shard, progress=not args.no_progress))
         elif args.command == "import-hf":
             print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
         elif args.command == "diff":
