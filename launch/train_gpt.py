@@ -8,7 +8,8 @@
         and optimizer state with the reference using torch.equal, continue CONT steps and compare
         losses; --resave saves the loaded state again, untrained, at this layout
 
-The data-parallel size is whatever world size is left over: world / (T * P).
+The data-parallel size is whatever world size is left over: world / (T * P). `--model DIR` builds
+the megatron-core model a universal checkpoint recorded (`ucp import-hf`) instead of `--arch`'s.
 
 Pipeline stages are megatron-core `GPTModel`s (pre_process/post_process), one DeepSpeed engine per
 stage. The schedule is a plain fill-drain over micro-batches, in the order DeepSpeed's own

@@ -19,9 +19,11 @@ import pytest
 import torch
 from conftest import launch_jobs
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.tools.cli import main as ucp
+from ucp_deepspeed.tools.cli import summarize
 from ucp_deepspeed.tools.compare import diff
 
 transformers = pytest.importorskip("transformers")
@@ -179,6 +181,9 @@ def _edit_config(src: Path, dst: Path, **changes: object) -> Path:
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+        ("llama3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ("llama3", {"num_key_value_heads": 4}, "k_proj.weight has shape (16, 64); the config says (32, 64)"),
+        ("mistral", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "transformers refuses"),
     ],
 )
 def test_a_config_field_megatron_cannot_carry_is_refused_by_name(zoo, tmp_path, capsys, name, changes, field):
@@ -186,6 +191,17 @@ def test_a_config_field_megatron_cannot_carry_is_refused_by_name(zoo, tmp_path, 
     assert ucp(["import-hf", str(folder), str(tmp_path / "out"), "--no-progress"]) == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_base_model_file_imports_like_the_causal_one(zoo, tmp_path):
+    """The Hub's own GPT-2 stores `wte.weight`, `h.0...`: the base model's names, without `transformer.`."""
+    folder = tmp_path / "gpt2-base"
+    folder.mkdir()
+    shutil.copy(zoo["gpt2"] / "config.json", folder)
+    base = {k.removeprefix("transformer."): v for k, v in tensors(zoo["gpt2"]).items()}
+    save_file(base, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert ucp(["import-hf", str(folder), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert diff(str(zoo["gpt2"].parent / "gpt2.universal"), str(tmp_path / "out")).identical
 
 
 def test_a_tensor_without_a_place_is_refused(zoo, tmp_path, capsys):
@@ -205,3 +221,26 @@ def test_flags_override_and_are_checked_against_shapes(zoo, tmp_path, capsys):
     assert ucp(["export-hf", imported, str(tmp_path / "c"), "--rope-theta", "1000", "--no-progress"]) == 0
     config = json.loads((tmp_path / "c" / "config.json").read_text())
     assert config["rope_parameters"]["rope_theta"] == 1000.0
+    assert summarize(imported)["model"]["num_query_groups"] == 2, "ucp inspect shows the recorded model"
+
+
+def test_a_checkpoint_without_a_recorded_model_exports_with_flags(zoo, tmp_path, capsys):
+    """A universal folder that records no model (as from DeepSpeed's own converter): flags say what the tensors
+    cannot, the rest (biases, GLU, tie, experts) is read off the tensors, and the export is exact."""
+    bare = tmp_path / "bare"
+    shutil.copytree(zoo["qwen2"].parent / "qwen2.universal", bare)
+    manifest = json.loads((bare / "manifest.json").read_text())
+    del manifest["model"], manifest["hf_config"]
+    (bare / "manifest.json").write_text(json.dumps(manifest))
+    assert ucp(["export-hf", str(bare), str(tmp_path / "no"), "--no-progress"]) == 2
+    assert (
+        "records no model (saved without ucp_deepspeed?); pass --arch --num-heads --norm-eps --activation "
+        "--rope-theta" in capsys.readouterr().err
+    )
+    flags = ["--arch", "qwen2", "--num-heads", "8", "--num-kv-heads", "2", "--norm-eps", "1e-6", "--activation", "silu"]
+    flags += ["--rope-theta", "1e6", "--max-positions", "128"]
+    assert ucp(["export-hf", str(bare), str(tmp_path / "out"), *flags, "--no-progress"]) == 0
+    original, exported = tensors(zoo["qwen2"]), tensors(tmp_path / "out")
+    assert sorted(original) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in original.items())
+    reference = torch.load(zoo["qwen2"] / "logits.pt")
+    assert (logits_of(tmp_path / "out", reference["tokens"]) - reference["logits"]).abs().max() <= TOL

@@ -12,7 +12,9 @@ DeepSpeed, megatron-core and transformers are imported inside the functions that
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -354,42 +356,51 @@ def megatron_tied_output_stage(module: Any) -> bool:
 
 
 # Function-changing megatron-core settings and their plain values; any other value is recorded as unmapped.
+# (`apply_query_key_layer_scaling` is not one: the softmax multiplies its divisor back.)
 _PLAIN_MEGATRON = {
     "qk_layernorm": False,
+    "qk_l2_norm": False,
     "layernorm_zero_centered_gamma": False,
     "apply_residual_connection_post_layernorm": False,
-    "apply_query_key_layer_scaling": False,
     "rotary_interleaved": False,
+    "no_rope_freq": None,
     "multi_latent_attention": False,
     "softmax_scale": None,
     "softmax_type": "vanilla",
     "window_attn_skip_freq": None,
+    "attention_output_gate": False,
+    "experimental_attention_variant": None,
+    "linear_attention_freq": None,
+    "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None,
     "moe_router_pre_softmax": False,
     "moe_router_score_function": "softmax",
     "moe_router_topk_scaling_factor": None,
     "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_topk_limited_devices": None,
     "moe_router_enable_expert_bias": False,
+    "moe_router_force_load_balancing": False,
     "moe_shared_expert_intermediate_size": None,
     "moe_layer_freq": 1,
     "moe_input_jitter_eps": None,
+    "moe_apply_probs_on_input": False,
+    "moe_expert_capacity_factor": None,
+    "moe_latent_size": None,
+    "mtp_num_layers": None,
 }
+_LLAMA3_CONTEXT, _LLAMA3_LOW, _LLAMA3_HIGH = 8192, 1.0, 4.0
 
 
 def _activation_name(fn: Any) -> str:
-    import functools
-
     import torch.nn.functional as F
 
     if fn is F.gelu:
         return "gelu"
     if fn is F.silu:
         return "silu"
-    if (
-        isinstance(fn, functools.partial)
-        and fn.func is F.gelu
-        and not fn.args
-        and fn.keywords == {"approximate": "tanh"}
-    ):
+    tanh = {"approximate": "tanh"}
+    if isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args and fn.keywords == tanh:
         return "gelu_tanh"
     try:
         from megatron.core.transformer import utils as mutils
@@ -398,6 +409,29 @@ def _activation_name(fn: Any) -> str:
     if mutils is not None and any(fn is getattr(mutils, n, None) for n in ("openai_gelu", "gelu_impl")):
         return "gelu_tanh"
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _llama3_factor(rope: Any, base: float) -> float | None:
+    """The factor of megatron-core's Llama 3.1 RoPE scaling, measured on the frequencies it changed and checked by
+    recomputing them all; 0 when it changed none (no head is that slow); None when they fit no factor."""
+    import torch
+
+    inv_freq = rope.inv_freq.detach().float().cpu()
+    dim = 2 * inv_freq.numel()
+    plain = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = 0.0
+    for f, scaled in zip(reversed(plain.tolist()), reversed(inv_freq.tolist())):  # slowest first
+        wavelen = 2 * math.pi / f
+        if wavelen > _LLAMA3_CONTEXT / _LLAMA3_LOW:  # divided by the factor
+            factor = f / scaled
+        elif wavelen >= _LLAMA3_CONTEXT / _LLAMA3_HIGH:  # interpolated: scaled = f * ((1 - s) / factor + s)
+            s = (_LLAMA3_CONTEXT / wavelen - _LLAMA3_LOW) / (_LLAMA3_HIGH - _LLAMA3_LOW)
+            factor = (1 - s) / (scaled / f - s) if scaled / f != s else 0.0
+        break
+    if not factor:
+        return 0.0 if torch.equal(plain, inv_freq) else None
+    factor = round(factor, 4)
+    return factor if torch.allclose(rope._apply_scaling(plain, factor=factor), inv_freq, rtol=1e-5) else None
 
 
 def megatron_gpt_architecture(module: Any) -> dict[str, Any] | None:
@@ -414,21 +448,22 @@ def megatron_gpt_architecture(module: Any) -> dict[str, Any] | None:
     unmapped: dict[str, Any] = {k: getattr(c, k) for k, v in _PLAIN_MEGATRON.items() if getattr(c, k, v) != v}
     if window is not None and window[1] != 0:
         unmapped["window_size"] = list(window)
-    if getattr(module, "mtp_process", False):
-        unmapped["mtp_num_layers"] = getattr(c, "mtp_num_layers", None)
+    if c.num_moe_experts and getattr(c, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
+        unmapped["moe_router_load_balancing_type"] = "sinkhorn"  # routes by a sigmoid at inference
     rope = module.position_embedding_type in ("rope", "yarn", "mrope")
-    factor = 0.0
-    if rope and getattr(module, "rotary_scaling", False):
-        import torch
-
-        inv_freq = module.rotary_pos_emb.inv_freq.float().cpu()
-        dim = 2 * inv_freq.numel()
-        plain = 1.0 / (float(module.rotary_base) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        factor = round(float(plain[-1] / inv_freq[-1]), 6)  # the lowest frequency is divided by the factor
+    rotary = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
+    factor: float | None = 0.0
+    if rotary is not None:
+        if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
+            unmapped["seq_len_interpolation_factor"] = rotary.seq_len_interpolation_factor
+        if getattr(module, "rotary_scaling", False):
+            factor = _llama3_factor(rotary, float(module.rotary_base))
+            if factor is None:
+                unmapped["rope_scaling"] = "frequencies that fit no Llama 3.1 factor"
     return {
         "num_layers": int(c.num_layers),
         "hidden_size": int(c.hidden_size),
-        "ffn_hidden_size": int(c.ffn_hidden_size),
+        "ffn_hidden_size": int((c.moe_ffn_hidden_size if c.num_moe_experts else None) or c.ffn_hidden_size),
         "num_attention_heads": int(c.num_attention_heads),
         "num_query_groups": int(c.num_query_groups or c.num_attention_heads),
         "kv_channels": int(c.kv_channels),
@@ -443,7 +478,7 @@ def megatron_gpt_architecture(module: Any) -> dict[str, Any] | None:
         "position_embedding_type": str(module.position_embedding_type),
         "rotary_base": float(module.rotary_base) if rope else 10000.0,
         "rotary_percent": float(module.rotary_percent) if rope else 1.0,
-        "rope_scaling_factor": factor,
+        "rope_scaling_factor": factor or 0.0,
         "window_size": int(window[0]) + 1 if window is not None and window[1] == 0 else 0,
         "tied": bool(module.share_embeddings_and_output_weights),
         "num_moe_experts": int(c.num_moe_experts or 0),

@@ -42,12 +42,22 @@ class ModelSpec:
     rope_scaling_factor: float = 0.0
     """Llama 3.1's RoPE frequency scaling (megatron-core's `rope_scaling`) by this factor; 0 for none."""
     window_size: int = 0
-    """Sliding-window attention: each token sees itself and this many before it; 0 for full causal attention."""
+    """Sliding-window attention: each token attends to the last `window_size` tokens, itself included (HF's
+    `sliding_window`; megatron-core's `window_size=(w - 1, 0)`); 0 for full causal attention."""
     tied: bool = True
     """The output layer shares the word embedding (`share_embeddings_and_output_weights`)."""
     num_moe_experts: int = 0
     moe_router_topk: int = 0
     unmapped: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.hidden_size, self.num_attention_heads, self.num_query_groups) < 1:
+            raise ValueError("model has no layers, width or heads")
+        if self.num_attention_heads % self.num_query_groups or self.kv_channels < 1 or self.vocab_size < 1:
+            raise ValueError(
+                f"model's {self.num_attention_heads} heads do not split into {self.num_query_groups} query groups, "
+                "or it has no head width or vocabulary"
+            )
 
     def encode(self) -> dict[str, Any]:
         """The JSON form."""

@@ -66,17 +66,33 @@ class Entry:
 
 
 def _inferred(ckpt: UniversalCheckpoint, o: Overrides) -> ModelSpec:
-    """The model of a checkpoint saved without a record of it, from its tensors and the flags."""
+    """The model of a checkpoint saved without a record of it: shapes and which tensors exist from the tensors,
+    what they cannot say from the flags, never guessed."""
     params = ckpt.params
-    if o.arch is None or o.num_heads is None:
-        raise CheckpointError(ckpt.root, "records no model (saved without ucp_deepspeed?); pass --arch and --num-heads")
     layers = 1 + max((int(m.group(1)) for n in params if (m := _LAYER.match(n))), default=-1)
-    vocab, hidden = params["embedding.word_embeddings.weight"].shape
     experts = sum(1 for n in params if _EXPERT_FC2.fullmatch(n))
     mlp = "decoder.layers.0.mlp." + ("experts.local_experts.0." if experts else "")
-    ffn = params[f"{mlp}linear_fc2.weight"].shape[1]
+    needed = ("embedding.word_embeddings.weight", f"{mlp}linear_fc1.weight", f"{mlp}linear_fc2.weight")
+    if not layers or any(n not in params for n in needed):
+        raise CheckpointError(
+            ckpt.root, f"is not a megatron-core GPT: it lacks {[n for n in needed if n not in params]}"
+        )
     position = params.get("embedding.position_embeddings.weight")
-    gpt2 = o.arch == "gpt2"
+    flags = {
+        "--arch": o.arch,
+        "--num-heads": o.num_heads,
+        "--norm-eps": o.norm_eps,
+        "--activation": o.activation,
+        **({"--rope-theta": o.rope_theta} if position is None else {}),
+    }
+    missing = [flag for flag, value in flags.items() if value is None]
+    if missing or o.arch is None or o.num_heads is None or o.activation is None:
+        raise CheckpointError(
+            ckpt.root,
+            f"records no model (saved without ucp_deepspeed?); pass {' '.join(missing)}, which its tensors cannot tell",
+        )
+    vocab, hidden = params["embedding.word_embeddings.weight"].shape
+    ffn = params[f"{mlp}linear_fc2.weight"].shape[1]
     return ModelSpec(
         num_layers=layers,
         hidden_size=hidden,
@@ -87,11 +103,11 @@ def _inferred(ckpt: UniversalCheckpoint, o: Overrides) -> ModelSpec:
         vocab_size=vocab,
         max_sequence_length=position.shape[0] if position is not None else o.max_positions or 4096,
         normalization="LayerNorm" if "decoder.final_layernorm.bias" in params else "RMSNorm",
-        layernorm_epsilon=o.norm_eps or 1e-5,
-        activation=o.activation or ("gelu_tanh" if gpt2 else "silu"),
+        layernorm_epsilon=float(o.norm_eps or 0),
+        activation=o.activation,
         gated_linear_unit=params[f"{mlp}linear_fc1.weight"].shape[0] == 2 * ffn,
         add_bias_linear="decoder.layers.0.self_attention.linear_proj.bias" in params,
-        add_qkv_bias=not gpt2 and "decoder.layers.0.self_attention.linear_qkv.bias" in params,
+        add_qkv_bias="decoder.layers.0.self_attention.linear_qkv.bias" in params,
         position_embedding_type="learned_absolute" if position is not None else "rope",
         rotary_base=o.rope_theta or 10000.0,
         tied="output_layer.weight" not in params,

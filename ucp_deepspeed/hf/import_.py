@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,42 +31,70 @@ from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
 from ucp_deepspeed.hf.models import read_config, spec_of
-from ucp_deepspeed.hf.names import Heads, from_hf, links
+from ucp_deepspeed.hf.names import Heads, from_hf, hf_shapes, links
 from ucp_deepspeed.version import __version__
 
-_DERIVED = re.compile(r".*(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)")
+_DERIVED = re.compile(r"(.*\.)?(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)")
 """Buffers older `transformers` versions saved that are computed from the config, not learned."""
+_BASE_PREFIXES = ("transformer.", "model.")
+"""What a `*ForCausalLM` adds to its base model's names; files saved from the base model (the Hub's own GPT-2)
+lack it."""
 
 
 class _Folder:
-    """The tensors of a single-file or sharded safetensors folder, read lazily by name."""
+    """The tensors of a single-file or sharded safetensors folder, read lazily by `transformers`' causal-LM name."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, expected: set[str]):
         self.root = hf_dir
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                self.files: dict[str, str] = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    files = json.load(f)["weight_map"]
+                if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+                    raise ValueError("weight_map is not an object of file names")
+            except (OSError, KeyError, ValueError) as exc:
+                raise CheckpointError(index, f"is not a safetensors index ({exc!r})") from None
+            for file in set(files.values()):
+                if os.path.basename(file) != file:
+                    raise CheckpointError(index, f"shard {file!r} is not a file name in the folder")
         else:
             single = os.path.join(hf_dir, "model.safetensors")
             if not os.path.isfile(single):
                 raise CheckpointError(hf_dir, "no model.safetensors or model.safetensors.index.json")
             with safe_open(single, framework="pt") as f:
-                self.files = {k: "model.safetensors" for k in f.keys()}
-        for file in set(self.files.values()):
-            if os.path.basename(file) != file:
-                raise CheckpointError(index, f"shard {file!r} is not a file name in the folder")
+                files = {k: "model.safetensors" for k in f.keys()}
+        self.stored: dict[str, str] = files
+        self.names = {self._causal(k, expected): k for k in files}  # causal-LM name -> name in the file
+
+    @staticmethod
+    def _causal(stored: str, expected: set[str]) -> str:
+        """The causal-LM name of a stored one: a base model's file (no `transformer.` prefix) maps onto `expected`."""
+        if stored in expected:
+            return stored
+        return next((f"{p}{stored}" for p in _BASE_PREFIXES if f"{p}{stored}" in expected), stored)
+
+    def _open(self, name: str) -> tuple[Any, str]:
+        if name not in self.names:
+            raise CheckpointError(self.root, f"tensor {name} is missing")
+        stored = self.names[name]
+        return safe_open(os.path.join(self.root, self.stored[stored]), framework="pt"), stored
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from the file's header."""
+        handle, stored = self._open(name)
+        with handle as f:
+            return tuple(f.get_slice(stored).get_shape())
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, upcast to fp32 (exact from bf16 and fp16)."""
-        if name not in self.files:
-            raise CheckpointError(self.root, f"tensor {name} is missing")
-        with safe_open(os.path.join(self.root, self.files[name]), framework="pt") as f:
-            return f.get_tensor(name).to(torch.float32)
+        handle, stored = self._open(name)
+        with handle as f:
+            return f.get_tensor(stored).to(torch.float32)
 
     def check_all_used(self, used: set[str], tied_to: str | None) -> None:
         """Refuse tensors the name table has no place for: importing them would silently drop them."""
-        for name in sorted(set(self.files) - used):
+        for name in sorted(set(self.names) - used):
             if _DERIVED.fullmatch(name):
                 continue
             if name == "lm_head.weight" and tied_to is not None:
@@ -95,10 +124,16 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
     """
     config, raw = read_config(hf_dir)
     arch, spec = spec_of(config, os.path.join(hf_dir, "config.json"), num_kv_heads)
-    folder = _Folder(hf_dir)
     heads = Heads(spec.num_attention_heads, spec.num_query_groups)
     table = links(arch, spec)
+    folder = _Folder(hf_dir, {n for link in table for n in link.hf})
     folder.check_all_used({n for link in table for n in link.hf}, None if not spec.tied else table[0].hf[0])
+    for link in table:  # every shape, before anything is written
+        for name, shape in zip(link.hf, hf_shapes(link, heads)):
+            if folder.shape(name) != shape:
+                raise CheckpointError(
+                    hf_dir, f"{name} has shape {folder.shape(name)}; the config says {shape} (for {link.mcore})"
+                )
     check_output(out, [hf_dir])
     if os.path.isdir(out) and os.listdir(out):
         raise CheckpointError(out, "exists and is not empty; refusing to write into it")

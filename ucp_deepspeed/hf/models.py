@@ -39,7 +39,7 @@ CLASSES = {
     "mixtral": "MixtralForCausalLM",
 }
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
-_GATED_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+_GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """Llama 3.1's RoPE scaling, the only one megatron-core's GPT has (its factors other than `factor` are fixed)."""
 
@@ -68,7 +68,10 @@ def read_config(hf_dir: str) -> tuple[Any, dict[str, Any]]:
     if kind not in ARCHS:
         raise _refuse(path, "model_type", kind, f"not one of {', '.join(ARCHS)}")
     transformers = _transformers()
-    config = transformers.AutoConfig.for_model(kind).__class__.from_dict(raw)
+    try:
+        config = transformers.AutoConfig.for_model(kind).__class__.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(path, f"transformers refuses this {kind} config ({exc!r})") from None
     return config, raw
 
 
@@ -76,6 +79,9 @@ def _rope(config: Any, where: str) -> tuple[float, float]:
     """(theta, Llama 3.1 scaling factor or 0) from either the old keys (`rope_theta`, `rope_scaling`) or v5's
     `rope_parameters`."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+    if partial != 1.0:
+        raise _refuse(where, "partial_rotary_factor", partial, "this architecture's RoPE here covers whole heads")
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     scaling = (
         params if params.get("rope_type", "default") != "default" else dict(getattr(config, "rope_scaling", None) or {})
@@ -99,6 +105,8 @@ def spec_of(config: Any, where: str, kv_heads: int | None = None) -> tuple[str, 
     """(architecture, the megatron-core GPT computing what `config` describes); `kv_heads` folds a GPT-2 export of
     a grouped-query model back. Raises naming the first field megatron-core cannot carry."""
     arch = config.model_type
+    if kv_heads and arch != "gpt2":
+        raise _refuse(where, "model_type", arch, "--num-kv-heads folds GPT-2 exports only; this config has its own")
     tied = bool(getattr(config, "tie_word_embeddings", arch == "gpt2"))
     if arch == "gpt2":
         act = config.activation_function
@@ -206,8 +214,7 @@ def _misfits(arch: str, spec: ModelSpec) -> list[tuple[str, Any, Any]]:
         need: dict[str, Any] = {
             "normalization": "LayerNorm",
             "gated_linear_unit": False,
-            "add_bias_linear": True,
-            "add_qkv_bias": False,
+            "add_bias_linear": True,  # which gives linear_qkv its bias whatever add_qkv_bias says
             "position_embedding_type": "learned_absolute",
             "num_moe_experts": 0,
             "window_size": 0,
@@ -220,10 +227,13 @@ def _misfits(arch: str, spec: ModelSpec) -> list[tuple[str, Any, Any]]:
             "gated_linear_unit": True,
             "position_embedding_type": "rope",
             "rotary_percent": 1.0,
-            "add_qkv_bias": arch == "qwen2",
         }
-        if arch != "llama":
-            need["add_bias_linear"] = False
+        if arch == "qwen2":
+            need |= {"add_bias_linear": False, "add_qkv_bias": True}
+        elif arch != "llama":
+            need |= {"add_bias_linear": False, "add_qkv_bias": False}
+        elif not spec.add_bias_linear:  # with add_bias_linear, linear_qkv has its bias whatever add_qkv_bias says
+            need["add_qkv_bias"] = False
         if arch not in ("mistral", "mixtral"):
             need["window_size"] = 0
         if arch != "mixtral":
@@ -239,6 +249,8 @@ def _misfits(arch: str, spec: ModelSpec) -> list[tuple[str, Any, Any]]:
 
 
 def _rope_fields(spec: ModelSpec, cls: Any) -> dict[str, Any]:
+    """RoPE's config fields in the form the installed `transformers` writes: v5's `rope_parameters`, or
+    `rope_theta` and `rope_scaling` before it."""
     scaling = (
         {"rope_type": "llama3", "factor": spec.rope_scaling_factor, **_LLAMA3_ROPE}
         if spec.rope_scaling_factor
@@ -382,14 +394,15 @@ def megatron_kwargs(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def with_heads(spec: ModelSpec, qkv_rows: int, heads: int | None, kv_heads: int | None, where: str) -> ModelSpec:
-    """`spec` with head counts given by hand (a checkpoint that recorded none), checked against `linear_qkv`'s rows."""
+    """`spec` with head counts given by hand, checked against `linear_qkv`'s rows; the head width follows from them
+    (it need not be hidden / heads)."""
     heads = heads or spec.num_attention_heads
     kv_heads = kv_heads or (spec.num_query_groups if heads == spec.num_attention_heads else heads)
-    d = spec.hidden_size // heads if heads else 0
-    if not heads or spec.hidden_size % heads or heads % kv_heads or qkv_rows != (heads + 2 * kv_heads) * d:
+    per_head = heads + 2 * kv_heads
+    if heads % kv_heads or qkv_rows % per_head:
         raise CheckpointError(
             where,
             f"{heads} heads and {kv_heads} key/value heads do not fit linear_qkv "
             f"({qkv_rows} rows for hidden size {spec.hidden_size}); pass --num-heads / --num-kv-heads",
         )
-    return replace(spec, num_attention_heads=heads, num_query_groups=kv_heads, kv_channels=d)
+    return replace(spec, num_attention_heads=heads, num_query_groups=kv_heads, kv_channels=qkv_rows // per_head)

@@ -63,6 +63,8 @@ def _manifest_summary(kind: str, path: str, m: Manifest) -> dict[str, Any]:
     }
     if kind == "check-n-run":
         summary["differential"] = m.section("differential")
+    if m.model is not None:
+        summary["model"] = m.model.encode()
     return summary
 
 
@@ -109,6 +111,7 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
             "total_bytes": sum(os.path.getsize(f) for f in files),
             "files": len(files),
             "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed",
+            **({"model": meta.model.encode()} if meta.model is not None else {}),
         }
     finally:
         src.close()
@@ -123,6 +126,15 @@ def _print_summary(s: dict[str, Any]) -> None:
     )
     if "metadata" in s:
         print(f"  metadata: {s['metadata']}")
+    if "model" in s:
+        m = s["model"]
+        moe = f", {m['num_moe_experts']} experts top-{m['moe_router_topk']}" if m["num_moe_experts"] else ""
+        print(
+            f"  model: megatron-core GPT, {m['num_layers']} layers, hidden {m['hidden_size']}, "
+            f"{m['num_attention_heads']} heads in {m['num_query_groups']} groups, {m['normalization']}, "
+            f"{m['activation']}{' GLU' if m['gated_linear_unit'] else ''}, {m['position_embedding_type']}, "
+            f"vocab {m['vocab_size']}{'' if m['tied'] else ', untied output'}{moe}"
+        )
     print("  counters: " + ", ".join(f"{k}={v}" for k, v in s["counters"].items()))
     trainable = [p for p in s["params"].values() if p["trainable"]]
     numel = sum(math.prod(p["shape"]) for p in trainable)
