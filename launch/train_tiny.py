@@ -48,10 +48,15 @@ VARIANTS = {
     "sgdz2": {"stage": 2, "dtype": "fp32", "optimizer": "sgd"},
     "sgdz1": {"stage": 1, "dtype": "fp32", "optimizer": "sgd"},
     "z2nofrozen": {"stage": 2, "dtype": "fp32", "exclude_frozen": True},
+    # ZeRO-Offload: DeepSpeed steps its CPU Adam kernel (int steps) on fp32 partitions in host memory
+    "offz1": {"stage": 1, "dtype": "fp32", "offload": True},
+    "offz2": {"stage": 2, "dtype": "fp32", "offload": True},
+    "offz3": {"stage": 3, "dtype": "fp32", "offload": True, "offload_param": True},
     "moez1": {"stage": 1, "dtype": "fp32", "moe": True},
     "moez2": {"stage": 2, "dtype": "fp32", "moe": True},
 }
 EXPERTS = 4
+HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "initial_lr")
 
 
 class TinyLM(torch.nn.Module):
@@ -125,6 +130,11 @@ def ds_config(variant: dict, dp: int) -> dict:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     if variant.get("optimizer") == "sgd":
         cfg["zero_allow_untested_optimizer"] = True
+    if variant.get("offload"):  # DeepSpeed builds the optimizer: DeepSpeedCPUAdam, as offload requires
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-3}}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if variant.get("offload_param"):
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if variant["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
         if variant.get("grad_accum_fp32"):
@@ -157,7 +167,7 @@ def build(
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
-        optimizer = torch.optim.AdamW(groups, lr=2e-3)
+        optimizer = None if variant.get("offload") else torch.optim.AdamW(groups, lr=2e-3)
     config = ds_config(variant, dist.get_world_size())
     init = ucp_deepspeed.initialize
     if stock:
@@ -169,6 +179,7 @@ def build(
     engine, _, _, _ = init(
         model=model,
         optimizer=optimizer,
+        model_parameters=groups if optimizer is None else None,
         config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s)),
     )
@@ -236,13 +247,15 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     for name, b in engine.module.named_buffers():
         snap["buffers"][name] = b.detach().cpu().clone()
     # DeepSpeed names MoE param groups after the expert-parallel size ("ep_size_2"): structure, not a hyperparameter
-    snap["hyperparams"] = [{k: v for k, v in g.items() if k not in ("params", "name")} for g in base.param_groups]
+    # what the algorithm computes with; each kernel adds its own switches (torch's foreach, DeepSpeed's
+    # bias_correction), which a checkpoint of another kernel leaves as the live one has them
+    snap["hyperparams"] = [{k: g[k] for k in HYPERPARAMS if k in g} for g in base.param_groups]
     snap["steps"] = {}
     for g, f in flats:  # one flat buffer per group with ZeRO, every parameter without: all must agree
-        step = base.state[f].get("step")
+        step = base.state[f].get("step")  # a tensor for torch's kernels, an int for DeepSpeed's: the same count
         if step is not None:
-            agree = g not in snap["steps"] or torch.equal(snap["steps"][g], step)
-            snap["steps"][g] = step.clone() if agree else torch.full_like(step, float("nan"))
+            count = float(step)
+            snap["steps"][g] = count if snap["steps"].get(g, count) == count else float("nan")
     snap["scheduler"] = engine.lr_scheduler.state_dict()
     snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     return snap

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_tiny.py"
 GPT_WORKER = ROOT / "launch" / "train_gpt.py"
 SOURCE_DP = 2
-SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "sgdz2", "z2nofrozen", "z1b", "z0")
+SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "sgdz2", "z2nofrozen", "z1b", "z0", "offz2", "offz3")
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.checkn_run.quantize import quantize
-from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, model_sections
+from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, recorded_sections
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import (
     BUFFERS,
@@ -36,7 +36,15 @@ from ucp_deepspeed.format.universal import (
     write_object,
     write_tensors,
 )
-from ucp_deepspeed.runtime.capture import live_params, model_parallel, model_spec, namer, param_groups, topology
+from ucp_deepspeed.runtime.capture import (
+    live_params,
+    model_parallel,
+    model_spec,
+    namer,
+    optimizer_record,
+    param_groups,
+    topology,
+)
 from ucp_deepspeed.version import __version__
 
 
@@ -168,7 +176,7 @@ def write_live(
         param_groups=_param_groups(engine),
         params=params,
         buffers={to_global(n): BufferRecord(tuple(buffers[n].shape), _dtype(buffers[n])) for n in names},
-        extra={**extra, **model_sections(model_spec(engine), engine.ucp_hf_config)},
+        extra={**extra, **recorded_sections(model_spec(engine), engine.ucp_hf_config, optimizer_record(engine))},
     )
     return write_manifest(out, manifest, records), sum(r.nbytes for r in records)
 

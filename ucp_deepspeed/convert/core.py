@@ -22,7 +22,7 @@ from ucp_deepspeed.convert.output import Journal, claimed, default_output, finge
 from ucp_deepspeed.convert.plan import Job, plan_jobs
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, model_sections
+from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, recorded_sections
 from ucp_deepspeed.format.metadata import FP32, VALUE, ParamSlot
 from ucp_deepspeed.format.paths import INTENT
 from ucp_deepspeed.format.universal import (
@@ -168,9 +168,10 @@ def build_manifest(src: NativeCheckpoint) -> Manifest:
         buffers=buffers,
         tied={k: v for m in src.metas for k, v in m.tied.items()},
         frozen_excluded=any(m.frozen_excluded for m in src.metas),
-        extra=model_sections(
+        extra=recorded_sections(
             next((m.model for m in src.metas if m.model is not None), None),
             next((m.hf_config for m in src.metas if m.hf_config is not None), None),
+            next((m.optimizer for m in src.metas if m.optimizer is not None), None),
         ),
     )
 

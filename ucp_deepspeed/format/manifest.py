@@ -157,6 +157,13 @@ class Manifest:
         return None if raw is None else ModelSpec.decode(raw)
 
     @property
+    def optimizer(self) -> dict[str, Any] | None:
+        """The saving optimizer: `class`, `algorithm`, and `states` (its state names that differ from the
+        algorithm's), when its save recorded them."""
+        raw = self.extra.get("optimizer")
+        return raw if isinstance(raw, dict) else None
+
+    @property
     def hf_config(self) -> dict[str, Any] | None:
         """The `config.json` of the Hugging Face model this run was imported from, if it was."""
         raw = self.extra.get("hf_config")
@@ -213,6 +220,14 @@ class Manifest:
                 ModelSpec.decode(raw["model"])
             if raw.get("hf_config") is not None:
                 _dict(raw["hf_config"], "hf_config")
+            at = "optimizer"
+            if raw.get("optimizer") is not None:
+                optimizer = _dict(raw["optimizer"], "optimizer")
+                states = _dict(optimizer.get("states", {}), "optimizer.states")
+                if not isinstance(optimizer.get("algorithm"), str) or not all(
+                    isinstance(v, str) for v in states.values()
+                ):
+                    raise ValueError("algorithm or state names are not strings")
             return cls(
                 _dict(raw.get("created_by", {}), "created_by"),
                 source,
@@ -231,9 +246,12 @@ class Manifest:
             raise CheckpointError(where, f"manifest is malformed at {at}: {exc}") from None
 
 
-def model_sections(model: ModelSpec | None, hf_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The manifest's `model` and `hf_config` sections (see `Manifest.model`), empty for what is None."""
+def recorded_sections(
+    model: ModelSpec | None, hf_config: dict[str, Any] | None, optimizer: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The manifest's `model`, `hf_config` and `optimizer` sections (see `Manifest.model`), empty for what is None."""
     return {
         **({"model": model.encode()} if model is not None else {}),
         **({"hf_config": hf_config} if hf_config is not None else {}),
+        **({"optimizer": optimizer} if optimizer is not None else {}),
     }

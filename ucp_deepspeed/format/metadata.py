@@ -155,7 +155,8 @@ class SaveMeta:
     `save_id` is carried by every file the save wrote (`torch_file.stamp`), binding them together.
     `model` describes a megatron-core GPT (None for other modules); `hf_config` is the `config.json` of the
     Hugging Face model the run was imported from, carried from load to save so an export keeps its
-    fields (token ids, `model_type`) that megatron-core has no place for.
+    fields (token ids, `model_type`) that megatron-core has no place for. `optimizer` is the base optimizer's
+    class, algorithm and state names (`compat.Kernel`), so another implementation can take its state.
     """
 
     topology: Topology
@@ -171,6 +172,7 @@ class SaveMeta:
     save_id: str = ""
     model: ModelSpec | None = None
     hf_config: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
     version: int = META_VERSION
 
     def to_json(self) -> str:
@@ -204,6 +206,7 @@ class SaveMeta:
                 save_id=str(raw.get("save_id", "")),
                 model=ModelSpec.decode(raw["model"]) if raw.get("model") is not None else None,
                 hf_config=_object(raw.get("hf_config"), "hf_config"),
+                optimizer=_object(raw.get("optimizer"), "optimizer"),
                 version=raw["version"],
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import Manifest, ParamRecord, model_sections
+from ucp_deepspeed.format.manifest import Manifest, ParamRecord, recorded_sections
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
@@ -178,7 +178,7 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
             extra={
                 "weights_only": True,
                 "notes": [f"weights of a transformers {arch} model; optimizer state starts fresh"],
-                **model_sections(spec, raw),
+                **recorded_sections(spec, raw),
             },
         ),
         records,

@@ -287,6 +287,12 @@ def supported(engine: Any) -> bool:
     )
 
 
+def optimizer_record(engine: Any) -> dict[str, Any]:
+    """The base optimizer's class, algorithm and state names, for the metadata (see `compat.Kernel`)."""
+    kernel = compat.optimizer_kernel(compat.base_optimizer(engine))
+    return {"class": kernel.qualname, "algorithm": kernel.algorithm, "step": kernel.step, "states": kernel.states}
+
+
 def model_spec(engine: Any) -> ModelSpec | None:
     """What the engine's megatron-core GPT computes (None for other modules), with the unpadded vocabulary when
     `checkpoint.universal.vocab_size` gives it."""
@@ -360,6 +366,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     return SaveMeta(
         model=model_spec(engine),
         hf_config=getattr(engine, "ucp_hf_config", None),
+        optimizer=optimizer_record(engine),
         topology=topology(engine),
         params=tuple(slots),
         extras=tuple(extras),

@@ -32,7 +32,7 @@ from ucp_deepspeed.format.metadata import Topology, write_meta
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
-from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, same_stage, supported, topology
+from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, optimizer_record, same_stage, supported, topology
 from ucp_deepspeed.runtime.collective import all_ok, everywhere, failure_of, guarded, on_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
@@ -243,8 +243,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         saved, live = meta.topology, topology(engine)
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours
         # every rank answers (a stage may hold MoE layers or fail alone): the collective runs everywhere or nowhere
-        if saved.same_layout(live) and everywhere(
-            guarded(lambda: not megatron_moe_layers(engine.module) and same_stage(engine, metas))
+        # another optimizer class keeps its state differently (DeepSpeed's CPU Adam counts steps in ints):
+        # DeepSpeed's own load would hand it over as is
+        same_kernel = meta.optimizer is None or meta.optimizer.get("class") == optimizer_record(engine)["class"]
+        if (
+            saved.same_layout(live)
+            and same_kernel
+            and everywhere(guarded(lambda: not megatron_moe_layers(engine.module) and same_stage(engine, metas)))
         ):
             if not checked_tag:  # resume_tag has already opened and checked every file of the tag it picked
                 on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())

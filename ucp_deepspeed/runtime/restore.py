@@ -9,6 +9,7 @@ state tensors, then let DeepSpeed refresh the low-precision weights from the fp3
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,27 +110,105 @@ def check_compatible(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn
         )
 
 
+@dataclass(frozen=True)
+class StateMap:
+    """Which saved state each of the live optimizer's states is read from, and how the live kernel counts steps.
+
+    A checkpoint of one implementation of an algorithm resumes on another (torch's AdamW, DeepSpeed's
+    FusedAdam and CPU Adam; torch's Adagrad and DeepSpeed's CPU Adagrad): the same numbers, under the
+    live kernel's state names, with `step` as it keeps it (`compat.Kernel`).
+    """
+
+    keys: dict[str, str]
+    step: str
+
+
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "step")
+"""Group entries that choose how a kernel runs (or, for DeepSpeed's kernels, count steps), not what it computes:
+the live optimizer keeps its own."""
+
+
+def _required(algorithm: str, groups: list[dict[str, Any]]) -> set[str]:
+    """The states (the algorithm's names) without which the live optimizer would silently start from zero."""
+    if algorithm in ("adam", "adamw"):
+        return {"exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if any(g.get("amsgrad") for g in groups) else set())
+    if algorithm == "sgd":
+        return {"momentum_buffer"} if any(g.get("momentum") for g in groups) else set()
+    return {"adagrad": {"sum"}, "lion": {"exp_avg"}}.get(algorithm, set())
+
+
+def state_map(engine: Any, ckpt: UniversalCheckpoint) -> StateMap:
+    """The live optimizer's states from the saved ones; refuses another algorithm or a missing state, naming it."""
+    opt = compat.base_optimizer(engine)
+    target = compat.optimizer_kernel(opt)
+    where = f"{ckpt.root}/{MANIFEST}"
+    source = ckpt.manifest.optimizer or {}
+    algorithm = source.get("algorithm", target.algorithm)
+    # Adam and AdamW differ only in how weight decay is applied
+    same_rule = {algorithm, target.algorithm} <= {"adam", "adamw"} and not any(
+        g.get("weight_decay") for g in opt.param_groups
+    )
+    if algorithm != target.algorithm and not same_rule:
+        raise CheckpointError(
+            where,
+            f"saved by {source.get('class', '?')} ({algorithm}); this engine's {target.qualname} runs "
+            f"{target.algorithm}: another algorithm's state cannot be carried over",
+        )
+    saved = {key: source.get("states", {}).get(key, key) for key in _state_keys(ckpt)}  # saved name -> algorithm's
+    live_name = {v: k for k, v in target.states.items()}
+    missing = _required(target.algorithm, opt.param_groups) - set(saved.values())
+    if missing:
+        first = next((n for n, r in ckpt.params.items() if r.trainable), "?")
+        raise CheckpointError(
+            where,
+            f"{first}: the checkpoint holds no {sorted(missing)[0]} state, which {target.qualname} needs; "
+            "it would start from zero",
+        )
+    return StateMap({live_name.get(c, c): key for key, c in saved.items()}, target.step)
+
+
+def _step(value: Any, kind: str, device: Any) -> Any:
+    """A saved step as the live kernel keeps it, the same count."""
+    if kind == "as_saved":
+        return value.clone() if isinstance(value, torch.Tensor) else value
+    count = value.item() if isinstance(value, torch.Tensor) else value
+    if kind == "int":
+        return int(count)
+    return torch.tensor(float(count), dtype=torch.float32, device=device)
+
+
+def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any) -> dict[str, Any]:
+    out = {}
+    for key, raw in record_scalars.items():
+        value = decode_value(raw)
+        if key != "step":
+            out[key] = value
+        elif smap.step != "none":
+            out[key] = _step(value, smap.step, device)
+    return out
+
+
 def _apply_group_state(
     opt: Any,
     group_index: int,
     ckpt: UniversalCheckpoint,
-    load_optimizer_states: bool,
+    smap: StateMap,
     flat: torch.Tensor,
     bufs: dict[str, torch.Tensor],
 ) -> None:
-    if not load_optimizer_states:
-        return
     record = ckpt.manifest.param_groups[group_index]
     state = opt.optimizer.state[flat]
     state.clear()
-    state.update({k: decode_value(v) for k, v in record.scalars.items()})
+    device = compat.scalar_device(opt.optimizer, opt.optimizer.param_groups[0], flat)
+    state.update(_scalars(record.scalars, smap, device))
     state.update(bufs)
 
 
 def _apply_hyperparams(engine: Any, ckpt: UniversalCheckpoint) -> None:
+    """The saved groups' hyperparameters, where the live groups have them (another kernel's own are left out)."""
     for group, record in zip(compat.base_optimizer(engine).param_groups, ckpt.manifest.param_groups):
         for key, value in (record.hyperparams or {}).items():
-            if key not in _NON_PARAM_KEYS:
+            if key not in _NON_PARAM_KEYS and key not in _IMPLEMENTATION_KEYS and key in group:
                 group[key] = decode_value(value)
 
 
@@ -152,12 +231,12 @@ def _reader(engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Paramete
 
 
 def _restore_zero12(
-    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], load_optimizer_states: bool
+    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
 ) -> None:
     opt = engine.optimizer
     groups = compat.zero12_groups(opt)
     read = _reader(engine, ckpt, live)
-    keys = _state_keys(ckpt) if load_optimizer_states else []
+    keys = smap.keys if smap is not None else {}
     for i, group in enumerate(groups):
         bufs = {k: torch.zeros_like(group.fp32) for k in keys}
         for lp in group.params:
@@ -166,10 +245,11 @@ def _restore_zero12(
                 continue
             start, hp_start, numel, hp = fragment
             hp.data.copy_(read(lp, FP32, start, numel))
-            for k in keys:
-                bufs[k].narrow(0, hp_start, numel).copy_(read(lp, k, start, numel))
-        _apply_group_state(opt, i, ckpt, load_optimizer_states, group.fp32, bufs)
-    if load_optimizer_states:
+            for k, saved in keys.items():
+                bufs[k].narrow(0, hp_start, numel).copy_(read(lp, saved, start, numel))
+        if smap is not None:
+            _apply_group_state(opt, i, ckpt, smap, group.fp32, bufs)
+    if smap is not None:
         compat.relink_optimizer_states(opt)
     # Each rank reads its whole low-precision weights, as DeepSpeed's native load reads the full
     # model-states file, instead of update_lp_params' all-gather of every partition (on gloo that
@@ -180,36 +260,30 @@ def _restore_zero12(
 
 
 def _restore_whole(
-    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], load_optimizer_states: bool
+    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
 ) -> None:
-    """ZeRO-0 fp32: DeepSpeed steps a torch optimizer on the parameters themselves, which are the fp32 masters."""
+    """ZeRO-0 fp32: DeepSpeed steps a torch optimizer on the parameters themselves, which are the fp32 masters.
+    Each parameter gets its own step (torch's kernels step it in place)."""
     opt = engine.optimizer
     read = _reader(engine, ckpt, live)
-    keys = _state_keys(ckpt) if load_optimizer_states else []
     for g, group in enumerate(opt.param_groups):
         for p in group["params"]:
             p.data.copy_(read(p, FP32, 0, p.numel()).view(p.shape))
-            if not load_optimizer_states:
+            if smap is None:
                 continue
             state = opt.state[p]
             state.clear()
-            state.update({k: _step_of(decode_value(v)) for k, v in ckpt.manifest.param_groups[g].scalars.items()})
-            state.update({k: read(p, k, 0, p.numel()).view(p.shape).to(p.device) for k in keys})
-
-
-def _step_of(value: Any) -> Any:
-    """A scalar state as torch's optimizers keep it: a tensor of each parameter's own (they step it in place)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    return torch.tensor(float(value), dtype=torch.float32) if isinstance(value, (int, float)) else value
+            device = compat.scalar_device(opt, group, p)
+            state.update(_scalars(ckpt.manifest.param_groups[g].scalars, smap, device))
+            state.update({k: read(p, saved, 0, p.numel()).view(p.shape).to(p.device) for k, saved in smap.keys.items()})
 
 
 def _restore_zero3(
-    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], load_optimizer_states: bool
+    engine: Any, ckpt: UniversalCheckpoint, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
 ) -> None:
     opt = engine.optimizer
     read = _reader(engine, ckpt, live)
-    keys = _state_keys(ckpt) if load_optimizer_states else []
+    keys = smap.keys if smap is not None else {}
     for sub in compat.zero3_subgroups(opt):
         flat = sub.fp32
         bufs = {k: torch.zeros_like(flat) for k in keys}
@@ -217,9 +291,10 @@ def _restore_zero3(
             _, offset, partition, start = compat.zero3_position(opt, p)
             numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
             flat.data.narrow(0, offset, numel).copy_(read(p, FP32, start, numel))
-            for k in keys:
-                bufs[k].narrow(0, offset, numel).copy_(read(p, k, start, numel))
-        _apply_group_state(opt, sub.group, ckpt, load_optimizer_states, flat, bufs)
+            for k, saved in keys.items():
+                bufs[k].narrow(0, offset, numel).copy_(read(p, saved, start, numel))
+        if smap is not None:
+            _apply_group_state(opt, sub.group, ckpt, smap, flat, bufs)
         sub.lp.data.copy_(flat.data)
     for p in engine.module.parameters():
         if not p.requires_grad and compat.is_zero3_param(p) and live[p].name in ckpt.params:
@@ -273,15 +348,16 @@ def restore(
     check_compatible(engine, ckpt, live)
     # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
     load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.weights_only
+    smap = state_map(engine, ckpt) if load_optimizer_states else None
     stage3 = int(engine.zero_optimization_stage()) == 3
 
     def read_everything() -> dict[str, Any]:
         if stage3:
-            _restore_zero3(engine, ckpt, live, load_optimizer_states)
+            _restore_zero3(engine, ckpt, live, smap)
         elif compat.is_unpartitioned(engine):
-            _restore_whole(engine, ckpt, live, load_optimizer_states)
+            _restore_whole(engine, ckpt, live, smap)
         else:
-            _restore_zero12(engine, ckpt, live, load_optimizer_states)
+            _restore_zero12(engine, ckpt, live, smap)
         if load_optimizer_states:
             _apply_hyperparams(engine, ckpt)
         _restore_module_extras(engine, ckpt, live)

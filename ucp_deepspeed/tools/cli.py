@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ucp_deepspeed.checkn_run.chain import read_element
@@ -65,7 +66,17 @@ def _manifest_summary(kind: str, path: str, m: Manifest) -> dict[str, Any]:
         summary["differential"] = m.section("differential")
     if m.model is not None:
         summary["model"] = m.model.encode()
+    summary["optimizer"] = _optimizer_summary(m.optimizer, [g.hyperparams for g in m.param_groups])
     return summary
+
+
+def _optimizer_summary(record: dict[str, Any] | None, hyperparams: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """The saving optimizer's class and algorithm (when recorded) and each group's hyperparameters, as saved."""
+    groups = [
+        {k: v for k, v in (h or {}).items() if k not in ("params", "foreach", "fused", "capturable", "differentiable")}
+        for h in hyperparams
+    ]
+    return {"class": (record or {}).get("class"), "algorithm": (record or {}).get("algorithm"), "groups": groups}
 
 
 def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
@@ -112,6 +123,7 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
             "files": len(files),
             "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed",
             **({"model": meta.model.encode()} if meta.model is not None else {}),
+            "optimizer": _optimizer_summary(meta.optimizer, src.optimizer_groups()[0] or []),
         }
     finally:
         src.close()
@@ -126,6 +138,11 @@ def _print_summary(s: dict[str, Any]) -> None:
     )
     if "metadata" in s:
         print(f"  metadata: {s['metadata']}")
+    optimizer = s.get("optimizer") or {}
+    if optimizer.get("class") or optimizer.get("groups"):
+        print(f"  optimizer: {optimizer.get('class') or 'not recorded'} ({optimizer.get('algorithm') or '?'})")
+        for i, group in enumerate(optimizer.get("groups", [])):
+            print(f"    group {i}: " + ", ".join(f"{k}={v}" for k, v in group.items()))
     if "model" in s:
         m = s["model"]
         moe = f", {m['num_moe_experts']} experts top-{m['moe_router_topk']}" if m["num_moe_experts"] else ""

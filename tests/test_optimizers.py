@@ -1,0 +1,118 @@
+"""Optimizer state across kernels, in one process: which saved state each live state is read from, how steps are
+kept, and what is refused. The multi-rank cells (ZeRO-Offload's CPU Adam against torch's AdamW, offload in and out)
+are in `test_reshard.py`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ucp_deepspeed import CheckpointError, UniversalCheckpoint, compat
+from ucp_deepspeed.format.manifest import GroupRecord, Manifest, ParamRecord
+from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
+from ucp_deepspeed.runtime.restore import StateMap, _step, state_map
+
+CPU_ADAM = {"class": "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam", "algorithm": "adamw", "states": {}}
+CPU_ADAGRAD = {
+    "class": "deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad",
+    "algorithm": "adagrad",
+    "states": {"exp_avg_sq": "sum"},
+}
+
+
+def folder(root, states: tuple[str, ...], optimizer: dict | None, step=3) -> UniversalCheckpoint:
+    """A one-parameter universal folder whose optimizer kept `states` and counted `step`."""
+    w = torch.arange(6.0)
+    records = [
+        write_tensors(str(root), param_file("w"), {"fp32": w} | {k: w + i for i, k in enumerate(states, 1)}),
+        write_tensors(str(root), BUFFERS, {}),
+        write_object(str(root), STATE, {"lr_scheduler": None, "client_state": {}, "optimizer_wrapper": {}}),
+    ]
+    manifest = Manifest(
+        created_by={},
+        source={"path": "x", "topology": {}},
+        counters={"global_steps": 3, "global_samples": 6, "skipped_steps": 0},
+        param_groups=(GroupRecord({"lr": 0.1}, {"step": step}),),
+        params={"w": ParamRecord((6,), "float32", 0, True, param_file("w"), ("fp32", *states))},
+        buffers={},
+        extra={"optimizer": optimizer} if optimizer else {},
+    )
+    write_manifest(str(root), manifest, records)
+    return UniversalCheckpoint(str(root))
+
+
+def engine(opt: torch.optim.Optimizer) -> SimpleNamespace:
+    return SimpleNamespace(optimizer=SimpleNamespace(optimizer=opt))
+
+
+def params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(6))]
+
+
+def test_cpu_adam_state_goes_to_torch_adamw_with_a_tensor_step(tmp_path):
+    ckpt = folder(tmp_path, ("exp_avg", "exp_avg_sq"), CPU_ADAM)
+    smap = state_map(engine(torch.optim.AdamW(params())), ckpt)
+    assert smap == StateMap({"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}, "tensor")
+    step = _step(3, smap.step, torch.device("cpu"))
+    assert isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.item() == 3
+    assert _step(torch.tensor(3.0), "int", None) == 3 and type(_step(torch.tensor(3.0), "int", None)) is int
+
+
+def test_adagrad_sum_is_deepspeed_exp_avg_sq(tmp_path):
+    ckpt = folder(tmp_path, ("exp_avg_sq",), CPU_ADAGRAD)
+    assert state_map(engine(torch.optim.Adagrad(params())), ckpt).keys == {"sum": "exp_avg_sq"}
+
+
+def test_another_algorithm_is_refused(tmp_path):
+    ckpt = folder(tmp_path, ("exp_avg", "exp_avg_sq"), CPU_ADAM)
+    with pytest.raises(
+        CheckpointError, match="DeepSpeedCPUAdam \\(adamw\\); this engine's torch.optim.sgd.SGD runs sgd"
+    ):
+        state_map(engine(torch.optim.SGD(params(), lr=0.1, momentum=0.9)), ckpt)
+
+
+def test_adam_and_adamw_are_one_algorithm_only_without_weight_decay(tmp_path):
+    ckpt = folder(tmp_path, ("exp_avg", "exp_avg_sq"), CPU_ADAM)
+    assert state_map(engine(torch.optim.Adam(params(), weight_decay=0.0)), ckpt).step == "tensor"
+    with pytest.raises(CheckpointError, match="another algorithm"):
+        state_map(engine(torch.optim.Adam(params(), weight_decay=0.1)), ckpt)
+
+
+def test_a_missing_moment_is_refused_naming_parameter_and_state(tmp_path):
+    """SGD saved without momentum, resumed with it: the momentum would silently start from zero."""
+    ckpt = folder(tmp_path, (), {"class": "torch.optim.sgd.SGD", "algorithm": "sgd", "states": {}})
+    with pytest.raises(CheckpointError, match="w: the checkpoint holds no momentum_buffer state"):
+        state_map(engine(torch.optim.SGD(params(), lr=0.1, momentum=0.9)), ckpt)
+    assert state_map(engine(torch.optim.SGD(params(), lr=0.1)), ckpt).keys == {}
+
+
+def test_a_checkpoint_without_an_optimizer_record_maps_by_name(tmp_path):
+    """Saved by ucp_deepspeed before the record existed, or by plain DeepSpeed: state names are taken as they are."""
+    ckpt = folder(tmp_path, ("exp_avg", "exp_avg_sq"), None)
+    assert state_map(engine(torch.optim.AdamW(params())), ckpt).keys == {
+        "exp_avg": "exp_avg",
+        "exp_avg_sq": "exp_avg_sq",
+    }
+
+
+def test_kernel_table_names_deepspeed_classes():
+    """A canary: DeepSpeed's kernel classes still live where the table looks them up (built without their ops)."""
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+    def bare(cls, **attrs):
+        obj = cls.__new__(cls)
+        obj.__dict__.update(attrs)
+        return obj
+
+    assert compat.optimizer_kernel(bare(DeepSpeedCPUAdam, adam_w_mode=True)).algorithm == "adamw"
+    assert compat.optimizer_kernel(bare(FusedAdam, adam_w_mode=0)) == compat.Kernel(
+        "deepspeed.ops.adam.fused_adam.FusedAdam", "adam", "int", {}
+    )
+    assert compat.optimizer_kernel(bare(DeepSpeedCPUAdagrad)).states == {"exp_avg_sq": "sum"}
+    assert {compat.optimizer_kernel(bare(c)).algorithm for c in (DeepSpeedCPULion, FusedLion)} == {"lion"}
+    assert compat.optimizer_kernel(torch.optim.SGD(params(), lr=0.1)).step == "none"
+    assert compat.optimizer_kernel(torch.optim.RMSprop(params())).step == "as_saved"
