@@ -28,6 +28,7 @@ from compare import compare  # launch/compare.py, next to this script
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
+from ucp_deepspeed import compat
 from ucp_deepspeed.runtime.capture import infos
 
 GLOBAL_BATCH = 12
@@ -52,11 +53,18 @@ VARIANTS = {
     "offz1": {"stage": 1, "dtype": "fp32", "offload": True},
     "offz2": {"stage": 2, "dtype": "fp32", "offload": True},
     "offz3": {"stage": 3, "dtype": "fp32", "offload": True, "offload_param": True},
+    # DeepSpeed's own optimizers, built from the config: FusedAdam without offload, CPU Adagrad and CPU Lion with
+    "fusedz1": {"stage": 1, "dtype": "fp32", "ds_optimizer": "AdamW"},
+    # torch's Adagrad makes its state when built, which DeepSpeed's ZeRO-1/2 partitioning trips over: ZeRO-0
+    "adagradz0": {"stage": 0, "dtype": "fp32", "optimizer": "adagrad"},
+    "offadagradz2": {"stage": 2, "dtype": "fp32", "offload": True, "ds_optimizer": "Adagrad"},
+    "offlionz1": {"stage": 1, "dtype": "fp32", "offload": True, "ds_optimizer": "Lion"},
+    "offlionz2": {"stage": 2, "dtype": "fp32", "offload": True, "ds_optimizer": "Lion"},
     "moez1": {"stage": 1, "dtype": "fp32", "moe": True},
     "moez2": {"stage": 2, "dtype": "fp32", "moe": True},
 }
 EXPERTS = 4
-HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "initial_lr")
+HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "initial_lr")
 
 
 class TinyLM(torch.nn.Module):
@@ -128,10 +136,11 @@ def ds_config(variant: dict, dp: int) -> dict:
     }
     if variant["stage"] == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
-    if variant.get("optimizer") == "sgd":
+    if variant.get("optimizer") in ("sgd", "adagrad"):
         cfg["zero_allow_untested_optimizer"] = True
-    if variant.get("offload"):  # DeepSpeed builds the optimizer: DeepSpeedCPUAdam, as offload requires
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-3}}
+    if variant.get("offload") or variant.get("ds_optimizer"):  # DeepSpeed builds it: its CPU kernels with offload
+        cfg["optimizer"] = {"type": variant.get("ds_optimizer", "AdamW"), "params": {"lr": 2e-3}}
+    if variant.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if variant.get("offload_param"):
             cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
@@ -158,6 +167,9 @@ def build(
             {"params": no_decay, "weight_decay": 0.0, "lr": 0.05, "momentum": 0.8},
         ]
         optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    elif variant.get("optimizer") == "adagrad" or variant.get("ds_optimizer") == "Adagrad":
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-2}]
+        optimizer = torch.optim.Adagrad(groups, lr=2e-2, eps=1e-10)
     else:
         groups = [
             {"params": decay, "weight_decay": 0.1, "name": "decay"},
@@ -167,7 +179,9 @@ def build(
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
-        optimizer = None if variant.get("offload") else torch.optim.AdamW(groups, lr=2e-3)
+        optimizer = torch.optim.AdamW(groups, lr=2e-3)
+    if variant.get("offload") or variant.get("ds_optimizer"):
+        optimizer = None
     config = ds_config(variant, dist.get_world_size())
     init = ucp_deepspeed.initialize
     if stock:
@@ -220,20 +234,29 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
         flats = [(g, f) for g, group in enumerate(base.param_groups) for f in group["params"]]
     first_state = base.state[flats[0][1]]
     keys = sorted(k for k, v in first_state.items() if torch.is_tensor(v) and v.dim() >= 1)
+    # each kernel names its states its own way (DeepSpeed's CPU Adagrad keeps torch's `sum` as `exp_avg_sq`)
+    algorithm_name = compat.optimizer_kernel(base).states
     # keyed by global name: each expert-parallel rank holds other experts, merged over all ranks below
     name_of = {local: info.name for local, info in infos(engine).items()}
-    snap: dict = {"fp32": {}, "state": {}, "lp": {}, "buffers": {}, "state_keys": keys}
+    snap: dict = {
+        "fp32": {},
+        "state": {},
+        "lp": {},
+        "buffers": {},
+        "state_keys": [algorithm_name.get(k, k) for k in keys],
+    }
     for local, p in engine.module.named_parameters():
         if p.requires_grad and base is opt:  # the parameter is its own fp32 master
             name = name_of[local]
             snap["fp32"][name] = p.detach().cpu().clone()
             for key in keys:
-                snap["state"][f"{name}/{key}"] = opt.state[p][key].detach().cpu().clone()
+                snap["state"][f"{name}/{algorithm_name.get(key, key)}"] = opt.state[p][key].detach().cpu().clone()
         elif p.requires_grad:
             name = name_of[local]
             snap["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
             for key in keys:
-                snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+                value = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+                snap["state"][f"{name}/{algorithm_name.get(key, key)}"] = value
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
         for local, p in engine.module.named_parameters():
@@ -375,6 +398,12 @@ def do_load(args: argparse.Namespace) -> None:
         engine = build(name, ep=args.ep)
         path, client = engine.load_checkpoint(source)
         snap = snapshot(engine)
+        saved_dtype = VARIANTS.get(os.path.basename(source), {}).get("dtype", VARIANTS[name]["dtype"])
+        if saved_dtype != VARIANTS[name]["dtype"]:
+            # the fp32 masters are the truth: weights of another precision are made from them (frozen ones from
+            # their saved value), as DeepSpeed makes them after each step
+            expected = ref["snapshot"]
+            expected["lp"] = {n: expected["fp32"].get(n, v).to(snap["lp"][n].dtype) for n, v in expected["lp"].items()}
         diffs = compare(ref["snapshot"], snap)
         diffs += compare(ref["client_state"], client, "client_state")
         losses = train(engine, CONT)

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_tiny.py"
 GPT_WORKER = ROOT / "launch" / "train_gpt.py"
 SOURCE_DP = 2
-SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "sgdz2", "z2nofrozen", "z1b", "z0", "offz2", "offz3")
+SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "bf16z2", "sgdz2", "z2nofrozen", "z1b", "z0", "offz2", "offz3")
+SOURCE_VARIANTS += ("fusedz1", "adagradz0", "offadagradz2", "offlionz2")
 
 
 @functools.cache

@@ -351,3 +351,30 @@ def test_deepspeed_keys(zero12, tmp_path):
     zero12.save_checkpoint(str(tmp_path), tag="t", client_state={"mine": 1})
     keys = set(load_file(str(tmp_path / "t" / "mp_rank_00_model_states.pt")).keys())
     assert "mine" in keys and keys - {"mine"} <= DEEPSPEED_KEYS, keys - DEEPSPEED_KEYS
+
+
+def test_kernel_table_names_deepspeed_classes():
+    """A canary: DeepSpeed's kernel classes still live where the table looks them up (built without their ops)."""
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+    def bare(cls, **attrs):
+        obj = cls.__new__(cls)
+        obj.__dict__.update(attrs)
+        return obj
+
+    assert compat.optimizer_kernel(bare(DeepSpeedCPUAdam, adam_w_mode=True)).algorithm == "adamw"
+    assert compat.optimizer_kernel(bare(FusedAdam, adam_w_mode=0)) == compat.Kernel(
+        "deepspeed.ops.adam.fused_adam.FusedAdam", "adam", "int", {}
+    )
+    assert compat.optimizer_kernel(bare(DeepSpeedCPUAdagrad)).states == {"exp_avg_sq": "sum"}
+    assert {compat.optimizer_kernel(bare(c)).algorithm for c in (DeepSpeedCPULion, FusedLion)} == {"lion"}
+    assert compat.optimizer_kernel(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)).step == "none"
+    assert compat.optimizer_kernel(torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(2))])).step == "as_saved"
+
+
+def test_scalar_device():
+    flat = torch.zeros(2)
+    assert compat.scalar_device(None, {"fused": True}, flat) == flat.device
+    assert compat.scalar_device(None, {}, flat) == torch.device("cpu")

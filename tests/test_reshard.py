@@ -18,15 +18,21 @@ FP32_LOSS_RTOL = 1e-6
 BF16_LOSS_RTOL = 5e-3  # bf16 forward/backward at another DP size rounds differently
 
 SLOW = pytest.mark.slow
-OFFLOADED = {"offz1", "offz2", "offz3"}
+KERNELS = {"offz1": "cpu_adam", "offz2": "cpu_adam", "offz3": "cpu_adam", "fusedz1": "fused_adam"}
+KERNELS |= {"adagradz0": "adagrad", "offadagradz2": "cpu_adagrad", "offlionz1": "cpu_lion", "offlionz2": "cpu_lion"}
 CASES = [
-    pytest.param("z1", 1, ("z1", "z2", "z3", "offz2"), id="z1-dp1<-z1,z2,z3,offz2"),
+    pytest.param("z1", 1, ("z1", "z2", "z3", "offz2", "fusedz1", "bf16z1"), id="z1-dp1<-z1,z2,z3,offz2,fused,bf16"),
     # ZeRO-Offload steps DeepSpeed's CPU Adam (steps as ints) on host memory; torch's AdamW elsewhere
     pytest.param("offz3", 1, ("offz3", "z2"), id="offz3-dp1<-offz3,z2"),
-    pytest.param("offz2", 3, ("offz2", "z1", "offz3"), id="offz2-dp3<-offz2,z1,offz3"),
+    pytest.param("offz2", 3, ("offz2", "z1", "offz3", "fusedz1"), id="offz2-dp3<-offz2,z1,offz3,fused"),
+    pytest.param("fusedz1", 3, ("offz2", "z1"), id="fused-dp3<-offz2,z1"),
+    pytest.param("offadagradz2", 3, ("adagradz0",), id="cpu-adagrad-dp3<-torch-adagrad"),
+    pytest.param("adagradz0", 1, ("offadagradz2",), id="torch-adagrad-dp1<-cpu-adagrad"),
+    pytest.param("offlionz1", 3, ("offlionz2",), id="cpu-lion-z1-dp3<-cpu-lion-z2"),
+    pytest.param("bf16z1", 1, ("z1", "bf16z2"), id="bf16z1-dp1<-fp32,bf16-without-fp32-accumulation"),
     pytest.param("z2", 2, ("offz2",), id="z2-dp2<-offz2-same-size-other-kernel"),
     pytest.param("offz1", 2, ("z1",), id="offz1-dp2<-z1-same-size-other-kernel"),
-    pytest.param("z2", 3, ("z1", "z2", "z3", "z0"), id="z2-dp3<-z1,z2,z3,z0"),
+    pytest.param("z2", 3, ("z1", "z2", "z3", "z0", "bf16z2"), id="z2-dp3<-z1,z2,z3,z0,bf16z2"),
     pytest.param("z0", 3, ("z0", "z1"), id="z0-dp3<-z0,z1"),  # ZeRO-0 fp32: a torch optimizer on whole tensors
     pytest.param("z3", 4, ("z1", "z2", "z3"), id="z3-dp4<-z1,z2,z3", marks=SLOW),
     pytest.param("z3", 1, ("z3",), id="z3-dp1<-z3"),
@@ -66,10 +72,11 @@ def test_reshard(launched, request, target, dp, source_names):
         assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"])
         assert r["tensors"] >= 20, label  # an empty snapshot would pass vacuously
         # DeepSpeed's own load hands state over as is, so it runs only for the same layout and optimizer kernel
-        same_kernel = (Path(r["source"]).name in OFFLOADED) == (target in OFFLOADED)
+        source = Path(r["source"]).name
+        same_kernel = KERNELS.get(source, "torch_adamw") == KERNELS.get(target, "torch_adamw")
         same_layout = r["saved"] == r["live"] and same_kernel
         assert r["mode"] == ("native" if same_layout else "resharded"), label
-        rtol = BF16_LOSS_RTOL if target.startswith("bf16") else FP32_LOSS_RTOL
+        rtol = BF16_LOSS_RTOL if "bf16" in target + source else FP32_LOSS_RTOL
         assert r["max_rel_loss"] <= rtol, f"{label}: losses {r['losses']} vs uninterrupted {r['reference_losses']}"
 
 
