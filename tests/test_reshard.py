@@ -9,10 +9,18 @@ what was gathered before saving; the next losses must match the uninterrupted ru
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import load_results, torchrun
+
+from ucp_deepspeed import UniversalCheckpoint
+from ucp_deepspeed.convert import convert
+from ucp_deepspeed.runtime.restore import wrapper_state
+from ucp_deepspeed.tools.compare import diff
 
 FP32_LOSS_RTOL = 1e-6
 BF16_LOSS_RTOL = 5e-3  # bf16 forward/backward at another DP size rounds differently
@@ -30,6 +38,8 @@ CASES = [
     pytest.param("adagradz0", 1, ("offadagradz2",), id="torch-adagrad-dp1<-cpu-adagrad"),
     pytest.param("offlionz1", 3, ("offlionz2",), id="cpu-lion-z1-dp3<-cpu-lion-z2"),
     pytest.param("bf16z1", 1, ("z1", "bf16z2"), id="bf16z1-dp1<-fp32,bf16-without-fp32-accumulation"),
+    # DeepSpeed's CPU accelerator has no fp16: this source is bf16z2's files reshaped as an fp16 run writes them
+    pytest.param("bf16z2", 1, ("fp16z2",), id="bf16z2-dp1<-fp16-shaped"),
     pytest.param("z2", 2, ("offz2",), id="z2-dp2<-offz2-same-size-other-kernel"),
     pytest.param("offz1", 2, ("z1",), id="offz1-dp2<-z1-same-size-other-kernel"),
     pytest.param("z2", 3, ("z1", "z2", "z3", "z0", "bf16z2"), id="z2-dp3<-z1,z2,z3,z0,bf16z2"),
@@ -45,8 +55,47 @@ CASES = [
 ]
 
 
+def fp16_shaped(src: Path, out: Path) -> Path:
+    """A copy of a bf16 ZeRO-2 checkpoint as an fp16 run with a dynamic loss scale writes it: fp16 module weights,
+    fp16 in its ds_config and metadata, a `DynamicLossScaler` mid-run, the optimizer files' names without `bf16_`;
+    the files re-bound to their save."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from ucp_deepspeed.io.torch_file import save_id_of, stamp
+
+    shutil.copytree(src, out)
+    tag = out / (out / "latest").read_text().strip()
+    meta_path = tag / "ucp_meta_mp_rank_00.json"
+    meta = json.loads(meta_path.read_text())
+    meta["topology"]["dtype"] = "fp16"
+    for extra in meta["extras"]:  # the frozen parameter is kept in the run's precision
+        extra["dtype"] = extra["dtype"].replace("bfloat16", "float16")
+    meta_path.write_text(json.dumps(meta))
+    for path in sorted(tag.glob("*.pt")):
+        save_id = save_id_of(str(path))
+        sd = torch.load(path, weights_only=False)
+        sd["ds_config"] = {**sd["ds_config"], "bf16": {"enabled": False}, "fp16": {"enabled": True}}
+        if "module" in sd:
+            sd["module"] = {k: v.half() if v.is_floating_point() else v for k, v in sd["module"].items()}
+        else:
+            scaler = DynamicLossScaler(1024.0, 1000, 1.0, 2, False)
+            scaler.cur_iter, scaler.last_overflow_iter = 3, 1
+            sd["optimizer_state_dict"] |= {"loss_scaler": scaler, "dynamic_loss_scale": True, "overflow": False}
+        path.unlink()
+        path = path.with_name(path.name.removeprefix("bf16_"))  # DeepSpeed names bf16 runs' ZeRO files apart
+        torch.save(sd, path)
+        stamp(str(path), save_id)
+    return out
+
+
 @pytest.fixture(scope="module")
-def launched(sources, tmp_path_factory):
+def all_sources(sources, tmp_path_factory) -> dict[str, Path]:
+    """The session's sources and the fp16-shaped one."""
+    return {**sources, "fp16z2": fp16_shaped(sources["bf16z2"], tmp_path_factory.mktemp("fp16") / "fp16z2")}
+
+
+@pytest.fixture(scope="module")
+def launched(all_sources, tmp_path_factory):
     """results(dp, slow) -> every result of the one launch that loads all targets of that world size."""
     done: dict[tuple[int, bool], list[dict]] = {}
 
@@ -54,7 +103,9 @@ def launched(sources, tmp_path_factory):
         if (dp, slow) not in done:
             group = [p.values for p in CASES if p.values[1] == dp and any(m.name == "slow" for m in p.marks) == slow]
             out = tmp_path_factory.mktemp(f"reshard_dp{dp}") / "results.json"
-            cases = [arg for target, _, names in group for arg in ("--case", target, *(str(sources[n]) for n in names))]
+            cases = [
+                arg for target, _, names in group for arg in ("--case", target, *(str(all_sources[n]) for n in names))
+            ]
             torchrun(dp, "load", *cases, "--results", str(out))
             done[dp, slow] = load_results(out)
         return done[dp, slow]
@@ -91,3 +142,17 @@ def test_checkpoint_of_another_model_is_refused(sources, tmp_path):
     )
     assert "up.weight: checkpoint shape [40, 24], model shape [48, 24]" in outcome["error"]
     assert outcome["untouched"], "state was modified before the mismatch was detected"
+
+
+def test_fp16_shaped_checkpoint_converts_and_keeps_its_loss_scale_for_fp16_only(all_sources, tmp_path):
+    """Masters and moments convert exactly; the dynamic loss scale is carried for an fp16 resume and left out of a
+    bf16 or fp32 one (whose scaler stays as built). An fp16 engine itself cannot run on this machine."""
+    out = convert(str(all_sources["fp16z2"]), output=str(tmp_path / "u"), progress=False)
+    report = diff(str(all_sources["bf16z2"]), out)
+    masters = [s for s in report.states if s.key != "value"]
+    assert len(masters) >= 15 and all(s.equal for s in masters), [s for s in masters if not s.equal]
+    ckpt = UniversalCheckpoint(out)
+    scaler = wrapper_state(ckpt, "fp16")["loss_scaler"]
+    assert (scaler["state"]["cur_scale"], scaler["state"]["cur_iter"]) == (1024.0, 3)
+    assert wrapper_state(ckpt, "fp16")["dynamic_loss_scale"] is True
+    assert wrapper_state(ckpt, "bf16") == {} == wrapper_state(ckpt, "fp32")

@@ -20,7 +20,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value
 from ucp_deepspeed.naming.experts import expert_blocks
-from ucp_deepspeed.runtime.capture import LiveParam, expert_groups, live_params, model_parallel, namer
+from ucp_deepspeed.runtime.capture import LiveParam, engine_dtype, expert_groups, live_params, model_parallel, namer
 from ucp_deepspeed.runtime.collective import guarded
 
 # structure, not hyperparameters: DeepSpeed names MoE groups after their expert-parallel size
@@ -326,10 +326,19 @@ def _restore_training_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_sche
     state = ckpt.load_state()
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for key, value in state.get("optimizer_wrapper", {}).items():
+    for key, value in wrapper_state(ckpt, engine_dtype(engine), state).items():
         if hasattr(engine.optimizer, key):
             setattr(engine.optimizer, key, compat.rebuild(value))
     return state.get("client_state", {})
+
+
+def wrapper_state(ckpt: UniversalCheckpoint, live_dtype: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The saved loss scaler and clipping state, if it belongs to the live precision: an fp16 run's dynamic loss
+    scale means nothing to a bf16 or fp32 one (whose own scaler stays as built)."""
+    saved = ckpt.manifest.source.get("topology", {}).get("dtype", live_dtype)
+    if saved != live_dtype:
+        return {}
+    return dict((state if state is not None else ckpt.load_state()).get("optimizer_wrapper", {}))
 
 
 def restore(
