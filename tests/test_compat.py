@@ -371,10 +371,15 @@ def test_kernel_table_names_deepspeed_classes():
     assert compat.optimizer_kernel(bare(DeepSpeedCPUAdagrad)).states == {"exp_avg_sq": "sum"}
     assert {compat.optimizer_kernel(bare(c)).algorithm for c in (DeepSpeedCPULion, FusedLion)} == {"lion"}
     assert compat.optimizer_kernel(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)).step == "none"
-    assert compat.optimizer_kernel(torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(2))])).step == "as_saved"
+    assert compat.optimizer_kernel(torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(2))])).step == "tensor"
+
+    class Elsewhere(torch.optim.SGD):
+        pass
+
+    assert compat.optimizer_kernel(Elsewhere([torch.nn.Parameter(torch.zeros(2))], lr=0.1)).step == "as_saved"
 
 
 def test_scalar_device():
     flat = torch.zeros(2)
-    assert compat.scalar_device(None, {"fused": True}, flat) == flat.device
-    assert compat.scalar_device(None, {}, flat) == torch.device("cpu")
+    assert compat.scalar_device({"fused": True}, flat) == flat.device
+    assert compat.scalar_device({}, flat) == torch.device("cpu")

@@ -22,8 +22,10 @@ CPU_ADAGRAD = {
 }
 
 
-def folder(root, states: tuple[str, ...], optimizer: dict | None, step=3) -> UniversalCheckpoint:
-    """A one-parameter universal folder whose optimizer kept `states` and counted `step`."""
+def folder(
+    root, states: tuple[str, ...], optimizer: dict | None, step=3, hyperparams: dict | None = None
+) -> UniversalCheckpoint:
+    """A one-parameter universal folder whose optimizer kept `states`, counted `step` and had `hyperparams`."""
     w = torch.arange(6.0)
     records = [
         write_tensors(str(root), param_file("w"), {"fp32": w} | {k: w + i for i, k in enumerate(states, 1)}),
@@ -33,8 +35,8 @@ def folder(root, states: tuple[str, ...], optimizer: dict | None, step=3) -> Uni
     manifest = Manifest(
         created_by={},
         source={"path": "x", "topology": {}},
-        counters={"global_steps": 3, "global_samples": 6, "skipped_steps": 0},
-        param_groups=(GroupRecord({"lr": 0.1}, {"step": step}),),
+        counters={"global_steps": step, "global_samples": 2 * step, "skipped_steps": 0},
+        param_groups=(GroupRecord({"lr": 0.1, **(hyperparams or {})}, {"step": step}),),
         params={"w": ParamRecord((6,), "float32", 0, True, param_file("w"), ("fp32", *states))},
         buffers={},
         extra={"optimizer": optimizer} if optimizer else {},
@@ -55,9 +57,11 @@ def test_cpu_adam_state_goes_to_torch_adamw_with_a_tensor_step(tmp_path):
     ckpt = folder(tmp_path, ("exp_avg", "exp_avg_sq"), CPU_ADAM)
     smap = state_map(engine(torch.optim.AdamW(params())), ckpt)
     assert smap == StateMap({"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}, "tensor")
-    step = _step(3, smap.step, torch.device("cpu"))
+    step = _step(3, smap.step, torch.device("cpu"), "m")
     assert isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.item() == 3
-    assert _step(torch.tensor(3.0), "int", None) == 3 and type(_step(torch.tensor(3.0), "int", None)) is int
+    assert _step(torch.tensor(3.0), "int", None, "m") == 3 and type(_step(torch.tensor(3.0), "int", None, "m")) is int
+    with pytest.raises(CheckpointError, match="step 'x' is not a count"):
+        _step("x", "int", None, "m")
 
 
 def test_adagrad_sum_is_deepspeed_exp_avg_sq(tmp_path):
@@ -86,6 +90,40 @@ def test_a_missing_moment_is_refused_naming_parameter_and_state(tmp_path):
     with pytest.raises(CheckpointError, match="w: the checkpoint holds no momentum_buffer state"):
         state_map(engine(torch.optim.SGD(params(), lr=0.1, momentum=0.9)), ckpt)
     assert state_map(engine(torch.optim.SGD(params(), lr=0.1)), ckpt).keys == {}
+
+
+def test_the_saved_hyperparameters_decide_what_is_needed(tmp_path):
+    """The saved momentum of 0 is what the live SGD will run with, so no momentum state is needed."""
+    ckpt = folder(
+        tmp_path, (), {"class": "torch.optim.sgd.SGD", "algorithm": "sgd", "states": {}}, hyperparams={"momentum": 0.0}
+    )
+    assert state_map(engine(torch.optim.SGD(params(), lr=0.1, momentum=0.9)), ckpt).keys == {}
+
+
+def test_a_save_before_the_first_step_has_no_state_to_need(tmp_path):
+    ckpt = folder(tmp_path, (), CPU_ADAM, step=0)
+    assert state_map(engine(torch.optim.AdamW(params())), ckpt).keys == {}
+
+
+def test_a_saved_setting_the_live_kernel_cannot_apply_is_refused(tmp_path):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    ckpt = folder(
+        tmp_path,
+        ("exp_avg", "exp_avg_sq"),
+        {"class": "torch.optim.adamw.AdamW", "algorithm": "adamw", "states": {}},
+        hyperparams={"maximize": True},
+    )
+    with pytest.raises(CheckpointError, match="param group 0 was saved with maximize=True"):
+        state_map(engine(DeepSpeedCPUAdam(params())), ckpt)
+
+
+def test_deepspeed_cpu_adagrad_without_a_record_keeps_its_own_names(tmp_path):
+    """Saved before the record existed: the states are taken to be named as the live kernel names them."""
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+    ckpt = folder(tmp_path, ("exp_avg_sq",), None)
+    assert state_map(engine(DeepSpeedCPUAdagrad(params())), ckpt).keys == {"exp_avg_sq": "exp_avg_sq"}
 
 
 def test_a_checkpoint_without_an_optimizer_record_maps_by_name(tmp_path):

@@ -327,7 +327,7 @@ class Kernel:
 
     `algorithm` names the update rule (`adam`, `adamw`, `adagrad`, `lion`, `sgd`; another class's own name);
     `step` is how it counts steps: `tensor` (torch's, per parameter), `int` (DeepSpeed's kernels), `none`
-    (SGD), or `as_saved` for a class not in the table. `states` maps its state names to the algorithm's
+    (SGD), or `as_saved` for a class outside torch and the table. `states` maps its state names to the algorithm's
     (torch's: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `sum`, `momentum_buffer`) where they differ.
     """
 
@@ -345,7 +345,11 @@ def optimizer_kernel(opt: Any) -> Kernel:
     groups = getattr(opt, "param_groups", None) or [{}]
     table = {
         "torch.optim.adamw.AdamW": ("adamw", "tensor", {}),
-        "torch.optim.adam.Adam": ("adamw" if groups[0].get("decoupled_weight_decay") else "adam", "tensor", {}),
+        "torch.optim.adam.Adam": (
+            "adamw" if any(g.get("decoupled_weight_decay") for g in groups) else "adam",
+            "tensor",
+            {},
+        ),
         "deepspeed.ops.adam.fused_adam.FusedAdam": ("adamw" if decoupled else "adam", "int", {}),
         "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam": ("adamw" if decoupled else "adam", "int", {}),
         "torch.optim.adagrad.Adagrad": ("adagrad", "tensor", {}),
@@ -354,11 +358,17 @@ def optimizer_kernel(opt: Any) -> Kernel:
         "deepspeed.ops.lion.fused_lion.FusedLion": ("lion", "int", {}),
         "torch.optim.sgd.SGD": ("sgd", "none", {}),
     }
-    algorithm, step, states = table.get(qualname, (cls.__name__, "as_saved", {}))
+    # torch's other optimizers keep per-parameter tensor steps too; another library's are left as saved
+    other: tuple[str, str, dict[str, str]] = (
+        cls.__name__,
+        "tensor" if qualname.startswith("torch.optim.") else "as_saved",
+        {},
+    )
+    algorithm, step, states = table.get(qualname, other)
     return Kernel(qualname, algorithm, step, states)
 
 
-def scalar_device(opt: Any, group: dict[str, Any], flat: Any) -> Any:
+def scalar_device(group: dict[str, Any], flat: Any) -> Any:
     """Where torch keeps a group's `step` tensors: on the parameters' device for its capturable and fused
     kernels, else on the CPU."""
     import torch

@@ -105,6 +105,11 @@ class BufferRecord:
         return cls(_shape(raw["shape"]), raw["dtype"])
 
 
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "step")
+"""Param-group entries that choose how a kernel runs (or, in DeepSpeed's FusedAdam, count steps), not what it
+computes: a restore leaves the live optimizer's own."""
+
+
 @dataclass(frozen=True)
 class GroupRecord:
     """One optimizer param group: its hyperparameters (None when the source did not record them) and its

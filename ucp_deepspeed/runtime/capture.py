@@ -290,7 +290,7 @@ def supported(engine: Any) -> bool:
 def optimizer_record(engine: Any) -> dict[str, Any]:
     """The base optimizer's class, algorithm and state names, for the metadata (see `compat.Kernel`)."""
     kernel = compat.optimizer_kernel(compat.base_optimizer(engine))
-    return {"class": kernel.qualname, "algorithm": kernel.algorithm, "step": kernel.step, "states": kernel.states}
+    return {"class": kernel.qualname, "algorithm": kernel.algorithm, "states": kernel.states}
 
 
 def model_spec(engine: Any) -> ModelSpec | None:

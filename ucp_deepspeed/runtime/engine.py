@@ -245,7 +245,10 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         # every rank answers (a stage may hold MoE layers or fail alone): the collective runs everywhere or nowhere
         # another optimizer class keeps its state differently (DeepSpeed's CPU Adam counts steps in ints):
         # DeepSpeed's own load would hand it over as is
-        same_kernel = meta.optimizer is None or meta.optimizer.get("class") == optimizer_record(engine)["class"]
+        live_kernel = optimizer_record(engine)
+        same_kernel = meta.optimizer is None or all(
+            meta.optimizer.get(k) == live_kernel[k] for k in ("class", "algorithm")
+        )
         if (
             saved.same_layout(live)
             and same_kernel

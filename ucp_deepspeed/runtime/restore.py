@@ -17,6 +17,7 @@ from deepspeed import comm as dist
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value
 from ucp_deepspeed.naming.experts import expert_blocks
@@ -123,9 +124,23 @@ class StateMap:
     step: str
 
 
-_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "step")
-"""Group entries that choose how a kernel runs (or, for DeepSpeed's kernels, count steps), not what it computes:
-the live optimizer keeps its own."""
+_ALGORITHM_STATES = {
+    "adam": {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    "adamw": {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    "adagrad": {"sum"},
+    "lion": {"exp_avg"},
+    "sgd": {"momentum_buffer"},
+}
+_NEUTRAL = {
+    "amsgrad": False,
+    "maximize": False,
+    "bias_correction": True,
+    "lr_decay": 0,
+    "initial_accumulator_value": 0,
+    "nesterov": False,
+    "dampening": 0,
+}
+"""Group settings that change the update when not at these values: one the live kernel has no key for is refused."""
 
 
 def _required(algorithm: str, groups: list[dict[str, Any]]) -> set[str]:
@@ -137,26 +152,52 @@ def _required(algorithm: str, groups: list[dict[str, Any]]) -> set[str]:
     return {"adagrad": {"sum"}, "lion": {"exp_avg"}}.get(algorithm, set())
 
 
+def _effective_groups(opt: Any, ckpt: UniversalCheckpoint, where: str) -> list[dict[str, Any]]:
+    """The live groups with the saved hyperparameters applied as `_apply_hyperparams` will apply them; refuses a
+    saved setting that changes the update and that the live kernel has no place for."""
+    out = []
+    for i, (group, record) in enumerate(zip(opt.param_groups, ckpt.manifest.param_groups)):
+        merged = {k: v for k, v in group.items() if k != "params"}
+        for key, raw in (record.hyperparams or {}).items():
+            if key in _NON_PARAM_KEYS or key in IMPLEMENTATION_KEYS:
+                continue
+            value = decode_value(raw)
+            if key in group:
+                merged[key] = value
+            elif key in _NEUTRAL and value != _NEUTRAL[key]:
+                raise CheckpointError(
+                    where, f"param group {i} was saved with {key}={value!r}, which {type(opt).__name__} cannot apply"
+                )
+        out.append(merged)
+    return out
+
+
 def state_map(engine: Any, ckpt: UniversalCheckpoint) -> StateMap:
     """The live optimizer's states from the saved ones; refuses another algorithm or a missing state, naming it."""
     opt = compat.base_optimizer(engine)
     target = compat.optimizer_kernel(opt)
     where = f"{ckpt.root}/{MANIFEST}"
-    source = ckpt.manifest.optimizer or {}
-    algorithm = source.get("algorithm", target.algorithm)
+    source = ckpt.manifest.optimizer
+    groups = _effective_groups(opt, ckpt, where)
+    algorithm = source["algorithm"] if source else target.algorithm
     # Adam and AdamW differ only in how weight decay is applied
-    same_rule = {algorithm, target.algorithm} <= {"adam", "adamw"} and not any(
-        g.get("weight_decay") for g in opt.param_groups
-    )
+    same_rule = {algorithm, target.algorithm} <= {"adam", "adamw"} and not any(g.get("weight_decay") for g in groups)
     if algorithm != target.algorithm and not same_rule:
         raise CheckpointError(
             where,
-            f"saved by {source.get('class', '?')} ({algorithm}); this engine's {target.qualname} runs "
+            f"saved by {source['class'] if source else '?'} ({algorithm}); this engine's {target.qualname} runs "
             f"{target.algorithm}: another algorithm's state cannot be carried over",
         )
-    saved = {key: source.get("states", {}).get(key, key) for key in _state_keys(ckpt)}  # saved name -> algorithm's
-    live_name = {v: k for k, v in target.states.items()}
-    missing = _required(target.algorithm, opt.param_groups) - set(saved.values())
+    # a save that recorded no kernel (older, or plain DeepSpeed's) is taken to name states as the live kernel does
+    aliases = source.get("states", {}) if source else target.states
+    saved = {key: aliases.get(key, key) for key in _state_keys(ckpt)}  # saved name -> the algorithm's
+    known = _ALGORITHM_STATES.get(target.algorithm)
+    if known is not None and source and source.get("class") != target.qualname:
+        # another kernel's extra state (DeepSpeed's CPU Lion allocates an unused exp_avg_sq) would only sit unused
+        saved = {key: name for key, name in saved.items() if name in known}
+    counters = ckpt.manifest.counters
+    stepped = counters.get("global_steps", 0) > counters.get("skipped_steps", 0)  # state exists after a step
+    missing = (_required(target.algorithm, groups) if stepped else set()) - set(saved.values())
     if missing:
         first = next((n for n, r in ckpt.params.items() if r.trainable), "?")
         raise CheckpointError(
@@ -164,27 +205,33 @@ def state_map(engine: Any, ckpt: UniversalCheckpoint) -> StateMap:
             f"{first}: the checkpoint holds no {sorted(missing)[0]} state, which {target.qualname} needs; "
             "it would start from zero",
         )
+    live_name = {v: k for k, v in target.states.items()}
     return StateMap({live_name.get(c, c): key for key, c in saved.items()}, target.step)
 
 
-def _step(value: Any, kind: str, device: Any) -> Any:
-    """A saved step as the live kernel keeps it, the same count."""
+def _step(value: Any, kind: str, device: Any, where: str) -> Any:
+    """A saved step as the live kernel keeps it, the same count (torch's scalar dtype, as its optimizers make it)."""
     if kind == "as_saved":
         return value.clone() if isinstance(value, torch.Tensor) else value
-    count = value.item() if isinstance(value, torch.Tensor) else value
+    try:
+        count = float(value.item() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError):
+        raise CheckpointError(where, f"step {value!r} is not a count") from None
     if kind == "int":
         return int(count)
-    return torch.tensor(float(count), dtype=torch.float32, device=device)
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(count, dtype=dtype, device=device)
 
 
-def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any) -> dict[str, Any]:
+def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any, where: str) -> dict[str, Any]:
+    """A group's saved scalar states (`step` as the live kernel keeps it; none for SGD)."""
     out = {}
     for key, raw in record_scalars.items():
         value = decode_value(raw)
         if key != "step":
             out[key] = value
         elif smap.step != "none":
-            out[key] = _step(value, smap.step, device)
+            out[key] = _step(value, smap.step, device, where)
     return out
 
 
@@ -199,8 +246,8 @@ def _apply_group_state(
     record = ckpt.manifest.param_groups[group_index]
     state = opt.optimizer.state[flat]
     state.clear()
-    device = compat.scalar_device(opt.optimizer, opt.optimizer.param_groups[0], flat)
-    state.update(_scalars(record.scalars, smap, device))
+    device = compat.scalar_device(opt.optimizer.param_groups[group_index], flat)
+    state.update(_scalars(record.scalars, smap, device, f"{ckpt.root}/{MANIFEST}"))
     state.update(bufs)
 
 
@@ -208,7 +255,7 @@ def _apply_hyperparams(engine: Any, ckpt: UniversalCheckpoint) -> None:
     """The saved groups' hyperparameters, where the live groups have them (another kernel's own are left out)."""
     for group, record in zip(compat.base_optimizer(engine).param_groups, ckpt.manifest.param_groups):
         for key, value in (record.hyperparams or {}).items():
-            if key not in _NON_PARAM_KEYS and key not in _IMPLEMENTATION_KEYS and key in group:
+            if key not in _NON_PARAM_KEYS and key not in IMPLEMENTATION_KEYS and key in group:
                 group[key] = decode_value(value)
 
 
@@ -273,8 +320,8 @@ def _restore_whole(
                 continue
             state = opt.state[p]
             state.clear()
-            device = compat.scalar_device(opt, group, p)
-            state.update(_scalars(ckpt.manifest.param_groups[g].scalars, smap, device))
+            device = compat.scalar_device(group, p)
+            state.update(_scalars(ckpt.manifest.param_groups[g].scalars, smap, device, f"{ckpt.root}/{MANIFEST}"))
             state.update({k: read(p, saved, 0, p.numel()).view(p.shape).to(p.device) for k, saved in smap.keys.items()})
 
 

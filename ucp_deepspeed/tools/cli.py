@@ -16,7 +16,7 @@ from ucp_deepspeed.checkn_run.chain import read_element
 from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.manifest import Manifest
+from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, Manifest
 from ucp_deepspeed.format.model import ACTIVATIONS
 from ucp_deepspeed.format.paths import locate
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
@@ -72,10 +72,7 @@ def _manifest_summary(kind: str, path: str, m: Manifest) -> dict[str, Any]:
 
 def _optimizer_summary(record: dict[str, Any] | None, hyperparams: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
     """The saving optimizer's class and algorithm (when recorded) and each group's hyperparameters, as saved."""
-    groups = [
-        {k: v for k, v in (h or {}).items() if k not in ("params", "foreach", "fused", "capturable", "differentiable")}
-        for h in hyperparams
-    ]
+    groups = [{k: v for k, v in (h or {}).items() if k not in ("params", *IMPLEMENTATION_KEYS)} for h in hyperparams]
     return {"class": (record or {}).get("class"), "algorithm": (record or {}).get("algorithm"), "groups": groups}
 
 
