@@ -33,6 +33,19 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
+def check_optimizer_record(value: Any) -> dict[str, Any] | None:
+    """A saving kernel's record (`class`, `algorithm`, `states`), type-checked; ValueError when malformed."""
+    if value is None:
+        return None
+    record = _dict(value, "optimizer")
+    states = _dict(record.get("states", {}), "optimizer.states")
+    if not isinstance(record.get("algorithm"), str):
+        raise ValueError("optimizer lacks an algorithm name")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in states.items()):
+        raise ValueError("optimizer state names are not strings")
+    return record
+
+
 @dataclass(frozen=True)
 class ParamRecord:
     """One parameter: its full shape and dtype, its optimizer param group, and the file and keys of its states."""
@@ -226,13 +239,7 @@ class Manifest:
             if raw.get("hf_config") is not None:
                 _dict(raw["hf_config"], "hf_config")
             at = "optimizer"
-            if raw.get("optimizer") is not None:
-                optimizer = _dict(raw["optimizer"], "optimizer")
-                states = _dict(optimizer.get("states", {}), "optimizer.states")
-                if not isinstance(optimizer.get("algorithm"), str) or not all(
-                    isinstance(v, str) for v in states.values()
-                ):
-                    raise ValueError("algorithm or state names are not strings")
+            check_optimizer_record(raw.get("optimizer"))
             return cls(
                 _dict(raw.get("created_by", {}), "created_by"),
                 source,

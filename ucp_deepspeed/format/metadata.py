@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import check_optimizer_record
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 
@@ -206,23 +207,11 @@ class SaveMeta:
                 save_id=str(raw.get("save_id", "")),
                 model=ModelSpec.decode(raw["model"]) if raw.get("model") is not None else None,
                 hf_config=_object(raw.get("hf_config"), "hf_config"),
-                optimizer=_optimizer(raw.get("optimizer")),
+                optimizer=check_optimizer_record(raw.get("optimizer")),
                 version=raw["version"],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(path, f"metadata is missing or has malformed fields ({exc})") from None
-
-
-def _optimizer(value: Any) -> dict[str, Any] | None:
-    """The saving kernel's record, checked as the manifest will check it (`Manifest.decode`)."""
-    record = _object(value, "optimizer")
-    if record is not None:
-        states = record.get("states", {})
-        if not isinstance(record.get("algorithm"), str) or not isinstance(states, dict):
-            raise ValueError("optimizer lacks an algorithm name or a state table")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in states.items()):
-            raise ValueError("optimizer state names are not strings")
-    return record
 
 
 def _object(value: Any, what: str) -> dict[str, Any] | None:

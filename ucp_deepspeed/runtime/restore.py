@@ -17,7 +17,7 @@ from deepspeed import comm as dist
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS
+from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, GroupRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value
 from ucp_deepspeed.naming.experts import expert_blocks
@@ -152,23 +152,28 @@ def _required(algorithm: str, groups: list[dict[str, Any]]) -> set[str]:
     return {"adagrad": {"sum"}, "lion": {"exp_avg"}}.get(algorithm, set())
 
 
+def _saved_hyperparams(record: GroupRecord) -> dict[str, Any]:
+    """A saved group's hyperparameters: what the algorithm computes with, not structure or a kernel's switches."""
+    return {
+        k: decode_value(v)
+        for k, v in (record.hyperparams or {}).items()
+        if k not in _NON_PARAM_KEYS and k not in IMPLEMENTATION_KEYS
+    }
+
+
 def _effective_groups(opt: Any, ckpt: UniversalCheckpoint, where: str) -> list[dict[str, Any]]:
     """The live groups with the saved hyperparameters applied as `_apply_hyperparams` will apply them; refuses a
     saved setting that changes the update and that the live kernel has no place for."""
     out = []
     for i, (group, record) in enumerate(zip(opt.param_groups, ckpt.manifest.param_groups)):
-        merged = {k: v for k, v in group.items() if k != "params"}
-        for key, raw in (record.hyperparams or {}).items():
-            if key in _NON_PARAM_KEYS or key in IMPLEMENTATION_KEYS:
-                continue
-            value = decode_value(raw)
-            if key in group:
-                merged[key] = value
-            elif key in _NEUTRAL and value != _NEUTRAL[key]:
+        saved = _saved_hyperparams(record)
+        for key, value in saved.items():
+            if key not in group and key in _NEUTRAL and value != _NEUTRAL[key]:
                 raise CheckpointError(
                     where, f"param group {i} was saved with {key}={value!r}, which {type(opt).__name__} cannot apply"
                 )
-        out.append(merged)
+        live = {k: v for k, v in group.items() if k != "params"}
+        out.append(live | {k: v for k, v in saved.items() if k in group})
     return out
 
 
@@ -254,9 +259,7 @@ def _apply_group_state(
 def _apply_hyperparams(engine: Any, ckpt: UniversalCheckpoint) -> None:
     """The saved groups' hyperparameters, where the live groups have them (another kernel's own are left out)."""
     for group, record in zip(compat.base_optimizer(engine).param_groups, ckpt.manifest.param_groups):
-        for key, value in (record.hyperparams or {}).items():
-            if key not in _NON_PARAM_KEYS and key not in IMPLEMENTATION_KEYS and key in group:
-                group[key] = decode_value(value)
+        group.update({k: v for k, v in _saved_hyperparams(record).items() if k in group})
 
 
 def _state_keys(ckpt: UniversalCheckpoint) -> list[str]:
