@@ -19,7 +19,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 
 import deepspeed
 import torch
@@ -60,10 +62,17 @@ VARIANTS = {
     "offadagradz2": {"stage": 2, "dtype": "fp32", "offload": True, "ds_optimizer": "Adagrad"},
     "offlionz1": {"stage": 1, "dtype": "fp32", "offload": True, "ds_optimizer": "Lion"},
     "offlionz2": {"stage": 2, "dtype": "fp32", "offload": True, "ds_optimizer": "Lion"},
+    # NVMe offload swaps a sub-group's fp32 partition and states to files only when the partition reaches 1 MiB
+    # (DeepSpeed's MIN_AIO_BYTES): a block this wide has one swapped sub-group (the matrices) and one kept in
+    # memory (biases and norms) at every DP size up to 3; its plain and CPU-offload twins load and save it
+    "nvmez3": {"stage": 3, "dtype": "fp32", "offload": "nvme", "hidden": 17000},
+    "widez1": {"stage": 1, "dtype": "fp32", "hidden": 17000},
+    "wideoffz3": {"stage": 3, "dtype": "fp32", "offload": True, "offload_param": True, "hidden": 17000},
     "moez1": {"stage": 1, "dtype": "fp32", "moe": True},
     "moez2": {"stage": 2, "dtype": "fp32", "moe": True},
 }
 EXPERTS = 4
+SWAP_DIRS: list[str] = []
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "initial_lr")
 
 
@@ -126,7 +135,7 @@ class TinyMoE(TinyLM):
         return self.moe(self.norm(x))[0]
 
 
-def ds_config(variant: dict, dp: int) -> dict:
+def ds_config(variant: dict, dp: int, swap_dir: str = "") -> dict:
     cfg = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
@@ -140,7 +149,9 @@ def ds_config(variant: dict, dp: int) -> dict:
         cfg["zero_allow_untested_optimizer"] = True
     if variant.get("offload") or variant.get("ds_optimizer"):  # DeepSpeed builds it: its CPU kernels with offload
         cfg["optimizer"] = {"type": variant.get("ds_optimizer", "AdamW"), "params": {"lr": 2e-3}}
-    if variant.get("offload"):
+    if variant.get("offload") == "nvme":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir}
+    elif variant.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if variant.get("offload_param"):
             cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
@@ -157,6 +168,7 @@ def build(
     """The engine of a variant; `stock` builds it with plain DeepSpeed loading its universal format, `plain`
     with plain DeepSpeed and no ucp_deepspeed at all (its checkpoints carry no ucp metadata)."""
     variant = VARIANTS[variant_name]
+    hidden = variant.get("hidden", hidden)
     torch.manual_seed(variant.get("seed", 1234))
     model = TinyMoE(ep, hidden, experts) if variant.get("moe") else TinyLM(hidden)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
@@ -182,7 +194,11 @@ def build(
         optimizer = torch.optim.AdamW(groups, lr=2e-3)
     if variant.get("offload") or variant.get("ds_optimizer"):
         optimizer = None
-    config = ds_config(variant, dist.get_world_size())
+    swap_dir = ""
+    if variant.get("offload") == "nvme":  # each engine swaps into a folder of its own, removed at exit
+        swap_dir = tempfile.mkdtemp(prefix="ucp-nvme-")
+        SWAP_DIRS.append(swap_dir)
+    config = ds_config(variant, dist.get_world_size(), swap_dir)
     init = ucp_deepspeed.initialize
     if stock:
         config["checkpoint"] = {"load_universal": True}
@@ -463,6 +479,8 @@ def main() -> None:
     do_save(args) if args.mode == "save" else do_load(args)
     dist.barrier()
     dist.destroy_process_group()
+    for swap_dir in SWAP_DIRS:
+        shutil.rmtree(swap_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -383,3 +383,41 @@ def test_scalar_device():
     flat = torch.zeros(2)
     assert compat.scalar_device({"fused": True}, flat) == flat.device
     assert compat.scalar_device({}, flat) == torch.device("cpu")
+
+
+def test_nvme_swap_and_zero3_resident(tmp_path):
+    from conftest import nvme_unavailable
+
+    if nvme_unavailable():
+        pytest.skip(nvme_unavailable())
+    torch.manual_seed(0)
+    net = torch.nn.Linear(512, 600)  # the weight's partition reaches DeepSpeed's 1 MiB swap threshold, the bias not
+    groups = [{"params": [net.weight]}, {"params": [net.bias]}]
+    offload = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "offload_optimizer": offload},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=groups, config=config)
+    engine.backward(engine(torch.randn(2, 512)).pow(2).mean())
+    engine.step()
+    swap = compat.nvme_swap(engine, str(tmp_path / "ckpt"), "t")
+    assert swap is not None and swap.folder == "rank00" and swap.dtype == torch.float32
+    assert swap.optim_file == "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert list(swap.swapped.values()) == [512 * 600]
+    opt = engine.optimizer
+    flat = opt.fp32_partitioned_groups_flat[0]
+    assert flat.numel() == 0  # swapped out between steps
+    with compat.zero3_resident(opt, 0, new_states=True):
+        assert flat.numel() == 512 * 600
+        flat.data.fill_(0.5)
+        opt.optimizer.state[flat].update(exp_avg=torch.full_like(flat, 2.0), exp_avg_sq=torch.full_like(flat, 3.0))
+    assert flat.numel() == 0
+    with compat.zero3_resident(opt, 0, new_states=False):  # read back from the swap files
+        state = opt.optimizer.state[flat]
+        assert torch.equal(flat.data, torch.full((512 * 600,), 0.5))
+        assert torch.equal(state["exp_avg"], torch.full_like(flat, 2.0))
+        assert torch.equal(state["exp_avg_sq"], torch.full_like(flat, 3.0))
+    with compat.zero3_resident(opt, 1, new_states=False):  # kept in memory: nothing to swap
+        assert opt.fp32_partitioned_groups_flat[1].numel() == 600

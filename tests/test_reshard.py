@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_results, torchrun
+from conftest import load_results, nvme_unavailable, torchrun
 
 from ucp_deepspeed import UniversalCheckpoint
 from ucp_deepspeed.convert import convert
@@ -28,6 +28,9 @@ BF16_LOSS_RTOL = 5e-3  # bf16 forward/backward at another DP size rounds differe
 SLOW = pytest.mark.slow
 KERNELS = {"offz1": "cpu_adam", "offz2": "cpu_adam", "offz3": "cpu_adam", "fusedz1": "fused_adam"}
 KERNELS |= {"adagradz0": "adagrad", "offadagradz2": "cpu_adagrad", "offlionz1": "cpu_lion", "offlionz2": "cpu_lion"}
+KERNELS |= {"nvmez3": "cpu_adam", "wideoffz3": "cpu_adam"}
+KERNEL_LOSS_RTOL = 1e-5  # another kernel of the same update rounds differently (1.4e-6 measured on the wide model)
+NVME = pytest.mark.nvme
 CASES = [
     pytest.param("z1", 1, ("z1", "z2", "z3", "offz2", "fusedz1", "bf16z1"), id="z1-dp1<-z1,z2,z3,offz2,fused,bf16"),
     # ZeRO-Offload steps DeepSpeed's CPU Adam (steps as ints) on host memory; torch's AdamW elsewhere
@@ -51,6 +54,12 @@ CASES = [
     pytest.param("bf16z3", 1, ("bf16z1",), id="bf16z3-dp1<-bf16z1"),
     pytest.param("bf16z2", 4, ("bf16z1",), id="bf16z2-dp4<-bf16z1", marks=SLOW),
     pytest.param("sgdz1", 3, ("sgdz2",), id="sgd-z1-dp3<-sgd-z2"),
+    # NVMe offload: states read from the source's swap files, written into the live engine's; DeepSpeed's own load
+    # gets the same-size cell wrong, and a one-rank NVMe engine of this DeepSpeed does not train (not a target)
+    pytest.param("nvmez3", 3, ("nvmez3", "widez1"), id="nvme-z3-dp3<-nvme-z3,z1", marks=NVME),
+    pytest.param("nvmez3", 2, ("nvmez3",), id="nvme-z3-dp2<-nvme-z3-same-size", marks=NVME),
+    pytest.param("widez1", 1, ("nvmez3",), id="z1-dp1<-nvme-z3", marks=NVME),
+    pytest.param("wideoffz3", 1, ("nvmez3",), id="cpu-offload-z3-dp1<-nvme-z3", marks=NVME),
     pytest.param("z1", 3, ("z2nofrozen",), id="z1-dp3<-z2-exclude-frozen"),  # frozen param keeps its live value
 ]
 
@@ -101,7 +110,13 @@ def launched(all_sources, tmp_path_factory):
 
     def results(dp: int, slow: bool) -> list[dict]:
         if (dp, slow) not in done:
-            group = [p.values for p in CASES if p.values[1] == dp and any(m.name == "slow" for m in p.marks) == slow]
+            group = [
+                p.values
+                for p in CASES
+                if p.values[1] == dp
+                and any(m.name == "slow" for m in p.marks) == slow
+                and not (nvme_unavailable() and any(m.name == "nvme" for m in p.marks))
+            ]
             out = tmp_path_factory.mktemp(f"reshard_dp{dp}") / "results.json"
             cases = [
                 arg for target, _, names in group for arg in ("--case", target, *(str(all_sources[n]) for n in names))
@@ -116,6 +131,8 @@ def launched(all_sources, tmp_path_factory):
 @pytest.mark.parametrize("target,dp,source_names", CASES)
 def test_reshard(launched, request, target, dp, source_names):
     slow = request.node.get_closest_marker("slow") is not None
+    if request.node.get_closest_marker("nvme") is not None and nvme_unavailable():
+        pytest.skip(nvme_unavailable())
     results = [r for r in launched(dp, slow) if r["target"] == target]
     assert len(results) == len(source_names)
     for r in results:
@@ -125,9 +142,10 @@ def test_reshard(launched, request, target, dp, source_names):
         # DeepSpeed's own load hands state over as is, so it runs only for the same layout and optimizer kernel
         source = Path(r["source"]).name
         same_kernel = KERNELS.get(source, "torch_adamw") == KERNELS.get(target, "torch_adamw")
-        same_layout = r["saved"] == r["live"] and same_kernel
+        nvme = "nvme" in target + source  # DeepSpeed's own load gets NVMe swap files wrong: never handed to it
+        same_layout = r["saved"] == r["live"] and same_kernel and not nvme
         assert r["mode"] == ("native" if same_layout else "resharded"), label
-        rtol = BF16_LOSS_RTOL if "bf16" in target + source else FP32_LOSS_RTOL
+        rtol = BF16_LOSS_RTOL if "bf16" in target + source else FP32_LOSS_RTOL if same_kernel else KERNEL_LOSS_RTOL
         assert r["max_rel_loss"] <= rtol, f"{label}: losses {r['losses']} vs uninterrupted {r['reference_losses']}"
 
 
@@ -156,3 +174,4 @@ def test_fp16_shaped_checkpoint_converts_and_keeps_its_loss_scale_for_fp16_only(
     assert (scaler["state"]["cur_scale"], scaler["state"]["cur_iter"]) == (1024.0, 3)
     assert wrapper_state(ckpt, "fp16")["dynamic_loss_scale"] is True
     assert wrapper_state(ckpt, "bf16") == {} == wrapper_state(ckpt, "fp32")
+

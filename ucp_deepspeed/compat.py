@@ -238,6 +238,62 @@ def zero3_position(opt: Any, p: Any) -> tuple[int, int, int, int]:
     return int(flat), int(offset), int(partition), int(opt._get_param_partition_rank(p)) * int(partition)
 
 
+@dataclass(frozen=True)
+class NvmeSwap:
+    """ZeRO-3 NVMe optimizer offload on this rank: the folder under `offloaded_tensors/` a save copies its swap files
+    into (DeepSpeed names it by global rank, or node-local rank with node-local storage), the optimizer file they
+    complete, the fp32 dtype, and each swapped sub-group's swap id (`ds_id`) and element count."""
+
+    folder: str
+    optim_file: str
+    dtype: Any
+    swapped: dict[str, int]
+
+
+def nvme_swap(engine: Any, save_dir: str, tag: str) -> NvmeSwap | None:
+    """Where and what a save of `engine` to `save_dir/tag` swaps to NVMe; None without NVMe optimizer offload."""
+    import os
+
+    if not engine.zero_nvme_offload_optimizer():
+        return None
+    opt = engine.optimizer
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    swapped = {
+        str(opt.fp32_partitioned_groups_flat[i].ds_id): int(opt.fp16_partitioned_groups_flat_numel[i])
+        for i in range(len(opt.fp16_groups))
+        if opt._swappable_optimizer_subgroup(i)
+    }
+    return NvmeSwap(
+        f"rank{rank:02d}",
+        os.path.basename(engine._get_zero_ckpt_name(save_dir, tag)),
+        opt.master_weights_and_grads_dtype,
+        swapped,
+    )
+
+
+@contextlib.contextmanager
+def zero3_resident(opt: Any, index: int, new_states: bool) -> Iterator[None]:
+    """Inside: ZeRO-3 sub-group `index`'s fp32 partition (and optimizer states, unless `new_states`) are in memory,
+    swapped in from NVMe if the sub-group lives there; on exit they are written back to its swap files.
+
+    `new_states`: the caller replaces the optimizer state dict entries of the sub-group; the swapper forgets the
+    old state tensors and writes the new ones, as it does after a first step.
+    """
+    if not getattr(opt, "swap_optimizer", False) or not opt._swappable_optimizer_subgroup(index):
+        yield
+        return
+    swapper = opt.optimizer_swapper
+    if new_states:
+        info = swapper.swap_params_info.get(opt.fp32_partitioned_groups_flat[index].ds_id)
+        if info is not None:
+            info.tensors, info.has_state_tensors = info.tensors[:1], False
+    opt._optimizer_states_and_gradient_swap_in(index)
+    try:
+        yield
+    finally:
+        opt._optimizer_states_and_gradient_swap_out(index)
+
+
 def zero3_regather(opt: Any) -> None:
     """After partitions were rewritten: re-gather persistent parameters and drop secondary copies (collective)."""
     if opt.persistent_parameters:

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import load_results, popen_payload, swap_pickle, torchrun
+from conftest import load_results, nvme_unavailable, popen_payload, swap_pickle, torchrun
 
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint, convert
 from ucp_deepspeed.convert.core import run_jobs
@@ -74,6 +74,38 @@ def test_rank_file_from_another_save_is_refused(sources, tmp_path, capsys, donor
         err = refused(capsys, *command)
         assert f"{src / TAG / OPTIM1}: belongs to another save" in err, (what, err)
     assert digest(src) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.nvme
+@pytest.mark.parametrize("fault", ["flipped bit", "record missing", "record of another save"])
+def test_nvme_swap_files_are_bound_and_checked(sources, tmp_path, capsys, fault):
+    """A swap file carries nothing of its own to check: its save records its size and CRC-32 and the optimizer file
+    it completes (`offloaded_tensors/rank<NN>/ucp_swap_files.json`)."""
+    if nvme_unavailable():
+        pytest.skip(nvme_unavailable())
+    src = copy_of(sources["nvmez3"], tmp_path / "ckpt")
+    folder = src / TAG / "offloaded_tensors" / "rank01"
+    record = json.loads((folder / "ucp_swap_files.json").read_text())
+    master = next(name for name in record["files"] if "-" not in name)  # `<ds_id>.tensor.swp`; ds_ids vary per run
+    assert sorted(record["files"]) == [master, f"exp_avg-{master}", f"exp_avg_sq-{master}"]
+    if fault == "flipped bit":
+        flip(folder / f"exp_avg-{master}", 1000)
+        commands, expected = ["convert"], f"exp_avg-{master}: swap file fails its CRC-32 recorded at save"
+        assert ucp(["verify", str(src)]) != 0
+        assert expected in capsys.readouterr().out  # verify lists every bad file, one per line
+    elif fault == "record missing":
+        (folder / "ucp_swap_files.json").unlink()
+        commands, expected = ["convert", "verify", "inspect"], "sub-group 0 was swapped to NVMe"
+    else:
+        (folder / "ucp_swap_files.json").write_text(json.dumps({**record, "save_id": "another-1"}))
+        commands, expected = ["convert", "verify", "inspect"], "ucp_swap_files.json: belongs to save another-1"
+    before = digest(src)
+    for command in commands:
+        output = ["--output", str(tmp_path / "out"), "--no-progress"] if command == "convert" else []
+        err = refused(capsys, command, str(src), *output)
+        assert expected in err, (command, err)
+        assert not (tmp_path / "out" / MANIFEST).exists()
+    assert digest(src) == before
 
 
 def test_rank_file_of_an_older_step_without_our_metadata(sources, tmp_path, capsys):

@@ -13,6 +13,7 @@ a save id (`.data/ucp_save_id`, see `stamp`) that binds it to the other files of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import math
@@ -44,6 +45,7 @@ class LazyTensor:
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    swap_id: str = ""  # the `ds_id` DeepSpeed pickles with a tensor whose elements it swapped to NVMe
 
     def numel(self) -> int:
         """Number of elements, like `torch.Tensor.numel`."""
@@ -254,7 +256,12 @@ class TorchFile:
             or type(args) is not tuple
         ):
             raise CheckpointError(self.path, "_rebuild_from_type_v2 of something other than a tensor")
-        return func(*args)
+        tensor = func(*args)
+        attrs = _state[0] if isinstance(_state, tuple) and _state else _state
+        swap_id = attrs.get("ds_id") if isinstance(attrs, dict) else None
+        if isinstance(tensor, LazyTensor) and isinstance(swap_id, str):
+            return dataclasses.replace(tensor, swap_id=swap_id)
+        return tensor
 
     def _persistent_load(self, pid: Any) -> _Storage:
         if (

@@ -30,7 +30,9 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
 from ucp_deepspeed.format.metadata import Topology, write_meta
 from ucp_deepspeed.format.paths import read_latest
+from ucp_deepspeed.format.swap import OFFLOADED, SwapFile, SwapRecord, write_swap_record
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
+from ucp_deepspeed.io.swap_file import file_crc32
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, optimizer_record, same_stage, supported, topology
 from ucp_deepspeed.runtime.collective import all_ok, everywhere, failure_of, guarded, on_rank0
@@ -148,7 +150,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         if compat.data_parallel_rank(engine) == 0:
             write_meta(meta, os.path.join(save_dir, str(tag)), engine.checkpoint_mp_rank)
         try:
-            return native_save(
+            saved = native_save(
                 save_dir,
                 tag=tag,
                 client_state=client_state,
@@ -157,6 +159,10 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             )
         finally:
             files.save_id = ""
+        swap = compat.nvme_swap(engine, save_dir, str(tag))
+        if swap is not None:
+            record_swap_files(swap, os.path.join(save_dir, str(tag), OFFLOADED, swap.folder), save_id)
+        return saved
 
     @functools.wraps(native_load)
     def load_checkpoint(
@@ -249,9 +255,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         same_kernel = meta.optimizer is None or all(
             meta.optimizer.get(k) == live_kernel[k] for k in ("class", "algorithm")
         )
+        # DeepSpeed's own load of a ZeRO-3 NVMe checkpoint leaves the swapped optimizer states and the sub-groups
+        # kept in memory at their fresh values (measured: 13 of 16 tensors wrong); ours reads the swap files
+        swapped = engine.zero_nvme_offload_optimizer() or os.path.isdir(os.path.join(load_dir, tag, OFFLOADED))
         if (
             saved.same_layout(live)
             and same_kernel
+            and not swapped
             and everywhere(guarded(lambda: not megatron_moe_layers(engine.module) and same_stage(engine, metas)))
         ):
             if not checked_tag:  # resume_tag has already opened and checked every file of the tag it picked
@@ -293,6 +303,18 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     engine.load_checkpoint = load_checkpoint
     engine.wait_for_checkpoint = wait_for_checkpoint
     return engine
+
+
+def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> None:
+    """Record the swap files DeepSpeed copied into `folder` for this rank's save: sizes, CRC-32, the save id."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        swap_id = name.removesuffix(".tensor.swp").rpartition("-")[2]  # `<ds_id>` or `<state>-<ds_id>`
+        if name.endswith(".tensor.swp") and swap_id in swap.swapped:
+            path = os.path.join(folder, name)
+            files[name] = SwapFile(swap.swapped[swap_id], os.path.getsize(path), file_crc32(path))
+    dtype = str(swap.dtype).removeprefix("torch.")
+    write_swap_record(SwapRecord(swap.optim_file, save_id, dtype, files), folder)
 
 
 def _pick_tag(load_dir: str) -> tuple[str | None, tuple[str, str] | None]:

@@ -334,18 +334,19 @@ def _restore_zero3(
     opt = engine.optimizer
     read = _reader(engine, ckpt, live)
     keys = smap.keys if smap is not None else {}
-    for sub in compat.zero3_subgroups(opt):
-        flat = sub.fp32
-        bufs = {k: torch.zeros_like(flat) for k in keys}
-        for p in sub.params:
-            _, offset, partition, start = compat.zero3_position(opt, p)
-            numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
-            flat.data.narrow(0, offset, numel).copy_(read(p, FP32, start, numel))
-            for k, saved in keys.items():
-                bufs[k].narrow(0, offset, numel).copy_(read(p, saved, start, numel))
-        if smap is not None:
-            _apply_group_state(opt, sub.group, ckpt, smap, flat, bufs)
-        sub.lp.data.copy_(flat.data)
+    for index, sub in enumerate(compat.zero3_subgroups(opt)):
+        with compat.zero3_resident(opt, index, new_states=smap is not None):  # NVMe offload: in, then back out
+            flat = sub.fp32
+            bufs = {k: torch.zeros_like(flat) for k in keys}
+            for p in sub.params:
+                _, offset, partition, start = compat.zero3_position(opt, p)
+                numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
+                flat.data.narrow(0, offset, numel).copy_(read(p, FP32, start, numel))
+                for k, saved in keys.items():
+                    bufs[k].narrow(0, offset, numel).copy_(read(p, saved, start, numel))
+            if smap is not None:
+                _apply_group_state(opt, sub.group, ckpt, smap, flat, bufs)
+            sub.lp.data.copy_(flat.data)
     for p in engine.module.parameters():
         if not p.requires_grad and compat.is_zero3_param(p) and live[p].name in ckpt.params:
             tensor, start, numel = compat.zero3_partition(p)

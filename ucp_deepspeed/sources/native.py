@@ -20,7 +20,9 @@ from ucp_deepspeed.format.metadata import (
     read_meta,
 )
 from ucp_deepspeed.format.paths import read_latest
+from ucp_deepspeed.format.swap import SWAP_RECORD, read_swap_records
 from ucp_deepspeed.geometry.fragments import fragments
+from ucp_deepspeed.io.swap_file import SwapTensor
 from ucp_deepspeed.io.torch_file import TorchFile
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, check_whole, fail
@@ -54,7 +56,16 @@ class RankFiles:
             self.model_paths = [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
         files = {s.file for s in meta.params} | {e.file for e in meta.extras}
         self.layer_paths = sorted(os.path.join(tag_dir, f) for f in files if f)
+        self.swaps = read_swap_records(tag_dir) if topo.zero_stage == 3 else {}
+        swap_files = [
+            os.path.join(folder, name)
+            for path in self.optim_paths
+            if os.path.basename(path) in self.swaps
+            for folder, record in [self.swaps[os.path.basename(path)]]
+            for name in [SWAP_RECORD, *sorted(record.files)]
+        ]
         self.needed = self.model_paths + ([] if topo.unpartitioned else self.optim_paths) + self.layer_paths
+        self.needed += swap_files
         self._lock = threading.Lock()
         self._optim: dict[int, OptimRankFile] = {}
         self._model: dict[int, ModelStatesFile] = {}
@@ -64,9 +75,9 @@ class RankFiles:
         """The optimizer file of data-parallel rank `rank`, opened once."""
         with self._lock:
             if rank not in self._optim:
-                self._optim[rank] = self._bound(
-                    OptimRankFile(self.optim_paths[rank], self.meta.topology.zero_stage, self.verify)
-                )
+                path = self.optim_paths[rank]
+                swap = self.swaps.get(os.path.basename(path))
+                self._optim[rank] = self._bound(OptimRankFile(path, self.meta.topology.zero_stage, self.verify, swap))
             return self._optim[rank]
 
     def model_states(self, rank: int = 0) -> ModelStatesFile:
@@ -329,7 +340,8 @@ class NativeCheckpoint:
         return [p for rank in self.ranks for p in rank.needed] + metas
 
     def verify(self) -> list[str]:
-        """Every problem with the tag's files: missing, unreadable, or a record failing its zip crc32."""
+        """Every problem with the tag's files: missing, unreadable, a record failing its zip CRC-32, or a swap file
+        failing the CRC-32 its save recorded."""
         problems = []
         for path in self.source_files():
             if not path.endswith(".pt"):
@@ -343,6 +355,13 @@ class NativeCheckpoint:
                 problems += tfile.verify()
             finally:
                 tfile.close()
+        for folder, record in {id(r): r for rank in self.ranks for r in rank.swaps.values()}.values():
+            for name, entry in sorted(record.files.items()):
+                path = os.path.join(folder, name)
+                try:
+                    SwapTensor(path, torch.uint8, 0, entry.nbytes, entry.crc32).check()
+                except CheckpointError as exc:
+                    problems.append(str(exc))
         return problems
 
     def model_states(self, rank: int = 0) -> ModelStatesFile:

@@ -2,22 +2,37 @@
 
 ZeRO-1/2 (`DeepSpeedZeroOptimizer`, `BF16_Optimizer`) and ZeRO-3 store the same things under
 different keys; `OptimRankFile` hides that so the converter sees one shape of data: per flat
-buffer, a 1-D tensor for the fp32 master and for each per-element optimizer state.
+buffer, a 1-D tensor for the fp32 master and for each per-element optimizer state. A ZeRO-3
+sub-group swapped to NVMe is an empty tensor in the file; its elements come from the swap files
+the save recorded (`format.swap`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32
+from ucp_deepspeed.format.swap import SwapRecord
+from ucp_deepspeed.io.swap_file import SwapTensor
 from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize, plain
+
+_TENSORS = (LazyTensor, SwapTensor)
+
+
+def _swap_tensor(folder: str, record: SwapRecord, file: str, verify: bool) -> SwapTensor:
+    entry = record.files[file]
+    return SwapTensor(f"{folder}/{file}", getattr(torch, record.dtype), entry.numel, entry.nbytes, entry.crc32, verify)
 
 
 class OptimRankFile:
     """The optimizer file of one data-parallel rank, opened lazily."""
 
-    def __init__(self, path: str, zero_stage: int, verify: bool = True):
+    def __init__(
+        self, path: str, zero_stage: int, verify: bool = True, swap: tuple[str, SwapRecord] | None = None
+    ) -> None:
         self.path = path
         self.zero_stage = zero_stage
         self._file = TorchFile(path, verify)
@@ -44,31 +59,70 @@ class OptimRankFile:
             self._states = [states.get(i, {}) for i in range(len(self._flat_fp32))]
             self._hyperparams = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
             self._flat_to_group = {i: g for g, group in enumerate(base["param_groups"]) for i in group["params"]}
+        if zero_stage == 3:
+            self._flat_fp32 = list(self._flat_fp32)
+            try:
+                self._swapped_in(swap, verify)
+            except CheckpointError:
+                self._file.close()
+                raise
+
+    def _swapped_in(self, swap: tuple[str, SwapRecord] | None, verify: bool) -> None:
+        """Put each swapped sub-group's recorded swap files in place of its empty tensors."""
+        for index, flat in enumerate(self._flat_fp32):
+            if not (isinstance(flat, LazyTensor) and flat.swap_id and flat.numel() == 0):
+                continue
+            name = f"{flat.swap_id}.tensor.swp"
+            if swap is None or name not in swap[1].files:
+                where = f"{swap[0]}/{name}" if swap else f"offloaded_tensors/rank<NN>/{name}"
+                raise CheckpointError(
+                    self.path,
+                    f"sub-group {index} was swapped to NVMe and {where} is not recorded by ucp_deepspeed "
+                    "(saved without it, or its swap folder is missing): its fp32 weights cannot be read",
+                )
+            folder, record = swap
+            if record.save_id != (self.save_id or ""):
+                raise CheckpointError(
+                    f"{folder}/ucp_swap_files.json",
+                    f"belongs to save {record.save_id or '(none)'}, {self.path} to {self.save_id or '(none)'}",
+                )
+
+            self._flat_fp32[index] = _swap_tensor(folder, record, name, verify)
+            state = dict(self._states[index])
+            for key, value in state.items():
+                if isinstance(value, LazyTensor) and value.swap_id and value.numel() == 0:
+                    file = f"{value.swap_id}.tensor.swp"
+                    if file not in record.files:
+                        raise CheckpointError(
+                            self.path, f"state {key} of swapped sub-group {index}: {file} is not recorded"
+                        )
+                    state[key] = _swap_tensor(folder, record, file, verify)
+            self._states[index] = state
 
     @property
     def num_flat(self) -> int:
         """Number of flat fp32 buffers in this file."""
         return len(self._flat_fp32)
 
-    def flat(self, index: int, state: str) -> LazyTensor:
+    def flat(self, index: int, state: str) -> LazyTensor | SwapTensor:
         """The 1-D fp32 master (`state == "fp32"`) or optimizer state of flat buffer `index`."""
         if index >= self.num_flat:
             raise CheckpointError(self.path, f"has {self.num_flat} flat buffers, metadata expects index {index}")
         tensor = self._flat_fp32[index] if state == FP32 else self._states[index].get(state)
-        if not isinstance(tensor, LazyTensor):
+        if not isinstance(tensor, _TENSORS):
             raise CheckpointError(self.path, f"flat buffer {index} has no state '{state}'")
         return tensor
 
     def state_keys(self, index: int) -> list[str]:
         """Per-element optimizer state keys of a flat buffer (those shaped like the fp32 master)."""
-        return [k for k, v in self._states[index].items() if isinstance(v, LazyTensor) and len(v.shape) == 1]
+        return [k for k, v in self._states[index].items() if isinstance(v, _TENSORS) and len(v.shape) == 1]
 
     def scalars(self, index: int) -> dict[str, Any]:
         """Scalar optimizer state of a flat buffer, such as Adam's `step`, materialised."""
         return {
             k: materialize(v)
             for k, v in self._states[index].items()
-            if not (isinstance(v, LazyTensor) and len(v.shape) == 1)
+            if not (isinstance(v, _TENSORS) and len(v.shape) == 1)
         }
 
     def hyperparams(self) -> list[dict[str, Any]] | None:

@@ -186,8 +186,8 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
         src = NativeCheckpoint(found.root, found.tag)
         try:
             return src.verify(), (
-                "every rank file matches the CRCs in its zip directory, carries this save's id "
-                "and agrees with the metadata"
+                "every rank file matches the CRCs in its zip directory (NVMe swap files: the CRCs their save "
+                "recorded), carries this save's id and agrees with the metadata"
             )
         finally:
             src.close()

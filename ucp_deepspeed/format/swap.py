@@ -1,0 +1,101 @@
+"""What a save records about the NVMe swap files DeepSpeed copies into its tag folder.
+
+With `offload_optimizer: nvme`, ZeRO-3 keeps each large sub-group's fp32 partition and optimizer states in
+raw files (`<ds_id>.tensor.swp`, `<state>-<ds_id>.tensor.swp`), which a save copies to
+`offloaded_tensors/rank<NN>/`, where NN is the global rank (DeepSpeed's choice, not the data-parallel
+rank that names the optimizer file). The files say nothing about themselves, so each saving rank writes
+`ucp_swap_files.json` beside them: the optimizer file they belong to, the save id that binds them to it,
+and each file's element count, byte size and CRC-32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ucp_deepspeed.errors import CheckpointError
+
+OFFLOADED = "offloaded_tensors"
+SWAP_RECORD = "ucp_swap_files.json"
+_SWAP_NAME = re.compile(r"[A-Za-z0-9_.-]+\.tensor\.swp")
+_OPTIM_NAME = re.compile(r"(bf16_)?zero_pp_rank_[0-9]+_mp_rank_[0-9]+_optim_states\.pt")
+
+
+@dataclass(frozen=True)
+class SwapFile:
+    """One swap file: elements of the tensor (the rest is I/O alignment padding), bytes, CRC-32."""
+
+    numel: int
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    """The swap files one rank's save copied, by file name, and the optimizer file they complete."""
+
+    optim_file: str
+    save_id: str
+    dtype: str
+    files: dict[str, SwapFile]
+
+    def to_json(self) -> str:
+        """Serialise to the JSON written next to the swap files."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, path: str) -> SwapRecord:
+        """Parse and validate a record, naming `path` in any error."""
+        try:
+            raw: dict[str, Any] = json.loads(text)
+            record = cls(
+                optim_file=str(raw["optim_file"]),
+                save_id=str(raw["save_id"]),
+                dtype=str(raw["dtype"]),
+                files={str(k): SwapFile(**v) for k, v in dict(raw["files"]).items()},
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(path, f"swap record is malformed ({exc})") from None
+        if not _OPTIM_NAME.fullmatch(record.optim_file):
+            raise CheckpointError(path, f"names {record.optim_file!r}, not an optimizer file of a tag folder")
+        if record.dtype not in ("float32", "bfloat16", "float16"):
+            raise CheckpointError(path, f"records swap files of dtype {record.dtype!r}")
+        for name, entry in record.files.items():
+            if not _SWAP_NAME.fullmatch(name):  # a bare file name: nothing outside the record's folder is read
+                raise CheckpointError(path, f"names {name!r}, not a swap file of this folder")
+            if not all(type(v) is int and v >= 0 for v in (entry.numel, entry.nbytes, entry.crc32)):
+                raise CheckpointError(path, f"{name}: sizes and CRC must be non-negative integers")
+        return record
+
+
+def write_swap_record(record: SwapRecord, folder: str) -> str:
+    """Atomically write a rank's swap record into its `offloaded_tensors/rank<NN>` folder."""
+    path = os.path.join(folder, SWAP_RECORD)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(record.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_swap_records(tag_dir: str) -> dict[str, tuple[str, SwapRecord]]:
+    """Every swap record of a tag folder: optimizer file name -> (its swap folder, the record)."""
+    root = os.path.join(tag_dir, OFFLOADED)
+    out: dict[str, tuple[str, SwapRecord]] = {}
+    if not os.path.isdir(root):
+        return out
+    for entry in sorted(os.listdir(root)):
+        path = os.path.join(root, entry, SWAP_RECORD)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            record = SwapRecord.from_json(f.read(), path)
+        if record.optim_file in out:
+            raise CheckpointError(path, f"a second swap record for {record.optim_file}")
+        out[record.optim_file] = (os.path.join(root, entry), record)
+    return out
