@@ -409,15 +409,16 @@ def test_nvme_swap_and_zero3_resident(tmp_path):
     opt = engine.optimizer
     flat = opt.fp32_partitioned_groups_flat[0]
     assert flat.numel() == 0  # swapped out between steps
-    with compat.zero3_resident(opt, 0, new_states=True):
-        assert flat.numel() == 512 * 600
-        flat.data.fill_(0.5)
-        opt.optimizer.state[flat].update(exp_avg=torch.full_like(flat, 2.0), exp_avg_sq=torch.full_like(flat, 3.0))
-    assert flat.numel() == 0
-    with compat.zero3_resident(opt, 0, new_states=False):  # read back from the swap files
+    with compat.zero3_resident(opt, 0):  # the states a step made, swapped in with the partition: written in place
         state = opt.optimizer.state[flat]
+        assert flat.numel() == 512 * 600 == state["exp_avg"].numel()
+        flat.data.fill_(0.5)
+        state["exp_avg"].fill_(2.0)
+        state["exp_avg_sq"].fill_(3.0)
+    assert flat.numel() == 0
+    with compat.zero3_resident(opt, 0):  # read back from the swap files
         assert torch.equal(flat.data, torch.full((512 * 600,), 0.5))
         assert torch.equal(state["exp_avg"], torch.full_like(flat, 2.0))
         assert torch.equal(state["exp_avg_sq"], torch.full_like(flat, 3.0))
-    with compat.zero3_resident(opt, 1, new_states=False):  # kept in memory: nothing to swap
+    with compat.zero3_resident(opt, 1):  # kept in memory: nothing to swap
         assert opt.fp32_partitioned_groups_flat[1].numel() == 600

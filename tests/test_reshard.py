@@ -29,7 +29,7 @@ SLOW = pytest.mark.slow
 KERNELS = {"offz1": "cpu_adam", "offz2": "cpu_adam", "offz3": "cpu_adam", "fusedz1": "fused_adam"}
 KERNELS |= {"adagradz0": "adagrad", "offadagradz2": "cpu_adagrad", "offlionz1": "cpu_lion", "offlionz2": "cpu_lion"}
 KERNELS |= {"nvmez3": "cpu_adam", "wideoffz3": "cpu_adam"}
-KERNEL_LOSS_RTOL = 1e-5  # another kernel of the same update rounds differently (1.4e-6 measured on the wide model)
+WIDE_KERNEL_LOSS_RTOL = 1e-5  # CPU Adam and torch's AdamW round apart on the 870k-parameter model (1.4e-6 measured)
 NVME = pytest.mark.nvme
 CASES = [
     pytest.param("z1", 1, ("z1", "z2", "z3", "offz2", "fusedz1", "bf16z1"), id="z1-dp1<-z1,z2,z3,offz2,fused,bf16"),
@@ -145,7 +145,9 @@ def test_reshard(launched, request, target, dp, source_names):
         nvme = "nvme" in target + source  # DeepSpeed's own load gets NVMe swap files wrong: never handed to it
         same_layout = r["saved"] == r["live"] and same_kernel and not nvme
         assert r["mode"] == ("native" if same_layout else "resharded"), label
-        rtol = BF16_LOSS_RTOL if "bf16" in target + source else FP32_LOSS_RTOL if same_kernel else KERNEL_LOSS_RTOL
+        rtol = BF16_LOSS_RTOL if "bf16" in target + source else FP32_LOSS_RTOL
+        if not same_kernel and {"nvmez3", "widez1", "wideoffz3"} & {source, target}:
+            rtol = WIDE_KERNEL_LOSS_RTOL
         assert r["max_rel_loss"] <= rtol, f"{label}: losses {r['losses']} vs uninterrupted {r['reference_losses']}"
 
 

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import importlib
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -250,11 +251,14 @@ class NvmeSwap:
     swapped: dict[str, int]
 
 
+def nvme_offload(engine: Any) -> bool:
+    """Whether the engine offloads its optimizer to NVMe (ZeRO-3 swap files)."""
+    return bool(engine.zero_nvme_offload_optimizer())
+
+
 def nvme_swap(engine: Any, save_dir: str, tag: str) -> NvmeSwap | None:
     """Where and what a save of `engine` to `save_dir/tag` swaps to NVMe; None without NVMe optimizer offload."""
-    import os
-
-    if not engine.zero_nvme_offload_optimizer():
+    if not nvme_offload(engine):
         return None
     opt = engine.optimizer
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
@@ -272,21 +276,16 @@ def nvme_swap(engine: Any, save_dir: str, tag: str) -> NvmeSwap | None:
 
 
 @contextlib.contextmanager
-def zero3_resident(opt: Any, index: int, new_states: bool) -> Iterator[None]:
-    """Inside: ZeRO-3 sub-group `index`'s fp32 partition (and optimizer states, unless `new_states`) are in memory,
-    swapped in from NVMe if the sub-group lives there; on exit they are written back to its swap files.
+def zero3_resident(opt: Any, index: int) -> Iterator[None]:
+    """Inside: ZeRO-3 sub-group `index`'s fp32 partition and optimizer states are in memory, swapped in from NVMe if
+    the sub-group lives there; on exit (also on an error) they are written back to its swap files.
 
-    `new_states`: the caller replaces the optimizer state dict entries of the sub-group; the swapper forgets the
-    old state tensors and writes the new ones, as it does after a first step.
+    The swapper writes back the state tensors it swapped in, so those must be updated in place; a state tensor
+    that did not exist before (an engine that has not stepped) is picked up as DeepSpeed's first step does.
     """
     if not getattr(opt, "swap_optimizer", False) or not opt._swappable_optimizer_subgroup(index):
         yield
         return
-    swapper = opt.optimizer_swapper
-    if new_states:
-        info = swapper.swap_params_info.get(opt.fp32_partitioned_groups_flat[index].ds_id)
-        if info is not None:
-            info.tensors, info.has_state_tensors = info.tensors[:1], False
     opt._optimizer_states_and_gradient_swap_in(index)
     try:
         yield

@@ -77,10 +77,10 @@ def test_rank_file_from_another_save_is_refused(sources, tmp_path, capsys, donor
 
 
 @pytest.mark.nvme
-@pytest.mark.parametrize("fault", ["flipped bit", "record missing", "record of another save"])
+@pytest.mark.parametrize("fault", ["flipped bit", "truncated", "link", "record missing", "record of another save"])
 def test_nvme_swap_files_are_bound_and_checked(sources, tmp_path, capsys, fault):
-    """A swap file carries nothing of its own to check: its save records its size and CRC-32 and the optimizer file
-    it completes (`offloaded_tensors/rank<NN>/ucp_swap_files.json`)."""
+    """A swap file carries nothing of its own to check: its save records its size, a CRC-32 per MiB and the optimizer
+    file it completes (`offloaded_tensors/rank<NN>/ucp_swap_files.json`)."""
     if nvme_unavailable():
         pytest.skip(nvme_unavailable())
     src = copy_of(sources["nvmez3"], tmp_path / "ckpt")
@@ -88,17 +88,27 @@ def test_nvme_swap_files_are_bound_and_checked(sources, tmp_path, capsys, fault)
     record = json.loads((folder / "ucp_swap_files.json").read_text())
     master = next(name for name in record["files"] if "-" not in name)  # `<ds_id>.tensor.swp`; ds_ids vary per run
     assert sorted(record["files"]) == [master, f"exp_avg-{master}", f"exp_avg_sq-{master}"]
+    moment = folder / f"exp_avg-{master}"
+    size = moment.stat().st_size
+    commands = ["convert", "verify", "inspect"]
     if fault == "flipped bit":
-        flip(folder / f"exp_avg-{master}", 1000)
-        commands, expected = ["convert"], f"exp_avg-{master}: swap file fails its CRC-32 recorded at save"
+        flip(moment, 1000)
+        commands, expected = ["convert"], f"{moment.name}: block 0 (bytes 0-1048575) fails its CRC-32 recorded at save"
         assert ucp(["verify", str(src)]) != 0
         assert expected in capsys.readouterr().out  # verify lists every bad file, one per line
+    elif fault == "truncated":
+        moment.write_bytes(moment.read_bytes()[:-100])
+        commands, expected = ["convert"], f"{moment.name}: swap file is {size - 100} bytes, the save recorded {size}"
+    elif fault == "link":  # a link could point anywhere on the machine: never followed
+        shutil.move(moment, tmp_path / "elsewhere")
+        moment.symlink_to(tmp_path / "elsewhere")
+        commands, expected = ["convert"], f"{moment.name}: swap file cannot be opened"
     elif fault == "record missing":
         (folder / "ucp_swap_files.json").unlink()
-        commands, expected = ["convert", "verify", "inspect"], "sub-group 0 was swapped to NVMe"
+        expected = "sub-group 0 was swapped to NVMe"
     else:
         (folder / "ucp_swap_files.json").write_text(json.dumps({**record, "save_id": "another-1"}))
-        commands, expected = ["convert", "verify", "inspect"], "ucp_swap_files.json: belongs to save another-1"
+        expected = "ucp_swap_files.json: belongs to save another-1"
     before = digest(src)
     for command in commands:
         output = ["--output", str(tmp_path / "out"), "--no-progress"] if command == "convert" else []

@@ -5,7 +5,7 @@ raw files (`<ds_id>.tensor.swp`, `<state>-<ds_id>.tensor.swp`), which a save cop
 `offloaded_tensors/rank<NN>/`, where NN is the global rank (DeepSpeed's choice, not the data-parallel
 rank that names the optimizer file). The files say nothing about themselves, so each saving rank writes
 `ucp_swap_files.json` beside them: the optimizer file they belong to, the save id that binds them to it,
-and each file's element count, byte size and CRC-32.
+and each file's element count, byte size and one CRC-32 per MiB (so that a read checks only what it reads).
 """
 
 from __future__ import annotations
@@ -17,20 +17,22 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io.checksum import BLOCK
 
 OFFLOADED = "offloaded_tensors"
 SWAP_RECORD = "ucp_swap_files.json"
 _SWAP_NAME = re.compile(r"[A-Za-z0-9_.-]+\.tensor\.swp")
+_MAX_RECORD = 64 << 20  # a 1 TB swap folder's record is about 15 MB
 _OPTIM_NAME = re.compile(r"(bf16_)?zero_pp_rank_[0-9]+_mp_rank_[0-9]+_optim_states\.pt")
 
 
 @dataclass(frozen=True)
 class SwapFile:
-    """One swap file: elements of the tensor (the rest is I/O alignment padding), bytes, CRC-32."""
+    """One swap file: elements of the tensor (the rest is I/O alignment padding), bytes, a CRC-32 per MiB."""
 
     numel: int
     nbytes: int
-    crc32: int
+    blocks: list[int]
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ class SwapRecord:
                 dtype=str(raw["dtype"]),
                 files={str(k): SwapFile(**v) for k, v in dict(raw["files"]).items()},
             )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(path, f"swap record is malformed ({exc})") from None
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            raise CheckpointError(path, f"swap record is malformed ({str(exc)[:200]})") from None
         if not _OPTIM_NAME.fullmatch(record.optim_file):
             raise CheckpointError(path, f"names {record.optim_file!r}, not an optimizer file of a tag folder")
         if record.dtype not in ("float32", "bfloat16", "float16"):
@@ -66,8 +68,13 @@ class SwapRecord:
         for name, entry in record.files.items():
             if not _SWAP_NAME.fullmatch(name):  # a bare file name: nothing outside the record's folder is read
                 raise CheckpointError(path, f"names {name!r}, not a swap file of this folder")
-            if not all(type(v) is int and v >= 0 for v in (entry.numel, entry.nbytes, entry.crc32)):
-                raise CheckpointError(path, f"{name}: sizes and CRC must be non-negative integers")
+            if not all(type(v) is int and v >= 0 for v in (entry.numel, entry.nbytes)):
+                raise CheckpointError(path, f"{name}: sizes must be non-negative integers")
+            crcs = entry.blocks
+            if not isinstance(crcs, list) or not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):
+                raise CheckpointError(path, f"{name}: block CRCs must be 32-bit integers")
+            if len(entry.blocks) != -(-entry.nbytes // BLOCK):
+                raise CheckpointError(path, f"{name}: {len(entry.blocks)} block CRCs for {entry.nbytes} bytes")
         return record
 
 
@@ -93,8 +100,17 @@ def read_swap_records(tag_dir: str) -> dict[str, tuple[str, SwapRecord]]:
         path = os.path.join(root, entry, SWAP_RECORD)
         if not os.path.isfile(path):
             continue
-        with open(path) as f:
-            record = SwapRecord.from_json(f.read(), path)
+        if os.path.islink(os.path.join(root, entry)) or os.path.islink(path):  # reads stay inside the tag folder
+            raise CheckpointError(path, "a swap folder or record that is a symbolic link is not read")
+        with open(path, "rb") as f:
+            data = f.read(_MAX_RECORD + 1)
+        if len(data) > _MAX_RECORD:
+            raise CheckpointError(path, f"swap record is larger than {_MAX_RECORD} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(path, "swap record is not UTF-8 text") from None
+        record = SwapRecord.from_json(text, path)
         if record.optim_file in out:
             raise CheckpointError(path, f"a second swap record for {record.optim_file}")
         out[record.optim_file] = (os.path.join(root, entry), record)

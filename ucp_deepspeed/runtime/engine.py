@@ -32,7 +32,7 @@ from ucp_deepspeed.format.metadata import Topology, write_meta
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.swap import OFFLOADED, SwapFile, SwapRecord, write_swap_record
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
-from ucp_deepspeed.io.swap_file import file_crc32
+from ucp_deepspeed.io.swap_file import file_block_crcs
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, optimizer_record, same_stage, supported, topology
 from ucp_deepspeed.runtime.collective import all_ok, everywhere, failure_of, guarded, on_rank0
@@ -257,7 +257,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         )
         # DeepSpeed's own load of a ZeRO-3 NVMe checkpoint leaves the swapped optimizer states and the sub-groups
         # kept in memory at their fresh values (measured: 13 of 16 tensors wrong); ours reads the swap files
-        swapped = engine.zero_nvme_offload_optimizer() or os.path.isdir(os.path.join(load_dir, tag, OFFLOADED))
+        swapped = compat.nvme_offload(engine) or os.path.isdir(os.path.join(load_dir, tag, OFFLOADED))
         if (
             saved.same_layout(live)
             and same_kernel
@@ -306,13 +306,13 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
 
 
 def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> None:
-    """Record the swap files DeepSpeed copied into `folder` for this rank's save: sizes, CRC-32, the save id."""
+    """Record the swap files DeepSpeed copied into `folder` for this rank's save: sizes, CRCs, the save id."""
     files = {}
     for name in sorted(os.listdir(folder)):
         swap_id = name.removesuffix(".tensor.swp").rpartition("-")[2]  # `<ds_id>` or `<state>-<ds_id>`
         if name.endswith(".tensor.swp") and swap_id in swap.swapped:
             path = os.path.join(folder, name)
-            files[name] = SwapFile(swap.swapped[swap_id], os.path.getsize(path), file_crc32(path))
+            files[name] = SwapFile(swap.swapped[swap_id], os.path.getsize(path), file_block_crcs(path))
     dtype = str(swap.dtype).removeprefix("torch.")
     write_swap_record(SwapRecord(swap.optim_file, save_id, dtype, files), folder)
 

@@ -250,10 +250,16 @@ def _apply_group_state(
 ) -> None:
     record = ckpt.manifest.param_groups[group_index]
     state = opt.optimizer.state[flat]
+    # a live state tensor of the same shape is written in place: an NVMe swapper writes back the tensors it holds
+    kept = {
+        k: v
+        for k, v in state.items()
+        if k in bufs and torch.is_tensor(v) and v.shape == bufs[k].shape and v.dtype == bufs[k].dtype
+    }
     state.clear()
     device = compat.scalar_device(opt.optimizer.param_groups[group_index], flat)
     state.update(_scalars(record.scalars, smap, device, f"{ckpt.root}/{MANIFEST}"))
-    state.update(bufs)
+    state.update({k: kept[k].copy_(buf) if k in kept else buf for k, buf in bufs.items()})
 
 
 def _apply_hyperparams(engine: Any, ckpt: UniversalCheckpoint) -> None:
@@ -335,7 +341,7 @@ def _restore_zero3(
     read = _reader(engine, ckpt, live)
     keys = smap.keys if smap is not None else {}
     for index, sub in enumerate(compat.zero3_subgroups(opt)):
-        with compat.zero3_resident(opt, index, new_states=smap is not None):  # NVMe offload: in, then back out
+        with compat.zero3_resident(opt, index):  # NVMe offload: swapped in, then back out
             flat = sub.fp32
             bufs = {k: torch.zeros_like(flat) for k in keys}
             for p in sub.params:

@@ -253,7 +253,8 @@ class NativeCheckpoint:
         topo = self.meta.topology
         self.tensors = full_tensors(self.metas, os.path.join(self.tag_dir, meta_filename(0)))
         self.ranks = [RankFiles(self.tag_dir, r, meta, verify) for r, meta in enumerate(self.metas)]
-        missing = [os.path.basename(p) for rank in self.ranks for p in rank.needed if not os.path.isfile(p)]
+        needed = [p for rank in self.ranks for p in rank.needed]
+        missing = [os.path.relpath(p, self.tag_dir) for p in needed if not os.path.isfile(p)]
         if missing:
             raise CheckpointError(
                 self.tag_dir, f"saved at {topo.describe()} but rank files are missing: {', '.join(missing)}"
@@ -355,11 +356,12 @@ class NativeCheckpoint:
                 problems += tfile.verify()
             finally:
                 tfile.close()
-        for folder, record in {id(r): r for rank in self.ranks for r in rank.swaps.values()}.values():
+        swaps = {folder: record for rank in self.ranks for folder, record in rank.swaps.values()}
+        for folder, record in sorted(swaps.items()):
             for name, entry in sorted(record.files.items()):
                 path = os.path.join(folder, name)
                 try:
-                    SwapTensor(path, torch.uint8, 0, entry.nbytes, entry.crc32).check()
+                    SwapTensor(path, torch.uint8, 0, entry.nbytes, entry.blocks).check()
                 except CheckpointError as exc:
                     problems.append(str(exc))
         return problems

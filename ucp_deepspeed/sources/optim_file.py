@@ -24,7 +24,7 @@ _TENSORS = (LazyTensor, SwapTensor)
 
 def _swap_tensor(folder: str, record: SwapRecord, file: str, verify: bool) -> SwapTensor:
     entry = record.files[file]
-    return SwapTensor(f"{folder}/{file}", getattr(torch, record.dtype), entry.numel, entry.nbytes, entry.crc32, verify)
+    return SwapTensor(f"{folder}/{file}", getattr(torch, record.dtype), entry.numel, entry.nbytes, entry.blocks, verify)
 
 
 class OptimRankFile:
@@ -37,7 +37,17 @@ class OptimRankFile:
         self.zero_stage = zero_stage
         self._file = TorchFile(path, verify)
         self.save_id = self._file.save_id
-        top = self._file.obj
+        try:
+            self._parse(self._file.obj, swap, verify)
+        except CheckpointError:
+            self._file.close()
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            self._file.close()
+            raise CheckpointError(path, f"malformed ZeRO-{zero_stage} optimizer state ({str(exc)[:200]})") from None
+
+    def _parse(self, top: Any, swap: tuple[str, SwapRecord] | None, verify: bool) -> None:
+        path, zero_stage = self.path, self.zero_stage
         sd = top.get("optimizer_state_dict") if isinstance(top, dict) else None
         if not isinstance(sd, dict):
             raise CheckpointError(path, "no 'optimizer_state_dict' entry; not a DeepSpeed ZeRO optimizer file")
@@ -61,11 +71,7 @@ class OptimRankFile:
             self._flat_to_group = {i: g for g, group in enumerate(base["param_groups"]) for i in group["params"]}
         if zero_stage == 3:
             self._flat_fp32 = list(self._flat_fp32)
-            try:
-                self._swapped_in(swap, verify)
-            except CheckpointError:
-                self._file.close()
-                raise
+            self._swapped_in(swap, verify)
 
     def _swapped_in(self, swap: tuple[str, SwapRecord] | None, verify: bool) -> None:
         """Put each swapped sub-group's recorded swap files in place of its empty tensors."""
