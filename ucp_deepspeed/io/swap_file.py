@@ -85,7 +85,7 @@ class SwapTensor:
             stop = min(start + _SPAN, math.ceil(end / BLOCK) * BLOCK, self.nbytes)
             span = bytearray(stop - start)
             self._pread(fd, memoryview(span), start)
-            for i, crc in enumerate(block_crcs(span)):
+            for i, crc in enumerate(block_crcs(memoryview(span))):
                 block = start // BLOCK + i
                 if block not in self._checked:
                     if crc != self.blocks[block]:
