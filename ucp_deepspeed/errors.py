@@ -12,3 +12,6 @@ class CheckpointError(RuntimeError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return CheckpointError, (self.path, self.reason)  # rebuilt whole in the process that receives it

@@ -67,9 +67,12 @@ def test_flipped_byte_in_a_source_file_is_found(source, tmp_path):
     before = digest(source)
     checked = ucp("verify", str(source))
     assert checked.returncode == 1 and f"{OPTIM}: record" in checked.stdout and "crc32" in checked.stdout
-    refused = ucp("convert", str(source), "--output", str(tmp_path / "out"))  # every byte read is checked
-    assert refused.returncode == 2 and "fails its crc32 check" in refused.stderr and OPTIM in refused.stderr
-    assert not (tmp_path / "out" / MANIFEST).exists() and digest(source) == before
+    # every byte read is checked: in this process, in child processes (--procs), and by a rerun that would reuse
+    # the files the first run made from the damaged bytes before its check failed
+    for out, split in (("out", []), ("split", ["--procs", "2"]), ("out", [])):
+        refused = ucp("convert", str(source), "--output", str(tmp_path / out), *split)
+        assert refused.returncode == 2 and "fails its crc32 check" in refused.stderr and OPTIM in refused.stderr
+        assert not (tmp_path / out / MANIFEST).exists() and digest(source) == before
 
 
 def test_conversion_killed_midway_is_never_used_and_a_rerun_finishes(source, tmp_path):

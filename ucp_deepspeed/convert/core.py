@@ -1,16 +1,18 @@
 """Conversion: a native DeepSpeed checkpoint to the universal format, streamed parameter by parameter.
 
-The work is a list of jobs, one per output file. Jobs can be split across the ranks of a loading
-job (`shard_jobs`) and run on a thread pool within each; only one parameter's states per worker
-are in memory at a time. The manifest is written once every job has finished.
+The work is a list of jobs, one per output file. Jobs can be split across processes (`shard_jobs`):
+the ranks of a loading job, or `convert(procs=N)`'s child processes; each runs its share on a thread
+pool. Only one parameter's states per worker are in memory at a time. The manifest is written once
+every job has finished, after every byte any process read was checked against its archive's CRC.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict
 from importlib.metadata import version as package_version
 from typing import Any
@@ -19,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ucp_deepspeed.convert.output import Journal, claimed, default_output, fingerprint, prepare_output
-from ucp_deepspeed.convert.plan import Job, plan_jobs
+from ucp_deepspeed.convert.plan import Job, plan_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, recorded_sections
@@ -121,6 +123,48 @@ def run_jobs(
     return records
 
 
+def _share(
+    ckpt_dir: str,
+    tag: str,
+    layout_rules: Any,
+    verify: bool,
+    out: str,
+    reusable: dict[str, FileRecord],
+    workers: int,
+    index: int,
+    procs: int,
+) -> tuple[list[FileRecord], dict[str, dict[str, list[tuple[int, int, int]]]]]:
+    """One child process's share of a conversion: the files it wrote, and what it read (for the CRC check)."""
+    src = NativeCheckpoint(ckpt_dir, tag, layout_rules, check=False, verify=verify)
+    try:
+        jobs = shard_jobs(plan_jobs(src), index, procs)
+        return run_jobs(src, out, jobs, reusable, workers, progress=False), src.pieces()
+    finally:
+        src.close()
+
+
+def _run_in_processes(
+    src: NativeCheckpoint,
+    out: str,
+    reusable: dict[str, FileRecord],
+    workers: int,
+    procs: int,
+    layout_rules: Any,
+    verify: bool,
+) -> list[FileRecord]:
+    """Run the jobs in `procs` fresh processes (spawned: no inherited threads or file handles); check every byte
+    they read here."""
+    context = multiprocessing.get_context("spawn")
+    args = (src.ckpt_dir, src.tag, layout_rules, verify, out, reusable, workers)
+    with ProcessPoolExecutor(max_workers=procs, mp_context=context) as pool:
+        parts = list(pool.map(_share, *zip(*[(*args, i, procs) for i in range(procs)])))
+    if reusable:
+        src.check_everything()
+    else:
+        src.check_reads([pieces for _, pieces in parts])
+    return [record for records, _ in parts for record in records]
+
+
 def build_manifest(src: NativeCheckpoint) -> Manifest:
     """The manifest body for a conversion of `src` (file table added when written)."""
     meta = src.meta
@@ -197,13 +241,17 @@ def convert(
     progress: bool = True,
     layout_rules: Any = None,
     verify: bool = True,
+    procs: int = 1,
 ) -> str:
-    """Convert a checkpoint in this process; resumes an interrupted run; returns the output folder.
+    """Convert a checkpoint; resumes an interrupted run; returns the output folder.
 
     Every byte read from the source is checked against its archive's CRC-32 before the manifest is
-    written. A tag of a registered kind is materialized instead (a Check-N-Run chain replayed into full tables).
-    `layout_rules` (a JSON file path or a list) describe a tensor-parallel checkpoint saved without
-    our metadata. `verify=False` skips the CRC checks of the source reads, to measure their cost.
+    written; a resumed conversion checks every byte of the source, since the files it reuses were made
+    from reads an interrupted run never checked. A tag of a registered kind is materialized instead (a
+    Check-N-Run chain replayed into full tables). `layout_rules` (a JSON file path or a list) describe a
+    tensor-parallel checkpoint saved without our metadata. `verify=False` skips the CRC checks of the
+    source reads, to measure their cost.
+    `procs` > 1 splits the output files over that many child processes, each with `workers` threads.
     """
     tag = resolve_tag(ckpt_dir, tag)
     kind = kind_of(os.path.join(ckpt_dir, tag))
@@ -219,8 +267,14 @@ def convert(
             if reusable is None:
                 log.info("ucp: %s already holds this conversion (same source files); nothing to do", out)
             else:
-                records = run_jobs(src, out, plan_jobs(src), reusable, workers, progress)
-                src.check_reads()
+                if procs > 1:
+                    records = _run_in_processes(src, out, reusable, workers, procs, layout_rules, verify)
+                else:
+                    records = run_jobs(src, out, plan_jobs(src), reusable, workers, progress)
+                    if reusable:
+                        src.check_everything()
+                    else:
+                        src.check_reads()
                 finish(src, out, records)
         return out
     finally:

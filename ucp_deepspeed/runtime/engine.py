@@ -23,9 +23,7 @@ import torch.distributed as tdist
 from deepspeed.pipe import PipelineModule
 
 from ucp_deepspeed import compat
-from ucp_deepspeed.convert.core import finish, run_jobs
-from ucp_deepspeed.convert.output import claimed, default_output, prepare_output, remove_output
-from ucp_deepspeed.convert.plan import plan_jobs, shard_jobs
+from ucp_deepspeed.convert.output import claimed, remove_output
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
 from ucp_deepspeed.format.metadata import Topology, write_meta
@@ -35,12 +33,13 @@ from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.io.swap_file import file_block_crcs
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, optimizer_record, same_stage, supported, topology
-from ucp_deepspeed.runtime.collective import all_ok, everywhere, failure_of, guarded, on_rank0
+from ucp_deepspeed.runtime.collective import all_ok, everywhere, guarded, on_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.runtime.native_io import guard
 from ucp_deepspeed.runtime.plugins import ForeignFormat, foreign_formats, make_saver
 from ucp_deepspeed.runtime.restore import restore
+from ucp_deepspeed.runtime.shared_convert import convert_across_ranks
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
 from ucp_deepspeed.sources.native import tag_metas
 from ucp_deepspeed.sources.tags import incomplete_reason, resume_tag
@@ -358,53 +357,15 @@ def _materialized(engine: Any, kind: TagKind, load_dir: str, tag: str) -> Univer
 
 
 def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:
-    """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks.
-
-    Rank 0 checks the tag's files against its metadata and owns the output folder. Every rank
-    converts its share of the parameters; what each read is then checked on rank 0 against the
-    source archives' CRCs before the manifest is written.
-    """
+    """Convert (or reuse a finished conversion of) a tag, sharing the work across all ranks of the job."""
     options: UniversalConfig = engine._ucp_options
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    src, failure = None, None
-    try:
-        src = NativeCheckpoint(load_dir, tag, options.layout_rules, check=rank == 0, verify=options.verify)
-    except (CheckpointError, OSError) as exc:
-        failure = failure_of(exc)
-    all_ok(failure)
-    assert src is not None  # all_ok raised otherwise
-    out = os.path.join(options.output, tag) if options.output else default_output(src)
-    lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
-    try:
-        box: list[Any] = [None]
-        if rank == 0:
-            try:
-                lock.enter_context(claimed(out, [src.tag_dir]))
-                box = [(None, prepare_output(src, out))]
-            except (CheckpointError, OSError) as exc:
-                box = [(failure_of(exc), None)]
-        tdist.broadcast_object_list(box, src=0)
-        failure, reusable = box[0]
-        all_ok(failure)
-        if reusable is None:
-            return UniversalCheckpoint(out, verify=options.verify)
-        records, failure = [], None
-        try:
-            jobs = shard_jobs(plan_jobs(src), rank, world)
-            records = run_jobs(src, out, jobs, reusable, options.workers, options.progress and rank == 0)
-        except (CheckpointError, OSError) as exc:
-            failure = failure_of(exc)
-        all_ok(failure)
-        gathered: list[Any] = [None] * world
-        tdist.all_gather_object(gathered, (records, src.pieces()))
-        if rank == 0:
-            try:
-                src.check_reads([pieces for _, pieces in gathered])
-                finish(src, out, [r for part, _ in gathered for r in part])
-            except (CheckpointError, OSError) as exc:
-                failure = failure_of(exc)
-        all_ok(failure)
-        return UniversalCheckpoint(out, verify=options.verify)
-    finally:
-        lock.close()
-        src.close()
+    out = convert_across_ranks(
+        load_dir,
+        tag,
+        options.output and os.path.join(options.output, tag),
+        options.layout_rules,
+        options.verify,
+        options.workers,
+        options.progress,
+    )
+    return UniversalCheckpoint(out, verify=options.verify)

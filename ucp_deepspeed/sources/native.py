@@ -366,6 +366,13 @@ class NativeCheckpoint:
                     problems.append(str(exc))
         return problems
 
+    def check_everything(self) -> None:
+        """Raise the first problem `verify` finds: a resumed conversion reuses files made from reads nobody checked."""
+        problems = self.verify()
+        if problems:
+            path, _, reason = problems[0].partition(": ")
+            raise CheckpointError(path, reason)
+
     def model_states(self, rank: int = 0) -> ModelStatesFile:
         """Model-states file of data-parallel rank `rank` of the first model-parallel rank."""
         return self.ranks[0].model_states(rank)

@@ -235,6 +235,29 @@ def _print_diff(report: DiffReport, everything: bool, as_json: bool) -> None:
     )
 
 
+def _convert_under_torchrun(args: argparse.Namespace) -> str | None:
+    """`ucp convert` launched by torchrun: its processes share the work (gloo); rank 0 returns the output folder."""
+    import torch.distributed as dist
+
+    from ucp_deepspeed.runtime.collective import on_rank0
+    from ucp_deepspeed.runtime.shared_convert import convert_across_ranks
+    from ucp_deepspeed.sources import resolve_tag
+
+    dist.init_process_group("gloo")
+    try:
+        tag = resolve_tag(args.ckpt_dir, args.tag)
+        if kind_of(os.path.join(args.ckpt_dir, tag)) is not None:  # a Check-N-Run chain: replayed by one process
+            done: list[str] = []
+            on_rank0(lambda: done.append(convert(args.ckpt_dir, tag, args.output, args.workers, False)))
+            return done[0] if done else None
+        out = convert_across_ranks(
+            args.ckpt_dir, tag, args.output, args.layout_rules, True, args.workers, not args.no_progress
+        )
+        return out if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ucp` console script."""
     parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed")
@@ -260,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="writer threads (default 2: one process converting alone; the config key `workers` "
         "defaults to 1 because every rank of a loading job already converts its share)",
+    )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="split the output files over this many processes, each with --workers threads (default 1); under "
+        "torchrun the launched processes split them instead, on one node or several",
     )
     p.add_argument(
         "--layout-rules",
@@ -312,10 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # e.g. that a finished conversion is reused
     try:
         if args.command == "convert":
+            out: str | None
             if args.format == "deepspeed":
                 out = export_deepspeed(
                     args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress
                 )
+            elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                out = _convert_under_torchrun(args)
             else:
                 out = convert(
                     args.ckpt_dir,
@@ -324,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
                     args.workers,
                     progress=not args.no_progress,
                     layout_rules=args.layout_rules,
+                    procs=args.procs,
                 )
-            print(out)
+            if out:
+                print(out)
         elif args.command == "inspect":
             summary = summarize(args.path, args.tag)
             print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
