@@ -3,7 +3,10 @@ writes, every byte any process read is checked, and the `ucp` command loads no t
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import nvme_unavailable, torch_env
 
+from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.tools.compare import diff
 
 FRAMEWORKS = ("deepspeed", "transformers", "megatron", "accelerate")
@@ -22,6 +26,10 @@ def ucp(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
 
 
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("params/*")}
+
+
 @pytest.mark.parametrize("name", ["z2", "nvmez3"])
 def test_conversion_split_over_processes_writes_what_one_process_writes(sources, tmp_path, name):
     if name == "nvmez3" and nvme_unavailable():
@@ -31,11 +39,21 @@ def test_conversion_split_over_processes_writes_what_one_process_writes(sources,
         out = tmp_path / label
         done = ucp("convert", str(sources[name]), "--output", str(out), "--no-progress", *extra, torchrun=world)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.strip().splitlines()[-1] == str(out)
-        outs[label] = str(out)
+        assert done.stdout.split() == [str(out)]  # under torchrun too: rank 0 alone prints the folder
+        outs[label] = out
+        if label == "procs":  # the work was split, not done twice or by one of them
+            counts = re.search(r"2 processes wrote (\d+), (\d+) files", done.stderr)
+            assert counts and min(int(c) for c in counts.groups()) > 0, done.stderr[-2000:]
     for label in ("procs", "torchrun"):
-        report = diff(outs["one"], outs[label])
+        assert digests(outs[label]) == digests(outs["one"]) and len(digests(outs["one"])) >= 7, label
+        report = diff(str(outs["one"]), str(outs[label]))
         assert report.identical and len(report.states) >= 20, (label, report)
+
+
+def test_checkpoint_errors_cross_processes_whole():
+    """A child process's error reaches the parent as the same one-line error naming the file."""
+    error = pickle.loads(pickle.dumps(CheckpointError("/ckpt/file.pt", "fails its crc32 check")))
+    assert (type(error), error.path, error.reason) == (CheckpointError, "/ckpt/file.pt", "fails its crc32 check")
 
 
 def test_ucp_command_loads_no_training_framework(sources, tmp_path):

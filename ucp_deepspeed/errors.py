@@ -14,4 +14,4 @@ class CheckpointError(RuntimeError):
         super().__init__(f"{self.path}: {reason}")
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return CheckpointError, (self.path, self.reason)  # rebuilt whole in the process that receives it
+        return type(self), (self.path, self.reason)  # rebuilt whole in the process that receives it

@@ -12,7 +12,7 @@ import logging
 import multiprocessing
 import os
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict
 from importlib.metadata import version as package_version
 from typing import Any
@@ -156,13 +156,24 @@ def _run_in_processes(
     they read here."""
     context = multiprocessing.get_context("spawn")
     args = (src.ckpt_dir, src.tag, layout_rules, verify, out, reusable, workers)
-    with ProcessPoolExecutor(max_workers=procs, mp_context=context) as pool:
-        parts = list(pool.map(_share, *zip(*[(*args, i, procs) for i in range(procs)])))
-    if reusable:
+    try:
+        with ProcessPoolExecutor(max_workers=procs, mp_context=context) as pool:
+            parts = list(pool.map(_share, *zip(*[(*args, i, procs) for i in range(procs)])))
+    except BrokenExecutor:
+        raise CheckpointError(out, "a conversion process died (out of memory?); running again resumes") from None
+    log.info("ucp: %d processes wrote %s files", procs, ", ".join(str(len(records)) for records, _ in parts))
+    _check_source(src, reusable, verify, [pieces for _, pieces in parts])
+    return [record for records, _ in parts for record in records]
+
+
+def _check_source(src: NativeCheckpoint, reusable: dict[str, FileRecord], verify: bool, pieces: list[Any]) -> None:
+    """Check what was read (here and by `pieces` elsewhere); all of the source if leftovers of an interrupted
+    run, made from reads it never checked, were reused."""
+    if reusable and verify:
+        log.info("ucp: leftover files reused; checking every byte of the source")
         src.check_everything()
     else:
-        src.check_reads([pieces for _, pieces in parts])
-    return [record for records, _ in parts for record in records]
+        src.check_reads(pieces)
 
 
 def build_manifest(src: NativeCheckpoint) -> Manifest:
@@ -271,10 +282,7 @@ def convert(
                     records = _run_in_processes(src, out, reusable, workers, procs, layout_rules, verify)
                 else:
                     records = run_jobs(src, out, plan_jobs(src), reusable, workers, progress)
-                    if reusable:
-                        src.check_everything()
-                    else:
-                        src.check_reads()
+                    _check_source(src, reusable, verify, [])
                 finish(src, out, records)
         return out
     finally:

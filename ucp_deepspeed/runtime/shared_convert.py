@@ -9,6 +9,8 @@ imports DeepSpeed.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -19,6 +21,8 @@ from ucp_deepspeed.convert.plan import plan_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.runtime.collective import all_ok, failure_of
 from ucp_deepspeed.sources import NativeCheckpoint
+
+log = logging.getLogger("ucp_deepspeed")
 
 
 def convert_across_ranks(
@@ -42,18 +46,18 @@ def convert_across_ranks(
         failure = failure_of(exc)
     all_ok(failure)
     assert src is not None  # all_ok raised otherwise
-    out = output or default_output(src)
     lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
     try:
         box: list[Any] = [None]
-        if rank == 0:
+        if rank == 0:  # one folder for all ranks, whatever each was told
+            out = os.path.abspath(output or default_output(src))
             try:
                 lock.enter_context(claimed(out, [src.tag_dir]))
-                box = [(None, prepare_output(src, out))]
+                box = [(None, prepare_output(src, out), out)]
             except (CheckpointError, OSError) as exc:
-                box = [(failure_of(exc), None)]
+                box = [(failure_of(exc), None, out)]
         dist.broadcast_object_list(box, src=0)
-        failure, reusable = box[0]
+        failure, reusable, out = box[0]
         all_ok(failure)
         if reusable is None:
             return out
@@ -68,7 +72,8 @@ def convert_across_ranks(
         dist.all_gather_object(gathered, (records, src.pieces()))
         if rank == 0:
             try:
-                if reusable:  # files an interrupted run made from reads it never checked: check the whole source
+                if reusable and verify:  # files an interrupted run made from reads it never checked
+                    log.info("ucp: leftover files reused; checking every byte of the source")
                     src.check_everything()
                 else:
                     src.check_reads([pieces for _, pieces in gathered])

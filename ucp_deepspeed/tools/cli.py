@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -235,6 +236,14 @@ def _print_diff(report: DiffReport, everything: bool, as_json: bool) -> None:
     )
 
 
+def _under_torchrun() -> bool:
+    """Launched by torchrun with other ranks, not merely started from inside a training job's process."""
+    import torch.distributed as dist
+
+    launched = "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return launched and not (dist.is_available() and dist.is_initialized())
+
+
 def _convert_under_torchrun(args: argparse.Namespace) -> str | None:
     """`ucp convert` launched by torchrun: its processes share the work (gloo); rank 0 returns the output folder."""
     import torch.distributed as dist
@@ -243,9 +252,13 @@ def _convert_under_torchrun(args: argparse.Namespace) -> str | None:
     from ucp_deepspeed.runtime.shared_convert import convert_across_ranks
     from ucp_deepspeed.sources import resolve_tag
 
-    dist.init_process_group("gloo")
+    # rank 0 alone prepares the output and checks the source while the others wait: allow it hours, not gloo's 30 min
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=12))
     try:
-        tag = resolve_tag(args.ckpt_dir, args.tag)
+        box: list[Any] = [None]
+        on_rank0(lambda: box.__setitem__(0, resolve_tag(args.ckpt_dir, args.tag)))  # one tag for all ranks
+        dist.broadcast_object_list(box, src=0)
+        tag = box[0]
         if kind_of(os.path.join(args.ckpt_dir, tag)) is not None:  # a Check-N-Run chain: replayed by one process
             done: list[str] = []
             on_rank0(lambda: done.append(convert(args.ckpt_dir, tag, args.output, args.workers, False)))
@@ -343,11 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             out: str | None
+            if args.format == "deepspeed" and _under_torchrun():
+                raise CheckpointError(
+                    args.ckpt_dir, "--format deepspeed runs in one process; start it without torchrun"
+                )
             if args.format == "deepspeed":
                 out = export_deepspeed(
                     args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress
                 )
-            elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            elif _under_torchrun():
                 out = _convert_under_torchrun(args)
             else:
                 out = convert(
