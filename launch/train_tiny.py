@@ -73,6 +73,7 @@ VARIANTS = {
 }
 EXPERTS = 4
 SWAP_DIRS: list[str] = []
+DIRECT = [False]  # load --direct: every engine of the launch reshards straight from the rank files
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "initial_lr")
 
 
@@ -141,7 +142,7 @@ def ds_config(variant: dict, dp: int, swap_dir: str = "") -> dict:
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": variant["stage"]},
-        "checkpoint": {"universal": {"enabled": True, "progress": False}},
+        "checkpoint": {"universal": {"enabled": True, "progress": False, "direct": DIRECT[0]}},
     }
     if variant["stage"] == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
@@ -474,7 +475,9 @@ def main() -> None:
     parser.add_argument("--expect-error", action="store_true", help="load damaged checkpoints; record each error")
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
+    parser.add_argument("--direct", action="store_true", help="load: reshard straight from the rank files")
     args = parser.parse_args()
+    DIRECT[0] = args.direct
     deepspeed.init_distributed(dist_backend="gloo")
     do_save(args) if args.mode == "save" else do_load(args)
     dist.barrier()

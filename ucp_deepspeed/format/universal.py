@@ -537,26 +537,8 @@ class UniversalCheckpoint:
         start: int = 0,
         numel: int | None = None,
     ) -> torch.Tensor:
-        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state.
-
-        When the share is one run of whole rows (replicated, or split on dim 0) only the rows that
-        cover the range are read; otherwise the share is assembled first.
-        """
-        total = math.prod(local_shape)
-        numel = total - start if numel is None else numel
-        pieces = layout.pieces(local_shape, rank, tp)
-        dtype = torch.float32 if key != VALUE else torch_dtype(self.params[name].dtype)
-        if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
-            row = math.prod(local_shape[1:])
-            kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
-            if kept == numel:
-                return self.read(name, key, pieces[0].full_start * row + start, numel).to(dtype)
-            out = torch.zeros(numel, dtype=dtype)
-            if kept:
-                out[:kept] = self.read(name, key, pieces[0].full_start * row + start, kept)
-            return out
-        local = split(layout, local_shape, rank, tp, lambda d, s, n: self.read_slice(name, key, d, s, n), dtype)
-        return local.reshape(-1)[start : start + numel]
+        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state."""
+        return read_local_share(self, name, key, layout, local_shape, rank, tp, start, numel)
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A whole module buffer."""
@@ -573,3 +555,37 @@ class UniversalCheckpoint:
     def close(self) -> None:
         """Release every open file."""
         self.folder.close()
+
+
+def read_local_share(
+    ckpt: Any,
+    name: str,
+    key: str,
+    layout: Layout,
+    local_shape: Sequence[int],
+    rank: int,
+    tp: int,
+    start: int = 0,
+    numel: int | None = None,
+) -> torch.Tensor:
+    """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state, from a reader of
+    full tensors (`read(name, key, start, numel)`, `read_slice(name, key, dim, start, length)`, `params`).
+
+    When the share is one run of whole rows (replicated, or split on dim 0) only the rows that
+    cover the range are read; otherwise the share is assembled first.
+    """
+    total = math.prod(local_shape)
+    numel = total - start if numel is None else numel
+    pieces = layout.pieces(local_shape, rank, tp)
+    dtype = torch.float32 if key != VALUE else torch_dtype(ckpt.params[name].dtype)
+    if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
+        row = math.prod(local_shape[1:])
+        kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
+        if kept == numel:
+            return ckpt.read(name, key, pieces[0].full_start * row + start, numel).to(dtype)
+        out = torch.zeros(numel, dtype=dtype)
+        if kept:
+            out[:kept] = ckpt.read(name, key, pieces[0].full_start * row + start, kept)
+        return out
+    local = split(layout, local_shape, rank, tp, lambda d, s, n: ckpt.read_slice(name, key, d, s, n), dtype)
+    return local.reshape(-1)[start : start + numel]

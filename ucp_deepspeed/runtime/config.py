@@ -24,6 +24,9 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Writer threads per rank during conversion."""
     output: str | None = None
     """Folder for converted copies (`<output>/<tag>`); default `<checkpoint dir>/<tag>.universal`."""
+    direct: bool = False
+    """Reshard straight from the saved rank files: each rank reads only what it needs, and no universal copy is
+    written (the copy is what lets the next reshard of the same tag skip conversion)."""
     keep: bool = True
     """Keep the converted copy after loading, so the next reshard of the same tag skips conversion."""
     verify: bool = True

@@ -23,6 +23,7 @@ import torch.distributed as tdist
 from deepspeed.pipe import PipelineModule
 
 from ucp_deepspeed import compat
+from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.convert.output import claimed, remove_output
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
@@ -277,6 +278,17 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                 "ucp: custom_load_fn is not called when resharding; every tensor is restored from the "
                 "universal checkpoint"
             )
+        if options.direct:
+            direct = _direct(engine, load_dir, tag)
+            try:
+                client = restore(engine, direct, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+                _check_direct_reads(direct.src)
+            finally:
+                direct.close()
+            engine.ucp_hf_config = direct.manifest.hf_config
+            engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), None, "direct")
+            tdist.barrier()
+            return os.path.join(load_dir, tag), client
         ckpt = _converted(engine, load_dir, tag)
         client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         engine.ucp_hf_config = ckpt.manifest.hf_config
@@ -354,6 +366,21 @@ def _materialized(engine: Any, kind: TagKind, load_dir: str, tag: str) -> Univer
 
     on_rank0(work)
     return UniversalCheckpoint(out, verify=options.verify)
+
+
+def _direct(engine: Any, load_dir: str, tag: str) -> DirectCheckpoint:
+    """The tag's rank files, read as its universal conversion would be; rank 0 checks them against the metadata."""
+    options: UniversalConfig = engine._ucp_options
+    rank0 = tdist.get_rank() == 0
+    src = guarded(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules, check=rank0, verify=options.verify))
+    return DirectCheckpoint(src)
+
+
+def _check_direct_reads(src: NativeCheckpoint) -> None:
+    """Every byte any rank read straight from the rank files, checked on rank 0 against their CRCs (collective)."""
+    gathered: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, src.pieces())
+    on_rank0(lambda: src.check_reads(gathered))
 
 
 def _converted(engine: Any, load_dir: str, tag: str) -> UniversalCheckpoint:

@@ -127,6 +127,26 @@ class RankFiles:
             lazy.read(frag.src, frag.numel, out=out[frag.dst : frag.dst + frag.numel])
         return out.view(slot.shape)
 
+    def read_param_range(self, slot: ParamSlot, state: str, start: int, numel: int) -> torch.Tensor:
+        """Elements [start, start+numel) of one state of this rank's share of a parameter, flattened: only the
+        fragments that overlap them are read, and only their overlapping part."""
+        topo = self.meta.topology
+        if topo.unpartitioned:
+            return self._read_whole(slot, state).reshape(-1)[start : start + numel].clone()
+        out = torch.empty(numel, dtype=torch.float32)
+        end = start + numel
+        for frag in fragments(slot, topo.zero_stage, topo.dp):
+            lo, hi = max(start, frag.dst), min(end, frag.dst + frag.numel)
+            if lo >= hi:
+                continue
+            lazy = self.optim(frag.rank).flat(slot.flat, state)
+            if lazy.dtype != torch.float32:
+                raise CheckpointError(
+                    self.optim_paths[frag.rank], f"{state} of flat buffer {slot.flat} is {lazy.dtype}, expected float32"
+                )
+            lazy.read(frag.src + lo - frag.dst, hi - lo, out=out[lo - start : hi - start])
+        return out
+
     def _read_whole(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """ZeRO-0 fp32: the parameter itself (its fp32 master) or its entry in the saved torch optimizer state."""
         path = os.path.join(self.tag_dir, slot.file) if slot.file else self.model_paths[0]
