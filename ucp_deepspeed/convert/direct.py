@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,12 +19,11 @@ import torch
 from ucp_deepspeed.convert.core import assemble, build_manifest
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import VALUE, ParamSlot
-from ucp_deepspeed.format.universal import read_local_share, torch_dtype
-from ucp_deepspeed.geometry.layout import Layout
+from ucp_deepspeed.format.universal import TensorReader, torch_dtype
 from ucp_deepspeed.sources import NativeCheckpoint
 
 
-class DirectCheckpoint:
+class DirectCheckpoint(TensorReader):
     """The universal view of a native tag, read on demand from its rank files."""
 
     def __init__(self, src: NativeCheckpoint):
@@ -67,20 +65,6 @@ class DirectCheckpoint:
         """Entries [start, start+length) along `dim` of a state of a full tensor."""
         whole = self._whole(name, key)
         return whole.reshape(1) if not whole.dim() else whole.narrow(dim, start, length)
-
-    def read_local(
-        self,
-        name: str,
-        key: str,
-        layout: Layout,
-        local_shape: Sequence[int],
-        rank: int,
-        tp: int,
-        start: int = 0,
-        numel: int | None = None,
-    ) -> torch.Tensor:
-        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state."""
-        return read_local_share(self, name, key, layout, local_shape, rank, tp, start, numel)
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A whole module buffer, in its saved dtype."""

@@ -13,6 +13,7 @@ bytes it uses, however the folder was named, at the cost of at most two extra bl
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import io
 import json
@@ -29,7 +30,7 @@ from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.manifest import Manifest
+from ucp_deepspeed.format.manifest import BufferRecord, Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
 from ucp_deepspeed.io.checksum import BLOCK, BlockHasher, block_crcs, crc32
@@ -480,7 +481,73 @@ def is_complete(root: str) -> bool:
     return os.path.isfile(os.path.join(root, MANIFEST))
 
 
-class UniversalCheckpoint:
+class TensorReader(abc.ABC):
+    """What a restore reads: full tensors of a checkpoint by element range, and its non-tensor state.
+
+    Implemented by a universal folder (`UniversalCheckpoint`) and by a native tag read in place
+    (`convert.direct.DirectCheckpoint`). Call order: `manifest`/`params`/`buffers` to plan, then any number
+    of `read`, `read_slice`, `read_local` and `read_buffer`, then `load_state`, then `close`.
+    """
+
+    root: str
+    manifest: Manifest
+    params: dict[str, ParamRecord]
+    buffers: dict[str, BufferRecord]
+
+    @abc.abstractmethod
+    def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
+        """Elements [start, start+numel) of a state of a full tensor, flattened."""
+
+    @abc.abstractmethod
+    def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Entries [start, start+length) along `dim` of a state of a full tensor."""
+
+    @abc.abstractmethod
+    def read_buffer(self, name: str) -> torch.Tensor:
+        """A whole module buffer."""
+
+    @abc.abstractmethod
+    def load_state(self) -> dict[str, Any]:
+        """The non-tensor training state: scheduler, client state, optimizer-wrapper state."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every open file."""
+
+    def read_local(
+        self,
+        name: str,
+        key: str,
+        layout: Layout,
+        local_shape: Sequence[int],
+        rank: int,
+        tp: int,
+        start: int = 0,
+        numel: int | None = None,
+    ) -> torch.Tensor:
+        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state.
+
+        When the share is one run of whole rows (replicated, or split on dim 0) only the rows that
+        cover the range are read; otherwise the share is assembled first.
+        """
+        total = math.prod(local_shape)
+        numel = total - start if numel is None else numel
+        pieces = layout.pieces(local_shape, rank, tp)
+        dtype = torch.float32 if key != VALUE else torch_dtype(self.params[name].dtype)
+        if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
+            row = math.prod(local_shape[1:])
+            kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
+            if kept == numel:
+                return self.read(name, key, pieces[0].full_start * row + start, numel).to(dtype)
+            out = torch.zeros(numel, dtype=dtype)
+            if kept:
+                out[:kept] = self.read(name, key, pieces[0].full_start * row + start, kept)
+            return out
+        local = split(layout, local_shape, rank, tp, lambda d, s, n: self.read_slice(name, key, d, s, n), dtype)
+        return local.reshape(-1)[start : start + numel]
+
+
+class UniversalCheckpoint(TensorReader):
     """A finished universal checkpoint, opened for checked slice reads (`verify=False` skips the checks,
     to measure what they cost)."""
 
@@ -526,20 +593,6 @@ class UniversalCheckpoint:
             return handle.tensor(key, start * row, length * row).reshape(length, *shape[1:])
         return handle.full(key).narrow(dim, start, length)
 
-    def read_local(
-        self,
-        name: str,
-        key: str,
-        layout: Layout,
-        local_shape: Sequence[int],
-        rank: int,
-        tp: int,
-        start: int = 0,
-        numel: int | None = None,
-    ) -> torch.Tensor:
-        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state."""
-        return read_local_share(self, name, key, layout, local_shape, rank, tp, start, numel)
-
     def read_buffer(self, name: str) -> torch.Tensor:
         """A whole module buffer."""
         return self.folder.file(BUFFERS).full(name)
@@ -555,37 +608,3 @@ class UniversalCheckpoint:
     def close(self) -> None:
         """Release every open file."""
         self.folder.close()
-
-
-def read_local_share(
-    ckpt: Any,
-    name: str,
-    key: str,
-    layout: Layout,
-    local_shape: Sequence[int],
-    rank: int,
-    tp: int,
-    start: int = 0,
-    numel: int | None = None,
-) -> torch.Tensor:
-    """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state, from a reader of
-    full tensors (`read(name, key, start, numel)`, `read_slice(name, key, dim, start, length)`, `params`).
-
-    When the share is one run of whole rows (replicated, or split on dim 0) only the rows that
-    cover the range are read; otherwise the share is assembled first.
-    """
-    total = math.prod(local_shape)
-    numel = total - start if numel is None else numel
-    pieces = layout.pieces(local_shape, rank, tp)
-    dtype = torch.float32 if key != VALUE else torch_dtype(ckpt.params[name].dtype)
-    if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
-        row = math.prod(local_shape[1:])
-        kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
-        if kept == numel:
-            return ckpt.read(name, key, pieces[0].full_start * row + start, numel).to(dtype)
-        out = torch.zeros(numel, dtype=dtype)
-        if kept:
-            out[:kept] = ckpt.read(name, key, pieces[0].full_start * row + start, kept)
-        return out
-    local = split(layout, local_shape, rank, tp, lambda d, s, n: ckpt.read_slice(name, key, d, s, n), dtype)
-    return local.reshape(-1)[start : start + numel]

@@ -16,11 +16,10 @@ import torch
 from deepspeed import comm as dist
 
 from ucp_deepspeed import compat
-from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, GroupRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE
-from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value
+from ucp_deepspeed.format.universal import MANIFEST, TensorReader, decode_value
 from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.runtime.capture import LiveParam, engine_dtype, expert_groups, live_params, model_parallel, namer
 from ucp_deepspeed.runtime.collective import guarded
@@ -28,10 +27,8 @@ from ucp_deepspeed.runtime.collective import guarded
 # structure, not hyperparameters: DeepSpeed names MoE groups after their expert-parallel size
 _NON_PARAM_KEYS = ("params", "name", "moe")
 
-Readable = UniversalCheckpoint | DirectCheckpoint  # a converted copy, or the rank files read directly
 
-
-def _problems(engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
+def _problems(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
     problems = []
     tp = model_parallel(engine).tp
     live_groups = {
@@ -90,7 +87,7 @@ def _problems(engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LivePa
     return problems, names
 
 
-def check_compatible(engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LiveParam]) -> None:
+def check_compatible(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> None:
     """Refuse a checkpoint of another model on every rank: names, shapes, layouts and groups must match.
 
     Pipeline stages each hold part of the model, so names are compared over all ranks together.
@@ -164,7 +161,7 @@ def _saved_hyperparams(record: GroupRecord) -> dict[str, Any]:
     }
 
 
-def _effective_groups(opt: Any, ckpt: Readable, where: str) -> list[dict[str, Any]]:
+def _effective_groups(opt: Any, ckpt: TensorReader, where: str) -> list[dict[str, Any]]:
     """The live groups with the saved hyperparameters applied as `_apply_hyperparams` will apply them; refuses a
     saved setting that changes the update and that the live kernel has no place for."""
     out = []
@@ -180,7 +177,7 @@ def _effective_groups(opt: Any, ckpt: Readable, where: str) -> list[dict[str, An
     return out
 
 
-def state_map(engine: Any, ckpt: Readable) -> StateMap:
+def state_map(engine: Any, ckpt: TensorReader) -> StateMap:
     """The live optimizer's states from the saved ones; refuses another algorithm or a missing state, naming it."""
     opt = compat.base_optimizer(engine)
     target = compat.optimizer_kernel(opt)
@@ -246,7 +243,7 @@ def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any, where:
 def _apply_group_state(
     opt: Any,
     group_index: int,
-    ckpt: Readable,
+    ckpt: TensorReader,
     smap: StateMap,
     flat: torch.Tensor,
     bufs: dict[str, torch.Tensor],
@@ -265,20 +262,20 @@ def _apply_group_state(
     state.update({k: kept[k].copy_(buf) if k in kept else buf for k, buf in bufs.items()})
 
 
-def _apply_hyperparams(engine: Any, ckpt: Readable) -> None:
+def _apply_hyperparams(engine: Any, ckpt: TensorReader) -> None:
     """The saved groups' hyperparameters, where the live groups have them (another kernel's own are left out)."""
     for group, record in zip(compat.base_optimizer(engine).param_groups, ckpt.manifest.param_groups):
         group.update({k: v for k, v in _saved_hyperparams(record).items() if k in group})
 
 
-def _state_keys(ckpt: Readable) -> list[str]:
+def _state_keys(ckpt: TensorReader) -> list[str]:
     for rec in ckpt.params.values():
         if rec.trainable:
             return [k for k in rec.keys if k != FP32]
     return []
 
 
-def _reader(engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LiveParam]) -> Any:
+def _reader(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> Any:
     """read(param, key, start, numel): a flat range of this rank's tensor-parallel share of a state."""
     mp = model_parallel(engine)
 
@@ -290,7 +287,7 @@ def _reader(engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LivePara
 
 
 def _restore_zero12(
-    engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
+    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
 ) -> None:
     opt = engine.optimizer
     groups = compat.zero12_groups(opt)
@@ -319,7 +316,7 @@ def _restore_zero12(
 
 
 def _restore_whole(
-    engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
+    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
 ) -> None:
     """ZeRO-0 fp32: DeepSpeed steps a torch optimizer on the parameters themselves, which are the fp32 masters.
     Each parameter gets its own step (torch's kernels step it in place)."""
@@ -338,7 +335,7 @@ def _restore_whole(
 
 
 def _restore_zero3(
-    engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
+    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
 ) -> None:
     opt = engine.optimizer
     read = _reader(engine, ckpt, live)
@@ -367,7 +364,7 @@ def _gather_zero3(engine: Any) -> None:
     compat.zero3_regather(engine.optimizer)
 
 
-def _restore_module_extras(engine: Any, ckpt: Readable, live: dict[torch.nn.Parameter, LiveParam]) -> None:
+def _restore_module_extras(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> None:
     buffers = dict(engine.module.named_buffers())
     to_global = namer(engine)
     for name in compat.buffer_names(engine):
@@ -378,7 +375,7 @@ def _restore_module_extras(engine: Any, ckpt: Readable, live: dict[torch.nn.Para
             p.data.copy_(read(p, VALUE, 0, p.numel()).view(p.shape))
 
 
-def _restore_training_state(engine: Any, ckpt: Readable, load_lr_scheduler_states: bool) -> dict[str, Any]:
+def _restore_training_state(engine: Any, ckpt: TensorReader, load_lr_scheduler_states: bool) -> dict[str, Any]:
     counters = ckpt.manifest.counters
     engine.global_steps = counters.get("global_steps", engine.global_steps)
     engine.global_samples = counters.get("global_samples", engine.global_samples)
@@ -392,7 +389,7 @@ def _restore_training_state(engine: Any, ckpt: Readable, load_lr_scheduler_state
     return state.get("client_state", {})
 
 
-def wrapper_state(ckpt: Readable, live_dtype: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
+def wrapper_state(ckpt: TensorReader, live_dtype: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The saved loss scaler and clipping state, if it belongs to the live precision: an fp16 run's dynamic loss
     scale means nothing to a bf16 or fp32 one (whose own scaler stays as built)."""
     saved = ckpt.manifest.source.get("topology", {}).get("dtype", live_dtype)
@@ -403,7 +400,7 @@ def wrapper_state(ckpt: Readable, live_dtype: str, state: dict[str, Any] | None 
 
 def restore(
     engine: Any,
-    ckpt: Readable,
+    ckpt: TensorReader,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
