@@ -6,8 +6,11 @@
                                              row-parallel linears and vocab-parallel embedding
     save ... --ep 2                          DeepSpeed MoE blocks of 4 experts, 2 expert-parallel ranks
     load --params-m 300 --zero 2 --source DIR  time engine.load_checkpoint (native or resharded); with
-                                             --plain, DeepSpeed's own load without our checks; --each
-                                             'ARGS' adds another load to the launch
+                                             --plain, DeepSpeed's own load without our checks; --direct,
+                                             ours straight from the rank files; --deepspeed-universal TAG,
+                                             DeepSpeed's load_universal of a ds_to_universal folder; --step,
+                                             also time the first training step; --each 'ARGS' adds
+                                             another load to the launch
     async --params-m 300 --out DIR           how long a synchronous save stalls training (with and
                                              without syncing it to disk), against an asynchronous one
                                              (which syncs in the background), and a training step
@@ -26,9 +29,12 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -181,12 +187,15 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
             # ZeRO-3 on 4 CPU ranks of one machine: keep few gathered parameters alive
             "stage3_max_live_parameters": 10**7,
             "stage3_prefetch_bucket_size": 10**7,
+            # the optimizer steps one sub-group at a time: its temporaries stay this size, not the partition's
+            "sub_group_size": 10**8,
         },
         "checkpoint": {
             "universal": {
                 "enabled": True,
                 "progress": False,
                 "verify": bool(args.verify),
+                "direct": bool(getattr(args, "direct", False)),
                 "layout_rules": [{"match": r"norm\..*", "layout": "replicated"}],
             }
         },
@@ -202,8 +211,74 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     groups = [{"params": list(model.parameters()), "name": "all"}]
     if args.ep:  # experts are partitioned over their expert-data-parallel group
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
-    engine, _, _, _ = ucp_deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-4), config=config)
+    optimizer = torch.optim.AdamW(groups, lr=1e-4)
+    if getattr(args, "deepspeed_universal", None):  # DeepSpeed alone, as its own universal checkpoint is used
+        config["checkpoint"] = {"load_universal": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine
+    engine, _, _, _ = ucp_deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
+
+
+def training_step(engine: deepspeed.DeepSpeedEngine, params_m: float) -> Callable[[], None]:
+    """One training step on fixed tokens (the same on every tensor-parallel rank)."""
+    torch.manual_seed(1)
+    tokens = torch.randint(0, shape_for(params_m)[2], (1, 16))
+
+    def step() -> None:
+        if isinstance(engine, deepspeed.PipelineEngine):
+            engine.train_batch(iter([(tokens, tokens)]))
+            return
+        engine.backward(engine(tokens))
+        engine.step()
+
+    return step
+
+
+class Usage:
+    """This rank's peak resident memory above its level at entry (and what of it is still held at exit), and the
+    bytes it passed to write() and got from read(), over a block (bytes read through mmap are not counted;
+    `sockets` is what the machine's interfaces received meanwhile, to tell the ranks' messages from file IO)."""
+
+    def __init__(self) -> None:
+        self.process = psutil.Process()
+        self.extra_rss = self.held_rss = self.written = self.read = self.sockets = 0
+        self._done = threading.Event()
+
+    def __enter__(self) -> Usage:
+        self._base = self.process.memory_info().rss
+        io = self.process.io_counters()
+        self._written, self._read = io.write_chars, io.read_chars
+        self._sockets = socket_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.02):
+            self.extra_rss = max(self.extra_rss, self.process.memory_info().rss - self._base)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.held_rss = self.process.memory_info().rss - self._base
+        self.extra_rss = max(self.extra_rss, self.held_rss)
+        io = self.process.io_counters()
+        self.written, self.read = io.write_chars - self._written, io.read_chars - self._read
+        self.sockets = socket_bytes() - self._sockets
+
+
+def socket_bytes() -> int:
+    """Bytes the machine's network interfaces have received (the ranks of one machine talk over loopback)."""
+    with open("/proc/net/dev") as f:
+        return sum(int(line.split(":", 1)[1].split()[0]) for line in f if ":" in line)
+
+
+def summed(*values: float) -> list[float]:
+    """Each value summed over the ranks."""
+    box = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(box)
+    return box.tolist()
 
 
 def timed(fn) -> float:
@@ -225,6 +300,10 @@ def main() -> None:
     parser.add_argument(
         "--plain", action="store_true", help="load: DeepSpeed's own load, without ucp_deepspeed's checks"
     )
+    parser.add_argument("--direct", action="store_true", help="load: reshard straight from the rank files")
+    parser.add_argument("--deepspeed-universal", metavar="TAG", help="load: DeepSpeed's load_universal of TAG")
+    parser.add_argument("--step", action="store_true", help="load: also time the first training step after it")
+    parser.add_argument("--repeat", type=int, default=3, help="save: timed saves of each kind before the kept one")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--pp", type=int, default=1, help="a DeepSpeed PipelineModule of this many stages")
     parser.add_argument(
@@ -249,16 +328,7 @@ def main() -> None:
     result: dict = {}
     if args.mode in ("save", "async"):
         engine = build(args)
-        torch.manual_seed(1)  # the same tokens on every tensor-parallel rank
-        tokens = torch.randint(0, shape_for(args.params_m)[2], (1, 16))
-
-        def step() -> None:
-            if isinstance(engine, deepspeed.PipelineEngine):
-                engine.train_batch(iter([(tokens, tokens)]))
-                return
-            engine.backward(engine(tokens))
-            engine.step()
-
+        step = training_step(engine, args.params_m)
         step()
     if args.mode == "async":
         trial = os.path.join(args.out, "trial")
@@ -280,7 +350,7 @@ def main() -> None:
     elif args.mode == "save":
         trial = os.path.join(args.out, "trial")
         plain_s, ucp_s = [], []
-        for _ in range(3):  # alternate into fresh folders; keep the best of each
+        for _ in range(args.repeat):  # alternate into fresh folders; keep the best of each
             plain_s.append(timed(lambda: deepspeed.DeepSpeedEngine.save_checkpoint(engine, trial)))
             if dist.get_rank() == 0:
                 shutil.rmtree(trial)
@@ -308,14 +378,41 @@ def main() -> None:
 
 
 def load(args: argparse.Namespace) -> dict:
-    """Time one load into a fresh engine: ours, or with --plain DeepSpeed's own."""
+    """Time one load into a fresh engine (ours; with --plain or --deepspeed-universal DeepSpeed's own), and what it
+    cost: the extra resident memory and the bytes written, each summed over the ranks."""
     engine = build(args)
     if args.plain:  # DeepSpeed's own load with none of our checks: what they cost is measured against it
         ce = engine.checkpoint_engine
         del ce.load  # the guarded load is an attribute of the instance; the class's is DeepSpeed's
-        seconds = timed(lambda: deepspeed.DeepSpeedEngine.load_checkpoint(engine, args.source))
-        return {"load_s": seconds, "mode": "plain"}
-    return {"load_s": timed(lambda: engine.load_checkpoint(args.source)), "mode": engine.ucp_last_load.mode}
+        run, mode = lambda: deepspeed.DeepSpeedEngine.load_checkpoint(engine, args.source), "plain"
+    elif args.deepspeed_universal:
+        run, mode = lambda: engine.load_checkpoint(args.source, tag=args.deepspeed_universal), "deepspeed-universal"
+    else:
+        run, mode = lambda: engine.load_checkpoint(args.source), None
+    try:
+        with Usage() as usage:
+            seconds = timed(run)
+    except Exception as exc:  # recorded: a load DeepSpeed cannot do raises alike on every rank, and is a result
+        engine.destroy()
+        return {"error": f"{type(exc).__name__}: {exc}"[:300], "mode": mode}
+    extra_rss, held_rss, written, read = summed(usage.extra_rss, usage.held_rss, usage.written, usage.read)
+    # gloo moves bytes through sockets with write() and read(); what the ranks sent each other is not file IO
+    sent = usage.sockets if dist.get_rank() == 0 else 0.0
+    written, read = max(0.0, written - sent), max(0.0, read - sent)
+    # held: what the engine keeps (the optimizer states a load creates); the rest of the peak was the load's own
+    result = {
+        "load_s": seconds,
+        "mode": mode or engine.ucp_last_load.mode,
+        "extra_rss": extra_rss,
+        "held_rss": held_rss,
+    }
+    result.update(written=written, read=read)
+    if mode is None:
+        result["kind"] = engine.ucp_last_load.kind
+    if args.step:
+        result["step_s"] = timed(training_step(engine, args.params_m))
+    engine.destroy()
+    return result
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def run_benchmark(script: str, *args: str, capsys: pytest.CaptureFixture) -> str
 
 def test_benchmark_smoke(tmp_path, capsys):
     output = run_benchmark("bench_convert.py", "--work", str(tmp_path), capsys=capsys)
-    for source in ("z1-dp2-0.5M", "z3-dp2-0.5M", "z1-tp2-dp1-0.5M", "z1-moe-ep2-dp2-0.5M"):
+    for source in ("z1-dp2-0.5M", "z1-tp2-dp1-0.5M", "z1-pp2-dp1-0.5M", "z1-moe-ep2-dp2-0.5M"):
         assert f"| {source} (" in output, source
     assert "resharded load at ZeRO-2" in output
 
@@ -63,3 +63,22 @@ def test_loss_continuity_short(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert len(rows) == 20 + 3 * 10
     assert (out / "one_to_many.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_benchmark_smoke(tmp_path, capsys):
+    """Every row of the time-to-resume benchmark runs; a direct load writes no checkpoint bytes."""
+    output = run_benchmark("bench_resume.py", "--work", str(tmp_path), capsys=capsys)
+    rows = [line.split(" | ") for line in output.splitlines() if line.startswith("| z")]
+    for source in ("z1-dp2-0.5M", "z3-dp2-0.5M"):
+        mine = [r for r in rows if r[0] == f"| {source}"]
+        assert {(r[1], r[2]) for r in mine} >= {
+            ("same layout", "native load, same layout (the floor)"),
+            *(
+                (target, row)
+                for target in ("DP 1", "ZeRO-3" if source[1] == "1" else "ZeRO-1")
+                for row in ("ours, direct", "ours, `ucp convert` + load")
+            ),
+        }, mine
+        for r in mine:
+            if r[2] == "ours, direct":
+                assert r[9].endswith("kB") and r[11] == "0.0 kB", r  # log lines at most; no checkpoint bytes
