@@ -188,7 +188,7 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
                 "progress": False,
                 "vocab_size": VOCAB,
                 "async_save": getattr(args, "async_save", False),
-                "direct": getattr(args, "direct", False),
+                "direct": not getattr(args, "converted", False),
             }
         },
     }
@@ -555,7 +555,9 @@ def main() -> None:
     parser.add_argument("--snapshots", action="store_true", help="train: store the full state at saves and resumes")
     parser.add_argument("--die-in-save", type=int, default=0, help="train (tests): SIGKILL the last rank mid-save")
     parser.add_argument("--async-save", action="store_true", help="train: write checkpoints in the background")
-    parser.add_argument("--direct", action="store_true", help="load: reshard straight from the rank files")
+    parser.add_argument(
+        "--converted", action="store_true", help='load: reshard through a universal copy ("direct": false)'
+    )
     parser.add_argument(
         "--step-delay",
         type=float,

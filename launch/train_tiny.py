@@ -73,7 +73,7 @@ VARIANTS = {
 }
 EXPERTS = 4
 SWAP_DIRS: list[str] = []
-DIRECT = [False]  # load --direct: every engine of the launch reshards straight from the rank files
+DIRECT = [True]  # load --converted: every engine of the launch reshards through a universal copy instead
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "initial_lr")
 
 
@@ -475,9 +475,11 @@ def main() -> None:
     parser.add_argument("--expect-error", action="store_true", help="load damaged checkpoints; record each error")
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
-    parser.add_argument("--direct", action="store_true", help="load: reshard straight from the rank files")
+    parser.add_argument(
+        "--converted", action="store_true", help='load: reshard through a universal copy ("direct": false)'
+    )
     args = parser.parse_args()
-    DIRECT[0] = args.direct
+    DIRECT[0] = not args.converted
     deepspeed.init_distributed(dist_backend="gloo")
     do_save(args) if args.mode == "save" else do_load(args)
     dist.barrier()

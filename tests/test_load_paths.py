@@ -1,6 +1,8 @@
-"""Direct reshard (`"direct": true`): each rank reads what it needs straight from the saved rank files and no
-universal copy is written. Every state must be torch.equal to the state before save, as on the converted path
-(test_reshard.py, test_megatron.py), and the next losses match the uninterrupted run."""
+"""The two ways a resharding load reads. Direct (the default, which test_reshard.py, test_megatron.py and the other
+matrices run): each rank reads what it needs straight from the saved rank files, and no universal copy is
+written. Converted (`"direct": false`): the tag is converted to a universal copy first, which the restore reads.
+Here the converted path runs the direct matrices' cells: every state must be torch.equal to the state before save,
+and the next losses match the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -18,29 +20,29 @@ TINY_CASES = {  # target -> sources, all loaded at dp=3 in one launch
 
 
 def copies(folders: Iterable[Path]) -> set[Path]:
-    """Universal copies next to these checkpoints (other modules' converted loads may have left some)."""
+    """Universal copies next to these checkpoints."""
     return {p for folder in folders for p in Path(folder).glob("*.universal")}
 
 
-def test_direct_reshard_of_zero_stages_offload_and_nvme(sources, tmp_path):
+def test_converted_reshard_of_zero_stages_offload_and_nvme(sources, tmp_path):
     cases = dict(TINY_CASES)
     if not nvme_unavailable():
         cases["nvmez3"] = ("nvmez3", "widez1")
     args = [a for target, names in cases.items() for a in ("--case", target, *(str(sources[n]) for n in names))]
-    before = copies(sources[n] for names in cases.values() for n in names)
-    torchrun(3, "load", "--direct", *args, "--results", str(tmp_path / "r.json"))
+    torchrun(3, "load", "--converted", *args, "--results", str(tmp_path / "r.json"))
     results = load_results(tmp_path / "r.json")
     assert len(results) == sum(len(v) for v in cases.values())
     for r in results:
-        label = f"{r['source']} -> {r['target']} dp=3 direct"
+        label = f"{r['source']} -> {r['target']} dp=3 converted"
         assert r["diffs"] == [], f"{label}:\n" + "\n".join(r["diffs"])
         assert r["mode"] == "resharded" and r["tensors"] >= 20, label
         rtol = 5e-3 if "bf16" in r["source"] else 1e-5
         assert r["max_rel_loss"] <= rtol, label
-    assert copies(sources[n] for names in cases.values() for n in names) == before  # no universal copy written
+    for names in cases.values():  # the restore read a universal copy, kept next to each source
+        assert all(copies([sources[n]]) for n in names), names
 
 
-def test_direct_reshard_of_megatron_tp_pp_and_experts(megatron_sources, tmp_path):
+def test_converted_reshard_of_megatron_tp_pp_and_experts(megatron_sources, tmp_path):
     layouts = [
         (["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "2", "--first-stage-layers", "1"], "llama-z3-tp2"),
         (["--arch", "llama", "--zero", "1", "--tp", "2", "--pp", "1"], "llama-z1-dp2"),
@@ -48,12 +50,11 @@ def test_direct_reshard_of_megatron_tp_pp_and_experts(megatron_sources, tmp_path
         (["--arch", "llama", "--zero", "1", "--moe", "--ep", "1"], "moe-z1-ep2"),
     ]
     runs = [
-        ["load", "--direct", *layout, "--results", str(tmp_path / f"{i}.json"), "--source", str(megatron_sources[s])]
+        ["load", "--converted", *layout, "--results", str(tmp_path / f"{i}.json"), "--source", str(megatron_sources[s])]
         for i, (layout, s) in enumerate(layouts)
     ]
-    before = copies(megatron_sources[s] for _, s in layouts)
     launch_jobs(2, runs, worker=GPT_WORKER)
-    assert copies(megatron_sources[s] for _, s in layouts) == before
+    assert all(copies([megatron_sources[s]]) for _, s in layouts)
     for i, (_, name) in enumerate(layouts):
         (r,) = load_results(tmp_path / f"{i}.json")
         assert r["mode"] == "resharded" and r["diffs"] == [] and r["tensors"] >= 20, (name, r["diffs"][:5])
@@ -69,7 +70,7 @@ def test_direct_reshard_checks_every_byte_it_read(sources, tmp_path):
     data[len(data) // 2] ^= 0x01
     optim.write_bytes(bytes(data))
     out = tmp_path / "errors.json"
-    torchrun(3, "load", "--direct", "--expect-error", "--variant", "z2", "--source", str(src), "--results", str(out))
+    torchrun(3, "load", "--expect-error", "--variant", "z2", "--source", str(src), "--results", str(out))
     (outcome,) = load_results(out)
     errors = set(outcome["errors"])
     assert len(errors) == 1 and None not in errors, errors

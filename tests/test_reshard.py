@@ -176,4 +176,3 @@ def test_fp16_shaped_checkpoint_converts_and_keeps_its_loss_scale_for_fp16_only(
     assert (scaler["state"]["cur_scale"], scaler["state"]["cur_iter"]) == (1024.0, 3)
     assert wrapper_state(ckpt, "fp16")["dynamic_loss_scale"] is True
     assert wrapper_state(ckpt, "bf16") == {} == wrapper_state(ckpt, "fp32")
-
