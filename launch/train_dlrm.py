@@ -97,7 +97,7 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
     model = DLRM(args.rows, args.dim)
-    checkpoint: dict = {"universal": {"enabled": True, "progress": False}}
+    checkpoint: dict = {"universal": {"enabled": True, "progress": False, "direct": not args.converted}}
     if args.policy:
         checkpoint["differential"] = {"policy": args.policy}
     if args.bits or args.expected_restores is not None:
@@ -167,6 +167,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int)
     parser.add_argument("--expected-restores", type=int)
     parser.add_argument("--snapshots", action="store_true")
+    parser.add_argument(
+        "--converted", action="store_true", help='resume through a full universal copy of the chain ("direct": false)'
+    )
     parser.add_argument("--no-save", action="store_true", help="train without checkpoints (reference runs)")
     parser.add_argument("--stop-at", type=int, default=0, help="exit after this step (a simulated failure)")
     parser.add_argument("--results")
@@ -195,7 +198,13 @@ def run(args: argparse.Namespace) -> None:
     if not args.no_save and list_tags(args.ckpt_dir):
         engine.load_checkpoint(args.ckpt_dir)
         report = engine.ucp_last_load
-        resumed = {"step": engine.global_steps, "saved": report.saved, "live": report.live, "mode": report.mode}
+        resumed = {
+            "step": engine.global_steps,
+            "saved": report.saved,
+            "live": report.live,
+            "mode": report.mode,
+            "direct": report.direct,
+        }
         if dist.get_rank() == 0:
             print(f"resumed from step {engine.global_steps} at topology {report.saved} -> {report.live}", flush=True)
         if args.snapshots:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ROOT, launch_jobs
 
-from ucp_deepspeed.checkn_run.chain import chain, materialize
+from ucp_deepspeed.checkn_run.chain import ChainCheckpoint, chain, materialize
 from ucp_deepspeed.checkn_run.differential import DifferentialSaver, new_baseline_pays
 from ucp_deepspeed.checkn_run.quantize import dequantize, quantize
 from ucp_deepspeed.errors import CheckpointError
@@ -52,12 +52,27 @@ def _manifest(ckpt: Path, step: int) -> dict:
     return json.loads((ckpt / f"global_step{step}" / "manifest.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def resumed(saved: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Path]:
+    """Every case resumed at its target layout twice, reading the chain in place (direct, the default) and through
+    its full universal copy (`--converted`): one launch per world size."""
+    out: dict[tuple[str, bool], Path] = {}
+    by_world: dict[int, list[list[str]]] = {}
+    for name, (policy, extra, _, (dp, zero)) in CASES.items():
+        for converted in (False, True):
+            ckpt = tmp_path_factory.mktemp(f"{name}-{'converted' if converted else 'direct'}") / "ckpt"
+            shutil.copytree(saved[name], ckpt)
+            out[name, converted] = ckpt
+            job = _job(ckpt, policy, extra, zero, steps=10) + (["--converted"] if converted else [])
+            by_world.setdefault(dp, []).append(job)
+    for dp, jobs in by_world.items():
+        launch_jobs(dp, jobs, DLRM)
+    return out
+
+
 @pytest.mark.parametrize("name", ["one_shot", "incremental", "intermittent", "quantized"])
-def test_resume_from_chain_at_another_layout(saved, tmp_path, name):
-    policy, extra, _, (dp, zero) = CASES[name]
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(saved[name], ckpt)
-    launch_jobs(dp, [_job(ckpt, policy, extra, zero, steps=10)], DLRM)
+def test_resume_from_chain_at_another_layout(resumed, name):
+    ckpt = resumed[name, False]
     before = torch.load(ckpt / "saved_step8.pt", weights_only=False)
     after = torch.load(ckpt / "resumed_step8.pt", weights_only=False)
     assert sorted(before["fp32"]) == sorted(after["fp32"]) and len(before["fp32"]) == 11
@@ -73,6 +88,25 @@ def test_resume_from_chain_at_another_layout(saved, tmp_path, name):
         asym = dequantize(quantize(exact, 4, "asymmetric"))
         err, bound = (restored - exact).pow(2).sum(1), (asym - exact).pow(2).sum(1)
         assert (err <= bound * (1 + 1e-4) + 1e-10).all(), f"{key}: adaptive error above the asymmetric bound"
+
+
+@pytest.mark.parametrize("name", ["one_shot", "incremental", "intermittent", "quantized"])
+def test_direct_chain_restore_equals_the_full_copy(resumed, name):
+    """Reading the chain in place restores exactly what its materialized copy restores (quantized rows included),
+    trains on to the same losses, and writes no copy."""
+    direct, converted = resumed[name, False], resumed[name, True]
+    a = torch.load(direct / "resumed_step8.pt", weights_only=False)
+    b = torch.load(converted / "resumed_step8.pt", weights_only=False)
+    for part in ("fp32", "state"):
+        assert sorted(a[part]) == sorted(b[part])
+        for key in a[part]:
+            assert torch.equal(a[part][key], b[part][key]), (part, key)
+    assert torch.equal(
+        torch.load(direct / "saved_step10.pt", weights_only=False)["fp32"][TABLES[0]],
+        torch.load(converted / "saved_step10.pt", weights_only=False)["fp32"][TABLES[0]],
+    ), "training on from the two restores diverged"
+    assert not list(direct.glob("*.universal")), "a direct load wrote a copy"
+    assert list(converted.glob("*.universal")), "the converted load read no copy"
 
 
 def test_chain_shapes_follow_the_policy(saved):
@@ -120,6 +154,11 @@ def test_missing_or_corrupt_delta_is_an_error(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"global_step6/tables/.*fails its crc32 check"):
         materialize(str(ckpt), "global_step8", str(tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
+    reader = ChainCheckpoint(str(ckpt), "global_step8")  # a direct load replays the same element
+    with pytest.raises(CheckpointError, match=r"global_step6/tables/.*fails its crc32 check"):
+        for name in TABLES:
+            reader.read(name, "fp32", 0, 8)
+    reader.close()
 
 
 def test_retention_keeps_what_the_kept_deltas_need(saved, tmp_path):

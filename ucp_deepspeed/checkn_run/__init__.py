@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ucp_deepspeed.checkn_run.chain import MARKER, chain, crc_problems, materialize
+from ucp_deepspeed.checkn_run.chain import MARKER, ChainCheckpoint, chain, crc_problems, materialize
 from ucp_deepspeed.checkn_run.config import DifferentialConfig, QuantizeConfig
 from ucp_deepspeed.format.kinds import TagKind, register_tag_kind
 from ucp_deepspeed.runtime.plugins import register_saver, register_section
@@ -44,7 +44,7 @@ def _saver(engine: Any, options: Any) -> Any:
     )
 
 
-register_tag_kind(TagKind(KIND, MARKER, _needs, materialize, _verify))
+register_tag_kind(TagKind(KIND, MARKER, _needs, materialize, _verify, ChainCheckpoint))
 register_section("differential", DifferentialConfig)
 register_section("quantize", QuantizeConfig)
 register_saver(_saver)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import threading
 
 import torch
 
@@ -29,6 +30,7 @@ from ucp_deepspeed.format.universal import (
     MANIFEST,
     STATE,
     Folder,
+    FolderReader,
     atomic_write,
     copy_checked,
     param_file,
@@ -137,20 +139,59 @@ def _table_rows(folder: Folder, name: str, record: ParamRecord) -> tuple[torch.T
     return rows, values
 
 
+def replay_table(folders: list[tuple[str, Folder, Manifest]], name: str) -> dict[str, torch.Tensor]:
+    """Every state of one table as the chain's last element holds it: the baseline's rows, then each delta's."""
+    full: dict[str, torch.Tensor] = {}
+    for t, folder, manifest in folders:
+        if name not in manifest.params:
+            raise CheckpointError(os.path.join(folder.root, MANIFEST), f"chain element {t} lacks table {name}")
+        rows, values = _table_rows(folder, name, manifest.params[name])
+        if rows is None:
+            full = {k: v.clone() for k, v in values.items()}
+        else:
+            for key, value in values.items():
+                full[key][rows] = value
+    return full
+
+
+def _fingerprint(ckpt_dir: str, elements: list[tuple[str, Manifest]]) -> list[list[str]]:
+    """Each element's tag and save id: what a full copy of the chain was made from."""
+    return [[t, manifest.extra.get("save_id") or _manifest_crc(os.path.join(ckpt_dir, t))] for t, manifest in elements]
+
+
+def _full_manifest(target: Manifest, fingerprint: list[list[str]], params: dict[str, ParamRecord]) -> Manifest:
+    """The manifest of the chain's full copy: the last element's, with whole tables and the chain in its source."""
+    return dataclasses.replace(
+        target,
+        params=params,
+        source=dict(target.source, chain=fingerprint, differential=target.section("differential")),
+        extra={k: v for k, v in target.extra.items() if k != "differential"},
+        files={},
+    )
+
+
+def _whole_table(name: str, record: ParamRecord) -> ParamRecord:
+    """A table's record in the full copy: its own file, no row record."""
+    extra = {k: v for k, v in record.extra.items() if k != "table"}
+    return dataclasses.replace(record, file=param_file(name), extra=extra)
+
+
+def _open(ckpt_dir: str, elements: list[tuple[str, Manifest]], verify: bool) -> list[tuple[str, Folder, Manifest]]:
+    return [(t, Folder(os.path.join(ckpt_dir, t), manifest, verify), manifest) for t, manifest in elements]
+
+
 def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     """Replay the chain of `tag` into a plain universal checkpoint at `out` (reused if already made).
 
     Every file of the chain is read through its manifest's block CRCs as it is replayed.
     """
     elements = chain(ckpt_dir, tag)
-    fingerprint = [
-        [t, manifest.extra.get("save_id") or _manifest_crc(os.path.join(ckpt_dir, t))] for t, manifest in elements
-    ]
+    fingerprint = _fingerprint(ckpt_dir, elements)
     if os.path.isfile(os.path.join(out, MANIFEST)):
         if read_manifest(out).source.get("chain") == fingerprint:
             return out
         shutil.rmtree(out)
-    folders = [(t, Folder(os.path.join(ckpt_dir, t), manifest), manifest) for t, manifest in elements]
+    folders = _open(ckpt_dir, elements, True)
     target = elements[-1][1]
     here = folders[-1][1]
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, INTENT)):
@@ -163,19 +204,8 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     try:
         for name, record in target.params.items():
             if "table" in record.extra:
-                full: dict[str, torch.Tensor] = {}
-                for t, folder, manifest in folders:
-                    if name not in manifest.params:
-                        raise CheckpointError(os.path.join(ckpt_dir, t, MANIFEST), f"chain element lacks table {name}")
-                    rows, values = _table_rows(folder, name, manifest.params[name])
-                    if rows is None:
-                        full = {k: v.clone() for k, v in values.items()}
-                    else:
-                        for key, value in values.items():
-                            full[key][rows] = value
-                extra = {k: v for k, v in record.extra.items() if k != "table"}
-                record = dataclasses.replace(record, file=param_file(name), extra=extra)
-                records.append(write_tensors(out, record.file, full))
+                record = _whole_table(name, record)
+                records.append(write_tensors(out, record.file, replay_table(folders, name)))
             else:
                 records.append(copy_checked(here, record.file, out))
             params[name] = record
@@ -184,16 +214,61 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     finally:
         for _, folder, _ in folders:
             folder.close()
-    full_copy = dataclasses.replace(
-        target,
-        params=params,
-        source=dict(target.source, chain=fingerprint, differential=target.section("differential")),
-        extra={k: v for k, v in target.extra.items() if k != "differential"},
-        files={},
-    )
-    write_manifest(out, full_copy, records)
+    write_manifest(out, _full_manifest(target, fingerprint, params), records)
     os.unlink(os.path.join(out, INTENT))
     return out
+
+
+class ChainCheckpoint(FolderReader):
+    """A chain's last tag read as its full copy (`materialize`) would be, with nothing written.
+
+    Dense parameters, buffers and the training state are read by checked byte range from the tag's own files,
+    which hold them whole. A table is replayed from every element of the chain when first read and kept until
+    another table is read: a restore reads one parameter's states after another, so one table is held at a time.
+
+    Example:
+        >>> ckpt = ChainCheckpoint("checkpoints", "global_step8")
+        >>> rows = ckpt.read("tables.0.weight", "fp32", start=0, numel=64)
+    """
+
+    def __init__(self, ckpt_dir: str, tag: str, verify: bool = True):
+        elements = chain(ckpt_dir, tag)
+        self._folders = _open(ckpt_dir, elements, verify)
+        target = elements[-1][1]
+        self._tables = {name for name, record in target.params.items() if "table" in record.extra}
+        params = {n: _whole_table(n, r) if n in self._tables else r for n, r in target.params.items()}
+        root = os.path.abspath(os.path.join(ckpt_dir, tag))
+        super().__init__(root, _full_manifest(target, _fingerprint(ckpt_dir, elements), params), self._folders[-1][1])
+        self._lock = threading.Lock()
+        self._replayed: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def _table(self, name: str, key: str) -> torch.Tensor:
+        with self._lock:  # readers on other threads wait for a table being replayed instead of replaying it again
+            if self._replayed is None or self._replayed[0] != name:
+                self._replayed = (name, replay_table(self._folders, name))
+            values = self._replayed[1]
+        if key not in values:
+            raise CheckpointError(os.path.join(self.root, MANIFEST), f"table {name} has no state {key!r}")
+        return values[key]
+
+    def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
+        """Elements [start, start+numel) of a state of a full tensor, flattened."""
+        if name not in self._tables:
+            return super().read(name, key, start, numel)
+        flat = self._table(name, key).reshape(-1)
+        return flat[start : flat.numel() if numel is None else start + numel]
+
+    def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Entries [start, start+length) along `dim` of a state of a full tensor."""
+        if name not in self._tables:
+            return super().read_slice(name, key, dim, start, length)
+        return self._table(name, key).narrow(dim, start, length)
+
+    def close(self) -> None:
+        """Release every element's files and the replayed table."""
+        for _, folder, _ in self._folders:
+            folder.close()
+        self._replayed = None
 
 
 def _manifest_crc(root: str) -> str:

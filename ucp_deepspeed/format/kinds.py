@@ -2,9 +2,9 @@
 
 A DeepSpeed tag folder is marked by its `*model_states.pt` files. An extension whose saves are tag
 folders of another shape (Check-N-Run's chains) registers a `TagKind`: the file that marks its
-folders, how to check that one can be restored, which tags a restore reads, and how to turn one into
-an ordinary universal folder. `locate`, the resume-tag choice, pruning, conversion and loading go
-through this table.
+folders, how to check that one can be restored, which tags a restore reads, how to read one in place
+as if it were an ordinary universal folder, and how to turn one into such a folder. `locate`, the
+resume-tag choice, pruning, conversion and loading go through this table.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # universal.py imports this module
+    from ucp_deepspeed.format.universal import TensorReader
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class TagKind:
             when one is missing or damaged, so it doubles as the completeness check.
         materialize: `(ckpt_dir, tag, out) -> out`: write the tag as a full universal folder.
         verify: `(ckpt_dir, tag) -> problems`: every file checked, one line per bad file.
+        open: `(ckpt_dir, tag, verify) -> reader`: the tag read in place as its full universal folder would be,
+            every byte read checked (a direct load; nothing is written).
     """
 
     name: str
@@ -32,6 +38,7 @@ class TagKind:
     needs: Callable[[str, str], list[str]]
     materialize: Callable[[str, str, str], str]
     verify: Callable[[str, str], list[str]]
+    open: Callable[[str, str, bool], TensorReader]
 
 
 _KINDS: dict[str, TagKind] = {}

@@ -484,9 +484,10 @@ def is_complete(root: str) -> bool:
 class TensorReader(abc.ABC):
     """What a restore reads: full tensors of a checkpoint by element range, and its non-tensor state.
 
-    Implemented by a universal folder (`UniversalCheckpoint`) and by a native tag read in place
-    (`convert.direct.DirectCheckpoint`). Call order: `manifest`/`params`/`buffers` to plan, then any number
-    of `read`, `read_slice`, `read_local` and `read_buffer`, then `load_state`, then `close`.
+    Implemented by a universal folder (`UniversalCheckpoint`), and read in place by a native tag
+    (`convert.direct.DirectCheckpoint`) and a Check-N-Run chain (`checkn_run.chain.ChainCheckpoint`).
+    Call order: `manifest`/`params`/`buffers` to plan, then any number of `read`, `read_slice`,
+    `read_local` and `read_buffer`, then `load_state`, then `close`.
     """
 
     root: str
@@ -547,24 +548,19 @@ class TensorReader(abc.ABC):
         return local.reshape(-1)[start : start + numel]
 
 
-class UniversalCheckpoint(TensorReader):
-    """A finished universal checkpoint, opened for checked slice reads (`verify=False` skips the checks,
-    to measure what they cost)."""
+class FolderReader(TensorReader):
+    """Full tensors read by checked byte range from the files of one manifest's folder.
 
-    def __init__(self, root: str, verify: bool = True):
-        self.root = os.path.abspath(root)
-        self.manifest = read_manifest(self.root)
-        where = os.path.join(self.root, MANIFEST)
-        kind = kind_of(self.root)
-        if kind is not None:
-            raise CheckpointError(
-                where,
-                f"a {kind.name} tag, which may hold only part of the state: load it with "
-                "load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`",
-            )
-        self.params = self.manifest.params
-        self.buffers = self.manifest.buffers
-        self.folder = Folder(self.root, self.manifest, verify)
+    `manifest` is what the restore plans with; `folder` holds the files the reads go to. They differ only for an
+    extension's tag read in place (a Check-N-Run chain element, whose tables it replays itself).
+    """
+
+    def __init__(self, root: str, manifest: Manifest, folder: Folder):
+        self.root = root
+        self.manifest = manifest
+        self.params = manifest.params
+        self.buffers = manifest.buffers
+        self.folder = folder
 
     def _param_file(self, name: str, key: str) -> CheckedFile:
         record = self.params[name]
@@ -608,3 +604,20 @@ class UniversalCheckpoint(TensorReader):
     def close(self) -> None:
         """Release every open file."""
         self.folder.close()
+
+
+class UniversalCheckpoint(FolderReader):
+    """A finished universal checkpoint, opened for checked slice reads (`verify=False` skips the checks,
+    to measure what they cost)."""
+
+    def __init__(self, root: str, verify: bool = True):
+        root = os.path.abspath(root)
+        manifest = read_manifest(root)
+        kind = kind_of(root)
+        if kind is not None:
+            raise CheckpointError(
+                os.path.join(root, MANIFEST),
+                f"a {kind.name} tag, which may hold only part of the state: load it with "
+                "load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`",
+            )
+        super().__init__(root, manifest, Folder(root, manifest, verify))

@@ -58,6 +58,8 @@ class LoadReport:
     universal_dir: str | None
     kind: str | None = None
     """The registered tag kind (e.g. `checkn_run`) when the load restored one of an extension's tags."""
+    direct: bool = False
+    """Whether a resharding load read the saved files in place instead of a universal copy."""
 
 
 # `ucp_deepspeed.install` replaces deepspeed.initialize; ours must still reach DeepSpeed's own.
@@ -234,13 +236,25 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         tag = resolve_tag(load_dir, tag)
         kind = kind_of(os.path.join(load_dir, tag))
         if kind is not None:
-            ckpt = _materialized(engine, kind, load_dir, tag)
-            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            reader = (
+                guarded(lambda: kind.open(load_dir, tag, options.verify))
+                if options.direct
+                else _materialized(engine, kind, load_dir, tag)
+            )
+            try:
+                client = restore(engine, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            finally:
+                reader.close()
             if saver is not None:
-                saver.restored(ckpt.manifest)
-            engine.ucp_hf_config = ckpt.manifest.hf_config
+                saver.restored(reader.manifest)
+            engine.ucp_hf_config = reader.manifest.hf_config
             engine.ucp_last_load = LoadReport(
-                kind.name, Topology(**ckpt.manifest.source["topology"]).describe(), live_desc(), ckpt.root, kind.name
+                kind.name,
+                Topology(**reader.manifest.source["topology"]).describe(),
+                live_desc(),
+                None if options.direct else reader.root,
+                kind.name,
+                options.direct,
             )
             tdist.barrier()
             return os.path.join(load_dir, tag), client
@@ -286,7 +300,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             finally:
                 direct.close()
             engine.ucp_hf_config = direct.manifest.hf_config
-            engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), None, "direct")
+            engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), None, direct=True)
             tdist.barrier()
             return os.path.join(load_dir, tag), client
         ckpt = _converted(engine, load_dir, tag)
