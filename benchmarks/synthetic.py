@@ -409,6 +409,7 @@ def load(args: argparse.Namespace) -> dict:
     result.update(written=written, read=read)
     if mode is None:
         result["kind"] = engine.ucp_last_load.kind
+        result["direct"] = engine.ucp_last_load.direct
     if args.step:
         result["step_s"] = timed(training_step(engine, args.params_m))
     engine.destroy()

@@ -14,6 +14,7 @@ from ucp_deepspeed.checkn_run.quantize import (
     from_tensors,
     pack,
     quantize,
+    row_window,
     unpack,
 )
 
@@ -75,3 +76,17 @@ def test_bad_arguments_are_refused():
         quantize(torch.zeros(2, 2), 5, "adaptive")
     with pytest.raises(ValueError, match="method"):
         quantize(torch.zeros(2, 2), 4, "log")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_window_of_rows_decodes_as_the_whole_block_does(method):
+    """A range read of a quantized table decodes only the chunks its rows fall in (5 codes of 3 bits a row: rows
+    do not start on bytes, chunks do), and gets exactly the rows a whole decode gives."""
+    x = torch.randn(9000, 5)
+    q = quantize(x, 3, method)
+    whole = dequantize(q)
+    for lo, hi in [(0, 1), (4095, 4097), (4096, 8192), (100, 9000), (8999, 9000), (5000, 5000)]:
+        first, last, start, end = row_window(lo, hi, 9000, 5, 3)
+        assert first <= lo <= hi <= last and end <= q.codes.numel()
+        part = from_tensors(method, 3, (last - first, 5), {"codes": q.codes[start:end], "params": q.params[first:last]})
+        assert torch.equal(dequantize(part)[lo - first : hi - first], whole[lo:hi]), (lo, hi)

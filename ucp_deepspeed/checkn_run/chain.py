@@ -16,11 +16,11 @@ import json
 import math
 import os
 import shutil
-import threading
+from collections.abc import Iterable
 
 import torch
 
-from ucp_deepspeed.checkn_run.quantize import dequantize, from_tensors
+from ucp_deepspeed.checkn_run.quantize import Quantized, dequantize, row_window
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import FP32
@@ -29,6 +29,7 @@ from ucp_deepspeed.format.universal import (
     BUFFERS,
     MANIFEST,
     STATE,
+    CheckedFile,
     Folder,
     FolderReader,
     atomic_write,
@@ -102,56 +103,112 @@ def crc_problems(ckpt_dir: str, elements: list[tuple[str, Manifest]]) -> list[st
     return [p for tag, manifest in elements for p in Folder(os.path.join(ckpt_dir, tag), manifest).verify()]
 
 
-def _table_rows(folder: Folder, name: str, record: ParamRecord) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """Row index (None: all rows) and fp32 (dequantized) and state values of one table in one element."""
-    handle = folder.file(record.file)
-    path = handle.path
-    table = record.extra.get("table")
-    if not isinstance(table, dict):
-        raise CheckpointError(path, f"table {name} has no table record in its manifest")
-    stored = {k: handle.full(k) for k in handle.keys()}
-    rows = stored.pop("rows", None)
-    if table["partial"] != (rows is not None):
-        raise CheckpointError(path, "row index presence does not match the manifest")
-    if rows is not None:
-        require_rows(path, rows, table["rows"])
-    count = table["saved_rows"]
-    width = record.shape[1:]
-    values = {}
-    for key in record.keys:
-        quant = table["quantize"]
-        if key == FP32 and quant:
-            q = from_tensors(
-                quant["method"],
-                quant["bits"],
-                (count, math.prod(width)),
-                {"codes": stored[f"{FP32}.codes"], "params": stored[f"{FP32}.params"]},
-            )
-            values[key] = dequantize(q).reshape(count, *width)
-        elif key in stored:
-            values[key] = stored[key]
-        else:
-            raise CheckpointError(path, f"table {name} lacks state {key!r}")
-        if values[key].shape[0] != count:
-            raise CheckpointError(
-                path, f"table {name} state {key!r} has {values[key].shape[0]} rows, manifest says {count}"
-            )
-    return rows, values
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """One element's record of a table: its full row count, the rows it stores, and their quantization."""
+
+    rows: int
+    saved: int
+    partial: bool
+    method: str | None
+    bits: int | None
 
 
-def replay_table(folders: list[tuple[str, Folder, Manifest]], name: str) -> dict[str, torch.Tensor]:
-    """Every state of one table as the chain's last element holds it: the baseline's rows, then each delta's."""
-    full: dict[str, torch.Tensor] = {}
+def _table_record(path: str, name: str, record: ParamRecord) -> _Table:
+    """The element's table record, checked against the parameter's shape: the reads below index by it."""
+    raw = record.extra.get("table")
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError(raw)
+        quant = raw["quantize"]
+        table = _Table(
+            int(raw["rows"]),
+            int(raw["saved_rows"]),
+            raw["partial"] is True,
+            str(quant["method"]) if quant else None,
+            int(quant["bits"]) if quant else None,
+        )
+    except (TypeError, KeyError, ValueError):
+        raise CheckpointError(path, f"table {name} has no well-formed table record in its manifest") from None
+    if (
+        len(record.shape) < 2
+        or table.rows != record.shape[0]
+        or not 0 <= table.saved <= table.rows
+        or (not table.partial and table.saved != table.rows)
+        or (table.bits is not None and not 1 <= table.bits <= 8)
+    ):
+        raise CheckpointError(path, f"table {name}'s record {record.extra['table']} does not fit its shape")
+    return table
+
+
+def _stored_rows(
+    handle: CheckedFile, name: str, key: str, table: _Table, width: tuple[int, ...], a: int, b: int
+) -> torch.Tensor:
+    """Entries [a, b) of the rows one element stores for `key` (decoded if quantized), shaped (b - a, *width)."""
+    header, dim = handle.header(), math.prod(width)
+    if key == FP32 and table.method is not None and table.bits is not None:
+        codes, params = f"{FP32}.codes", f"{FP32}.params"
+        if codes not in header or params not in header:
+            raise CheckpointError(handle.path, f"table {name} lacks its quantized {FP32} rows")
+        first, last, lo, hi = row_window(a, b, table.saved, dim, table.bits)
+        pshape = header[params][1]
+        if (
+            len(pshape) != 2
+            or pshape[0] != table.saved
+            or math.prod(header[codes][1]) != row_window(0, table.saved, table.saved, dim, table.bits)[3]
+        ):
+            raise CheckpointError(handle.path, f"table {name}: quantized rows do not fit {table.saved} x {dim}")
+        q = Quantized(
+            table.method,
+            table.bits,
+            (last - first, dim),
+            handle.tensor(codes, lo, hi - lo),
+            handle.tensor(params, first * pshape[1], (last - first) * pshape[1]).reshape(-1, pshape[1]),
+        )
+        try:
+            values = dequantize(q)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            raise CheckpointError(handle.path, f"table {name}: quantized rows do not decode ({exc})") from None
+        return values[a - first : b - first].reshape(b - a, *width)
+    if key not in header:
+        raise CheckpointError(handle.path, f"table {name} lacks state {key!r}")
+    if tuple(header[key][1]) != (table.saved, *width):
+        raise CheckpointError(
+            handle.path, f"table {name} state {key!r} is {list(header[key][1])}, manifest says {[table.saved, *width]}"
+        )
+    return handle.tensor(key, a * dim, (b - a) * dim).reshape(b - a, *width)
+
+
+def replay_rows(folders: list[tuple[str, Folder, Manifest]], name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of one state of a table as the chain's last element holds it: the baseline's, then each
+    delta's rows that fall in the window. Only those rows are read (and the deltas' row indexes)."""
+    out: torch.Tensor | None = None
     for t, folder, manifest in folders:
-        if name not in manifest.params:
+        record = manifest.params.get(name)
+        if record is None:
             raise CheckpointError(os.path.join(folder.root, MANIFEST), f"chain element {t} lacks table {name}")
-        rows, values = _table_rows(folder, name, manifest.params[name])
-        if rows is None:
-            full = {k: v.clone() for k, v in values.items()}
-        else:
-            for key, value in values.items():
-                full[key][rows] = value
-    return full
+        if key not in record.keys:
+            raise CheckpointError(os.path.join(folder.root, MANIFEST), f"table {name} has no state {key!r}")
+        handle = folder.file(record.file)
+        table = _table_record(handle.path, name, record)
+        width = record.shape[1:]
+        if table.partial != ("rows" in handle.header()):
+            raise CheckpointError(handle.path, "row index presence does not match the manifest")
+        if not table.partial:
+            out = _stored_rows(handle, name, key, table, width, lo, hi)
+            continue
+        if out is None:
+            raise CheckpointError(handle.path, f"table {name} holds only some rows, but nothing comes before it")
+        rows = handle.full("rows")
+        if rows.dtype != torch.int64 or tuple(rows.shape) != (table.saved,):
+            raise CheckpointError(handle.path, f"row index of table {name} is not {table.saved} int64 entries")
+        require_rows(handle.path, rows, table.rows)
+        a, b = (int(i) for i in torch.searchsorted(rows, torch.tensor([lo, hi])))
+        if b > a:
+            out[rows[a:b] - lo] = _stored_rows(handle, name, key, table, width, a, b)
+    if out is None:
+        raise CheckpointError(os.path.join(folders[0][1].root, MANIFEST), f"no element holds table {name}")
+    return out
 
 
 def _fingerprint(ckpt_dir: str, elements: list[tuple[str, Manifest]]) -> list[list[str]]:
@@ -205,7 +262,8 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
         for name, record in target.params.items():
             if "table" in record.extra:
                 record = _whole_table(name, record)
-                records.append(write_tensors(out, record.file, replay_table(folders, name)))
+                full = {k: replay_rows(folders, name, k, 0, record.shape[0]) for k in record.keys}
+                records.append(write_tensors(out, record.file, full))
             else:
                 records.append(copy_checked(here, record.file, out))
             params[name] = record
@@ -223,8 +281,8 @@ class ChainCheckpoint(FolderReader):
     """A chain's last tag read as its full copy (`materialize`) would be, with nothing written.
 
     Dense parameters, buffers and the training state are read by checked byte range from the tag's own files,
-    which hold them whole. A table is replayed from every element of the chain when first read and kept until
-    another table is read: a restore reads one parameter's states after another, so one table is held at a time.
+    which hold them whole. A range of a table is replayed from the chain: the baseline's rows that cover it, then
+    the rows of each delta that fall in it, so a rank reads about what it owns, never a whole table.
 
     Example:
         >>> ckpt = ChainCheckpoint("checkpoints", "global_step8")
@@ -239,36 +297,43 @@ class ChainCheckpoint(FolderReader):
         params = {n: _whole_table(n, r) if n in self._tables else r for n, r in target.params.items()}
         root = os.path.abspath(os.path.join(ckpt_dir, tag))
         super().__init__(root, _full_manifest(target, _fingerprint(ckpt_dir, elements), params), self._folders[-1][1])
-        self._lock = threading.Lock()
-        self._replayed: tuple[str, dict[str, torch.Tensor]] | None = None
 
-    def _table(self, name: str, key: str) -> torch.Tensor:
-        with self._lock:  # readers on other threads wait for a table being replayed instead of replaying it again
-            if self._replayed is None or self._replayed[0] != name:
-                self._replayed = (name, replay_table(self._folders, name))
-            values = self._replayed[1]
-        if key not in values:
-            raise CheckpointError(os.path.join(self.root, MANIFEST), f"table {name} has no state {key!r}")
-        return values[key]
+    def _rows(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        if not 0 <= lo <= hi <= self.params[name].shape[0]:
+            raise CheckpointError(self.root, f"{name}:{key}: rows [{lo}, {hi}) outside {self.params[name].shape[0]}")
+        return replay_rows(self._folders, name, key, lo, hi)
 
     def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
         """Elements [start, start+numel) of a state of a full tensor, flattened."""
         if name not in self._tables:
             return super().read(name, key, start, numel)
-        flat = self._table(name, key).reshape(-1)
-        return flat[start : flat.numel() if numel is None else start + numel]
+        shape = self.params[name].shape
+        width = math.prod(shape[1:])
+        numel = math.prod(shape) - start if numel is None else numel
+        if start < 0 or numel < 0:
+            raise CheckpointError(self.root, f"{name}:{key}: elements [{start}, {start + numel}) outside the table")
+        lo = start // width
+        rows = self._rows(name, key, lo, -(-(start + numel) // width))
+        return rows.reshape(-1)[start - lo * width : start - lo * width + numel]
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """Entries [start, start+length) along `dim` of a state of a full tensor."""
         if name not in self._tables:
             return super().read_slice(name, key, dim, start, length)
-        return self._table(name, key).narrow(dim, start, length)
+        if dim == 0:
+            return self._rows(name, key, start, start + length)
+        return self._rows(name, key, 0, self.params[name].shape[0]).narrow(dim, start, length)
+
+    def verify(self, relpaths: Iterable[str] | None = None) -> list[str]:
+        """Check every block of every element's files (the given files of the tag itself, if named)."""
+        if relpaths is not None:
+            return super().verify(relpaths)
+        return [p for _, folder, _ in self._folders for p in folder.verify()]
 
     def close(self) -> None:
-        """Release every element's files and the replayed table."""
+        """Release every element's files."""
         for _, folder, _ in self._folders:
             folder.close()
-        self._replayed = None
 
 
 def _manifest_crc(root: str) -> str:

@@ -166,6 +166,18 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return out
 
 
+def row_window(lo: int, hi: int, rows: int, dim: int, bits: int) -> tuple[int, int, int, int]:
+    """Rows [first, last) and code bytes [start, end) to decode for rows [lo, hi) of a packed (rows, dim) block.
+
+    Only a chunk's first code starts on a byte, so the window is widened to whole chunks; a range read of a
+    quantized table then decodes at most two chunks more than it needs.
+    """
+    first = lo // _CHUNK_ROWS * _CHUNK_ROWS
+    last = min(rows, -(-hi // _CHUNK_ROWS) * _CHUNK_ROWS)
+    end = -(-(last * dim * bits) // 8) if last == rows else last * dim * bits // 8
+    return first, last, first * dim * bits // 8, end
+
+
 def from_tensors(method: str, bits: int, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> Quantized:
     """Rebuild a `Quantized` from what `Quantized.tensors` stored."""
     return Quantized(method, bits, (int(shape[0]), int(shape[1])), tensors["codes"], tensors["params"])

@@ -29,8 +29,8 @@ class TagKind:
             when one is missing or damaged, so it doubles as the completeness check.
         materialize: `(ckpt_dir, tag, out) -> out`: write the tag as a full universal folder.
         verify: `(ckpt_dir, tag) -> problems`: every file checked, one line per bad file.
-        open: `(ckpt_dir, tag, verify) -> reader`: the tag read in place as its full universal folder would be,
-            every byte read checked (a direct load; nothing is written).
+        open: `(ckpt_dir, tag, verify) -> reader`: the tag read in place as its full universal folder would be
+            (a direct load; nothing is written), with `verify` every byte read checked.
     """
 
     name: str

@@ -198,7 +198,7 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
     problems = kind.verify(found.root, found.tag)
     copy = os.path.join(found.root, f"{found.tag}.universal")
     what = f"every file of the {kind.name} tag and the tags it needs matches its manifest"
-    if os.path.isfile(os.path.join(copy, MANIFEST)):  # loads reuse this full copy
+    if os.path.isfile(os.path.join(copy, MANIFEST)):  # loads with "direct": false reuse this full copy
         problems += UniversalCheckpoint(copy).verify()
         what += ", and so does its full copy " + copy
     return problems, what
