@@ -246,3 +246,57 @@ def test_a_load_that_is_not_a_chain_restarts_the_chain():
     saver.since_baseline, saver.history = {}, [0.1]
     saver.restored(None)
     assert (saver.chain, saver.chain_ids, saver.history, saver.restores) == ([], [], [], 0)
+
+
+class _Lookup(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(40, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids)).pow(2).mean()
+
+
+def _step_and_save(engine, ckpt: Path, step: int) -> dict:
+    engine.backward(engine(torch.tensor([[step % 40, (7 * step) % 40]])))
+    engine.step()
+    engine.save_checkpoint(str(ckpt))
+    manifest = ckpt / f"global_step{engine.global_steps}" / "manifest.json"  # a plain DeepSpeed tag has none
+    return json.loads(manifest.read_text())["differential"] if manifest.exists() else {}
+
+
+def test_a_direct_reshard_of_a_plain_tag_restarts_the_chain(tmp_path, monkeypatch):
+    """An engine with deltas on its chain reshards a plain DeepSpeed tag in place (ZeRO-1 to ZeRO-2, one process):
+    the weights no longer match its chain, so its next save must be a baseline, not a delta on top of the old chain."""
+    import torch.distributed as dist
+
+    import ucp_deepspeed
+
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+    def engine(stage: int, checkpoint: dict):
+        torch.manual_seed(0)
+        model = _Lookup()
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "checkpoint": {"universal": {"enabled": True, "progress": False}, **checkpoint},
+        }
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return ucp_deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    plain = engine(1, {})
+    for step in range(3):
+        _step_and_save(plain, tmp_path / "plain", step)
+    chained = engine(2, {"differential": {"policy": "one_shot"}})
+    kinds = [_step_and_save(chained, tmp_path / "chain", step)["kind"] for step in range(2)]
+    assert kinds == ["baseline", "delta"]
+    chained.load_checkpoint(str(tmp_path / "plain"))
+    report = chained.ucp_last_load
+    assert report.mode == "resharded" and report.direct and report.kind is None, report
+    assert _step_and_save(chained, tmp_path / "chain", 5)["kind"] == "baseline"
