@@ -15,7 +15,9 @@ and at the other ZeRO stage (1 <-> 3) three ways:
 Every load is a launch of its own (a resumed job is a fresh process), except with `--smoke`, where one launch
 loads every target of a world size. A load's time, first training step, extra resident memory and bytes written
 are measured inside the ranks and summed over them; a conversion's by sampling its process tree
-(`bench_convert.measure`). Sources are read once beforehand, so every row starts from the same page cache.
+(`bench_convert.measure`). What a row reads (the source's files, then the copy it loads, if any) is read once
+right before its launch, so every row starts from a warm page cache: at 600M parameters the engines and the
+copies do not leave room for all of them at once, and a row after another one would read from the disk.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Load:
     row: str
     world: int
     job: list[str]
+    reads: list[Path]
 
 
 def torchrun(nproc: int, args: list[str]) -> list[dict]:
@@ -162,6 +165,9 @@ def run(args: argparse.Namespace, report: dict) -> None:
         for extract, merge in [(2, 1)] if args.smoke else [(2, 1), (4, 2)]:  # the last one's output is loaded
             entry["convert"][f"deepspeed {extract}/{merge}"] = convert_deepspeed(ckpt, extract, merge)
         deepspeed_ok = "error" not in entry["convert"][f"deepspeed {extract}/{merge}"]
+        # ds_to_universal leaves its output unsynced: without this the kernel writes it back (16 GB at 600M) while
+        # the loads below run, and they read at a fraction of the page cache's speed
+        os.sync()
         other = 3 if zero == 1 else 1
         targets = {
             "same": (args.ranks, zero, ["native"]),
@@ -173,7 +179,10 @@ def run(args: argparse.Namespace, report: dict) -> None:
                 if row == "deepspeed" and not deepspeed_ok:
                     entry["loads"].setdefault(target, {})[row] = {"error": "ds_to_universal failed"}
                     continue
-                loads.append(Load(name, target, row, world, load_job(size_m, stage_to, ckpt, row)))
+                copy = {"converted": f"{TAG}.universal", "deepspeed": f"{TAG}_universal"}.get(row)
+                reads = [f for f in files if f.is_file()]
+                reads += sorted(p for p in (ckpt / copy).rglob("*") if p.is_file()) if copy else []
+                loads.append(Load(name, target, row, world, load_job(size_m, stage_to, ckpt, row), reads))
         report["convert_settings"] = [f"{p}/{w}" for p, w in settings]
         if not args.smoke:
             run_loads(report, loads)
@@ -189,6 +198,7 @@ def run_loads(report: dict, loads: list[Load], shared: bool = False) -> None:
     worlds = sorted({load.world for load in loads})
     batches = [[ld for ld in loads if ld.world == w] for w in worlds] if shared else [[ld] for ld in loads]
     for batch in batches:
+        warm([path for ld in batch for path in ld.reads])
         world = batch[0].world
         print(
             f"== {world} ranks load " + "; ".join(f"{ld.source} at {ld.target} ({ld.row})" for ld in batch), flush=True
@@ -396,8 +406,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--sources",
-        # 300M is the largest 4 ranks can train and save in 24 GiB at either stage (docs/benchmarks.md)
-        default="z1:75,z1:150,z1:300,z3:75,z3:150,z3:300",
+        # the largest 4 ranks can train and save in 24 GiB: 300M at ZeRO-1, 600M at ZeRO-3 (docs/benchmarks.md)
+        default="z1:75,z1:150,z1:300,z3:75,z3:150,z3:300,z3:600",
         help="ZeRO stage and million parameters of each source (z<stage>:<size>)",
     )
     parser.add_argument("--work", default="/tmp/ucp_bench_resume")
@@ -408,6 +418,10 @@ def main() -> None:
     parser.add_argument("--from-results", action="store_true", help=f"no runs: tables and plot from {RESULTS.name}")
     parser.add_argument("--merge", action="store_true", help=f"add the sources to {RESULTS.name} instead of replacing")
     args = parser.parse_args()
+    # glibc raises its mmap threshold as large blocks are freed, then keeps freed heap memory: the full tensors that
+    # zero.Init builds and partitions stayed resident (a ZeRO-3 save peaked at 16.9 GB at 300M, against 10.7 GB with
+    # a fixed threshold). Every process of every row inherits the same setting.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     if args.smoke:
         args.sources, args.ranks = "z1:0.5,z3:0.5", 2
     report: dict = json.loads(RESULTS.read_text()) if args.from_results or args.merge else {}
