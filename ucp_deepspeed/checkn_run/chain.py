@@ -291,6 +291,7 @@ class ChainCheckpoint(FolderReader):
 
     def __init__(self, ckpt_dir: str, tag: str, verify: bool = True):
         elements = chain(ckpt_dir, tag)
+        self._ckpt_dir, self._elements = ckpt_dir, elements
         self._folders = _open(ckpt_dir, elements, verify)
         target = elements[-1][1]
         self._tables = {name for name, record in target.params.items() if "table" in record.extra}
@@ -328,7 +329,7 @@ class ChainCheckpoint(FolderReader):
         """Check every block of every element's files (the given files of the tag itself, if named)."""
         if relpaths is not None:
             return super().verify(relpaths)
-        return [p for _, folder, _ in self._folders for p in folder.verify()]
+        return crc_problems(self._ckpt_dir, self._elements)
 
     def close(self) -> None:
         """Release every element's files."""
