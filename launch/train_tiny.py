@@ -16,6 +16,7 @@ One launch handles several checkpoints, because each launch pays for importing D
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import ucp_deepspeed
 from ucp_deepspeed import compat
 from ucp_deepspeed.runtime.capture import infos
 
-GLOBAL_BATCH = 12
+GLOBAL_BATCH = 48  # divides evenly over 1, 2, 3, 4, 6, 8 and 16 ranks
 SEQ = 6
 VOCAB = 37
 STEPS = 3
@@ -68,6 +69,11 @@ VARIANTS = {
     "nvmez3": {"stage": 3, "dtype": "fp32", "offload": "nvme", "hidden": 17000},
     "widez1": {"stage": 1, "dtype": "fp32", "hidden": 17000},
     "wideoffz3": {"stage": 3, "dtype": "fp32", "offload": True, "offload_param": True, "hidden": 17000},
+    # a third param group of 8 elements (the layer norm): smaller than twice the DP size from DP=8 on, so DeepSpeed's
+    # padded partitions leave most ranks' files with nothing of it
+    "z1narrow": {"stage": 1, "dtype": "fp32", "hidden": 4, "norm_group": True},
+    "z2narrow": {"stage": 2, "dtype": "fp32", "hidden": 4, "norm_group": True},
+    "z3narrow": {"stage": 3, "dtype": "fp32", "hidden": 4, "norm_group": True},
     "moez1": {"stage": 1, "dtype": "fp32", "moe": True},
     "moez2": {"stage": 2, "dtype": "fp32", "moe": True},
 }
@@ -188,6 +194,10 @@ def build(
             {"params": decay, "weight_decay": 0.1, "name": "decay"},
             {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.95), "name": "no_decay"},
         ]
+        if variant.get("norm_group"):
+            norm = [model.norm.weight, model.norm.bias]
+            groups[1]["params"] = [p for p in no_decay if all(p is not q for q in norm)]
+            groups.append({"params": norm, "weight_decay": 0.0, "lr": 5e-3, "name": "norm"})
         if variant.get("moe"):  # DeepSpeed partitions experts over their own data-parallel groups
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -382,23 +392,46 @@ def do_stock(args: argparse.Namespace) -> None:
             )
 
 
+def attempt(work) -> str | None:
+    """The CheckpointError `work` raised, as text, or None."""
+    try:
+        work()
+    except ucp_deepspeed.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def gathered(value: object) -> list:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def do_expect_error(args: argparse.Namespace) -> None:
-    """Load each source (`DIR` or `DIR#TAG`) that should fail; every rank must raise the same error."""
+    """Load each source (`DIR` or `DIR#TAG`) that should fail; every rank must raise the same error. Each engine
+    trains a step first; what the failed load changed in it, and whether it then refuses a step, are recorded."""
     outcomes = []
     for source in args.source:
         load_dir, _, tag = source.partition("#")
         engine = build(args.variant[0])
-        try:
-            engine.load_checkpoint(load_dir, tag=tag or None)
-            error = None
-        except ucp_deepspeed.CheckpointError as exc:
-            error = str(exc)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, error)
-        outcomes.append({"source": source, "errors": everyone})
+        train(engine, 1)
+        before = snapshot(engine)
+        error = attempt(functools.partial(engine.load_checkpoint, load_dir, tag=tag or None))
+        changed = compare(before, snapshot(engine)) if error is not None else []
+        refused = attempt(functools.partial(train, engine, 1)) if error is not None else None
+        outcomes.append(
+            {"source": source, "errors": gathered(error), "changed": gathered(changed), "step": gathered(refused)}
+        )
     if dist.get_rank() == 0:
         with open(args.results, "w") as f:
             json.dump(outcomes, f, indent=1)
+
+
+def how(report: ucp_deepspeed.LoadReport) -> str:
+    """How the load ran, in words: DeepSpeed's own load, a reshard in place, or one through a universal copy."""
+    if report.mode != "resharded":
+        return f"{report.mode} load"
+    return f"resharded {report.saved} -> {report.live}, " + ("read in place" if report.direct else "via a copy")
 
 
 def do_load(args: argparse.Namespace) -> None:
@@ -446,7 +479,7 @@ def do_load(args: argparse.Namespace) -> None:
             print(
                 f"[{name} dp={dist.get_world_size()}] from {os.path.basename(source)}: step {engine.global_steps} "
                 f"loss {losses[-1]:.6f}; restored {count_tensors(snap)} tensors "
-                f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'}",
+                f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'} ({how(report)})",
                 flush=True,
             )
     if dist.get_rank() == 0:

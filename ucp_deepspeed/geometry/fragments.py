@@ -70,3 +70,13 @@ def fragments(slot: ParamSlot, zero_stage: int, dp: int) -> list[Fragment]:
     if covered != slot.numel:
         raise ValueError(f"{slot.name}: fragments cover {covered} of {slot.numel} elements")
     return frags
+
+
+def saved_numel(end: int, partition: int, position: int) -> int:
+    """How many elements of a ZeRO-1/2 flat group the `position`-th rank's file holds.
+
+    DeepSpeed pads a group to a multiple of twice the data-parallel size and saves each partition without the
+    padding: ranks before the group's `end` save whole partitions, the rank it ends in saves the rest, and every
+    later rank saves nothing. A group smaller than the data-parallel size leaves most ranks empty.
+    """
+    return max(0, min(partition, end - position * partition))

@@ -16,7 +16,7 @@ import torch
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, SaveMeta
-from ucp_deepspeed.geometry.fragments import fragments
+from ucp_deepspeed.geometry.fragments import fragments, saved_numel
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
@@ -143,12 +143,14 @@ def check_optim(meta: SaveMeta, optim: OptimRankFile, rank: int) -> list[str]:
             if need != size:
                 problems.append(f"flat {index} holds {size} elements, metadata's partitions of its parameters {need}")
         else:
-            # DeepSpeed saves ZeRO-1/2 partitions without the alignment padding, which only the last rank has
-            files = slots[0].ranks or tuple(range(topo.dp))
-            last = files.index(rank) == len(files) - 1 if rank in files else False
             partitions = {s.partition for s in slots}
-            if len(partitions) != 1 or size > min(partitions) or (size < min(partitions) and not last):
-                problems.append(f"flat {index} holds {size} elements, metadata says partitions of {sorted(partitions)}")
+            files = slots[0].ranks or tuple(range(topo.dp))
+            expected = saved_numel(max(s.offset + s.numel for s in slots), min(partitions), files.index(rank))
+            if len(partitions) != 1 or size != expected:
+                problems.append(
+                    f"flat {index} holds {size} elements, metadata says {expected} (partitions of "
+                    f"{sorted(partitions)}, parameters up to element {max(s.offset + s.numel for s in slots)})"
+                )
             ends = [f.src + f.numel for s in slots for f in fragments(s, topo.zero_stage, topo.dp) if f.rank == rank]
             if ends and max(ends) > size:
                 problems.append(

@@ -27,6 +27,7 @@ from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta, Topology
+from ucp_deepspeed.geometry.fragments import saved_numel
 from ucp_deepspeed.geometry.layout import REPLICATED
 from ucp_deepspeed.naming.rules import Rule
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
@@ -276,13 +277,22 @@ def _zero12_slots(
     group: dict[str, tuple[int, ...]],
     flat: int,
     group_id: int,
-    partition: int,
+    rank0: int,
     dp: int,
     layouts: dict,
     mapping: Any,
     path: str,
 ) -> list[ParamSlot]:
-    """ZeRO-1/2: parameters back to back in the flat buffer, cut into dp partitions of `partition` elements."""
+    """ZeRO-1/2: parameters back to back in the flat buffer, padded to a multiple of 2 x dp elements (DeepSpeed's
+    alignment) and cut into dp partitions; rank 0's file holds `rank0` elements of it."""
+    total = sum(math.prod(shape) for shape in group.values())
+    partition = -(-total // (2 * dp)) * 2
+    if rank0 != saved_numel(total, partition, 0):
+        raise CheckpointError(
+            path,
+            f"flat buffer {flat} holds {rank0} elements on rank 0, but its parameters ({total} elements) in {dp} "
+            f"partitions of {partition} put {saved_numel(total, partition, 0)} there",
+        )
     slots, offset = [], 0
     for name, shape in group.items():
         slot = ParamSlot(
@@ -298,11 +308,6 @@ def _zero12_slots(
                 )
         slots.append(slot)
         offset += math.prod(shape)
-    if offset > partition * dp:
-        raise CheckpointError(
-            path,
-            f"flat buffer {flat} holds {partition * dp} elements over {dp} ranks, but its parameters need {offset}",
-        )
     return slots
 
 
