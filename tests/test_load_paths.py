@@ -62,7 +62,8 @@ def test_converted_reshard_of_megatron_tp_pp_and_experts(megatron_sources, tmp_p
 
 
 def test_direct_reshard_checks_every_byte_it_read(sources, tmp_path):
-    """A flipped byte in a rank file: the restore completes, then every rank raises the CRC error."""
+    """A flipped byte in a rank file that one of the 3 ranks reads: every rank reads its share, the reads are
+    checked before anything is written, and every rank raises the CRC error with its engine as it was."""
     src = tmp_path / "z1"
     shutil.copytree(sources["z1"], src, ignore=shutil.ignore_patterns("*.universal"))
     optim = src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -75,4 +76,5 @@ def test_direct_reshard_checks_every_byte_it_read(sources, tmp_path):
     errors = set(outcome["errors"])
     assert len(errors) == 1 and None not in errors, errors
     assert f"{optim}: record" in errors.pop()
+    assert outcome["changed"] == [[], [], []] and outcome["step"] == [None, None, None], outcome
     assert not list(src.glob("*.universal"))

@@ -16,7 +16,7 @@ import functools
 import importlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,18 @@ def engine_config(engine: Any) -> Any:
 def commit_decoupled_checkpoint(engine: Any) -> None:
     """Let DeepSpeed finish a save whose files a decoupled checkpoint engine wrote (moves `latest`)."""
     engine._commit_decoupled_checkpoint()
+
+
+def before_model_step(engine: Any, check: Callable[[], None]) -> None:
+    """Run `check` before every optimizer step of `engine` (plain and pipeline engines step through
+    `_take_model_step`); it refuses the step by raising."""
+    native = engine._take_model_step
+
+    def take_model_step(*args: Any, **kwargs: Any) -> Any:
+        check()
+        return native(*args, **kwargs)
+
+    engine._take_model_step = take_model_step
 
 
 def base_optimizer(engine: Any) -> Any:

@@ -239,8 +239,9 @@ def test_unfinished_conversion_is_named_as_such(sources, tmp_path, capsys):
 
 def test_faults_are_refused_on_every_load_path(sources, tmp_path):
     """On 2 ranks at z1 (the saved layout of z1): a crafted model-states pickle and a file from another save
-    (native path), a damaged tensor record (native: raised on every rank after DeepSpeed's load), a damaged
-    universal folder, and contradicting metadata (resharded path from z2)."""
+    (native path), a damaged tensor record (native: raised on every rank after DeepSpeed's load, which has written
+    into the engine by then, so the engine refuses to step), a damaged universal folder, and contradicting
+    metadata (resharded path from z2), each refused with the engine as it was."""
     crafted = copy_of(sources["z1"], tmp_path / "crafted")
     swap_pickle(crafted / TAG / MODEL, popen_payload(tmp_path / "pwned"))
     mixed = copy_of(sources["z1"], tmp_path / "mixed")
@@ -264,5 +265,9 @@ def test_faults_are_refused_on_every_load_path(sources, tmp_path):
         errors = outcome["errors"]
         assert errors[0] is not None and errors[0] == errors[1], outcome
         assert cases[outcome["source"]] in errors[0], outcome
+        if outcome["source"] == str(damaged):  # DeepSpeed's own load writes as it reads: the engine stays closed
+            assert all(refused and "refusing to step" in refused for refused in outcome["step"]), outcome
+        else:  # refused before anything was written: the engine is as it was, and trains on
+            assert outcome["changed"] == [[], []] and outcome["step"] == [None, None], outcome
     assert not (tmp_path / "pwned").exists()
     assert not list(tmp_path.glob("*/*.universal/" + MANIFEST))

@@ -15,10 +15,11 @@ from ucp_deepspeed.errors import CheckpointError
 
 
 def failure_of(exc: BaseException) -> tuple[str, str]:
-    """(path, reason) of a failure, to send to the other ranks."""
+    """(path, reason) of a failure, to send to the other ranks; one that names no file names the rank."""
     if isinstance(exc, CheckpointError):
         return exc.path, exc.reason
-    return str(getattr(exc, "filename", None) or ""), f"{type(exc).__name__}: {exc}"
+    where = getattr(exc, "filename", None) or f"rank {dist.get_rank()}"
+    return str(where), f"{type(exc).__name__}: {exc}"
 
 
 def all_ok(failure: tuple[str, str] | None) -> None:
@@ -31,13 +32,17 @@ def all_ok(failure: tuple[str, str] | None) -> None:
 
 
 def guarded(work: Callable[[], Any]) -> Any:
-    """Run `work` on every rank; a `CheckpointError` or `OSError` on any rank is raised on all (collective)."""
-    result, failure = None, None
+    """Run `work` on every rank; any exception on any rank (a damaged file, a RuntimeError, running out of memory)
+    is raised on all of them as the first failing rank's `CheckpointError`, chained to the local one (collective)."""
+    result, failure, error = None, None, None
     try:
         result = work()
-    except (CheckpointError, OSError) as exc:
-        failure = failure_of(exc)
-    all_ok(failure)
+    except Exception as exc:
+        failure, error = failure_of(exc), exc
+    try:
+        all_ok(failure)
+    except CheckpointError as fanned:
+        raise fanned from error
     return result
 
 

@@ -36,6 +36,7 @@ from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import UNSUPPORTED, describe, optimizer_record, same_stage, supported, topology
 from ucp_deepspeed.runtime.collective import all_ok, everywhere, guarded, on_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
+from ucp_deepspeed.runtime.gate import Gate
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
 from ucp_deepspeed.runtime.native_io import guard
 from ucp_deepspeed.runtime.plugins import ForeignFormat, foreign_formats, make_saver
@@ -60,6 +61,8 @@ class LoadReport:
     """The registered tag kind (e.g. `checkn_run`) when the load restored one of an extension's tags."""
     direct: bool = False
     """Whether a resharding load read the saved files in place instead of a universal copy."""
+    refused: tuple[str, ...] = ()
+    """Newer tags that failed to load (damaged) before this one, picked because no tag was named, loaded."""
 
 
 # `ucp_deepspeed.install` replaces deepspeed.initialize; ours must still reach DeepSpeed's own.
@@ -115,6 +118,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     if options.async_save:
         engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine))
     files = guard(engine, options.verify)
+    gate = Gate()  # closed by a load that failed after it began writing into the engine
+    compat.before_model_step(engine, lambda: gate.check("step"))
     # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
     box = [uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None]
     tdist.broadcast_object_list(box, src=0)
@@ -137,6 +142,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         exclude_frozen_parameters: bool = False,
     ) -> Any:
         wait_for_checkpoint()
+        gate.check("save")
         client_state = client_state or {}
         tag = f"global_step{engine.global_steps}" if tag is None else tag
         save_id = f"{run_id}-{next(saves)}"
@@ -208,32 +214,52 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             load_module_only=load_module_only,
             custom_load_fn=custom_load_fn,
         )
+        flags = (load_optimizer_states, load_lr_scheduler_states, load_module_only)
         for fmt in foreign_formats():
             folder = fmt.find(engine, load_dir)
             if folder is not None:
                 ckpt = _imported(engine, fmt, folder)
-                client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+                client = restore(engine, ckpt, *flags, gate=gate)
                 engine.ucp_hf_config = ckpt.manifest.hf_config
                 engine.ucp_last_load = LoadReport("imported", fmt.name, live_desc(), ckpt.root)
                 return folder, client
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
             ckpt = UniversalCheckpoint(load_dir, verify=options.verify)
-            client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            client = restore(engine, ckpt, *flags, gate=gate)
             engine.ucp_hf_config = ckpt.manifest.hf_config
             engine.ucp_last_load = LoadReport(
                 "universal", Topology(**ckpt.manifest.source["topology"]).describe(), live_desc(), load_dir
             )
             return load_dir, client
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
-            return checked(native, tag=tag)
-        checked_tag = tag is None
-        if tag is None:  # a save killed part-way leaves a torn tag, possibly already named by `latest`
-            box: list[Any] = [_pick_tag(load_dir) if tdist.get_rank() == 0 else None]  # one rank opens the files
+            return checked(native, tag=tag)  # DeepSpeed's own answer to a folder with nothing to load
+        if tag is not None:
+            return load_tag(load_dir, resolve_tag(load_dir, tag), False, native, flags, custom_load_fn)
+        # a save killed part-way leaves a torn tag, possibly already named by `latest`; a tag that turns out
+        # damaged while loading leaves the engine as it was, so an older complete tag is tried next
+        refused: list[str] = []
+        first: CheckpointError | None = None
+        while True:
+            box: list[Any] = [_pick_tag(load_dir, refused) if tdist.get_rank() == 0 else None]  # one rank opens
             tdist.broadcast_object_list(box, src=0)
-            tag, failure = box[0]
+            picked, failure = box[0]
             if failure:
-                raise CheckpointError(*failure)
-        tag = resolve_tag(load_dir, tag)
+                raise first or CheckpointError(*failure)
+            try:
+                result = load_tag(load_dir, resolve_tag(load_dir, picked), True, native, flags, custom_load_fn)
+                if refused:
+                    log.warning("ucp: resumed from %s instead of the newer %s", picked, ", ".join(refused))
+                    engine.ucp_last_load = dataclasses.replace(engine.ucp_last_load, refused=tuple(refused))
+                return result
+            except CheckpointError as exc:
+                first = first or exc
+                refused.append(picked)
+                log.warning("ucp: could not load %s (%s); trying the newest older complete tag", picked, exc)
+
+    def load_tag(
+        load_dir: str, tag: str, checked_tag: bool, native: Any, flags: tuple[bool, bool, bool], custom_load_fn: Any
+    ) -> tuple:
+        """Load one tag: `checked_tag` when resume_tag has already opened and checked every file of it."""
         kind = kind_of(os.path.join(load_dir, tag))
         if kind is not None:
             reader = (
@@ -242,7 +268,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                 else _materialized(engine, kind, load_dir, tag)
             )
             try:
-                client = restore(engine, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+                client = restore(engine, reader, *flags, gate=gate)
             finally:
                 reader.close()
             if saver is not None:
@@ -282,7 +308,8 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                 on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())
             engine.ucp_last_load = LoadReport("native", saved.describe(), live.describe(), None)
             files.expect(os.path.join(load_dir, tag), meta.save_id)
-            path, client = checked(native, tag=tag)
+            with gate.writing(os.path.join(load_dir, tag)):  # DeepSpeed writes as it reads: it cannot be staged
+                path, client = checked(native, tag=tag)
             engine.ucp_hf_config = meta.hf_config
             # DeepSpeed mixes its own bookkeeping into client_state; return only what the user saved
             return path, {k: v for k, v in (client or {}).items() if k in meta.client_state_keys}
@@ -295,8 +322,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
         if options.direct:
             direct = _direct(engine, load_dir, tag)
             try:
-                client = restore(engine, direct, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-                _check_direct_reads(direct.src)
+                client = restore(engine, direct, *flags, check_reads=lambda: _check_direct_reads(direct.src), gate=gate)
             finally:
                 direct.close()
             engine.ucp_hf_config = direct.manifest.hf_config
@@ -304,7 +330,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
             tdist.barrier()
             return os.path.join(load_dir, tag), client
         ckpt = _converted(engine, load_dir, tag)
-        client = restore(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        client = restore(engine, ckpt, *flags, gate=gate)
         engine.ucp_hf_config = ckpt.manifest.hf_config
         engine.ucp_last_load = LoadReport("resharded", saved.describe(), live.describe(), ckpt.root)
         tdist.barrier()
@@ -342,11 +368,13 @@ def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> None:
     write_swap_record(SwapRecord(swap.optim_file, save_id, dtype, files), folder)
 
 
-def _pick_tag(load_dir: str) -> tuple[str | None, tuple[str, str] | None]:
-    """The tag to resume from, or why there is none (the newest tag's problem)."""
-    tag = resume_tag(load_dir)
+def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str, str] | None]:
+    """The tag to resume from, skipping the `refused` ones, or why there is none (the newest tag's problem)."""
+    tag = resume_tag(load_dir, refused)
     if tag is not None:
         return tag, None
+    if refused:
+        return None, (load_dir, f"holds no complete checkpoint older than {refused[-1]} to fall back to")
     newest = read_latest(load_dir) if os.path.isfile(os.path.join(load_dir, "latest")) else list_tags(load_dir)[-1]
     reason = incomplete_reason(load_dir, newest) or "unreadable"
     return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")

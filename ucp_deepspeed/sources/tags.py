@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
@@ -43,9 +44,14 @@ def _order(ckpt_dir: str, tag: str) -> tuple[int, float]:
     return (int(found.group(1)) if found else -1, os.path.getmtime(os.path.join(ckpt_dir, tag)))
 
 
-def newest_complete(ckpt_dir: str) -> str | None:
-    """The newest complete tag (by trailing step number, then folder time); torn ones are logged and skipped."""
-    for tag in sorted(list_tags(ckpt_dir), key=lambda t: _order(ckpt_dir, t), reverse=True):
+def newest_complete(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
+    """The newest complete tag (by trailing step number, then folder time) older than every `refused` one; torn
+    ones are logged and skipped."""
+    tags = sorted(list_tags(ckpt_dir), key=lambda t: _order(ckpt_dir, t), reverse=True)
+    if refused:
+        oldest = min(_order(ckpt_dir, t) for t in refused)
+        tags = [t for t in tags if _order(ckpt_dir, t) < oldest]
+    for tag in tags:
         reason = incomplete_reason(ckpt_dir, tag)
         if reason is None:
             return tag
@@ -53,8 +59,11 @@ def newest_complete(ckpt_dir: str) -> str | None:
     return None
 
 
-def resume_tag(ckpt_dir: str) -> str | None:
-    """The tag to resume from: the one `latest` names if it is complete, else the newest complete one."""
+def resume_tag(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
+    """The tag to resume from: the one `latest` names if it is complete, else the newest complete one; after
+    `refused` tags (which failed to load), the newest complete one older than them."""
+    if refused:
+        return newest_complete(ckpt_dir, refused)
     latest_path = os.path.join(ckpt_dir, "latest")
     latest = None
     if os.path.isfile(latest_path):
