@@ -19,6 +19,7 @@ from ucp_deepspeed.version import __version__
 _LAZY = {
     "initialize": "ucp_deepspeed.runtime.engine",
     "attach": "ucp_deepspeed.runtime.engine",
+    "LoadReport": "ucp_deepspeed.runtime.engine",
     "UniversalConfig": "ucp_deepspeed.runtime.config",
     "install": "ucp_deepspeed.runtime.integrations",
     "uninstall": "ucp_deepspeed.runtime.integrations",
@@ -26,6 +27,7 @@ _LAZY = {
 
 __all__ = [
     "CheckpointError",
+    "LoadReport",
     "UniversalCheckpoint",
     "UniversalConfig",
     "__version__",
