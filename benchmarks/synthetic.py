@@ -41,6 +41,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 
 import ucp_deepspeed
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
+from ucp_deepspeed.runtime.native_io import rebind, unbound
 
 HIDDEN = 1024
 VOCAB = 32768
@@ -342,7 +343,7 @@ def main() -> None:
         result["sync_save_fsync_s"] = timed(lambda: (engine.save_checkpoint(trial), os.sync()))
         if dist.get_rank() == 0:
             shutil.rmtree(trial)
-        engine.checkpoint_engine = AsyncCheckpointEngine(engine._config)
+        rebind(engine, AsyncCheckpointEngine(engine._config))
         result["async_stall_s"] = timed(lambda: engine.save_checkpoint(trial))
         result["step_while_writing_s"] = timed(step)
         result["async_rest_s"] = timed(engine.wait_for_checkpoint)
@@ -382,8 +383,7 @@ def load(args: argparse.Namespace) -> dict:
     cost: the extra resident memory and the bytes written, each summed over the ranks."""
     engine = build(args)
     if args.plain:  # DeepSpeed's own load with none of our checks: what they cost is measured against it
-        ce = engine.checkpoint_engine
-        del ce.load  # the guarded load is an attribute of the instance; the class's is DeepSpeed's
+        engine.checkpoint_engine = unbound(engine)  # DeepSpeed's own engine, without our binding
         run, mode = lambda: deepspeed.DeepSpeedEngine.load_checkpoint(engine, args.source), "plain"
     elif args.deepspeed_universal:
         run, mode = lambda: engine.load_checkpoint(args.source, tag=args.deepspeed_universal), "deepspeed-universal"

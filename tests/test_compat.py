@@ -92,6 +92,22 @@ def test_commit_decoupled_checkpoint(zero12):
     assert list(inspect.signature(zero12._commit_decoupled_checkpoint).parameters) == []
 
 
+def test_before_model_step(zero3):
+    """The check runs on every optimizer step, of a plain engine and of a PipelineEngine, whose step goes through the
+    same `_take_model_step`."""
+    import inspect
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    assert "self._take_model_step(" in inspect.getsource(PipelineEngine._exec_optimizer_step)
+    calls = []
+    compat.before_model_step(zero3, lambda: calls.append(zero3.global_steps))
+    loss = zero3(torch.randn(2, 6)).pow(2).mean()
+    zero3.backward(loss)
+    zero3.step()
+    assert calls == [zero3.global_steps - 1]
+
+
 def test_is_bf16_optimizer(zero12):
     """DeepSpeed's BF16_Optimizer (ZeRO-0, bf16, fp32 gradient accumulation) cannot be built on this CPU
     accelerator, so its attributes are checked in its source; ZeRO optimizers must not look like it."""

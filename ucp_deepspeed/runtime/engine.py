@@ -38,7 +38,7 @@ from ucp_deepspeed.runtime.collective import all_ok, everywhere, guarded, on_ran
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.runtime.gate import Gate
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_layers, megatron_moe_visible
-from ucp_deepspeed.runtime.native_io import guard
+from ucp_deepspeed.runtime.native_io import bind, unbound
 from ucp_deepspeed.runtime.plugins import ForeignFormat, foreign_formats, make_saver
 from ucp_deepspeed.runtime.restore import restore
 from ucp_deepspeed.runtime.shared_convert import convert_across_ranks
@@ -117,7 +117,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
     if options.async_save:
         engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine))
-    files = guard(engine, options.verify)
+    files = bind(engine, options.verify)
     gate = Gate()  # closed by a load that failed after it began writing into the engine
     compat.before_model_step(engine, lambda: gate.check("step"))
     # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
@@ -128,9 +128,12 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     engine.ucp_saver = saver
 
     def wait_for_checkpoint() -> None:
-        """Block until a pending async checkpoint is written on every rank and `latest` names it (collective)."""
-        if isinstance(engine.checkpoint_engine, AsyncCheckpointEngine):
-            engine.checkpoint_engine.wait()
+        """Block until a pending asynchronous or decoupled checkpoint is written on every rank and `latest` names it
+        (collective)."""
+        inner = unbound(engine)
+        if isinstance(inner, AsyncCheckpointEngine):
+            inner.wait()
+        if inner.is_decoupled():
             compat.commit_decoupled_checkpoint(engine)
 
     @functools.wraps(native_save)

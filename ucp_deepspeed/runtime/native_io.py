@@ -2,11 +2,15 @@
 every file a load reads is unpickled without running code and checked byte for byte.
 
 DeepSpeed writes and reads each checkpoint file through its engine's `checkpoint_engine`
-(`save(state_dict, path)`, `load(path, map_location)`), for model states, optimizer partitions,
-expert and pipeline-layer files alike. `guard` wraps both on the engine instance:
+(`create`, `save(state_dict, path)` per file, `commit` once the save is whole, `load(path,
+map_location)`), for model states, optimizer partitions, expert and pipeline-layer files alike, and
+whichever engine the config picks: torch's, the python writer, a decoupled writer that writes in
+another process after `save` returns, or our asynchronous one. `bind` puts one `BoundEngine` in front
+of it:
 
-- save: after DeepSpeed's `torch.save`, the file gets the current save id (`torch_file.stamp`),
-  which our metadata for the tag also records;
+- save: each file written is remembered with the current save id; at `commit`, when every file of the
+  save is on disk whatever the engine, each gets the id (`torch_file.stamp`), which our metadata for
+  the tag also records (an engine that `stamps_itself`, ours, stamps each file before it appears);
 - load: `torch.load(weights_only=True)` with only DeepSpeed's own checkpoint classes allowed
   (and those the user names in `UCP_ALLOW_PICKLE`), reading through `VerifyingReader` so every
   record torch reads is checked against its CRC-32, and refusing a file whose save id differs from
@@ -73,7 +77,7 @@ def safe_load(
 
 
 class Guard:
-    """What the wrapped checkpoint engine needs to know: the save in progress, and each tag's save id."""
+    """What the bound checkpoint engine needs to know: the save in progress, and each tag's save id."""
 
     def __init__(self, verify: bool):
         self.verify = verify
@@ -95,27 +99,63 @@ class Guard:
         self.expected[os.path.realpath(tag_dir)] = save_id
 
 
-def guard(engine: Any, verify: bool = True) -> Guard:
-    """Wrap the engine's checkpoint engine (on the instance) so saves bind and loads check; returns the guard."""
+class BoundEngine:
+    """Any of DeepSpeed's checkpoint engines, with saves bound by a save id and loads checked (see the module
+    docstring). Everything else DeepSpeed asks of it (`create`, `is_decoupled`, `get_commit_info`, `makedirs`,
+    `is_data_parallel_writer`, `cleanup`, ...) is the wrapped engine's own."""
+
+    def __init__(self, inner: Any, guard: Guard):
+        self.inner, self.ucp_guard = inner, guard
+        self._written: list[tuple[str, str]] = []  # (path, save id) of files saved but not yet committed
+        if getattr(inner, "stamps_itself", False):
+            inner.ucp_guard = guard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Write one file through the wrapped engine; it is stamped at commit, once it is surely on disk."""
+        self.inner.save(state_dict, path)
+        if self.ucp_guard.save_id and not getattr(self.inner, "stamps_itself", False):
+            self._written.append((path, self.ucp_guard.save_id))
+
+    def commit(self, info: Any) -> Any:
+        """The wrapped engine's commit (a decoupled writer finishes its files here), then each file gets its id."""
+        result = self.inner.commit(info)
+        written, self._written = self._written, []
+        for path, save_id in written:
+            stamp(path, save_id)
+        return result
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """Read one file without running code from it, every record checked."""
+        guard = self.ucp_guard
+        expected = guard.expected.get(os.path.realpath(os.path.dirname(path)), "")
+        return safe_load(path, map_location, expected, guard.verify, guard.damaged)
+
+
+def bind(engine: Any, verify: bool = True) -> Guard:
+    """Put a `BoundEngine` in front of the engine's checkpoint engine (once); returns its guard."""
     ce = engine.checkpoint_engine
-    if getattr(ce, "ucp_guard", None) is not None:
+    if isinstance(ce, BoundEngine):
         return ce.ucp_guard
     if getattr(ce, "zipfile_serialization", True) is False:
         raise NotImplementedError(
             "universal checkpointing reads torch's zip archives; remove "
             '"checkpoint_serialization": false from the DeepSpeed config'
         )
-    state = Guard(verify)
-    own_save = ce.__dict__.get("save")  # an instance-level save someone installed before us, else the class's
+    guard = Guard(verify)
+    engine.checkpoint_engine = BoundEngine(ce, guard)
+    return guard
 
-    def save(state_dict: Any, path: str) -> None:
-        (own_save or type(ce).save.__get__(ce))(state_dict, path)
-        if state.save_id and not getattr(ce, "stamps_itself", False):
-            stamp(path, state.save_id)
 
-    def load(path: str, map_location: Any = None) -> Any:
-        expected = state.expected.get(os.path.realpath(os.path.dirname(path)), "")
-        return safe_load(path, map_location, expected, state.verify, state.damaged)
+def unbound(engine: Any) -> Any:
+    """The checkpoint engine DeepSpeed built (or that replaced it), without our binding."""
+    ce = engine.checkpoint_engine
+    return ce.inner if isinstance(ce, BoundEngine) else ce
 
-    ce.save, ce.load, ce.ucp_guard = save, load, state
-    return state
+
+def rebind(engine: Any, inner: Any) -> None:
+    """Swap the checkpoint engine behind the binding (an asynchronous one for a synchronous one)."""
+    ce = engine.checkpoint_engine
+    engine.checkpoint_engine = BoundEngine(inner, ce.ucp_guard) if isinstance(ce, BoundEngine) else inner
