@@ -23,7 +23,7 @@ LAYERS = [
     {"convert"},
     {"runtime"},
     {"checkn_run", "hf", "interop"},
-    {"tools", "run", "__init__"},
+    {"tools", "run", "__init__", "mpu", "checkpoints"},  # the last two: deprecated aliases of old import paths
 ]
 EXTENSIONS = {"checkn_run", "hf", "interop"}
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}

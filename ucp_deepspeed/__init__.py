@@ -7,6 +7,7 @@ The engine-side entry points import DeepSpeed; they load on first use, so the `u
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 # extensions register their tag kinds, config sections, savers and foreign formats on import
@@ -16,6 +17,8 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.version import __version__
 
+# The public surface, in one place (docs/reference/api.md): each name, and the module that defines it. The
+# engine-side ones load DeepSpeed, so they are imported on first use.
 _LAZY = {
     "initialize": "ucp_deepspeed.runtime.engine",
     "attach": "ucp_deepspeed.runtime.engine",
@@ -23,11 +26,16 @@ _LAZY = {
     "UniversalConfig": "ucp_deepspeed.runtime.config",
     "install": "ucp_deepspeed.runtime.integrations",
     "uninstall": "ucp_deepspeed.runtime.integrations",
+    "MegatronMpu": "ucp_deepspeed.runtime.mpu",
+    "register_megatron_experts": "ucp_deepspeed.runtime.mpu",
+    "resume_tag": "ucp_deepspeed.sources.tags",
+    "prune": "ucp_deepspeed.sources.tags",
 }
 
 __all__ = [
     "CheckpointError",
     "LoadReport",
+    "MegatronMpu",
     "UniversalCheckpoint",
     "UniversalConfig",
     "__version__",
@@ -35,6 +43,9 @@ __all__ = [
     "convert",
     "initialize",
     "install",
+    "prune",
+    "register_megatron_experts",
+    "resume_tag",
     "uninstall",
 ]
 
@@ -44,3 +55,20 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'ucp_deepspeed' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+def moved(old_module: str, names: tuple[str, ...]) -> Any:
+    """A module `__getattr__` for an old import path: each name still resolves, with a DeprecationWarning naming
+    where it lives now (kept for one release)."""
+
+    def getattr_(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{old_module}.{name} moved; import it as ucp_deepspeed.{name} ({old_module} goes in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return __getattr__(name)
+
+    return getattr_
