@@ -32,7 +32,7 @@ from ucp_deepspeed.convert.core import assemble
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, VALUE, check_name
-from ucp_deepspeed.format.paths import check_output
+from ucp_deepspeed.format.paths import check_output, latest_tag
 from ucp_deepspeed.format.universal import (
     BUFFERS,
     STATE,
@@ -47,7 +47,7 @@ from ucp_deepspeed.format.universal import (
 from ucp_deepspeed.io.torch_file import load_file, plain
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources import NativeCheckpoint
-from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
+from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS, OPTIMIZER_WRAPPER_KEYS
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.plan import FullTensor
 from ucp_deepspeed.version import __version__
@@ -132,10 +132,9 @@ def export_deepspeed(
 
 def deepspeed_universal_folder(path: str) -> str | None:
     """The DeepSpeed universal folder at `path` (or named by `path/latest_universal`), if there is one."""
-    latest = os.path.join(path, LATEST_UNIVERSAL)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            path = os.path.join(path, f.read().strip())
+    named = latest_tag(path, LATEST_UNIVERSAL)
+    if named is not None:
+        path = os.path.join(path, named)
     return path if os.path.isfile(os.path.join(path, ZERO, OPTIMIZER_STATE)) else None
 
 
@@ -302,11 +301,7 @@ def import_deepspeed(folder: str, output: str) -> str:
         buffers = {n: values[n] for n in buffer_names}
         records.append(write_tensors(output, BUFFERS, buffers))
         client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
-        wrapper = {
-            k: plain(optim_state[k])
-            for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
-            if k in optim_state
-        }
+        wrapper = {k: plain(optim_state[k]) for k in OPTIMIZER_WRAPPER_KEYS if k in optim_state}
         records.append(
             write_object(
                 output,

@@ -45,6 +45,7 @@ from ucp_deepspeed.runtime.capture import (
     param_groups,
     topology,
 )
+from ucp_deepspeed.sources.keys import OPTIMIZER_WRAPPER_KEYS
 from ucp_deepspeed.version import __version__
 
 
@@ -148,9 +149,7 @@ def write_live(
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "client_state": client_state,
                 "optimizer_wrapper": {
-                    k: getattr(engine.optimizer, k)
-                    for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
-                    if hasattr(engine.optimizer, k)
+                    k: getattr(engine.optimizer, k) for k in OPTIMIZER_WRAPPER_KEYS if hasattr(engine.optimizer, k)
                 },
             },
         )

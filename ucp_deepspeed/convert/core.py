@@ -67,7 +67,6 @@ def assemble(src: NativeCheckpoint, tensor: FullTensor, state: str = VALUE) -> t
 
 
 def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
-    meta = src.meta
     item = job.item
     if job.kind in ("param", "frozen"):
         if item is None:
@@ -78,16 +77,7 @@ def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
         return stream_tensors(out, job.relpath, entries, lambda key: assemble(src, item, key))
     if job.kind == "buffers":
         return write_tensors(out, job.relpath, {t.name: assemble(src, t) for t in src.tensors if t.kind == "buffer"})
-    model = src.model_states(0)
-    return write_object(
-        out,
-        job.relpath,
-        {
-            "lr_scheduler": model.lr_scheduler(),
-            "client_state": model.client_state(meta.client_state_keys),
-            "optimizer_wrapper": src.optim(0).wrapper_state() if meta.topology.zero_stage > 0 else {},
-        },
-    )
+    return write_object(out, job.relpath, src.training_state())
 
 
 def run_jobs(

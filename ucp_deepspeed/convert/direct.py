@@ -71,14 +71,9 @@ class DirectCheckpoint(TensorReader):
         return assemble(self.src, self._tensor(name)).to(torch_dtype(self.buffers[name].dtype))
 
     def load_state(self) -> dict[str, Any]:
-        """The non-tensor training state: scheduler, client state, optimizer-wrapper state."""
-        meta = self.src.meta
-        model = self.src.model_states(0)
-        return {
-            "lr_scheduler": model.lr_scheduler(),
-            "client_state": model.client_state(meta.client_state_keys),
-            "optimizer_wrapper": self.src.optim(0).wrapper_state() if meta.topology.zero_stage > 0 else {},
-        }
+        """The non-tensor training state: scheduler, each model-parallel rank's client state, optimizer-wrapper
+        state."""
+        return self.src.training_state()
 
     def close(self) -> None:
         """Release the rank files."""

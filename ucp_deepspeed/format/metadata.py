@@ -17,6 +17,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import check_optimizer_record
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
+from ucp_deepspeed.io.atomic import atomic_write
 
 META_VERSION = 1
 FP32 = "fp32"  # state name of the fp32 master weight, next to optimizer states such as exp_avg
@@ -233,12 +234,7 @@ def write_meta(meta: SaveMeta, tag_dir: str, mp_rank: int = 0) -> str:
     """Atomically write the metadata of one model-parallel rank into a checkpoint tag folder."""
     os.makedirs(tag_dir, exist_ok=True)
     path = os.path.join(tag_dir, meta_filename(mp_rank))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(meta.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, meta.to_json().encode())
     return path
 
 

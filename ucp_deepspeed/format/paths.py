@@ -70,16 +70,25 @@ class Located:
         return os.path.join(self.root, self.tag) if self.tag else self.root
 
 
+def latest_tag(ckpt_dir: str, name: str = LATEST) -> str | None:
+    """The tag a pointer file (`latest`, or DeepSpeed's `latest_universal`) names, or None when it is absent or
+    empty."""
+    pointer = os.path.join(ckpt_dir, name)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        return f.read().strip() or None
+
+
 def read_latest(ckpt_dir: str) -> str:
     """The tag `latest` names; a clear error when it is missing or empty."""
+    tag = latest_tag(ckpt_dir)
     latest = os.path.join(ckpt_dir, LATEST)
-    if not os.path.isfile(latest):
+    if tag is None and not os.path.isfile(latest):
         found = list_tags(ckpt_dir)
         hint = f"; tags present: {', '.join(found)} (pass one with --tag)" if found else ""
         raise CheckpointError(latest, f"no 'latest' file, so the tag to load is unknown{hint}")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not tag:
+    if tag is None:
         raise CheckpointError(latest, "'latest' is empty")
     return tag
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io.atomic import atomic_write
 from ucp_deepspeed.io.checksum import BLOCK
 
 OFFLOADED = "offloaded_tensors"
@@ -81,12 +82,7 @@ class SwapRecord:
 def write_swap_record(record: SwapRecord, folder: str) -> str:
     """Atomically write a rank's swap record into its `offloaded_tensors/rank<NN>` folder."""
     path = os.path.join(folder, SWAP_RECORD)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(record.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, record.to_json().encode())
     return path
 
 

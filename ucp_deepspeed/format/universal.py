@@ -14,16 +14,15 @@ bytes it uses, however the folder was named, at the cost of at most two extra bl
 from __future__ import annotations
 
 import abc
-import contextlib
 import io
 import json
 import math
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from safetensors.torch import save as st_save
@@ -33,6 +32,7 @@ from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.manifest import BufferRecord, Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
+from ucp_deepspeed.io.atomic import atomic_file, atomic_write
 from ucp_deepspeed.io.checksum import BLOCK, BlockHasher, block_crcs, crc32
 from ucp_deepspeed.io.torch_file import load_file
 
@@ -89,38 +89,6 @@ def record_of(relpath: str, nbytes: int, crc: int, blocks: Sequence[int]) -> Fil
 def record_bytes(relpath: str, data: bytes | memoryview) -> FileRecord:
     """The record of a file whose bytes are in memory."""
     return record_of(relpath, len(data), crc32(data), block_crcs(data))
-
-
-@contextlib.contextmanager
-def atomic_path(path: str) -> Iterator[str]:
-    """A temporary name to write `path` under: fsynced and renamed into place if the block succeeds, else removed."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-@contextlib.contextmanager
-def atomic_file(path: str) -> Iterator[BinaryIO]:
-    """An open file written under a temporary name and moved into place whole (see `atomic_path`)."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        yield f
-
-
-def atomic_write(path: str, data: bytes | memoryview) -> None:
-    """Write a whole file atomically (see `atomic_file`)."""
-    with atomic_file(path) as f:
-        f.write(data)
 
 
 def write_bytes(root: str, relpath: str, data: bytes | memoryview) -> FileRecord:

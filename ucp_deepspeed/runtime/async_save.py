@@ -23,7 +23,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.universal import atomic_path
+from ucp_deepspeed.io.atomic import atomic_path
 from ucp_deepspeed.io.torch_file import stamp
 
 

@@ -28,7 +28,7 @@ from ucp_deepspeed.convert.output import claimed, remove_output
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
 from ucp_deepspeed.format.metadata import Topology, write_meta
-from ucp_deepspeed.format.paths import read_latest
+from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.format.swap import OFFLOADED, SwapFile, SwapRecord, write_swap_record
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.io.swap_file import file_block_crcs
@@ -234,7 +234,7 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
                 "universal", Topology(**ckpt.manifest.source["topology"]).describe(), live_desc(), load_dir
             )
             return load_dir, client
-        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and not list_tags(load_dir):
+        if tag is None and not os.path.isfile(os.path.join(load_dir, LATEST)) and not list_tags(load_dir):
             return checked(native, tag=tag)  # DeepSpeed's own answer to a folder with nothing to load
         if tag is not None:
             return load_tag(load_dir, resolve_tag(load_dir, tag), False, native, flags, custom_load_fn)
@@ -378,7 +378,9 @@ def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str,
         return tag, None
     if refused:
         return None, (load_dir, f"holds no complete checkpoint older than {refused[-1]} to fall back to")
-    newest = read_latest(load_dir) if os.path.isfile(os.path.join(load_dir, "latest")) else list_tags(load_dir)[-1]
+    newest = latest_tag(load_dir) or next(reversed(list_tags(load_dir)), None)
+    if newest is None:
+        return None, (os.path.join(load_dir, LATEST), "'latest' is empty and there are no tag folders")
     reason = incomplete_reason(load_dir, newest) or "unreadable"
     return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
 

@@ -9,6 +9,7 @@ then refresh the low-precision weights from the fp32 masters.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +24,19 @@ from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, GroupRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, decode_value
 from ucp_deepspeed.naming.experts import expert_blocks
-from ucp_deepspeed.runtime.capture import LiveParam, engine_dtype, expert_groups, live_params, model_parallel, namer
+from ucp_deepspeed.runtime.capture import (
+    LiveParam,
+    engine_dtype,
+    expert_groups,
+    live_params,
+    model_parallel,
+    namer,
+    topology,
+)
 from ucp_deepspeed.runtime.collective import guarded
 from ucp_deepspeed.runtime.gate import Gate
+
+log = logging.getLogger("ucp_deepspeed")
 
 # structure, not hyperparameters: DeepSpeed names MoE groups after their expert-parallel size
 _NON_PARAM_KEYS = ("params", "name", "moe")
@@ -447,7 +458,42 @@ def _stage_training_state(engine: Any, ckpt: TensorReader, load_lr_scheduler_sta
             setattr(engine.optimizer, key, value)
 
     out.installs.append(install)
-    out.client = state.get("client_state", {})
+    out.client = client_state(engine, ckpt, state)
+
+
+def client_state(engine: Any, ckpt: TensorReader, state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's client state. DeepSpeed saves one per model-parallel rank (Megatron-DeepSpeed keeps each rank's
+    RNG streams there): a rank that keeps its role, because the tensor- and pipeline-parallel sizes are unchanged,
+    gets its own rank's; at other sizes every rank gets model-parallel rank 0's, and entries that differed between
+    the saved ranks are named in a warning, since no rank's own value can follow it."""
+    per_rank = state.get("client_states") or []
+    saved = ckpt.manifest.source.get("topology", {})
+    live = topology(engine)
+    index = int(engine.checkpoint_mp_rank)
+    if (saved.get("tp", 1), saved.get("pp", 1)) == (live.tp, live.pp) and index < len(per_rank):
+        return per_rank[index]
+    first = state.get("client_state", {})
+    varying = sorted({k for other in per_rank[1:] for k in first if not _same_value(first[k], other.get(k))})
+    if varying:
+        log.warning(
+            "ucp: client_state entries %s differ between the saved model-parallel ranks; at this tensor/pipeline-"
+            "parallel size every rank gets model-parallel rank 0's",
+            varying,
+        )
+    return first
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a truth value
+        return False
 
 
 def wrapper_state(ckpt: TensorReader, live_dtype: str, state: dict[str, Any] | None = None) -> dict[str, Any]:

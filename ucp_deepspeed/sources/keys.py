@@ -33,3 +33,7 @@ DEEPSPEED_KEYS = frozenset(
         "ds_autotp_universal_checkpoint_info",
     }
 )
+
+OPTIMIZER_WRAPPER_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+"""The loss-scaler and clipping state DeepSpeed's optimizer wrappers keep as attributes and save beside the
+partitions: carried as the universal format's `optimizer_wrapper`."""

@@ -401,6 +401,17 @@ class NativeCheckpoint:
         """Optimizer file of data-parallel rank `rank` of the first model-parallel rank."""
         return self.ranks[0].optim(rank)
 
+    def training_state(self) -> dict[str, Any]:
+        """The non-tensor training state: the LR scheduler, the optimizer wrapper's state, and the client state of
+        each model-parallel rank (`client_states`, by model-states file index; `client_state` is rank 0's)."""
+        clients = [r.model_states(0).client_state(r.meta.client_state_keys) for r in self.ranks]
+        return {
+            "lr_scheduler": self.model_states(0).lr_scheduler(),
+            "client_state": clients[0],
+            "client_states": clients,
+            "optimizer_wrapper": self.optim(0).wrapper_state() if self.meta.topology.zero_stage > 0 else {},
+        }
+
     def state_keys(self) -> list[str]:
         """Per-element optimizer state keys, e.g. `exp_avg`, `exp_avg_sq`."""
         rank = next((r for r in self.ranks if r.meta.params), None)

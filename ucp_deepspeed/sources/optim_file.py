@@ -18,6 +18,7 @@ from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.swap import SwapRecord
 from ucp_deepspeed.io.swap_file import SwapTensor
 from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize, plain
+from ucp_deepspeed.sources.keys import OPTIMIZER_WRAPPER_KEYS
 
 _TENSORS = (LazyTensor, SwapTensor)
 
@@ -145,8 +146,7 @@ class OptimRankFile:
 
     def wrapper_state(self) -> dict[str, Any]:
         """Loss-scaler and clipping state of DeepSpeed's optimizer wrapper, as plain data."""
-        keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
-        return {k: plain(self._sd[k]) for k in keys if k in self._sd}
+        return {k: plain(self._sd[k]) for k in OPTIMIZER_WRAPPER_KEYS if k in self._sd}
 
     def global_state(self) -> dict[str, Any]:
         """Everything in the file except the per-rank tensors, plus param_groups: DeepSpeed's `optimizer_state.pt`."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
+from ucp_deepspeed.format.paths import latest_tag
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
 
 log = logging.getLogger("ucp_deepspeed")
@@ -64,11 +65,7 @@ def resume_tag(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
     `refused` tags (which failed to load), the newest complete one older than them."""
     if refused:
         return newest_complete(ckpt_dir, refused)
-    latest_path = os.path.join(ckpt_dir, "latest")
-    latest = None
-    if os.path.isfile(latest_path):
-        with open(latest_path) as f:
-            latest = f.read().strip() or None
+    latest = latest_tag(ckpt_dir)
     if latest is not None:
         reason = incomplete_reason(ckpt_dir, latest)
         if reason is None:
