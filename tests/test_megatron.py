@@ -40,6 +40,8 @@ TARGETS = [
     pytest.param(1, "gpt", 1, 1, 1, (), ("gpt-z1-tp2", "gpt-z1-pp2"), id="gpt-z1-dp1<-tp2,pp2"),
     pytest.param(3, "gpt", 2, 1, 1, (), ("gpt-z2-tp2dp2", "gpt-z1-tp2"), id="gpt-z2-dp3<-z2tp2dp2,z1tp2"),
     pytest.param(4, "gpt", 2, 2, 1, (), ("gpt-z2-tp2dp2",), id="gpt-z2-tp2dp2<-same-native"),
+    # a DP change at TP=2: each TP rank keeps its role, and its own client state (its random stream)
+    pytest.param(4, "gpt", 1, 2, 1, (), ("gpt-z1-tp2",), id="gpt-z1-tp2dp2<-tp2dp1"),
     pytest.param(4, "llama", 1, 2, 2, (), ("llama-z1-dp4",), id="llama-z1-tp2pp2<-dp4"),
     pytest.param(2, "llama", 1, 2, 1, (), ("llama-z1-dp2",), id="llama-z1-tp2<-dp2"),
     pytest.param(
@@ -138,6 +140,7 @@ def test_megatron_moe_reshard(launched, request, world, zero, ep, names):
         assert r["mode"] == "resharded", f"{label}: megatron-core experts always load through the universal copy"
         assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"])
         assert r["tensors"] >= 150, label  # 4 layers x 4 experts x 2 weights x 3 states, plus the dense part
+        assert r["client_state_ok"], f"{label}: a rank got another model-parallel rank's client state"
         assert r["max_rel_loss"] <= LOSS_RTOL, f"{label}: losses {r['losses']} vs uninterrupted {r['reference_losses']}"
 
 
@@ -148,6 +151,7 @@ def _check(results: list[dict], expected: int) -> None:
         assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"])
         assert r["tensors"] >= 50, label  # an empty snapshot would pass vacuously
         assert r["mode"] == ("native" if r["saved"] == r["live"] else "resharded"), label
+        assert r["client_state_ok"], f"{label}: a rank got another model-parallel rank's client state"
         assert r["max_rel_loss"] <= LOSS_RTOL, f"{label}: losses {r['losses']} vs uninterrupted {r['reference_losses']}"
 
 
