@@ -29,7 +29,6 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 import ucp_deepspeed
 from ucp_deepspeed.sources import list_tags
-from ucp_deepspeed.sources.tags import prune
 
 DENSE = 8
 BAG = 3  # lookups per table per sample
@@ -97,7 +96,9 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(0)
     model = DLRM(args.rows, args.dim)
-    checkpoint: dict = {"universal": {"enabled": True, "progress": False, "direct": not args.converted}}
+    checkpoint: dict = {
+        "universal": {"enabled": True, "progress": False, "direct": not args.converted, "keep_last": args.keep}
+    }
     if args.policy:
         checkpoint["differential"] = {"policy": args.policy}
     if args.bits or args.expected_restores is not None:
@@ -249,11 +250,10 @@ def run(args: argparse.Namespace) -> None:
                         "changed_fraction": manifest["differential"]["changed_fraction"],
                     }
                 )
-                prune(args.ckpt_dir, args.keep)
             dist.barrier()
         if engine.global_steps == args.stop_at:
             break
-    tracker = engine.ucp_saver.tracker if engine.ucp_saver is not None else None
+    tracker = engine.ucp.saver.tracker if engine.ucp.saver is not None else None
     eval_loss, eval_auc = evaluate(engine, args)
     if dist.get_rank() == 0:
         print(f"eval loss {eval_loss:.6f} auc {eval_auc:.6f}", flush=True)

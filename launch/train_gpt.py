@@ -49,7 +49,6 @@ from ucp_deepspeed.geometry.layout import merge
 from ucp_deepspeed.hf.models import megatron_kwargs
 from ucp_deepspeed.runtime.capture import infos
 from ucp_deepspeed.sources import list_tags
-from ucp_deepspeed.sources.tags import prune
 
 VOCAB = 70  # padded to a multiple of 8 * tp: 72 at tp=1, 80 at tp=2
 PAD_MULTIPLE = 8
@@ -189,6 +188,7 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
                 "vocab_size": VOCAB,
                 "async_save": getattr(args, "async_save", False),
                 "direct": not getattr(args, "converted", False),
+                "keep_last": args.keep if args.mode == "train" and args.ckpt_every else None,
             }
         },
     }
@@ -381,6 +381,31 @@ def layout_name(args: argparse.Namespace) -> str:
     return f"{name}{moe} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
 
 
+def rank_client_state(tp_rank: int, pp_rank: int) -> dict:
+    """Per-rank client state as Megatron-DeepSpeed keeps it: each model-parallel rank's own random stream."""
+    stream = torch.Generator().manual_seed(1000 + 100 * pp_rank + tp_rank)
+    return {"rng_state": stream.get_state(), "role": [tp_rank, pp_rank]}
+
+
+def own_role() -> tuple[int, int]:
+    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+
+
+def client_state_ok(client: dict, report: ucp_deepspeed.LoadReport) -> bool:
+    """A rank that keeps its role (same TP and PP sizes) gets its own saved client state, any other rank model-parallel
+    rank 0's (collective: true on every rank)."""
+
+    def sizes(desc: str) -> tuple[str, str]:
+        found = dict(part.split("=") for part in desc.split() if "=" in part)
+        return found.get("tp", "1"), found.get("pp", "1")
+
+    expected = rank_client_state(*own_role()) if sizes(report.saved) == sizes(report.live) else rank_client_state(0, 0)
+    ok = client.get("role") == expected["role"] and torch.equal(client.get("rng_state"), expected["rng_state"])
+    flags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return all(flags)
+
+
 def do_save(args: argparse.Namespace) -> None:
     engine = build(args)
     if args.init_from:
@@ -389,7 +414,7 @@ def do_save(args: argparse.Namespace) -> None:
             save_logits(engine, args.logits_init)
     losses = train(engine, args.save_steps)
     snap = snapshot(engine)
-    engine.save_checkpoint(args.out)
+    engine.save_checkpoint(args.out, client_state=rank_client_state(*own_role()))
     if args.logits:
         save_logits(engine, args.logits)
     cont = train(engine, args.cont)
@@ -406,7 +431,8 @@ def do_load(args: argparse.Namespace) -> None:
     for source in args.source:
         ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False) if dist.get_rank() == 0 else None
         engine = build(args)
-        engine.load_checkpoint(source)
+        _, client = engine.load_checkpoint(source)
+        client_ok = client_state_ok(client, engine.ucp_last_load)
         snap = snapshot(engine)
         if args.resave:
             engine.save_checkpoint(args.resave)
@@ -430,6 +456,7 @@ def do_load(args: argparse.Namespace) -> None:
                     "losses": losses,
                     "reference_losses": ref["continuation"],
                     "max_rel_loss": rel if math.isfinite(rel) else 1e9,
+                    "client_state_ok": client_ok,
                 }
             )
             print(
@@ -521,13 +548,8 @@ def do_train(args: argparse.Namespace) -> None:
                 if dist.get_rank() == 0:
                     os.makedirs(args.ckpt_dir, exist_ok=True)
                     torch.save(snap, os.path.join(args.ckpt_dir, f"saved_step{engine.global_steps}.pt"))
-            engine.save_checkpoint(args.ckpt_dir)
-            dist.barrier()
-            if dist.get_rank() == 0:
-                prune(args.ckpt_dir, args.keep)
-    engine.wait_for_checkpoint()
-    if dist.get_rank() == 0 and args.ckpt_every and list_tags(args.ckpt_dir):
-        prune(args.ckpt_dir, args.keep)  # an async save may have finished only now
+            engine.save_checkpoint(args.ckpt_dir)  # keeps the --keep newest complete tags ("keep_last")
+    engine.wait_for_checkpoint()  # an async save finishes, and is counted for retention, here at the latest
     if dist.get_rank() == 0 and args.results:
         with open(args.results, "w") as f:
             json.dump({"resumed": resumed, "log": log, "final_step": engine.global_steps}, f, indent=1)

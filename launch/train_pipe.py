@@ -44,7 +44,6 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 import ucp_deepspeed
 from ucp_deepspeed.runtime.capture import infos, namer
 from ucp_deepspeed.sources import list_tags
-from ucp_deepspeed.sources.tags import prune
 
 GLOBAL_BATCH = 8
 MICRO_BATCHES = 2  # gradient accumulation steps: the same at every layout, so only summation order changes
@@ -249,8 +248,9 @@ def megatron_groups(tp: int, pp: int, wanted: bool) -> bool:
     return wanted
 
 
-def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
-    """The engine of a variant; `stock` builds it with plain DeepSpeed, loading DeepSpeed's universal format."""
+def build(variant_name: str, stock: bool = False, keep_last: int | None = None) -> deepspeed.PipelineEngine:
+    """The engine of a variant; `stock` builds it with plain DeepSpeed, loading DeepSpeed's universal format;
+    `keep_last` complete tags are kept after each save."""
     variant = VARIANTS[variant_name]
     world, pp, tp = dist.get_world_size(), variant["pp"], variant.get("tp", 1)
     dp = world // (max(pp, 1) * tp)
@@ -286,7 +286,14 @@ def build(variant_name: str, stock: bool = False) -> deepspeed.PipelineEngine:
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * MICRO_BATCHES),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": variant["stage"]},
-        "checkpoint": {"universal": {"enabled": True, "progress": False, "rename": variant.get("rename", {})}},
+        "checkpoint": {
+            "universal": {
+                "enabled": True,
+                "progress": False,
+                "rename": variant.get("rename", {}),
+                "keep_last": keep_last,
+            }
+        },
     }
     if variant.get("megatron"):  # megatron-core's layers say how they are split; plain torch ones are replicated
         config["checkpoint"]["universal"]["layout_rules"] = REPLICATED_TORCH_LAYERS
@@ -457,7 +464,7 @@ def do_load(args: argparse.Namespace) -> None:
 
 def do_train(args: argparse.Namespace) -> None:
     """Train to --steps, saving every --ckpt-every steps and keeping --keep; resume whatever layout saved."""
-    engine = build(args.variant[0])
+    engine = build(args.variant[0], keep_last=args.keep if args.ckpt_every else None)
     resumed = None
     source = args.init_from or args.ckpt_dir
     if source and os.path.isdir(source) and list_tags(source):
@@ -473,10 +480,7 @@ def do_train(args: argparse.Namespace) -> None:
         if dist.get_rank() == 0:
             print(f"step {engine.global_steps} loss {loss:.6f} world {dist.get_world_size()}", flush=True)
         if args.ckpt_every and engine.global_steps % args.ckpt_every == 0:
-            engine.save_checkpoint(args.ckpt_dir)
-            dist.barrier()
-            if dist.get_rank() == 0:
-                prune(args.ckpt_dir, args.keep)
+            engine.save_checkpoint(args.ckpt_dir)  # keeps the --keep newest complete tags ("keep_last")
     if dist.get_rank() == 0 and args.results:
         with open(args.results, "w") as f:
             json.dump({"resumed": resumed, "log": log, "final_step": engine.global_steps}, f, indent=1)

@@ -38,7 +38,11 @@ def one_rank() -> None:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 
 
-def build(stage: int, seed: int = 0, adagrad: bool = False, **checkpoint: Any) -> Any:
+def build(
+    stage: int, seed: int = 0, adagrad: bool = False, universal: dict[str, Any] | None = None, **checkpoint: Any
+) -> Any:
+    """An engine of `Net` at a ZeRO stage; `universal` options, and `checkpoint` entries beside them (DeepSpeed's own,
+    or Check-N-Run's sections)."""
     import ucp_deepspeed
 
     torch.manual_seed(seed)
@@ -48,7 +52,7 @@ def build(stage: int, seed: int = 0, adagrad: bool = False, **checkpoint: Any) -
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
-        "checkpoint": {"universal": {"enabled": True, "progress": False}, **checkpoint},
+        "checkpoint": {"universal": {"enabled": True, "progress": False, **(universal or {})}, **checkpoint},
     }
     groups = [
         {"params": [model.table.weight, model.head.weight], "weight_decay": 0.0 if adagrad else 0.1},

@@ -66,7 +66,7 @@ def _refused_and_untouched(engine: Any, path: str, tag: str | None, match: str) 
 def test_a_damaged_reshard_leaves_the_engine_as_it_was(saved, tmp_path, direct):
     """ZeRO-1 tag into a ZeRO-2 engine: read in place, or converted first (which refuses the damage)."""
     ckpt = _damaged(saved, tmp_path)
-    engine = build(2, seed=1, direct=direct)
+    engine = build(2, seed=1, universal={"direct": direct})
     train(engine, 3)
     _refused_and_untouched(engine, str(ckpt), TAG3, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 

@@ -13,6 +13,8 @@ import inprocess
 import pytest
 from inprocess import build, differences, state, train
 
+from ucp_deepspeed import prune
+
 # writer -> (ZeRO stage of the saving engine, checkpoint config beside "universal")
 WRITERS = {
     "python": (1, {"writer": {"type": "python", "data_parallel": "replica"}}),
@@ -52,3 +54,20 @@ def test_a_writers_save_resumes_exactly(one_rank, tmp_path, monkeypatch, writer)
     assert resharded.ucp_last_load.mode == "resharded"
     assert differences(saved["module"], state(resharded)["module"]) == []
     assert differences(saved["counters"], state(resharded)["counters"]) == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_keep_last_retains_the_newest_complete_tags(one_rank, tmp_path, asynchronous):
+    """`"keep_last": 2`: after each save only the two newest complete tags are left; an async save counts once it
+    is committed (at the next save or `wait_for_checkpoint`)."""
+    source = build(1, universal={"keep_last": 2, "async_save": asynchronous})
+    ckpt = tmp_path / "ckpt"
+    for step in range(4):
+        train(source, 1, step)
+        source.save_checkpoint(str(ckpt))
+    source.wait_for_checkpoint()
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["global_step3", "global_step4"]
+    assert (ckpt / "latest").read_text() == "global_step4"
+    (ckpt / "latest").write_text("global_step3")  # a job pointed back at an older tag: it is never deleted
+    assert prune(str(ckpt), 1) == []
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["global_step3", "global_step4"]

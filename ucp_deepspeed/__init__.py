@@ -22,7 +22,8 @@ from ucp_deepspeed.version import __version__
 _LAZY = {
     "initialize": "ucp_deepspeed.runtime.engine",
     "attach": "ucp_deepspeed.runtime.engine",
-    "LoadReport": "ucp_deepspeed.runtime.engine",
+    "LoadReport": "ucp_deepspeed.runtime.checkpointer",
+    "UniversalCheckpointer": "ucp_deepspeed.runtime.checkpointer",
     "UniversalConfig": "ucp_deepspeed.runtime.config",
     "install": "ucp_deepspeed.runtime.integrations",
     "uninstall": "ucp_deepspeed.runtime.integrations",
@@ -37,6 +38,7 @@ __all__ = [
     "LoadReport",
     "MegatronMpu",
     "UniversalCheckpoint",
+    "UniversalCheckpointer",
     "UniversalConfig",
     "__version__",
     "attach",

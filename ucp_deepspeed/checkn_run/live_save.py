@@ -175,7 +175,7 @@ def write_live(
         param_groups=_param_groups(engine),
         params=params,
         buffers={to_global(n): BufferRecord(tuple(buffers[n].shape), _dtype(buffers[n])) for n in names},
-        extra={**extra, **recorded_sections(model_spec(engine), engine.ucp_hf_config, optimizer_record(engine))},
+        extra={**extra, **recorded_sections(model_spec(engine), engine.ucp.hf_config, optimizer_record(engine))},
     )
     return write_manifest(out, manifest, records), sum(r.nbytes for r in records)
 

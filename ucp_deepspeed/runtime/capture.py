@@ -74,8 +74,13 @@ def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
     return {b.group: compat.expert_parallel(b.group)[:2] for b in expert_blocks(engine.module)}
 
 
+def attached_options(engine: Any) -> Any:
+    """The options of the engine's checkpointer (`engine.ucp`, set by `attach`), or None."""
+    return getattr(getattr(engine, "ucp", None), "options", None)
+
+
 def _rename(engine: Any) -> dict[str, str]:
-    options = getattr(engine, "_ucp_options", None)
+    options = attached_options(engine)
     return dict(options.rename) if options is not None else {}
 
 
@@ -101,7 +106,7 @@ def topology(engine: Any) -> Topology:
 
 def infos(engine: Any) -> dict[str, ParamInfo]:
     """Global name and tensor-parallel layout of every parameter of the engine's module, by local name."""
-    options = getattr(engine, "_ucp_options", None)
+    options = attached_options(engine)
     rules = parse_rules(options.layout_rules) if options is not None else ()
     vocab = options.vocab_size if options is not None else 0
     ep_ranks = {g: rank for g, (_, rank) in expert_groups(engine).items()}
@@ -299,14 +304,14 @@ def model_spec(engine: Any) -> ModelSpec | None:
     fields = compat.megatron_gpt_architecture(engine.module)
     if fields is None:
         return None
-    options = getattr(engine, "_ucp_options", None)
+    options = attached_options(engine)
     if options is not None and options.vocab_size:
         fields["vocab_size"] = options.vocab_size
     return ModelSpec(**fields)
 
 
-def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
-    """Build the save-time metadata of a live engine."""
+def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: dict[str, Any] | None = None) -> SaveMeta:
+    """Build the save-time metadata of a live engine (`hf_config`: of the Hugging Face weights it was loaded from)."""
     module = engine.module
     names = {p: n for n, p in module.named_parameters()}
     placed = infos(engine)
@@ -365,7 +370,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = ()) -> SaveMeta:
     mp = model_parallel(engine)
     return SaveMeta(
         model=model_spec(engine),
-        hf_config=getattr(engine, "ucp_hf_config", None),
+        hf_config=hf_config,
         optimizer=optimizer_record(engine),
         topology=topology(engine),
         params=tuple(slots),

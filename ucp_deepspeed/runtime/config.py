@@ -30,6 +30,9 @@ class UniversalConfig(DeepSpeedConfigModel):
     to a universal copy first and restores from that."""
     keep: bool = True
     """With `direct: false`, keep the converted copy after loading, so the next reshard of the tag skips conversion."""
+    keep_last: int | None = Field(None, ge=1)
+    """Retention: after each save, keep this many newest complete tags (and the older ones a kept Check-N-Run delta
+    needs) and delete the rest with their converted copies; never the tag `latest` names. Unset keeps every tag."""
     verify: bool = True
     """Check every byte a load reads against its CRC (native files, converted copies); off only to measure the cost."""
     progress: bool = True

@@ -82,7 +82,8 @@ def _needs(ckpt_dir: str, tag: str) -> list[str]:
 
 
 def prune(ckpt_dir: str, keep: int) -> list[str]:
-    """Keep the `keep` newest complete tags; delete older tags, torn ones among them, and their converted copies.
+    """Keep the `keep` newest complete tags and the one `latest` names; delete older tags, torn ones among them, and
+    their converted copies.
 
     A torn tag newer than the newest complete one is left alone: it may be a save still being written.
     Older tags that a kept tag needs (a Check-N-Run delta's chain) are kept too. Returns the deleted tags.
@@ -94,8 +95,12 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
     if not complete:
         return []
     oldest_kept = _order(ckpt_dir, complete[min(keep, len(complete)) - 1])
-    needed = {t for kept in complete[:keep] for t in _needs(ckpt_dir, kept)}
-    doomed = [t for t in tags if t not in complete[:keep] and t not in needed and _order(ckpt_dir, t) < oldest_kept]
+    latest = latest_tag(ckpt_dir)  # what a restart would load first is never deleted, even if older
+    kept = complete[:keep] + ([latest] if latest in complete[keep:] else [])
+    needed = {t for k in kept for t in _needs(ckpt_dir, k)}
+    doomed = [
+        t for t in tags if t not in kept and t not in needed and t != latest and _order(ckpt_dir, t) < oldest_kept
+    ]
     for tag in doomed:
         for path in (
             os.path.join(ckpt_dir, tag),

@@ -1,0 +1,437 @@
+"""One object that owns a DeepSpeed engine's universal checkpoints: what it saves, and how it loads any of them.
+
+DeepSpeed saves each rank's partition of the training state (flat ZeRO partitions, tensor- and pipeline-parallel
+slices, experts), so a job can resume only at the layout it saved with. `UniversalCheckpointer` wraps an engine's
+`save_checkpoint` and `load_checkpoint`: a save also writes our metadata and binds every file to the save; a load
+resumes at any layout, all or nothing. It owns the options, the checkpoint-engine binding (`native_io`), the gate
+that refuses steps and saves after a load failed part-way, an extension's saver (Check-N-Run), retention and the
+last load's report.
+
+A load is one pipeline, each step callable on its own:
+
+1. `source`: what to read, and how: a foreign folder (imported), a universal folder, an extension's tag
+   (a Check-N-Run chain, read in place or materialized), DeepSpeed's own load (same layout), or a reshard
+   of a DeepSpeed tag (read in place, or converted first). With no tag named, the newest complete one,
+   falling back to older ones when a tag turns out damaged;
+2. `run`: open the reader, verify and restore (staged, then committed: `runtime.restore`), or run DeepSpeed's
+   own load behind the gate;
+3. the report (`last_load`, also `engine.ucp_last_load`) and the saver's notice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as tdist
+
+from ucp_deepspeed import compat
+from ucp_deepspeed.convert.direct import DirectCheckpoint
+from ucp_deepspeed.convert.output import claimed, remove_output
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.kinds import TagKind, kind_of
+from ucp_deepspeed.format.metadata import Topology, write_meta
+from ucp_deepspeed.format.paths import LATEST, latest_tag
+from ucp_deepspeed.format.swap import OFFLOADED, SwapFile, SwapRecord, write_swap_record
+from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
+from ucp_deepspeed.io.swap_file import file_block_crcs
+from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
+from ucp_deepspeed.runtime.capture import describe, optimizer_record, same_stage, topology
+from ucp_deepspeed.runtime.collective import all_ok, everywhere, guarded, on_rank0
+from ucp_deepspeed.runtime.config import UniversalConfig
+from ucp_deepspeed.runtime.gate import Gate
+from ucp_deepspeed.runtime.mpu import megatron_moe_layers
+from ucp_deepspeed.runtime.native_io import bind, unbound
+from ucp_deepspeed.runtime.plugins import ForeignFormat, foreign_formats, make_saver
+from ucp_deepspeed.runtime.restore import restore
+from ucp_deepspeed.runtime.shared_convert import convert_across_ranks
+from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
+from ucp_deepspeed.sources.native import tag_metas
+from ucp_deepspeed.sources.tags import incomplete_reason, prune, resume_tag
+
+log = logging.getLogger("ucp_deepspeed")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What the last `load_checkpoint` did, kept on the engine as `engine.ucp_last_load`."""
+
+    mode: str
+    saved: str
+    live: str
+    universal_dir: str | None
+    kind: str | None = None
+    """The registered tag kind (e.g. `checkn_run`) when the load restored one of an extension's tags."""
+    direct: bool = False
+    """Whether a resharding load read the saved files in place instead of a universal copy."""
+    refused: tuple[str, ...] = ()
+    """Newer tags that failed to load (damaged) before this one, picked because no tag was named, loaded."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """What one load reads and how it is reported: `open` gives the reader, or None for DeepSpeed's own load."""
+
+    path: str
+    """What `load_checkpoint` returns as the loaded path."""
+    report: LoadReport
+    open: Callable[[], TensorReader] | None = None
+    check_reads: Callable[[TensorReader], None] | None = None
+    """A collective check of everything every rank read, before the commit (the direct reader's CRCs)."""
+    client_keys: tuple[str, ...] = ()
+    """DeepSpeed's own load: the user's client_state keys (DeepSpeed mixes its bookkeeping in)."""
+    hf_config: dict[str, Any] | None = None
+    expect_save_id: str = ""
+    discard: str | None = None
+    """A converted copy to remove after the load (`keep: false`)."""
+
+
+class UniversalCheckpointer:
+    """Universal checkpoints for one DeepSpeed engine (see the module docstring); built by `attach`."""
+
+    def __init__(self, engine: Any, options: UniversalConfig):
+        self.engine, self.options = engine, options
+        self._native_save, self._native_load = engine.save_checkpoint, engine.load_checkpoint
+        if options.async_save:
+            engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine))
+        self.files = bind(engine, options.verify)
+        self.gate = Gate()  # closed by a load that failed after it began writing into the engine
+        compat.before_model_step(engine, lambda: self.gate.check("step"))
+        # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
+        box = [uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None]
+        tdist.broadcast_object_list(box, src=0)
+        self._run_id, self._saves = box[0], itertools.count(1)
+        self.saver = make_saver(engine, options)  # an extension's save in place of DeepSpeed's (Check-N-Run)
+        self.last_load: LoadReport | None = None
+        self.hf_config: dict[str, Any] | None = None  # the Hugging Face config of the weights loaded last
+        self._prune_dir: str | None = None  # a decoupled save's folder, pruned once the save is committed
+
+    # --- saving -------------------------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous or decoupled checkpoint is written on every rank and `latest` names it
+        (collective); then apply retention."""
+        inner = unbound(self.engine)
+        if isinstance(inner, AsyncCheckpointEngine):
+            inner.wait()
+        if inner.is_decoupled():
+            compat.commit_decoupled_checkpoint(self.engine)
+        if self._prune_dir is not None:
+            self._retain(self._prune_dir)
+            self._prune_dir = None
+
+    def save(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's save (or an extension's), with our metadata and every file bound to this save."""
+        engine = self.engine
+        self.wait()
+        self.gate.check("save")
+        client_state = client_state or {}
+        tag = str(f"global_step{engine.global_steps}" if tag is None else tag)
+        save_id = f"{self._run_id}-{next(self._saves)}"
+        if self.saver is not None:
+            self.saver.save(engine, save_dir, tag, client_state, save_latest, save_id)
+            self._retain(save_dir)
+            return True
+        self.files.save_id = save_id
+        meta = dataclasses.replace(describe(engine, tuple(client_state), self.hf_config), save_id=save_id)
+        if exclude_frozen_parameters:
+            meta = dataclasses.replace(
+                meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"), frozen_excluded=True
+            )
+        if compat.data_parallel_rank(engine) == 0:
+            write_meta(meta, os.path.join(save_dir, tag), engine.checkpoint_mp_rank)
+        try:
+            saved = self._native_save(
+                save_dir,
+                tag=tag,
+                client_state=client_state,
+                save_latest=save_latest,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        finally:
+            self.files.save_id = ""
+        swap = compat.nvme_swap(engine, save_dir, tag)
+        if swap is not None:
+            record_swap_files(swap, os.path.join(save_dir, tag, OFFLOADED, swap.folder), save_id)
+        if unbound(engine).is_decoupled():
+            self._prune_dir = save_dir  # the save is complete only once committed
+        else:
+            self._retain(save_dir)
+        return saved
+
+    def _retain(self, save_dir: str) -> None:
+        """Keep the `keep_last` newest complete tags (and what they need), never the one `latest` names (collective)."""
+        keep = self.options.keep_last
+        if keep is None:
+            return
+        tdist.barrier()  # every rank's files of the new tag are written before it counts as complete
+        on_rank0(lambda: prune(save_dir, keep))
+
+    # --- loading ------------------------------------------------------------------------------------------------
+
+    def load(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple:
+        """Load a checkpoint of any layout into the engine, all or nothing; returns (path, client_state)."""
+        self.wait()
+        native = {
+            "load_module_strict": load_module_strict,
+            "load_optimizer_states": load_optimizer_states,
+            "load_lr_scheduler_states": load_lr_scheduler_states,
+            "load_module_only": load_module_only,
+            "custom_load_fn": custom_load_fn,
+        }
+        flags = (load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        result = self._load(load_dir, tag, native, flags)
+        if self.saver is not None and result[0] is not None and self.last_load is not None:
+            if self.last_load.kind is None:
+                self.saver.restored(None)  # the weights no longer match the saver's current chain
+        return result
+
+    def _load(self, load_dir: str, tag: Any, native: dict[str, Any], flags: tuple[bool, bool, bool]) -> tuple:
+        folder = self._folder_source(load_dir)
+        if folder is not None:
+            return self.run(folder, native, flags)
+        if tag is None and not os.path.isfile(os.path.join(load_dir, LATEST)) and not list_tags(load_dir):
+            return self._checked(load_dir, native, None)  # DeepSpeed's own answer to a folder with nothing to load
+        if tag is not None:
+            tag = resolve_tag(load_dir, tag)
+            return self.run(self.source(load_dir, tag, checked=False, custom=native["custom_load_fn"]), native, flags)
+        # a save killed part-way leaves a torn tag, possibly already named by `latest`; a tag that turns out damaged
+        # while loading leaves the engine as it was, so an older complete tag is tried next
+        refused: list[str] = []
+        first: CheckpointError | None = None
+        while True:
+            box: list[Any] = [_pick_tag(load_dir, refused) if tdist.get_rank() == 0 else None]  # one rank opens
+            tdist.broadcast_object_list(box, src=0)
+            picked, failure = box[0]
+            if failure:
+                raise first or CheckpointError(*failure)
+            try:
+                tag = resolve_tag(load_dir, picked)
+                result = self.run(
+                    self.source(load_dir, tag, checked=True, custom=native["custom_load_fn"]), native, flags
+                )
+            except CheckpointError as exc:
+                first = first or exc
+                refused.append(picked)
+                log.warning("ucp: could not load %s (%s); trying the newest older complete tag", picked, exc)
+                continue
+            if refused and self.last_load is not None:
+                log.warning("ucp: resumed from %s instead of the newer %s", picked, ", ".join(refused))
+                self._report(dataclasses.replace(self.last_load, refused=tuple(refused)))
+            return result
+
+    def _folder_source(self, load_dir: str) -> Source | None:
+        """A foreign folder (DeepSpeed's universal layout) or a universal folder named directly, if it is one."""
+        live = topology(self.engine).describe()
+        for fmt in foreign_formats():
+            folder = fmt.find(self.engine, load_dir)
+            if folder is not None:
+                out = self._imported(fmt, folder)
+                return Source(folder, LoadReport("imported", fmt.name, live, out), self._opener(out))
+        if os.path.isfile(os.path.join(load_dir, MANIFEST)):
+            ckpt = UniversalCheckpoint(load_dir, verify=self.options.verify)
+            saved = Topology(**ckpt.manifest.source["topology"]).describe()
+            return Source(load_dir, LoadReport("universal", saved, live, load_dir), lambda: ckpt)
+        return None
+
+    def source(self, load_dir: str, tag: str, checked: bool, custom: Any = None) -> Source:
+        """How to load `tag`: an extension's tag, DeepSpeed's own load (same layout) or a reshard. `checked` when
+        resume_tag has already opened and checked every file of it."""
+        engine, options = self.engine, self.options
+        path, live = os.path.join(load_dir, tag), topology(engine)
+        kind = kind_of(path)
+        if kind is not None:
+            if options.direct:
+                reader = guarded(lambda: kind.open(load_dir, tag, options.verify))
+                report = LoadReport(kind.name, _saved(reader), live.describe(), None, kind.name, True)
+                return Source(path, report, lambda: reader)
+            out = self._materialized(kind, load_dir, tag)
+            ckpt = UniversalCheckpoint(out, verify=options.verify)
+            return Source(path, LoadReport(kind.name, _saved(ckpt), live.describe(), out, kind.name), lambda: ckpt)
+        metas, _ = tag_metas(path, options.layout_rules)
+        meta = metas[0]
+        saved = meta.topology
+        # another optimizer class keeps its state differently (DeepSpeed's CPU Adam counts steps in ints): DeepSpeed's
+        # own load would hand it over as is
+        live_kernel = optimizer_record(engine)
+        same_kernel = meta.optimizer is None or all(
+            meta.optimizer.get(k) == live_kernel[k] for k in ("class", "algorithm")
+        )
+        # DeepSpeed's own load of a ZeRO-3 NVMe checkpoint leaves the swapped optimizer states and the sub-groups kept
+        # in memory at their fresh values (measured: 13 of 16 tensors wrong); ours reads the swap files
+        swapped = compat.nvme_offload(engine) or os.path.isdir(os.path.join(path, OFFLOADED))
+        # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours. Every
+        # rank answers (a stage may hold MoE layers or fail alone): the collective runs everywhere or nowhere
+        if (
+            saved.same_layout(live)
+            and same_kernel
+            and not swapped
+            and everywhere(guarded(lambda: not megatron_moe_layers(engine.module) and same_stage(engine, metas)))
+        ):
+            if not checked:
+                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())
+            report = LoadReport("native", saved.describe(), live.describe(), None)
+            return Source(
+                path,
+                report,
+                None,
+                client_keys=meta.client_state_keys,
+                hf_config=meta.hf_config,
+                expect_save_id=meta.save_id,
+            )
+        log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
+        if custom is not None:
+            log.warning(
+                "ucp: custom_load_fn is not called when resharding; every tensor is restored from the universal "
+                "checkpoint"
+            )
+        if options.direct:
+            rank0 = tdist.get_rank() == 0
+            src = guarded(
+                lambda: NativeCheckpoint(load_dir, tag, options.layout_rules, check=rank0, verify=options.verify)
+            )
+            report = LoadReport("resharded", saved.describe(), live.describe(), None, direct=True)
+            return Source(path, report, lambda: DirectCheckpoint(src), check_reads=_check_direct_reads)
+        out = convert_across_ranks(
+            load_dir,
+            tag,
+            options.output and os.path.join(options.output, tag),
+            options.layout_rules,
+            options.verify,
+            options.workers,
+            options.progress,
+        )
+        report = LoadReport("resharded", saved.describe(), live.describe(), out)
+        return Source(path, report, self._opener(out), discard=None if options.keep else out)
+
+    def run(self, source: Source, native: dict[str, Any], flags: tuple[bool, bool, bool]) -> tuple:
+        """Load `source` into the engine: DeepSpeed's own load behind the gate, or ours (verify, stage, commit)."""
+        if source.open is None:
+            self.files.expect(source.path, source.expect_save_id)
+            self._report(source.report)
+            with self.gate.writing(source.path):  # DeepSpeed writes as it reads: it cannot be staged
+                path, client = self._checked(os.path.dirname(source.path), native, os.path.basename(source.path))
+            self.hf_config = source.hf_config
+            return path, {k: v for k, v in (client or {}).items() if k in source.client_keys}
+        reader = source.open()
+        try:
+            check = source.check_reads
+            client = restore(
+                self.engine, reader, *flags, check_reads=(lambda: check(reader)) if check else None, gate=self.gate
+            )
+        finally:
+            reader.close()
+        if self.saver is not None and source.report.kind is not None:
+            self.saver.restored(reader.manifest)
+        self.hf_config = reader.manifest.hf_config
+        self._report(source.report)
+        tdist.barrier()
+        if source.discard is not None and tdist.get_rank() == 0:
+            remove_output(source.discard)
+        return source.path, client
+
+    def _report(self, report: LoadReport) -> None:
+        self.last_load = self.engine.ucp_last_load = report
+
+    def _checked(self, load_dir: str, native: dict[str, Any], tag: str | None) -> Any:
+        """DeepSpeed's own load, then on every rank the first damaged record any rank read, if one did."""
+        result = self._native_load(load_dir, tag=tag, **native)
+        problem = self.files.take_problem()
+        all_ok((problem.path, problem.reason) if problem else None)
+        return result
+
+    def _opener(self, out: str) -> Callable[[], TensorReader]:
+        return lambda: UniversalCheckpoint(out, verify=self.options.verify)
+
+    def _imported(self, fmt: ForeignFormat, folder: str) -> str:
+        """Our copy of a foreign folder (DeepSpeed's universal format), made once by rank 0 and reused afterwards."""
+        name = f"{os.path.basename(os.path.normpath(folder))}.ucp"
+        out = os.path.join(self.options.output or os.path.dirname(folder), name)
+
+        def work() -> None:
+            with claimed(out, [folder]):
+                if not os.path.isfile(os.path.join(out, MANIFEST)):
+                    log.info("ucp: importing %s folder %s into %s", fmt.name, folder, out)
+                    fmt.import_to(folder, out)
+
+        on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
+        return out
+
+    def _materialized(self, kind: TagKind, load_dir: str, tag: str) -> str:
+        """The full universal copy of an extension's tag (a Check-N-Run chain), made once by rank 0; its blocks are
+        checked as they are read, like any universal folder."""
+        options = self.options
+        out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
+
+        def work() -> None:
+            with claimed(out, [os.path.join(load_dir, tag)]):
+                kind.materialize(load_dir, tag, out)
+
+        on_rank0(work)
+        return out
+
+
+def checkpointer_of(engine: Any) -> UniversalCheckpointer | None:
+    """The engine's checkpointer, if `attach` gave it one."""
+    found = getattr(engine, "ucp", None)
+    return found if isinstance(found, UniversalCheckpointer) else None
+
+
+def _saved(reader: TensorReader) -> str:
+    return Topology(**reader.manifest.source["topology"]).describe()
+
+
+def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> None:
+    """Record the swap files DeepSpeed copied into `folder` for this rank's save: sizes, CRCs, the save id."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        swap_id = name.removesuffix(".tensor.swp").rpartition("-")[2]  # `<ds_id>` or `<state>-<ds_id>`
+        if name.endswith(".tensor.swp") and swap_id in swap.swapped:
+            path = os.path.join(folder, name)
+            files[name] = SwapFile(swap.swapped[swap_id], os.path.getsize(path), file_block_crcs(path))
+    dtype = str(swap.dtype).removeprefix("torch.")
+    write_swap_record(SwapRecord(swap.optim_file, save_id, dtype, files), folder)
+
+
+def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str, str] | None]:
+    """The tag to resume from, skipping the `refused` ones, or why there is none (the newest tag's problem)."""
+    tag = resume_tag(load_dir, refused)
+    if tag is not None:
+        return tag, None
+    if refused:
+        return None, (load_dir, f"holds no complete checkpoint older than {refused[-1]} to fall back to")
+    newest = latest_tag(load_dir) or next(reversed(list_tags(load_dir)), None)
+    if newest is None:
+        return None, (os.path.join(load_dir, LATEST), "'latest' is empty and there are no tag folders")
+    reason = incomplete_reason(load_dir, newest) or "unreadable"
+    return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
+
+
+def _check_direct_reads(reader: TensorReader) -> None:
+    """Every byte any rank read straight from the rank files, checked on rank 0 against their CRCs (collective)."""
+    src = reader.src  # type: ignore[attr-defined]
+    gathered: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, src.pieces())
+    on_rank0(lambda: src.check_reads(gathered))
