@@ -54,7 +54,7 @@ def test_dp8_saves_with_empty_partitions_reshard_and_convert(tmp_path, capsys):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.scale  # 16 processes: about 2 minutes here, so outside the default run (`python -m pytest -m scale`)
 def test_dp16_saves_with_empty_partitions_reshard(tmp_path):
     torchrun(16, "save", "--out", str(tmp_path), "--variant", "z1narrow", "z2narrow", timeout=900)
     results = tmp_path / "dp8.json"

@@ -18,7 +18,7 @@ from ucp_deepspeed.tools.cli import main
 
 # by module path: the package exports a function named `convert`, which hides the module as an attribute
 convert_module = import_module("ucp_deepspeed.convert.core")
-universal_module = import_module("ucp_deepspeed.format.universal")
+atomic_module = import_module("ucp_deepspeed.io.atomic")  # every output file is written through it
 
 
 def slow_writes(seconds: float) -> None:
@@ -66,7 +66,7 @@ def disk_full_after(limit: float) -> None:
         def __exit__(self, *exc: Any) -> None:
             self._f.close()
 
-    universal_module.open = FullDisk
+    atomic_module.open = FullDisk
 
 
 if __name__ == "__main__":
