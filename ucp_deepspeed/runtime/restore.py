@@ -533,6 +533,7 @@ def commit(staged: Staged) -> None:
     """Write what `stage` read into the engine: copies, then installs, then the refresh."""
     for dest, value in staged.copies:
         dest.copy_(value)
+    staged.copies.clear()  # the values read are in the engine now: free them before the refresh reads again
     for install in staged.installs:
         install()
     for refresh in staged.refresh:
