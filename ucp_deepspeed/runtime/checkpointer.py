@@ -82,7 +82,7 @@ class Source:
     """What `load_checkpoint` returns as the loaded path."""
     report: LoadReport
     open: Callable[[], TensorReader] | None = None
-    check_reads: Callable[[TensorReader], None] | None = None
+    check_reads: Callable[[], None] | None = None
     """A collective check of everything every rank read, before the commit (the direct reader's CRCs)."""
     client_keys: tuple[str, ...] = ()
     """DeepSpeed's own load: the user's client_state keys (DeepSpeed mixes its bookkeeping in)."""
@@ -313,7 +313,7 @@ class UniversalCheckpointer:
                 lambda: NativeCheckpoint(load_dir, tag, options.layout_rules, check=rank0, verify=options.verify)
             )
             report = LoadReport("resharded", saved.describe(), live.describe(), None, direct=True)
-            return Source(path, report, lambda: DirectCheckpoint(src), check_reads=_check_direct_reads)
+            return Source(path, report, lambda: DirectCheckpoint(src), check_reads=lambda: _check_direct_reads(src))
         out = convert_across_ranks(
             load_dir,
             tag,
@@ -337,10 +337,7 @@ class UniversalCheckpointer:
             return path, {k: v for k, v in (client or {}).items() if k in source.client_keys}
         reader = source.open()
         try:
-            check = source.check_reads
-            client = restore(
-                self.engine, reader, *flags, check_reads=(lambda: check(reader)) if check else None, gate=self.gate
-            )
+            client = restore(self.engine, reader, *flags, check_reads=source.check_reads, gate=self.gate)
         finally:
             reader.close()
         if self.saver is not None and source.report.kind is not None:
@@ -429,9 +426,8 @@ def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str,
     return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
 
 
-def _check_direct_reads(reader: TensorReader) -> None:
+def _check_direct_reads(src: NativeCheckpoint) -> None:
     """Every byte any rank read straight from the rank files, checked on rank 0 against their CRCs (collective)."""
-    src = reader.src  # type: ignore[attr-defined]
     gathered: list[Any] = [None] * tdist.get_world_size()
     tdist.all_gather_object(gathered, src.pieces())
     on_rank0(lambda: src.check_reads(gathered))

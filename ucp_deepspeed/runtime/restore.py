@@ -276,10 +276,6 @@ class Staged:
     refresh: list[Callable[[], None]] = field(default_factory=list)
     client: dict[str, Any] = field(default_factory=dict)
 
-    def nbytes(self) -> int:
-        """Bytes held until the commit: the values read, beside the engine's own tensors."""
-        return sum(value.nbytes for _, value in self.copies)
-
 
 def _state_install(
     optimizer: Any, group_index: int, key: torch.Tensor, ckpt: TensorReader, smap: StateMap, bufs: dict
