@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint
-from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord
-from ucp_deepspeed.format.metadata import SaveMeta, Topology
+from ucp_deepspeed.format.manifest import BufferRecord, Counters, GroupRecord, Manifest, ParamRecord, SourceRecord
+from ucp_deepspeed.format.metadata import SaveMeta
 from ucp_deepspeed.format.model import ModelSpec
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import (
     BUFFERS,
     MANIFEST,
@@ -48,9 +49,9 @@ def _folder(root) -> Manifest:
         write_object(str(root), STATE, {"lr_scheduler": None, "client_state": {}, "optimizer_wrapper": {}}),
     ]
     manifest = Manifest(
-        created_by={"test": 1},
-        source={"path": "x", "topology": {"dp": 1}},
-        counters={"global_steps": 3, "global_samples": 6, "skipped_steps": 0},
+        created_by={"test": "1"},
+        source=SourceRecord("x", "global_step3", Topology(2, 1, "fp32"), {"deepspeed": "0.19.8"}, (("a.pt", 1, 2),)),
+        counters=Counters(3, 6, 0),
         param_groups=(GroupRecord({"lr": 0.1}, {"step": 3}),),
         params={"w": ParamRecord((3, 4), "float32", 0, True, param_file("w"), ("fp32", "exp_avg"))},
         buffers={"b": BufferRecord((2,), "float32")},
@@ -90,6 +91,13 @@ def test_save_metadata_carries_the_model():
         (lambda m: m["buffers"].update(b={"shape": [2]}), "buffers.b"),
         (lambda m: m.update(param_groups={"0": {}}), "param_groups"),
         (lambda m: m["source"].update(topology=[1]), "source"),
+        (lambda m: m["source"]["topology"].update(dp=0), "topology.dp is 0"),
+        (lambda m: m["source"]["topology"].update(zero_stage="1"), "topology.zero_stage is '1'"),
+        (lambda m: m["source"]["topology"].update(cp=2), "unknown fields ['cp']"),
+        (lambda m: m["source"].update(fingerprint=[["a.pt", 1.5]]), "source.fingerprint"),
+        (lambda m: m["counters"].update(global_steps="3"), "counters"),
+        (lambda m: m["counters"].update(surprise=1), "counters"),
+        (lambda m: m["files"][BUFFERS].pop("crc32"), f"manifest entry of {BUFFERS} is malformed"),
         (lambda m: m["model"].update(num_layers="2"), "model.num_layers is '2'"),
         (lambda m: m["model"].update(num_layers=-2), "model.num_layers is -2"),
         (lambda m: m["model"].update(tied=1), "model.tied is 1"),

@@ -184,7 +184,7 @@ def test_universal_is_independent_of_source_layout(launched, megatron_sources, t
     ma, mb = UniversalCheckpoint(str(a)).manifest, UniversalCheckpoint(str(b)).manifest
     for key in ("params", "param_groups", "counters", "buffers"):
         assert getattr(ma, key) == getattr(mb, key), key
-    assert ma.source["topology"]["tp"] == 2 and mb.source["topology"]["tp"] == 1
+    assert ma.source.topology.tp == 2 and mb.source.topology.tp == 1
     assert ta["embedding.word_embeddings.weight"]["fp32"].shape[0] == 70, "vocab padding must be trimmed"
     native = diff(str(megatron_sources["llama-z1-tp2pp2"]), str(resaved))  # the native files, compared directly
     assert native.identical and len(native.states) == 3 * len(ta), native

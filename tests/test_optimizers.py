@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint
-from ucp_deepspeed.format.manifest import GroupRecord, Manifest, ParamRecord
+from ucp_deepspeed.format.manifest import Counters, GroupRecord, Manifest, ParamRecord, SourceRecord
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
 from ucp_deepspeed.runtime.restore import StateMap, _step, state_map
 
@@ -34,8 +35,8 @@ def folder(
     ]
     manifest = Manifest(
         created_by={},
-        source={"path": "x", "topology": {}},
-        counters={"global_steps": step, "global_samples": 2 * step, "skipped_steps": 0},
+        source=SourceRecord("x", None, Topology(1, 1, "fp32")),
+        counters=Counters(step, 2 * step, 0),
         param_groups=(GroupRecord({"lr": 0.1, **(hyperparams or {})}, {"step": step}),),
         params={"w": ParamRecord((6,), "float32", 0, True, param_file("w"), ("fp32", *states))},
         buffers={},

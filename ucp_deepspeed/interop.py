@@ -30,9 +30,10 @@ from tqdm import tqdm
 from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.convert.core import assemble
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import Manifest
+from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, SourceRecord, written_by
 from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, VALUE, check_name
 from ucp_deepspeed.format.paths import check_output, latest_tag
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import (
     BUFFERS,
     STATE,
@@ -50,7 +51,6 @@ from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS, OPTIMIZER_WRAPPER_KEYS
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.plan import FullTensor
-from ucp_deepspeed.version import __version__
 
 # key names of deepspeed.checkpoint.constants, spelled out so the `ucp` command need not import DeepSpeed
 PARAM, CAT_DIM, VOCAB_TENSOR, PARAM_N_SUB_PARAMS = "param", "cat_dim", "vocab_tensor", "param_n_sub_params"
@@ -259,7 +259,7 @@ def import_deepspeed(folder: str, output: str) -> str:
             )
         optim_state = load_file(os.path.join(folder, ZERO, OPTIMIZER_STATE))
         records: list[FileRecord] = []
-        params: dict[str, Any] = {}
+        params: dict[str, ParamRecord] = {}
         scalars: dict[int, dict[str, Any]] = {}
         keys: list[str] = []
         for g, names in enumerate(groups):
@@ -278,26 +278,16 @@ def import_deepspeed(folder: str, output: str) -> str:
                     raise CheckpointError(pdir, "no fp32.pt")
                 keys = [FP32] + sorted(k for k in tensors if k != FP32)
                 records.append(write_tensors(output, param_file(name), tensors))
-                params[name] = {
-                    "shape": list(tensors[FP32].shape),
-                    "dtype": "float32",
-                    "group": g,
-                    "trainable": True,
-                    "file": param_file(name),
-                    "keys": keys,
-                }
+                params[name] = ParamRecord(
+                    tuple(tensors[FP32].shape), "float32", g, True, param_file(name), tuple(keys)
+                )
         values = {n: v for n, v in found.items() if v is not None}
         for name in frozen:
             value = values[name]
             records.append(write_tensors(output, param_file(name), {VALUE: value}))
-            params[name] = {
-                "shape": list(value.shape),
-                "dtype": str(value.dtype).removeprefix("torch."),
-                "group": None,
-                "trainable": False,
-                "file": param_file(name),
-                "keys": [VALUE],
-            }
+            params[name] = ParamRecord(
+                tuple(value.shape), str(value.dtype).removeprefix("torch."), None, False, param_file(name), (VALUE,)
+            )
         buffers = {n: values[n] for n in buffer_names}
         records.append(write_tensors(output, BUFFERS, buffers))
         client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
@@ -311,45 +301,46 @@ def import_deepspeed(folder: str, output: str) -> str:
         )
         hyper = optim_state.get("param_groups") or []
         dims = model.entry("checkpoint_parallel_dimensions") or {}
-        manifest = {
-            "created_by": {"ucp_deepspeed": __version__},
-            "source": {
-                "path": os.path.abspath(folder),
-                "format": "deepspeed_universal",
-                "topology": {
-                    "dp": int(model.entry("dp_world_size", 1)),
-                    "tp": int(dims.get("tp_degree", model.entry("mp_world_size", 1))),
-                    "pp": int(dims.get("pp_degree", 1)),
-                    "ep": 1,
-                    "zero_stage": int(optim_state.get("zero_stage", 0)),
-                    "dtype": "fp32",
-                    "optimizer": "deepspeed_universal",
-                },
-                "versions": {"deepspeed": str(model.entry("ds_version", ""))},
-                "fingerprint": [],
-            },
-            "counters": model.counters(),
-            "param_groups": [
-                {
-                    "hyperparams": {k: encode_value(v) for k, v in hyper[g].items() if k != "params"}
-                    if g < len(hyper)
-                    else None,
-                    "scalars": {k: encode_value(v) for k, v in scalars.get(g, {}).items()},
-                }
+        try:
+            saved = Topology(
+                dp=int(model.entry("dp_world_size", 1)),
+                zero_stage=int(optim_state.get("zero_stage", 0)),
+                dtype="fp32",
+                tp=int(dims.get("tp_degree", model.entry("mp_world_size", 1))),
+                pp=int(dims.get("pp_degree", 1)),
+                optimizer="deepspeed_universal",
+            )
+        except (TypeError, ValueError):
+            raise CheckpointError(model.path, "its parallel sizes are not integers") from None
+        manifest = Manifest(
+            created_by=written_by(),
+            source=SourceRecord(
+                os.path.abspath(folder),
+                None,
+                saved,
+                {"deepspeed": str(model.entry("ds_version", ""))},
+                extra={"format": "deepspeed_universal"},
+            ),
+            counters=model.counters(),
+            param_groups=tuple(
+                GroupRecord(
+                    {k: encode_value(v) for k, v in hyper[g].items() if k != "params"} if g < len(hyper) else None,
+                    {k: encode_value(v) for k, v in scalars.get(g, {}).items()},
+                )
                 for g in range(len(groups))
-            ],
-            "params": params,
-            "buffers": {
-                n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in buffers.items()
+            ),
+            params=params,
+            buffers={n: BufferRecord(tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in buffers.items()},
+            tied=dict(aliases),
+            extra={
+                "notes": [
+                    f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
+                    f"taken from {', '.join(model_files)}: DeepSpeed's universal folder does not record them"
+                ]
             },
-            "tied": dict(aliases),
-            "notes": [
-                f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
-                f"taken from {', '.join(model_files)}: DeepSpeed's universal folder does not record them"
-            ],
-        }
+        )
         module.check_reads()
-        write_manifest(output, Manifest.decode(manifest, output), records)
+        write_manifest(output, manifest, records)
         return output
     finally:
         module.close()

@@ -221,7 +221,10 @@ def _full_manifest(target: Manifest, fingerprint: list[list[str]], params: dict[
     return dataclasses.replace(
         target,
         params=params,
-        source=dict(target.source, chain=fingerprint, differential=target.section("differential")),
+        source=dataclasses.replace(
+            target.source,
+            extra=dict(target.source.extra, chain=fingerprint, differential=target.section("differential")),
+        ),
         extra={k: v for k, v in target.extra.items() if k != "differential"},
         files={},
     )
@@ -245,7 +248,7 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     elements = chain(ckpt_dir, tag)
     fingerprint = _fingerprint(ckpt_dir, elements)
     if os.path.isfile(os.path.join(out, MANIFEST)):
-        if read_manifest(out).source.get("chain") == fingerprint:
+        if read_manifest(out).source.extra.get("chain") == fingerprint:
             return out
         shutil.rmtree(out)
     folders = _open(ckpt_dir, elements, True)

@@ -154,7 +154,7 @@ class DifferentialSaver:
 
     def restored(self, manifest: Manifest | None) -> None:
         """After a restore from `manifest`: count a lossy restore, and make the next save a baseline."""
-        section = (manifest.source.get("differential") if manifest is not None else None) or {}
+        section = (manifest.source.extra.get("differential") if manifest is not None else None) or {}
         self.restores = int(section.get("restores", 0)) + (1 if section.get("quantize") else 0)
         self.chain, self.chain_ids, self.since_baseline, self.history = [], [], {}, []
         if self.tracker is not None:

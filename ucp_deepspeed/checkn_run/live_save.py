@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
-from importlib.metadata import version as package_version
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -24,7 +23,16 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.checkn_run.quantize import quantize
-from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, recorded_sections
+from ucp_deepspeed.format.manifest import (
+    BufferRecord,
+    Counters,
+    GroupRecord,
+    Manifest,
+    ParamRecord,
+    SourceRecord,
+    recorded_sections,
+    written_by,
+)
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import (
     BUFFERS,
@@ -46,7 +54,6 @@ from ucp_deepspeed.runtime.capture import (
     topology,
 )
 from ucp_deepspeed.sources.keys import OPTIMIZER_WRAPPER_KEYS
-from ucp_deepspeed.version import __version__
 
 
 @dataclass(frozen=True)
@@ -155,23 +162,14 @@ def write_live(
         )
     )
     manifest = Manifest(
-        created_by={
-            "ucp_deepspeed": __version__,
-            "deepspeed": package_version("deepspeed"),
-            "torch": torch.__version__,
-        },
-        source={
-            "path": out,
-            "tag": os.path.basename(out),
-            "topology": asdict(topology(engine)),
-            "versions": {"base_optimizer": type(engine.optimizer.optimizer).__name__},
-            "fingerprint": [],
-        },
-        counters={
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-        },
+        created_by=written_by(),
+        source=SourceRecord(
+            out,
+            os.path.basename(out),
+            topology(engine),
+            {"base_optimizer": type(engine.optimizer.optimizer).__name__},
+        ),
+        counters=Counters(engine.global_steps, engine.global_samples, engine.skipped_steps),
         param_groups=_param_groups(engine),
         params=params,
         buffers={to_global(n): BufferRecord(tuple(buffers[n].shape), _dtype(buffers[n])) for n in names},

@@ -13,8 +13,6 @@ import multiprocessing
 import os
 from collections.abc import Iterable
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import asdict
-from importlib.metadata import version as package_version
 from typing import Any
 
 import torch
@@ -24,7 +22,15 @@ from ucp_deepspeed.convert.output import Journal, claimed, default_output, finge
 from ucp_deepspeed.convert.plan import Job, plan_jobs, shard_jobs
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, recorded_sections
+from ucp_deepspeed.format.manifest import (
+    BufferRecord,
+    GroupRecord,
+    Manifest,
+    ParamRecord,
+    SourceRecord,
+    recorded_sections,
+    written_by,
+)
 from ucp_deepspeed.format.metadata import FP32, VALUE, ParamSlot
 from ucp_deepspeed.format.paths import INTENT
 from ucp_deepspeed.format.universal import (
@@ -39,7 +45,6 @@ from ucp_deepspeed.format.universal import (
 from ucp_deepspeed.geometry.layout import dropped_padding, merge
 from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
 from ucp_deepspeed.sources.plan import FullTensor
-from ucp_deepspeed.version import __version__
 
 log = logging.getLogger("ucp_deepspeed")
 
@@ -195,18 +200,8 @@ def build_manifest(src: NativeCheckpoint) -> Manifest:
             )
         )
     return Manifest(
-        created_by={
-            "ucp_deepspeed": __version__,
-            "deepspeed": package_version("deepspeed"),
-            "torch": torch.__version__,
-        },
-        source={
-            "path": src.tag_dir,
-            "tag": src.tag,
-            "topology": asdict(meta.topology),
-            "versions": meta.versions,
-            "fingerprint": fingerprint(src),
-        },
+        created_by=written_by(),
+        source=SourceRecord(src.tag_dir, src.tag, meta.topology, meta.versions, fingerprint(src)),
         counters=src.model_states(0).counters(),
         param_groups=tuple(groups),
         params=params,

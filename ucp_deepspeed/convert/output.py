@@ -16,7 +16,6 @@ import shutil
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.paths import INTENT, check_output
@@ -32,15 +31,15 @@ def default_output(src: NativeCheckpoint) -> str:
     return os.path.join(src.ckpt_dir, f"{src.tag}.universal")
 
 
-def fingerprint(src: NativeCheckpoint) -> list[list[Any]]:
+def fingerprint(src: NativeCheckpoint) -> tuple[tuple[str | int, ...], ...]:
     """Identity of the source files (name, size, mtime) and its save id, so a stale conversion is never reused."""
-    out: list[list[Any]] = []
+    out: list[tuple[str | int, ...]] = []
     for path in sorted(src.source_files()):
         st = os.stat(path)
-        out.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+        out.append((os.path.basename(path), st.st_size, st.st_mtime_ns))
     if src.meta.save_id:
-        out.append(["save_id", src.meta.save_id])
-    return out
+        out.append(("save_id", src.meta.save_id))
+    return tuple(out)
 
 
 @contextlib.contextmanager
@@ -122,7 +121,7 @@ def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | N
     want = fingerprint(src)
     intent_path = os.path.join(out, INTENT)
     if is_complete(out):
-        if read_manifest(out).source.get("fingerprint") == want:
+        if read_manifest(out).source.fingerprint == want:
             return None
         raise CheckpointError(
             out, "holds a finished conversion of a different checkpoint; remove it or pick another output"
@@ -133,7 +132,7 @@ def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | N
     if os.path.isfile(intent_path):
         with open(intent_path) as f:
             try:
-                same_source = json.load(f) == {"source": src.tag_dir, "fingerprint": want}
+                same_source = json.load(f) == {"source": src.tag_dir, "fingerprint": [list(e) for e in want]}
             except json.JSONDecodeError:
                 same_source = False
         journal = Journal.read(out) if same_source else {}
@@ -155,7 +154,7 @@ def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | N
                 len(reusable),
             )
     os.makedirs(os.path.join(out, "params"), exist_ok=True)
-    atomic_write(intent_path, json.dumps({"source": src.tag_dir, "fingerprint": want}).encode())
+    atomic_write(intent_path, json.dumps({"source": src.tag_dir, "fingerprint": [list(e) for e in want]}).encode())
     return reusable
 
 

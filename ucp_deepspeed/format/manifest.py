@@ -6,16 +6,23 @@ checkpoint holds; `write_manifest` adds the format name, version, block size and
 shapes are non-negative integers, keys are strings) and raises `CheckpointError` naming the file,
 never a `KeyError` deep inside a load. Sections an extension adds (Check-N-Run's `differential`,
 `save_id`), the recorded model (`model`, `hf_config`) and notes (`weights_only`, `notes`) are kept in
-`extra`, untouched.
+`extra`, untouched; so are the fields an extension adds to a record (`ParamRecord.extra`, `SourceRecord.extra`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any
+
+import torch
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.model import ModelSpec
+from ucp_deepspeed.format.topology import Topology
+from ucp_deepspeed.io.checksum import BLOCK
+from ucp_deepspeed.version import __version__
 
 _BODY = ("created_by", "source", "counters", "param_groups", "params", "buffers", "tied", "frozen_excluded")
 _ENVELOPE = ("format", "version", "block_size", "files")
@@ -44,6 +51,109 @@ def check_optimizer_record(value: Any) -> dict[str, Any] | None:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in states.items()):
         raise ValueError("optimizer state names are not strings")
     return record
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A finished output file: its relative path, size, CRC-32, and the CRC-32 of each `BLOCK` of it."""
+
+    path: str
+    nbytes: int
+    crc32: str
+    blocks: str = ""  # 8 hex digits per block
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's entry for this file."""
+        return {"bytes": self.nbytes, "crc32": self.crc32, "blocks": self.blocks}
+
+    @classmethod
+    def from_json(cls, path: str, raw: Any, where: str) -> FileRecord:
+        """Parse a manifest entry, naming `where` if it is malformed."""
+        try:
+            record = cls(path, int(raw["bytes"]), str(raw["crc32"]), str(raw.get("blocks", "")))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CheckpointError(where, f"manifest entry of {path} is malformed") from None
+        if record.blocks and len(record.blocks) != 8 * max(1, -(-record.nbytes // BLOCK)):
+            raise CheckpointError(
+                where, f"manifest entry of {path} has {len(record.blocks) // 8} block CRCs for {record.nbytes} bytes"
+            )
+        return record
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """Where a universal checkpoint came from: the tag it was converted, saved or imported from, the layout that
+    tag was saved at, the versions that wrote it, and the identity of its files (so a stale copy is never
+    reused)."""
+
+    path: str
+    tag: str | None
+    topology: Topology
+    versions: dict[str, str] = field(default_factory=dict)
+    fingerprint: tuple[tuple[str | int, ...], ...] = ()
+    """Each source file's (name, size, mtime) and the save id: see `convert.output.fingerprint`."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Fields an extension or an importer adds (Check-N-Run's `chain` and `differential`, a foreign `format`)."""
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {
+            "path": self.path,
+            "tag": self.tag,
+            "topology": self.topology.encode(),
+            "versions": self.versions,
+            "fingerprint": [list(entry) for entry in self.fingerprint],
+            **self.extra,
+        }
+
+    @classmethod
+    def decode(cls, raw: Any) -> SourceRecord:
+        """Parse and type-check the JSON form (ValueError on anything malformed)."""
+        raw = _dict(raw, "source")
+        versions = _dict(raw.get("versions", {}), "source.versions")
+        fingerprint = raw.get("fingerprint", [])
+        if not isinstance(fingerprint, list) or not all(
+            isinstance(e, list) and all(type(x) in (str, int) for x in e) for e in fingerprint
+        ):
+            raise ValueError("source.fingerprint is not a list of (name, size, mtime) entries")
+        if not isinstance(raw.get("path"), str) or not (raw.get("tag") is None or isinstance(raw["tag"], str)):
+            raise ValueError("source.path or source.tag is not a string")
+        known = ("path", "tag", "topology", "versions", "fingerprint")
+        return cls(
+            raw["path"],
+            raw.get("tag"),
+            Topology.decode(raw["topology"]),
+            {str(k): str(v) for k, v in versions.items()},
+            tuple(tuple(e) for e in fingerprint),
+            {k: v for k, v in raw.items() if k not in known},
+        )
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The engine's step counters at the save."""
+
+    global_steps: int = 0
+    global_samples: int = 0
+    skipped_steps: int = 0
+
+    @property
+    def stepped(self) -> bool:
+        """Whether an optimizer step ran, so that optimizer state exists."""
+        return self.global_steps > self.skipped_steps
+
+    def encode(self) -> dict[str, int]:
+        """The JSON form."""
+        return asdict(self)
+
+    @classmethod
+    def decode(cls, raw: Any) -> Counters:
+        """Parse and type-check the JSON form (ValueError on a non-integer or unknown counter)."""
+        raw = _dict(raw, "counters")
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown or not all(type(v) is int and v >= 0 for v in raw.values()):
+            raise ValueError(f"counters {raw!r} are not the three non-negative step counters")
+        return cls(**raw)
 
 
 @dataclass(frozen=True)
@@ -147,10 +257,10 @@ class GroupRecord:
 class Manifest:
     """What a universal folder holds, apart from its file table."""
 
-    created_by: dict[str, Any]
-    source: dict[str, Any]
-    """Where it came from: path, tag, `topology`, versions, fingerprint of the source files."""
-    counters: dict[str, int]
+    created_by: dict[str, str]
+    """The versions of the tools that wrote it, by name (`ucp_deepspeed`, `deepspeed`, `torch`)."""
+    source: SourceRecord
+    counters: Counters
     param_groups: tuple[GroupRecord, ...]
     params: dict[str, ParamRecord]
     buffers: dict[str, BufferRecord]
@@ -159,9 +269,9 @@ class Manifest:
     frozen_excluded: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     """Top-level sections outside the core body, kept as they are."""
-    files: dict[str, Any] = field(default_factory=dict)
-    """The file table of a manifest read from disk, in JSON form (`Folder` checks each entry); writers leave it
-    empty, `write_manifest` adds the table of what they wrote."""
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    """The file table of a manifest read from disk; writers leave it empty, `write_manifest` adds the table of
+    what they wrote."""
 
     @property
     def weights_only(self) -> bool:
@@ -196,8 +306,8 @@ class Manifest:
         """The JSON body (without the envelope `write_manifest` adds)."""
         return {
             "created_by": self.created_by,
-            "source": self.source,
-            "counters": self.counters,
+            "source": self.source.encode(),
+            "counters": self.counters.encode(),
             "param_groups": [g.encode() for g in self.param_groups],
             "params": {n: r.encode() for n, r in self.params.items()},
             "buffers": {n: b.encode() for n, b in self.buffers.items()},
@@ -211,7 +321,7 @@ class Manifest:
         """Parse and validate a manifest read from `where`; a `CheckpointError` naming it when malformed."""
         at = "the manifest"
         try:
-            files = _dict(raw.get("files", {}), "files")
+            files = {p: FileRecord.from_json(p, r, where) for p, r in _dict(raw.get("files", {}), "files").items()}
             params = {}
             for name, rec in _dict(raw["params"], "params").items():
                 at = f"params.{name}"
@@ -227,10 +337,13 @@ class Manifest:
                 raise ValueError("not a list")
             groups = tuple(GroupRecord.decode(g) for g in raw["param_groups"])
             at = "source"
-            source = _dict(raw["source"], "source")
-            _dict(source.get("topology", {}), "source.topology")
+            source = SourceRecord.decode(raw["source"])
             at = "counters"
-            counters = _dict(raw["counters"], "counters")
+            counters = Counters.decode(raw["counters"])
+            at = "created_by"
+            created_by = {
+                str(k): str(v) for k, v in _dict(raw.get("created_by", {}), "created_by").items() if v is not None
+            }
             at = "tied"
             tied = _dict(raw.get("tied", {}), "tied")
             at = "model"
@@ -241,7 +354,7 @@ class Manifest:
             at = "optimizer"
             check_optimizer_record(raw.get("optimizer"))
             return cls(
-                _dict(raw.get("created_by", {}), "created_by"),
+                created_by,
                 source,
                 counters,
                 groups,
@@ -256,6 +369,16 @@ class Manifest:
             raise CheckpointError(where, f"manifest is malformed: {at} lacks {exc}") from None
         except (TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(where, f"manifest is malformed at {at}: {exc}") from None
+
+
+def written_by() -> dict[str, str]:
+    """The `created_by` of a manifest this process writes: the versions a reader may need to explain a difference."""
+    versions = {"ucp_deepspeed": __version__, "torch": torch.__version__}
+    try:
+        versions["deepspeed"] = package_version("deepspeed")
+    except PackageNotFoundError:  # a Hugging Face import needs no DeepSpeed
+        pass
+    return versions
 
 
 def recorded_sections(

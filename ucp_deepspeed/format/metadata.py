@@ -16,6 +16,7 @@ from typing import Any
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import check_optimizer_record
 from ucp_deepspeed.format.model import ModelSpec
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 from ucp_deepspeed.io.atomic import atomic_write
 
@@ -31,41 +32,6 @@ LAYER_FILE = re.compile(r"layer_[0-9]+(-[a-z]+_[0-9]+)*-model_states\.pt")
 def meta_filename(mp_rank: int = 0) -> str:
     """Name of the metadata file of one model-parallel rank, mirroring DeepSpeed's naming."""
     return f"ucp_meta_mp_rank_{mp_rank:02d}.json"
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The parallel layout and numerics a checkpoint was saved with."""
-
-    dp: int
-    zero_stage: int
-    dtype: str
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    optimizer: str = ""
-
-    @property
-    def unpartitioned(self) -> bool:
-        """ZeRO-0 in fp32: DeepSpeed steps the torch optimizer itself and saves its state dict whole."""
-        return self.zero_stage == 0 and self.dtype == "fp32"
-
-    def describe(self) -> str:
-        """Short human-readable form, e.g. `zero2 dp=4 fp32`."""
-        parts = [f"zero{self.zero_stage}", f"dp={self.dp}"]
-        parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v != 1]
-        return " ".join(parts + [self.dtype])
-
-    def same_layout(self, other: Topology) -> bool:
-        """True when DeepSpeed's native loader can read a checkpoint of `other` directly."""
-        return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == (
-            other.dp,
-            other.tp,
-            other.pp,
-            other.ep,
-            other.zero_stage,
-            other.optimizer,
-        )
 
 
 def check_name(name: str) -> None:
@@ -195,7 +161,7 @@ class SaveMeta:
             )
         try:
             return cls(
-                topology=Topology(**raw["topology"]),
+                topology=Topology.decode(raw["topology"]),
                 params=tuple(ParamSlot(**_tensor_fields(p)) for p in raw["params"]),
                 extras=tuple(ExtraTensor(**_tensor_fields(e)) for e in raw["extras"]),
                 tied=dict(raw["tied"]),

@@ -21,7 +21,6 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.manifest import BufferRecord, Manifest, ParamRecord
+from ucp_deepspeed.format.manifest import BufferRecord, FileRecord, Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
 from ucp_deepspeed.io.atomic import atomic_file, atomic_write
@@ -48,33 +47,6 @@ _CHUNK = 64 << 20
 def param_file(name: str) -> str:
     """Relative path of a parameter's tensor file."""
     return f"params/{name}.safetensors"
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """A finished output file: its relative path, size, CRC-32, and the CRC-32 of each `BLOCK` of it."""
-
-    path: str
-    nbytes: int
-    crc32: str
-    blocks: str = ""  # 8 hex digits per block
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's entry for this file."""
-        return {"bytes": self.nbytes, "crc32": self.crc32, "blocks": self.blocks}
-
-    @classmethod
-    def from_json(cls, path: str, raw: Any, where: str) -> FileRecord:
-        """Parse a manifest entry, naming `where` if it is malformed."""
-        try:
-            record = cls(path, int(raw["bytes"]), str(raw["crc32"]), str(raw.get("blocks", "")))
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(where, f"manifest entry of {path} is malformed") from None
-        if record.blocks and len(record.blocks) != 8 * max(1, -(-record.nbytes // BLOCK)):
-            raise CheckpointError(
-                where, f"manifest entry of {path} has {len(record.blocks) // 8} block CRCs for {record.nbytes} bytes"
-            )
-        return record
 
 
 def _hex(crc: int) -> str:
@@ -357,8 +329,7 @@ class Folder:
     def __init__(self, root: str, manifest: Manifest, verify: bool = True):
         self.root = os.path.abspath(root)
         self.verify_reads = verify
-        where = os.path.join(self.root, MANIFEST)
-        self.records = {p: FileRecord.from_json(p, r, where) for p, r in manifest.files.items()}
+        self.records = manifest.files
         self._open: dict[str, CheckedFile] = {}
         self._lock = threading.Lock()
 

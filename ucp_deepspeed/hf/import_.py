@@ -26,13 +26,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import Manifest, ParamRecord, recorded_sections
+from ucp_deepspeed.format.manifest import Counters, Manifest, ParamRecord, SourceRecord, recorded_sections, written_by
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import check_output
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
 from ucp_deepspeed.hf.models import read_config, spec_of
 from ucp_deepspeed.hf.names import Heads, from_hf, hf_shapes, links
-from ucp_deepspeed.version import __version__
 
 _DERIVED = re.compile(r"(.*\.)?(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)")
 """Buffers older `transformers` versions saved that are computed from the config, not learned."""
@@ -151,27 +151,14 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
     write_manifest(
         out,
         Manifest(
-            created_by={
-                "ucp_deepspeed": __version__,
-                "torch": torch.__version__,
-                "transformers_config": raw.get("transformers_version"),
-            },
-            source={
-                "path": os.path.abspath(hf_dir),
-                "tag": None,
-                "fingerprint": [],
-                "versions": {},
-                "topology": {
-                    "dp": 1,
-                    "zero_stage": 0,
-                    "dtype": "fp32",
-                    "tp": 1,
-                    "pp": 1,
-                    "ep": 1,
-                    "optimizer": f"none (Hugging Face {arch} import)",
-                },
-            },
-            counters={"global_steps": 0, "global_samples": 0, "skipped_steps": 0},
+            created_by=written_by(),
+            source=SourceRecord(
+                os.path.abspath(hf_dir),
+                None,
+                Topology(dp=1, zero_stage=0, dtype="fp32", optimizer=f"none (Hugging Face {arch} import)"),
+                {"transformers": str(raw["transformers_version"])} if raw.get("transformers_version") else {},
+            ),
+            counters=Counters(),
             param_groups=(),
             params=params,
             buffers={},

@@ -18,8 +18,9 @@ from deepspeed import comm as dist
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta, Topology
+from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.format.model import ModelSpec
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.layout import Layout
 from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.naming.model import ParamInfo, global_namer, param_infos

@@ -36,7 +36,7 @@ from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.convert.output import claimed, remove_output
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
-from ucp_deepspeed.format.metadata import Topology, write_meta
+from ucp_deepspeed.format.metadata import write_meta
 from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.format.swap import OFFLOADED, SwapFile, SwapRecord, write_swap_record
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
@@ -252,7 +252,7 @@ class UniversalCheckpointer:
                 return Source(folder, LoadReport("imported", fmt.name, live, out), self._opener(out))
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
             ckpt = UniversalCheckpoint(load_dir, verify=self.options.verify)
-            saved = Topology(**ckpt.manifest.source["topology"]).describe()
+            saved = ckpt.manifest.source.topology.describe()
             return Source(load_dir, LoadReport("universal", saved, live, load_dir), lambda: ckpt)
         return None
 
@@ -397,7 +397,7 @@ def checkpointer_of(engine: Any) -> UniversalCheckpointer | None:
 
 
 def _saved(reader: TensorReader) -> str:
-    return Topology(**reader.manifest.source["topology"]).describe()
+    return reader.manifest.source.topology.describe()
 
 
 def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> None:

@@ -214,8 +214,7 @@ def state_map(engine: Any, ckpt: TensorReader) -> StateMap:
     if known is not None and source and source.get("class") != target.qualname:
         # another kernel's extra state (DeepSpeed's CPU Lion allocates an unused exp_avg_sq) would only sit unused
         saved = {key: name for key, name in saved.items() if name in known}
-    counters = ckpt.manifest.counters
-    stepped = counters.get("global_steps", 0) > counters.get("skipped_steps", 0)  # state exists after a step
+    stepped = ckpt.manifest.counters.stepped
     missing = (_required(target.algorithm, groups) if stepped else set()) - set(saved.values())
     if missing:
         first = next((n for n, r in ckpt.params.items() if r.trainable), "?")
@@ -445,9 +444,9 @@ def _stage_training_state(engine: Any, ckpt: TensorReader, load_lr_scheduler_sta
     }
 
     def install() -> None:
-        engine.global_steps = counters.get("global_steps", engine.global_steps)
-        engine.global_samples = counters.get("global_samples", engine.global_samples)
-        engine.skipped_steps = counters.get("skipped_steps", engine.skipped_steps)
+        engine.global_steps = counters.global_steps
+        engine.global_samples = counters.global_samples
+        engine.skipped_steps = counters.skipped_steps
         if scheduler is not None:
             engine.lr_scheduler.load_state_dict(scheduler)
         for key, value in wrapper.items():
@@ -463,10 +462,10 @@ def client_state(engine: Any, ckpt: TensorReader, state: dict[str, Any]) -> dict
     gets its own rank's; at other sizes every rank gets model-parallel rank 0's, and entries that differed between
     the saved ranks are named in a warning, since no rank's own value can follow it."""
     per_rank = state.get("client_states") or []
-    saved = ckpt.manifest.source.get("topology", {})
+    saved = ckpt.manifest.source.topology
     live = topology(engine)
     index = int(engine.checkpoint_mp_rank)
-    if (saved.get("tp", 1), saved.get("pp", 1)) == (live.tp, live.pp) and index < len(per_rank):
+    if (saved.tp, saved.pp) == (live.tp, live.pp) and index < len(per_rank):
         return per_rank[index]
     first = state.get("client_state", {})
     varying = sorted({k for other in per_rank[1:] for k in first if not _same_value(first[k], other.get(k))})
@@ -495,8 +494,7 @@ def _same_value(a: Any, b: Any) -> bool:
 def wrapper_state(ckpt: TensorReader, live_dtype: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The saved loss scaler and clipping state, if it belongs to the live precision: an fp16 run's dynamic loss
     scale means nothing to a bf16 or fp32 one (whose own scaler stays as built)."""
-    saved = ckpt.manifest.source.get("topology", {}).get("dtype", live_dtype)
-    if saved != live_dtype:
+    if ckpt.manifest.source.topology.dtype != live_dtype:
         return {}
     return dict((state if state is not None else ckpt.load_state()).get("optimizer_wrapper", {}))
 

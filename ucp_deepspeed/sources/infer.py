@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta, Topology
+from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import saved_numel
 from ucp_deepspeed.geometry.layout import REPLICATED
 from ucp_deepspeed.naming.rules import Rule

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import Counters
 from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize, plain
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -96,9 +97,9 @@ class ModelStatesFile:
         """Top-level keys: DeepSpeed's own, plus the user's client_state entries."""
         return list(self._obj)
 
-    def counters(self) -> dict[str, int]:
-        """Engine step counters."""
-        return {k: int(self._obj[k]) for k in COUNTERS if k in self._obj}
+    def counters(self) -> Counters:
+        """Engine step counters (DeepSpeed saves all three; an absent one reads as 0)."""
+        return Counters(**{k: int(self._obj[k]) for k in COUNTERS if k in self._obj})
 
     def lr_scheduler(self) -> Any:
         """The LR scheduler state dict, if one was saved."""

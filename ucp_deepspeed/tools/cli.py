@@ -47,20 +47,20 @@ def _manifest_summary(kind: str, path: str, m: Manifest) -> dict[str, Any]:
             "dtype": r.dtype,
             "keys": list(r.keys),
             "trainable": r.trainable,
-            "bytes": m.files[r.file]["bytes"],
+            "bytes": m.files[r.file].nbytes,
         }
         if kind == "check-n-run":
             params[name]["table"] = r.extra.get("table")
     summary = {
         "kind": kind,
         "path": path,
-        "source_topology": m.source["topology"],
-        "counters": m.counters,
+        "source_topology": m.source.topology.encode(),
+        "counters": m.counters.encode(),
         "param_groups": len(m.param_groups),
         "params": params,
         "buffers": list(m.buffers),
         "tied": m.tied,
-        "total_bytes": sum(f["bytes"] for f in m.files.values()),
+        "total_bytes": sum(f.nbytes for f in m.files.values()),
         "files": len(m.files),
     }
     if kind == "check-n-run":
@@ -111,8 +111,8 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
             "kind": "deepspeed",
             "path": src.tag_dir,
             "tag": src.tag,
-            "source_topology": meta.topology.__dict__,
-            "counters": src.model_states(0).counters(),
+            "source_topology": meta.topology.encode(),
+            "counters": src.model_states(0).counters().encode(),
             "param_groups": meta.num_groups,
             "params": params,
             "buffers": [t.name for t in src.tensors if t.kind == "buffer"],

@@ -131,9 +131,10 @@ def _compare(name: str, key: str, a: torch.Tensor, b: torch.Tensor) -> StateDiff
 
 def _value_differences(a: Manifest, b: Manifest) -> list[str]:
     out = []
-    for key in sorted(set(a.counters) | set(b.counters)):
-        if a.counters.get(key) != b.counters.get(key):
-            out.append(f"counter {key}: {a.counters.get(key)} vs {b.counters.get(key)}")
+    counters_a, counters_b = a.counters.encode(), b.counters.encode()
+    for key, value in counters_a.items():
+        if value != counters_b[key]:
+            out.append(f"counter {key}: {value} vs {counters_b[key]}")
     if len(a.param_groups) != len(b.param_groups):
         out.append(f"param groups: {len(a.param_groups)} vs {len(b.param_groups)}")
     for i, (ga, gb) in enumerate(zip(a.param_groups, b.param_groups)):

@@ -1,0 +1,66 @@
+"""The parallel layout and numerics a checkpoint was saved with, recorded both in our save metadata and in the
+manifest of every universal folder."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The parallel layout and numerics a checkpoint was saved with."""
+
+    dp: int
+    zero_stage: int
+    dtype: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    optimizer: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "str":
+                good = type(value) is str
+            else:
+                good = type(value) is int and value >= (0 if f.name == "zero_stage" else 1)
+            if not good:
+                raise ValueError(f"topology.{f.name} is {value!r}")
+
+    @property
+    def unpartitioned(self) -> bool:
+        """ZeRO-0 in fp32: DeepSpeed steps the torch optimizer itself and saves its state dict whole."""
+        return self.zero_stage == 0 and self.dtype == "fp32"
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. `zero2 dp=4 fp32`."""
+        parts = [f"zero{self.zero_stage}", f"dp={self.dp}"]
+        parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v != 1]
+        return " ".join(parts + [self.dtype])
+
+    def same_layout(self, other: Topology) -> bool:
+        """True when DeepSpeed's native loader can read a checkpoint of `other` directly."""
+        return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == (
+            other.dp,
+            other.tp,
+            other.pp,
+            other.ep,
+            other.zero_stage,
+            other.optimizer,
+        )
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON form."""
+        return asdict(self)
+
+    @classmethod
+    def decode(cls, raw: Any) -> Topology:
+        """Parse and type-check the JSON form (ValueError on anything malformed, unknown fields included)."""
+        if not isinstance(raw, dict):
+            raise ValueError("topology is not an object")
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"topology has unknown fields {unknown}")
+        return cls(**raw)
