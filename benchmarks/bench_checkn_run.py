@@ -19,13 +19,11 @@ import argparse
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from bench_convert import each, env  # benchmarks/bench_convert.py, next to this script
 from docs_table import update_doc
+from launching import ROOT, each, env, torchrun_command
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_dlrm.py"
 POLICIES = ("full", "one_shot", "incremental", "intermittent")
 BITS = (None, 8, 4, 3, 2)
@@ -41,15 +39,7 @@ def launch(args: argparse.Namespace, jobs: list[tuple[Path, list[str]]]) -> list
         ["train", "--ckpt-dir", str(ckpt), *common, "--results", str(_results(ckpt, i)), *extra]
         for i, (ckpt, extra) in enumerate(jobs)
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        str(WORKER),
-        *each(runs),
-    ]
+    cmd = torchrun_command(1, WORKER, *each(runs))
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800 * len(jobs))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")

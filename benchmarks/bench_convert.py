@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -30,19 +29,10 @@ from pathlib import Path
 
 import psutil
 from docs_table import update_doc  # benchmarks/docs_table.py, next to this script
+from launching import ROOT, each, env, torchrun_command
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "synthetic.py"
 RANKS = 4  # ranks that save each source (--ranks)
-
-
-def env() -> dict[str, str]:
-    out = dict(os.environ)
-    out.setdefault("DS_ACCELERATOR", "cpu")
-    out.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "ucp_torch_extensions"))
-    out.setdefault("OMP_NUM_THREADS", "1")
-    out["PYTHONPATH"] = f"{ROOT}{os.pathsep}{out.get('PYTHONPATH', '')}"
-    return out
 
 
 def tree_size(path: Path) -> int:
@@ -107,25 +97,9 @@ def measure(cmd: list[str], watch: Path | None = None) -> dict:
     }
 
 
-def each(jobs: list[list[str]]) -> list[str]:
-    """The arguments of one launch that runs `jobs` in turn: the first job's, then `--each 'ARGS'` for every other
-    (synthetic.py, launch/train_gpt.py and launch/train_dlrm.py take them)."""
-    first, *rest = jobs
-    return [*first, *(arg for job in rest for arg in ("--each", shlex.join(job)))]
-
-
 def torchrun(nproc: int, *args: str) -> list[dict]:
     """Run the synthetic worker; return its RESULT lines (one per run of the launch)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(WORKER),
-        *args,
-    ]
-    out = measure(cmd)["output"]
+    out = measure(torchrun_command(nproc, WORKER, *args))["output"]
     return [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from bench_convert import dd_write, each, env, mb, measure, tree_size, warm  # benchmarks/, next to this script
+from bench_convert import dd_write, mb, measure, tree_size, warm  # benchmarks/, next to this script
 from docs_table import update_doc
+from launching import ROOT, each, env, torchrun_command
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "synthetic.py"
 RESULTS = ROOT / "benchmarks" / "resume.json"
 PLOT = ROOT / "docs" / "img" / "resume.png"
@@ -73,8 +73,7 @@ class Load:
 
 def torchrun(nproc: int, args: list[str]) -> list[dict]:
     """One launch of the synthetic worker; its RESULT lines."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER)]
-    out = measure([*cmd, *args])["output"]
+    out = measure(torchrun_command(nproc, WORKER, *args))["output"]
     return [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 

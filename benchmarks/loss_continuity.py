@@ -29,16 +29,14 @@ import csv
 import datetime
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_convert import each, env  # benchmarks/bench_convert.py, next to this script
 from docs_table import update_doc
+from launching import ROOT, each, env, torchrun_command
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_gpt.py"
 PIPE_WORKER = ROOT / "launch" / "train_pipe.py"
 
@@ -128,15 +126,7 @@ def launch(world: int, jobs: list[Job]) -> list[list[dict]]:
             for layout, results, extra in jobs
             if layout.worker == worker
         ]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={world}",
-            str(worker),
-            *each(runs),
-        ]
+        cmd = torchrun_command(world, worker, *each(runs))
         proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800 * len(runs))
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")

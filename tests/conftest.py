@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import pickle
-import shlex
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from launching import ROOT, each, env, torchrun_command
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "launch" / "train_tiny.py"
 GPT_WORKER = ROOT / "launch" / "train_gpt.py"
 SOURCE_DP = 2
@@ -55,15 +53,10 @@ def _cpu_info() -> str:
 
 
 def torch_env() -> dict[str, str]:
-    """Environment for every launch: CPU accelerator, one op cache for all launches, one thread per rank, and
-    the CPU probe measured once."""
-    env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "ucp_torch_extensions"))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "site"), str(ROOT), env.get("PYTHONPATH", "")])
-    env["UCP_TEST_CPU_INFO"] = _cpu_info()
-    return env
+    """Environment for every launch (`launching.env`), with the CPU probe measured once."""
+    out = env(ROOT / "tests" / "site")
+    out["UCP_TEST_CPU_INFO"] = _cpu_info()
+    return out
 
 
 def torchrun(
@@ -71,17 +64,7 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """Run a launch/ script under `torchrun --standalone` (through `-m module` if given); fail the test with the
     output tail on error."""
-    runner = ["-m", module] if module else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *runner,
-        str(worker),
-        *args,
-    ]
+    cmd = torchrun_command(nproc, *(["-m", module] if module else []), worker, *args)
     for attempt in range(1, attempts + 1):
         proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:
@@ -96,9 +79,7 @@ def launch_jobs(world: int, jobs: list[list[str]], worker: Path = GPT_WORKER, at
     """Several runs of a launch/ script that takes `--each` (train_gpt.py, train_dlrm.py), each given as its own
     arguments, in one launch of `world` ranks: start-up (imports of torch, DeepSpeed, megatron-core, process
     groups) is paid once, not once per run."""
-    first, *rest = jobs
-    more = [arg for job in rest for arg in ("--each", shlex.join(job))]
-    torchrun(world, *first, *more, worker=worker, attempts=attempts, timeout=120 + 180 * len(jobs))
+    torchrun(world, *each(jobs), worker=worker, attempts=attempts, timeout=120 + 180 * len(jobs))
 
 
 def ds_to_universal(tag_dir: Path, out: Path, workers: int | None = None) -> Path:

@@ -1,4 +1,5 @@
-"""The benchmarks keep working: smoke runs at tiny sizes (loss continuity also checks its numbers)."""
+"""The benchmarks keep working: smoke runs at tiny sizes (`-m bench`, which `.ci/run` runs after the default suite),
+and loss continuity, which checks numbers and so stays in the default run."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def run_benchmark(script: str, *args: str, capsys: pytest.CaptureFixture) -> str
     return output
 
 
+@pytest.mark.bench
 def test_benchmark_smoke(tmp_path, capsys):
     output = run_benchmark("bench_convert.py", "--work", str(tmp_path), capsys=capsys)
     for source in ("z1-dp2-0.5M", "z1-tp2-dp1-0.5M", "z1-pp2-dp1-0.5M", "z1-moe-ep2-dp2-0.5M"):
@@ -44,6 +46,7 @@ def test_benchmark_smoke(tmp_path, capsys):
     assert "resharded load at ZeRO-2" in output
 
 
+@pytest.mark.bench
 def test_checkn_run_benchmark_smoke(tmp_path, capsys):
     output = run_benchmark("bench_checkn_run.py", "--work", str(tmp_path), capsys=capsys)
     assert "| intermittent | 4 |" in output and "restored from adaptive-4 bits" in output
@@ -65,6 +68,7 @@ def test_loss_continuity_short(tmp_path, capsys):
     assert (out / "one_to_many.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.bench
 def test_resume_benchmark_smoke(tmp_path, capsys):
     """Every row of the time-to-resume benchmark runs; a direct load writes no checkpoint bytes."""
     output = run_benchmark("bench_resume.py", "--work", str(tmp_path), capsys=capsys)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import nvme_unavailable, torch_env
+from launching import torchrun_command
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.tools.compare import diff
@@ -21,8 +22,8 @@ FRAMEWORKS = ("deepspeed", "transformers", "megatron", "accelerate")
 
 
 def ucp(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
-    cmd = [*(launcher if torchrun else [sys.executable]), "-m", "ucp_deepspeed.tools.cli", *args]
+    cli = ["-m", "ucp_deepspeed.tools.cli", *args]
+    cmd = torchrun_command(torchrun, *cli) if torchrun else [sys.executable, *cli]
     return subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, load_results, popen_payload, swap_pickle, torch_env, torchrun
+from launching import torchrun_command
 
 from ucp_deepspeed.tools.cli import main as cli_main
 
@@ -124,13 +124,9 @@ def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
     source = tmp_path / "source"
     shutil.copytree(trainer_runs / "installed" / "checkpoint-4", source)
     swap_pickle(source / "global_step4" / "mp_rank_00_model_states.pt", popen_payload(tmp_path / "pwned"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(HF_WORKER),
+    cmd = torchrun_command(
+        2,
+        HF_WORKER,
         "train",
         "--out",
         str(tmp_path / "out"),
@@ -138,7 +134,7 @@ def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
         "2",
         "--resume",
         str(source),
-    ]
+    )
     proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     refusal = "mp_rank_00_model_states.pt: refusing to unpickle global 'deepspeed.launcher.runner.subprocess.Popen'"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from conftest import GPT_WORKER, torch_env
+from launching import torchrun_command
 
 from ucp_deepspeed.sources.tags import incomplete_reason
 
@@ -21,13 +21,9 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-
-
 def _killed_in_save(ckpt: Path, *extra: str) -> dict[int, float]:
     """Train on 2 ranks until the last rank is SIGKILLed while saving step 6; return the losses printed."""
-    first = _run([*_torchrun(2), str(GPT_WORKER), *TRAIN, "--ckpt-dir", str(ckpt), "--die-in-save", "6", *extra])
+    first = _run([*torchrun_command(2, GPT_WORKER), *TRAIN, "--ckpt-dir", str(ckpt), "--die-in-save", "6", *extra])
     assert first.returncode != 0, "the run was meant to be killed while saving step 6"
     before = {
         int(line.split()[1]): float(line.split()[3]) for line in first.stdout.splitlines() if line.startswith("step ")
@@ -93,7 +89,7 @@ def test_async_save_killed_before_written_is_never_used(tmp_path):
     assert not (ckpt / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
 
     second = _run(
-        [*_torchrun(1), str(GPT_WORKER), *TRAIN, "--async-save", "--ckpt-dir", str(ckpt), "--results", str(results)]
+        [*torchrun_command(1, GPT_WORKER), *TRAIN, "--async-save", "--ckpt-dir", str(ckpt), "--results", str(results)]
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     _check_resumed(ckpt, results, before, "zero1 dp=1 fp32")
