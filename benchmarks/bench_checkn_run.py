@@ -1,4 +1,4 @@
-"""Check-N-Run measured as in the paper, on a DLRM-like model trained with DeepSpeed (launch/train_dlrm.py).
+"""Check-N-Run measured as in the paper, on a DLRM-like model trained with DeepSpeed (tests/workers/train_dlrm.py).
 
     python benchmarks/bench_checkn_run.py [--update-docs] [--smoke]
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from docs_table import update_doc
 from launching import ROOT, each, env, torchrun_command
 
-WORKER = ROOT / "launch" / "train_dlrm.py"
+WORKER = ROOT / "tests" / "workers" / "train_dlrm.py"
 POLICIES = ("full", "one_shot", "incremental", "intermittent")
 BITS = (None, 8, 4, 3, 2)
 PAPER = "the paper reports 6-17x less write bandwidth and 2.5-8x less capacity"

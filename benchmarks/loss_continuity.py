@@ -2,8 +2,8 @@
 
     python benchmarks/loss_continuity.py [--update-docs] [--smoke]
 
-A tiny megatron-core GPT (launch/train_gpt.py, fp32, learnable Markov-chain tokens) trains without
-interruption at a source layout and saves at the resume step. Each target layout loads that
+A tiny megatron-core GPT (launch/train_gpt.py, run by tests/workers/gpt.py; fp32, learnable Markov-chain tokens)
+trains without interruption at a source layout and saves at the resume step. Each target layout loads that
 checkpoint, resharded by ucp_deepspeed, and trains on to the last step. Every step's global batch
 is a function of the step alone, so a resumed run sees exactly the samples the uninterrupted run
 saw, and its loss curve should lie on the uninterrupted one.
@@ -11,7 +11,7 @@ saw, and its loss curve should lie on the uninterrupted one.
 1. one source (TP=2 PP=2 DP=1, ZeRO-1) to many targets;
 2. many sources to one target (TP=1 PP=1 DP=2);
 3. MoE: EP=2 to EP=1 and EP=4;
-4. DeepSpeed's PipelineEngine (launch/train_pipe.py, a PipelineModule GPT whose blocks are megatron-core
+4. DeepSpeed's PipelineEngine (tests/workers/train_pipe.py, a PipelineModule GPT whose blocks are megatron-core
    parallel linears): TP=2 PP=2 to other TP/PP/DP sizes, ZeRO-0, and a plain module of the same layers.
 
 Writes a PNG per experiment to --figures (docs/img/ by default), and to --out
@@ -37,8 +37,8 @@ from pathlib import Path
 from docs_table import update_doc
 from launching import ROOT, each, env, torchrun_command
 
-WORKER = ROOT / "launch" / "train_gpt.py"
-PIPE_WORKER = ROOT / "launch" / "train_pipe.py"
+WORKER = ROOT / "tests" / "workers" / "gpt.py"
+PIPE_WORKER = ROOT / "tests" / "workers" / "train_pipe.py"
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Layout:
     pp: int = 1
     zero: int = 1
     ep: int = 0  # 0: dense model; otherwise MoE with this expert-parallel size
-    variant: str = ""  # a launch/train_pipe.py variant (PipelineEngine) with these sizes; "" is train_gpt.py's GPT
+    variant: str = ""  # a tests/workers/train_pipe.py variant (PipelineEngine) with these sizes; "" is the GPT
 
     @property
     def name(self) -> str:

@@ -419,4 +419,4 @@ def load(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     main()
     sys.stdout.flush()
-    os._exit(0)  # see launch/train_tiny.py: skip an occasional abort in C++ teardown
+    os._exit(0)  # see tests/workers/common.py: skip an occasional abort in C++ teardown

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install everything, train a tiny LM on 2 ranks (ZeRO-2), save, then resume it on 1 rank (ZeRO-2)
-# and on 3 ranks (ZeRO-3), checking every restored tensor against the state before saving. Both
-# resumes read the saved rank files in place (the default "direct" reshard), so no copy is written.
-# Then the same for a megatron-core GPT: saved at TP=2 x PP=2, resumed at TP=1 x DP=2.
+# Install everything, then run the reference training script (launch/train_gpt.py, a tiny megatron-core GPT under
+# DeepSpeed) as a user would: train on 2 ranks at ZeRO-2 and save; resume on 3 ranks at ZeRO-3, saving at once
+# at the new layout; `ucp diff` then compares every fp32 weight and Adam moment of that checkpoint with the one
+# saved, exactly. The resume reads the saved rank files in place (the default "direct" reshard), so no
+# converted copy is written. Then the same from TP=2 x PP=2 to TP=1 x DP=2.
 #
 #   bash launch/demo.sh               install (.ci/install), then run the demo
 #   bash launch/demo.sh --no-install  run it in the environment you already have (what the tests do)
@@ -13,30 +14,30 @@ if [ "${1:-}" != --no-install ]; then
 fi
 work="$(mktemp -d)"
 log="$work/demo.log"
-run() {
-  local n=$1 script=launch/train_tiny.py; shift
-  if [ "$1" = gpt ]; then script=launch/train_gpt.py; shift; fi
-  if ! torchrun --standalone --nproc_per_node "$n" "$script" "$@" >"$log" 2>&1; then
+train() {
+  local n=$1; shift
+  if ! torchrun --standalone --nproc_per_node "$n" launch/train_gpt.py "$@" >"$log" 2>&1; then
     cat "$log"; exit 1
   fi
-  grep '^\[' "$log"
+  grep -E '^(step |resumed )' "$log"
 }
-echo "== train on 2 ranks and save"
-run 2 save --out "$work/ckpt" --variant z2
-echo "== resume on 1 rank"
-run 1 load --variant z2 --source "$work/ckpt/z2" --results "$work/dp1.json"
-echo "== resume on 3 ranks at ZeRO-3"
-run 3 load --variant z3 --source "$work/ckpt/z2" --results "$work/dp3.json"
-echo "== the saved checkpoint both resumes read in place, every byte checked"
-ucp inspect "$work/ckpt/z2"
-ucp verify "$work/ckpt/z2"
-copies="$(find "$work/ckpt/z2" -maxdepth 1 -name '*.universal')"
+echo "== train on 2 ranks (ZeRO-2), save at step 4"
+train 2 --zero 2 --ckpt-dir "$work/dp2" --steps 4 --ckpt-every 4
+echo "== resume on 3 ranks at ZeRO-3: save at once at this layout, then train on"
+train 3 --zero 3 --init-from "$work/dp2" --ckpt-dir "$work/dp3" --save-resumed --steps 6 --ckpt-every 6
+echo "== the step-4 checkpoint saved at 2 ranks against the one saved on 3 ranks right after resuming"
+ucp diff "$work/dp2" "$work/dp3" --tag-a global_step4 --tag-b global_step4
+echo "== the saved checkpoint the resume read in place, every byte checked"
+ucp inspect "$work/dp2"
+ucp verify "$work/dp2"
+copies="$(find "$work/dp2" -maxdepth 2 -name '*.universal')"
 if [ -n "$copies" ]; then
   echo "demo: a resume wrote a converted copy, which the direct reshard should not: $copies" >&2; exit 1
 fi
-echo "no converted copy written: $(du -sh "$work/ckpt/z2" | cut -f1) on disk, as saved"
-echo "== megatron-core GPT (SwiGLU, RoPE, GQA): train at TP=2 x PP=2 and save"
-run 4 gpt save --arch llama --tp 2 --pp 2 --out "$work/gpt"
-echo "== resume at TP=1 x PP=1 x DP=2"
-run 2 gpt load --arch llama --source "$work/gpt" --results "$work/gpt.json"
+echo "no converted copy written: $(du -sh "$work/dp2" | cut -f1) on disk, as saved"
+echo "== Llama-style GPT (SwiGLU, RoPE, GQA): train at TP=2 x PP=2 and save at step 3"
+train 4 --arch llama --tp 2 --pp 2 --ckpt-dir "$work/tp2pp2" --steps 3 --ckpt-every 3
+echo "== resume at TP=1 x PP=1 x DP=2 and save at once; compare"
+train 2 --arch llama --init-from "$work/tp2pp2" --ckpt-dir "$work/llama-dp2" --save-resumed --steps 3
+ucp diff "$work/tp2pp2" "$work/llama-dp2"
 rm -rf "$work"

@@ -9,8 +9,9 @@
 #   NNODES=MIN:MAX           node range (default 1:2)    NPROC_PER_NODE   ranks per node (default 2)
 #   MAX_RESTARTS             worker-group restarts after failures (default 3)
 #   RDZV_ID                  job id shared by all agents (default ucp-elastic)
-#   TRAIN_SCRIPT             the training script in launch/ (default train_gpt.py; train_pipe.py for DeepSpeed's
-#                            PipelineEngine, e.g. `TRAIN_SCRIPT=train_pipe.py launch/elastic.sh --variant pp2 ...`)
+#   TRAIN_SCRIPT             the training script: a path, or a name in launch/ (default train_gpt.py); it gets
+#                            `train` and this script's arguments, e.g. for DeepSpeed's PipelineEngine
+#                            `TRAIN_SCRIPT=$PWD/tests/workers/train_pipe.py launch/elastic.sh --variant pp2 ...`
 #
 #   launch/elastic.sh --ckpt-dir /shared/ckpt --steps 1000 --ckpt-every 50 --keep 3 [--moe --ep 2]
 set -euo pipefail
@@ -22,8 +23,10 @@ export PYTHONPATH="$here/..${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 conf="last_call_timeout=2,join_timeout=120,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 if [ -n "${IS_HOST:-}" ]; then conf="$conf,is_host=$IS_HOST"; fi
+script="${TRAIN_SCRIPT:-train_gpt.py}"
+case "$script" in /*) ;; *) script="$here/$script" ;; esac
 exec python -m torch.distributed.run \
   --nnodes="${NNODES:-1:2}" --nproc_per_node="${NPROC_PER_NODE:-2}" \
   --rdzv-backend=c10d --rdzv-endpoint="${RDZV_ENDPOINT:-127.0.0.1:29400}" --rdzv-id="${RDZV_ID:-ucp-elastic}" \
   --rdzv-conf="$conf" --max-restarts="${MAX_RESTARTS:-3}" --monitor-interval=0.5 \
-  "$here/${TRAIN_SCRIPT:-train_gpt.py}" train "$@"
+  "$script" train "$@"

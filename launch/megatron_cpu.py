@@ -1,4 +1,4 @@
-"""Test-only shims that let megatron-core 0.16+ train on a CPU with gloo.
+"""Shims that let megatron-core 0.16+ train on a CPU with gloo (the demo, the tests, a laptop).
 
 megatron-core assumes CUDA in a few places that have no CPU fallback :
 the RNG tracker that attention always enters, `GlobalMemoryBuffer.get_tensor`, RoPE's move of its

@@ -1,41 +1,32 @@
-"""Train a tiny megatron-core GPT at any TP x PP x DP with ucp_deepspeed, save, and resume elsewhere.
+"""Train a tiny megatron-core GPT under DeepSpeed with universal checkpoints: the reference script to copy.
 
-    save --out DIR --tp T --pp P --zero Z --arch gpt|llama
-        train STEPS steps, gather the full model state, save, continue CONT steps and record their
-        losses; rank 0 writes DIR/reference.pt
-    load --source DIR [DIR ...] --tp T --pp P --zero Z --arch ... [--resave OUT]
-        build the engines at this launch's layout, load each source, compare every full fp32 weight
-        and optimizer state with the reference using torch.equal, continue CONT steps and compare
-        losses; --resave saves the loaded state again, untrained, at this layout
+    torchrun --nproc_per_node N launch/train_gpt.py --ckpt-dir DIR --steps S [--tp T --pp P --zero Z]
 
-The data-parallel size is whatever world size is left over: world / (T * P). `--model DIR` builds
-the megatron-core model a universal checkpoint recorded (`ucp import-hf`) instead of `--arch`'s.
+On start it resumes from the newest complete checkpoint in DIR, whatever layout saved it (or from
+`--init-from`), then trains to step S, saving every `--ckpt-every` steps and keeping the `--keep` newest.
+The data-parallel size is whatever world size is left over: world / (T * P). `--model DIR` builds the
+megatron-core model a universal checkpoint recorded (`ucp import-hf`) instead of `--arch`'s. It uses only
+ucp_deepspeed's public API; launch/README.md is its guide.
 
 Pipeline stages are megatron-core `GPTModel`s (pre_process/post_process), one DeepSpeed engine per
 stage. The schedule is a plain fill-drain over micro-batches, in the order DeepSpeed's own
 PipelineEngine uses with ZeRO-1: backward without gradient reduction, all-reduce of the tied
-embedding's gradient between the first and last stage, then reduction and step.
+embedding's gradient between the first and last stage, then reduction and step. On a machine
+without a GPU, megatron_cpu.py (next to this script) stands in for megatron-core's CUDA-only helpers.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import json
-import math
 import os
-import shlex
-import signal
 import sys
-import time
+from collections.abc import Callable
 
 import deepspeed
-import megatron_cpu
+import megatron_cpu  # launch/megatron_cpu.py, next to this script
 import torch
 import torch.distributed as dist
-from compare import compare
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
@@ -43,12 +34,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 import ucp_deepspeed
-import ucp_deepspeed.runtime.mpu
-from ucp_deepspeed.format.universal import UniversalCheckpoint
-from ucp_deepspeed.geometry.layout import merge
-from ucp_deepspeed.hf.models import megatron_kwargs
-from ucp_deepspeed.runtime.capture import infos
-from ucp_deepspeed.sources import list_tags
 
 VOCAB = 70  # padded to a multiple of 8 * tp: 72 at tp=1, 80 at tp=2
 PAD_MULTIPLE = 8
@@ -85,12 +70,12 @@ def model_args(args: argparse.Namespace) -> tuple[dict, dict]:
     """(TransformerConfig, GPTModel) arguments: the model a universal checkpoint recorded (`--model`, e.g. a
     Hugging Face import), or this script's tiny `--arch` model."""
     if args.model:
-        spec = UniversalCheckpoint(args.model).manifest.model
+        spec = ucp_deepspeed.UniversalCheckpoint(args.model).manifest.model
         if spec is None:
             raise SystemExit(f"{args.model} records no model")
         if spec.vocab_size != VOCAB:
             raise SystemExit(f"{args.model}: this script's data has {VOCAB} tokens, the model {spec.vocab_size}")
-        return megatron_kwargs(spec)
+        return ucp_deepspeed.megatron_kwargs(spec)
     arch = dict(ARCHS[args.arch])
     position = arch.pop("position_embedding_type")
     if args.moe:  # 4 experts, top-2; SequentialMLP
@@ -112,8 +97,9 @@ def model_args(args: argparse.Namespace) -> tuple[dict, dict]:
     return transformer, gpt
 
 
-def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
-    """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine."""
+def build(args: argparse.Namespace, keep_last: int | None = None, direct: bool = True) -> deepspeed.DeepSpeedEngine:
+    """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine that keeps the `keep_last` newest
+    checkpoints (all when None) and reshards by reading the saved files in place (`direct`)."""
     transformer, gpt = model_args(args)
     num_layers = transformer["num_layers"]
     experts = transformer.get("num_moe_experts") or 0
@@ -172,7 +158,7 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
         {"params": decay, "weight_decay": 0.1, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95), "name": "no_decay"},
     ]
-    if ucp_deepspeed.runtime.mpu.register_megatron_experts(model):  # experts get their own expert-data-parallel groups
+    if ucp_deepspeed.register_megatron_experts(model):  # experts get their own expert-data-parallel groups
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = torch.optim.AdamW(groups, lr=1e-3)
     cfg = {
@@ -186,9 +172,9 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
                 "enabled": True,
                 "progress": False,
                 "vocab_size": VOCAB,
-                "async_save": getattr(args, "async_save", False),
-                "direct": not getattr(args, "converted", False),
-                "keep_last": args.keep if args.mode == "train" and args.ckpt_every else None,
+                "async_save": args.async_save,
+                "direct": direct,
+                "keep_last": keep_last,
             }
         },
     }
@@ -298,335 +284,100 @@ def train(engine: deepspeed.DeepSpeedEngine, steps: int, data: str = "random") -
     return out_losses
 
 
-def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict | None:
-    """Full fp32 weights and optimizer states of the whole model, on rank 0 (None elsewhere)."""
-    opt = engine.optimizer
-    if hasattr(opt, "_hp_optimizer_states_linked"):
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
-    if engine.zero_optimization_stage() == 3:
-        flats = [(opt.sub_group_to_group_id[i], f) for i, f in enumerate(opt.fp32_partitioned_groups_flat)]
-    else:
-        flats = [(g, f) for g, group in enumerate(opt.optimizer.param_groups) for f in group["params"]]
-    keys = sorted(k for k, v in opt.optimizer.state[flats[0][1]].items() if torch.is_tensor(v) and v.dim() == 1)
-    placed = infos(engine)
-    tp_group = ps.get_tensor_model_parallel_group()
-    part: dict = {"fp32": {}, "state": {}, "alias": {}}
-    for name, p in sorted(engine.module.named_parameters()):
-        info = placed[name]
-        values = {"fp32": safe_get_full_fp32_param(p)} | {k: safe_get_full_optimizer_state(p, k) for k in keys}
-        for key, local in values.items():
-            shards = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
-            dist.all_gather(shards, local.detach().contiguous(), group=tp_group)
-            full = merge(info.layout, shards, name)
-            if info.alias:
-                part["alias"][f"{info.name}/{key}"] = full
-            elif key == "fp32":
-                part["fp32"][info.name] = full
-            else:
-                part["state"][f"{info.name}/{key}"] = full
-    part["steps"] = {g: opt.optimizer.state[f]["step"].clone() for g, f in flats if "step" in opt.optimizer.state[f]}
-    parts: list = [None] * dist.get_world_size()  # every rank: expert-parallel ranks hold different experts
-    dist.all_gather_object(parts, part)
-    if dist.get_rank() != 0:
-        return None
-    snap: dict = {"fp32": {}, "state": {}, "alias": {}, "state_keys": keys}
-    for piece in filter(None, parts):
-        for k in ("fp32", "state", "alias"):
-            snap[k].update(piece[k])
-    snap["steps"] = parts[0]["steps"]
-    # DeepSpeed names MoE param groups after the expert-parallel size: structure, not a hyperparameter
-    snap["hyperparams"] = [
-        {k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.optimizer.param_groups
-    ]
-    snap["scheduler"] = engine.lr_scheduler.state_dict()
-    snap["counters"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
-    return snap
+Hook = Callable[[deepspeed.DeepSpeedEngine], None]
 
 
-def tied_copies_agree(snap: dict) -> list[str]:
-    """A last stage's copy of the tied embedding must equal the first stage's, state by state."""
-    diffs = []
-    for key, value in snap["alias"].items():
-        name, state = key.rsplit("/", 1)
-        owner = snap["fp32"][name] if state == "fp32" else snap["state"][key]
-        if not torch.equal(owner, value):
-            diffs.append(f"tied copy {key} differs from its owner")
-    return diffs
+def do_train(
+    args: argparse.Namespace,
+    on_resume: Hook | None = None,
+    before_save: Hook | None = None,
+    after_step: Hook | None = None,
+) -> tuple[dict | None, list[dict]]:
+    """Train to --steps, checkpointing every --ckpt-every steps and keeping --keep; resume whatever the layout.
 
-
-def save_logits(engine: deepspeed.DeepSpeedEngine, path: str) -> None:
-    """Logits of the current weights on fixed tokens (through every pipeline stage), for comparison with
-    `transformers`; the last stage's first tensor-parallel rank writes them."""
-    prev, nxt = stage_ranks()
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(99))
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
-    with torch.no_grad():
-        if prev is not None:
-            x = torch.empty(SEQ, tokens.shape[0], engine.module.config.hidden_size)
-            dist.recv(x, prev)
-            engine.module.set_input_tensor(x)
-        out = engine.module(tokens, torch.arange(SEQ).unsqueeze(0), mask)
-        if nxt is not None:
-            dist.send(out.contiguous(), nxt)
-            return
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)
-    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-        torch.save({"tokens": tokens, "logits": logits[..., :VOCAB].clone()}, path)
-
-
-def layout_name(args: argparse.Namespace) -> str:
-    moe = f" moe ep{args.ep}" if args.moe else ""
-    name = os.path.basename(args.model) if args.model else args.arch
-    return f"{name}{moe} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
-
-
-def rank_client_state(tp_rank: int, pp_rank: int) -> dict:
-    """Per-rank client state as Megatron-DeepSpeed keeps it: each model-parallel rank's own random stream."""
-    stream = torch.Generator().manual_seed(1000 + 100 * pp_rank + tp_rank)
-    return {"rng_state": stream.get_state(), "role": [tp_rank, pp_rank]}
-
-
-def own_role() -> tuple[int, int]:
-    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-
-
-def client_state_ok(client: dict, report: ucp_deepspeed.LoadReport) -> bool:
-    """A rank that keeps its role (same TP and PP sizes) gets its own saved client state, any other rank model-parallel
-    rank 0's (collective: true on every rank)."""
-
-    def sizes(desc: str) -> tuple[str, str]:
-        found = dict(part.split("=") for part in desc.split() if "=" in part)
-        return found.get("tp", "1"), found.get("pp", "1")
-
-    expected = rank_client_state(*own_role()) if sizes(report.saved) == sizes(report.live) else rank_client_state(0, 0)
-    ok = client.get("role") == expected["role"] and torch.equal(client.get("rng_state"), expected["rng_state"])
-    flags: list = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, ok)
-    return all(flags)
-
-
-def do_save(args: argparse.Namespace) -> None:
-    engine = build(args)
-    if args.init_from:
-        engine.load_checkpoint(args.init_from)
-        if args.logits_init:
-            save_logits(engine, args.logits_init)
-    losses = train(engine, args.save_steps)
-    snap = snapshot(engine)
-    engine.save_checkpoint(args.out, client_state=rank_client_state(*own_role()))
-    if args.logits:
-        save_logits(engine, args.logits)
-    cont = train(engine, args.cont)
-    if dist.get_rank() == 0:
-        print(f"[{layout_name(args)}] losses {losses} then {cont}; saved {len(snap['fp32'])} params", flush=True)
-        torch.save(
-            {"snapshot": snap, "continuation": cont, "layout": layout_name(args)},
-            os.path.join(args.out, "reference.pt"),
-        )
-
-
-def do_load(args: argparse.Namespace) -> None:
-    results = []
-    for source in args.source:
-        ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False) if dist.get_rank() == 0 else None
-        engine = build(args)
-        _, client = engine.load_checkpoint(source)
-        client_ok = client_state_ok(client, engine.ucp_last_load)
-        snap = snapshot(engine)
-        if args.resave:
-            engine.save_checkpoint(args.resave)
-        losses = train(engine, args.cont)
-        if dist.get_rank() == 0:
-            diffs = compare(
-                {k: v for k, v in ref["snapshot"].items() if k != "alias"},
-                {k: v for k, v in snap.items() if k != "alias"},
-            ) + tied_copies_agree(snap)
-            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
-            report = engine.ucp_last_load
-            results.append(
-                {
-                    "source": source,
-                    "saved": report.saved,
-                    "live": report.live,
-                    "mode": report.mode,
-                    "diffs": diffs,
-                    "tensors": len(snap["fp32"]) + len(snap["state"]),
-                    "aliases": len(snap["alias"]),
-                    "losses": losses,
-                    "reference_losses": ref["continuation"],
-                    "max_rel_loss": rel if math.isfinite(rel) else 1e9,
-                    "client_state_ok": client_ok,
-                }
-            )
-            print(
-                f"[{layout_name(args)}] from {ref['layout']}: {report.mode}, "
-                f"{len(diffs)} differences, losses {losses} vs {ref['continuation']}",
-                flush=True,
-            )
-        del engine
-    if dist.get_rank() == 0:
-        with open(args.results, "w") as f:
-            json.dump(results, f, indent=1)
-
-
-def die_while_saving(engine: deepspeed.DeepSpeedEngine, step: int, background: bool) -> None:
-    """Test hook: at `step`, the last rank writes half of its optimizer file, then is SIGKILLed mid-save.
-
-    With `background` (async saves) this happens in the writer thread, after `save_checkpoint` returned,
-    and the thread lingers half-way for a while so that training runs on with the write unfinished.
+    The hooks run on every rank: after a resume, before each save, after each step. Returns what was resumed
+    from (None on a fresh start) and each step's loss.
     """
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    import ucp_deepspeed.runtime.async_save
-
-    def doomed(path: str) -> bool:
-        return (
-            f"global_step{step}" in path
-            and dist.get_rank() == dist.get_world_size() - 1
-            and path.endswith("optim_states.pt")
-        )
-
-    def die(data: memoryview, path: str, linger: float = 0.0) -> None:
-        with open(path, "wb") as f:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            time.sleep(linger)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if background:
-        original_write = ucp_deepspeed.runtime.async_save.write_file
-
-        def write_file(path: str, state: dict, zipfile_serialization: bool, save_id: str = "") -> None:
-            if doomed(path):
-                buf = io.BytesIO()
-                torch.save(state, buf)
-                die(buf.getbuffer()[: buf.tell()], f"{path}.tmp.partial", linger=2.0)
-            original_write(path, state, zipfile_serialization, save_id)
-
-        ucp_deepspeed.runtime.async_save.write_file = write_file
-        return
-    original = TorchCheckpointEngine.save
-
-    def save(self: TorchCheckpointEngine, state_dict: dict, path: str) -> None:
-        if doomed(path):
-            buf = io.BytesIO()
-            torch.save(state_dict, buf)
-            die(buf.getbuffer()[: buf.tell()], path)
-        original(self, state_dict, path)
-
-    TorchCheckpointEngine.save = save
-
-
-def do_train(args: argparse.Namespace) -> None:
-    """Train to --steps, checkpointing every --ckpt-every steps and keeping --keep; resume whatever the layout."""
-    engine = build(args)
+    engine = build(args, keep_last=args.keep if args.ckpt_every else None)
     resumed = None
-    if args.init_from or (os.path.isdir(args.ckpt_dir) and list_tags(args.ckpt_dir)):
+    if args.init_from or (os.path.isdir(args.ckpt_dir) and ucp_deepspeed.resume_tag(args.ckpt_dir)):
         engine.load_checkpoint(args.init_from or args.ckpt_dir, tag=args.init_tag)
         report = engine.ucp_last_load
         resumed = {"step": engine.global_steps, "saved": report.saved, "live": report.live, "mode": report.mode}
         if dist.get_rank() == 0:
-            print(f"resumed from step {engine.global_steps} at topology {report.saved} -> {report.live}", flush=True)
-    if args.snapshots and resumed is not None:  # the test compares it with the one taken before that save
-        snap = snapshot(engine)
-        if dist.get_rank() == 0:
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-            torch.save(snap, os.path.join(args.ckpt_dir, f"resumed_step{engine.global_steps}.pt"))
-    if args.die_in_save:
-        die_while_saving(engine, args.die_in_save, args.async_save)
+            print(f"resumed from step {engine.global_steps}: {report.how()}", flush=True)
+        if on_resume is not None:
+            on_resume(engine)
+        if args.save_resumed:  # the resumed state at this layout, before any step (compare with `ucp diff`)
+            engine.save_checkpoint(args.ckpt_dir)
     log = []
     while engine.global_steps < args.steps:
         [loss] = train(engine, 1, args.data)
         log.append({"step": engine.global_steps, "loss": loss, "world": dist.get_world_size()})
         if dist.get_rank() == 0:
             print(f"step {engine.global_steps} loss {loss:.6f} world {dist.get_world_size()}", flush=True)
-        time.sleep(args.step_delay)
+        if after_step is not None:
+            after_step(engine)
         if args.ckpt_every and engine.global_steps % args.ckpt_every == 0:
-            if args.snapshots:
-                snap = snapshot(engine)
-                if dist.get_rank() == 0:
-                    os.makedirs(args.ckpt_dir, exist_ok=True)
-                    torch.save(snap, os.path.join(args.ckpt_dir, f"saved_step{engine.global_steps}.pt"))
+            if before_save is not None:
+                before_save(engine)
             engine.save_checkpoint(args.ckpt_dir)  # keeps the --keep newest complete tags ("keep_last")
     engine.wait_for_checkpoint()  # an async save finishes, and is counted for retention, here at the latest
-    if dist.get_rank() == 0 and args.results:
-        with open(args.results, "w") as f:
-            json.dump({"resumed": resumed, "log": log, "final_step": engine.global_steps}, f, indent=1)
+    return resumed, log
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load", "train"])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, layout and training options."""
     parser.add_argument("--arch", choices=sorted(ARCHS), default="gpt")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--first-stage-layers", type=int, default=0, help="uneven pipeline split: layers on stage 0")
     parser.add_argument("--moe", action="store_true", help="MoE MLPs: 4 experts, top-2")
-    parser.add_argument("--ckpt-dir", help="train: checkpoint directory, resumed from when it holds a tag")
-    parser.add_argument("--steps", type=int, default=8, help="train: last step")
-    parser.add_argument("--ckpt-every", type=int, default=2, help="train: 0 saves nothing")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
+    parser.add_argument(
+        "--model", help="build the megatron-core model a universal checkpoint recorded (e.g. from ucp import-hf)"
+    )
+    parser.add_argument("--ckpt-dir", help="checkpoint directory, resumed from when it holds a tag")
+    parser.add_argument("--steps", type=int, default=8, help="last step")
+    parser.add_argument("--ckpt-every", type=int, default=2, help="0 saves nothing")
+    parser.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     parser.add_argument(
         "--data",
         choices=["random", "markov"],
         default="random",
-        help="train: token distribution (markov is learnable, so the loss falls)",
+        help="token distribution (markov is learnable, so the loss falls)",
     )
-    parser.add_argument("--keep", type=int, default=2, help="train: complete checkpoints to keep")
-    parser.add_argument("--snapshots", action="store_true", help="train: store the full state at saves and resumes")
-    parser.add_argument("--die-in-save", type=int, default=0, help="train (tests): SIGKILL the last rank mid-save")
-    parser.add_argument("--async-save", action="store_true", help="train: write checkpoints in the background")
-    parser.add_argument(
-        "--converted", action="store_true", help='load: reshard through a universal copy ("direct": false)'
-    )
-    parser.add_argument(
-        "--step-delay",
-        type=float,
-        default=0.0,
-        help="train: seconds to wait after each step, so a test can kill a node mid-run",
-    )
-    parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
-    parser.add_argument("--out")
-    parser.add_argument("--source", nargs="*", default=[])
-    parser.add_argument("--resave")
-    parser.add_argument("--results")
     parser.add_argument(
         "--init-from",
-        help="train, save: start from this checkpoint (e.g. a universal folder from "
-        "ucp import-hf) instead of resuming from --ckpt-dir",
+        help="start from this checkpoint (e.g. a universal folder from ucp import-hf) instead of resuming from "
+        "--ckpt-dir",
     )
-    parser.add_argument("--init-tag", help="train: the tag of --init-from to start from (default: the latest)")
-    parser.add_argument("--logits", help="save: also store logits of the saved weights on fixed tokens")
-    parser.add_argument("--save-steps", type=int, default=STEPS, help="save: steps to train before saving")
-    parser.add_argument("--cont", type=int, default=CONT, help="save, load: steps to train after, losses compared")
-    parser.add_argument("--logits-init", help="save: logits right after loading --init-from, before training")
-    parser.add_argument(
-        "--model", help="build the megatron-core model a universal checkpoint recorded (e.g. from ucp import-hf)"
+    parser.add_argument("--init-tag", help="the tag of --init-from to start from (default: the latest)")
+    parser.add_argument("--save-resumed", action="store_true", help="save once right after resuming, before training")
+    parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
+
+
+def setup(args: argparse.Namespace) -> None:
+    """megatron-core's groups for this layout (and, without a GPU, its CPU stand-ins)."""
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep
     )
-    parser.add_argument(
-        "--each",
-        action="append",
-        default=[],
-        metavar="'ARGS'",
-        help="one more run in the same launch, given as its own quoted arguments (e.g. 'load --tp 2 --source A "
-        "--results R'); megatron-core's groups are rebuilt for each run, so one launch serves every layout of a "
-        "world size",
-    )
-    args = parser.parse_args()
-    runs = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
-    if any(run.each for run in runs[1:]):
-        parser.error("--each runs cannot nest")
-    deepspeed.init_distributed(dist_backend="gloo")
-    for run in runs:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp, expert_model_parallel_size=run.ep
-        )
+    if not torch.cuda.is_available():
         megatron_cpu.install()
-        {"save": do_save, "load": do_load, "train": do_train}[run.mode](run)
-        dist.barrier()
-        ps.destroy_model_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", nargs="?", choices=["train"], default="train", help="(the only mode)")
+    add_arguments(parser)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    setup(args)
+    do_train(args)
+    dist.barrier()
+    ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 

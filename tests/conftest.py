@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from launching import ROOT, each, env, torchrun_command
 
-WORKER = ROOT / "launch" / "train_tiny.py"
-GPT_WORKER = ROOT / "launch" / "train_gpt.py"
+WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
+GPT_WORKER = ROOT / "tests" / "workers" / "gpt.py"
 SOURCE_DP = 2
 SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "bf16z2", "sgdz2", "z2nofrozen", "z1b", "z0", "offz2", "offz3")
 SOURCE_VARIANTS += ("fusedz1", "adagradz0", "offadagradz2", "offlionz2")
@@ -62,8 +62,8 @@ def torch_env() -> dict[str, str]:
 def torchrun(
     nproc: int, *args: str, timeout: int = 300, attempts: int = 1, worker: Path = WORKER, module: str | None = None
 ) -> subprocess.CompletedProcess:
-    """Run a launch/ script under `torchrun --standalone` (through `-m module` if given); fail the test with the
-    output tail on error."""
+    """Run a test worker (tests/workers/) under `torchrun --standalone` (through `-m module` if given); fail the test
+    with the output tail on error."""
     cmd = torchrun_command(nproc, *(["-m", module] if module else []), worker, *args)
     for attempt in range(1, attempts + 1):
         proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
@@ -76,7 +76,7 @@ def torchrun(
 
 
 def launch_jobs(world: int, jobs: list[list[str]], worker: Path = GPT_WORKER, attempts: int = 1) -> None:
-    """Several runs of a launch/ script that takes `--each` (train_gpt.py, train_dlrm.py), each given as its own
+    """Several runs of a test worker that takes `--each` (gpt.py, train_dlrm.py), each given as its own
     arguments, in one launch of `world` ranks: start-up (imports of torch, DeepSpeed, megatron-core, process
     groups) is paid once, not once per run."""
     torchrun(world, *each(jobs), worker=worker, attempts=attempts, timeout=120 + 180 * len(jobs))

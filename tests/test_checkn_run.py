@@ -23,7 +23,7 @@ from ucp_deepspeed.checkn_run.quantize import dequantize, quantize
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.sources.tags import prune, resume_tag
 
-DLRM = ROOT / "launch" / "train_dlrm.py"
+DLRM = ROOT / "tests" / "workers" / "train_dlrm.py"
 TABLES = ("tables.0.weight", "tables.1.weight", "tables.2.weight")
 CASES = {  # name: (policy, extra options, saved at (dp, zero), resumed at (dp, zero))
     "one_shot": ("one_shot", [], (2, 1), (1, 2)),

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ROOT, torch_env
+from conftest import GPT_WORKER, ROOT, torch_env
 
 ELASTIC = ROOT / "launch" / "elastic.sh"
 STEPS, EVERY = 12, 2
@@ -36,7 +36,13 @@ class Node:
 
     def __init__(self, name: str, tmp: Path, port: int, is_host: bool, *train_args: str) -> None:
         self.log = tmp / f"{name}.log"
-        env = dict(torch_env(), RDZV_ENDPOINT=f"127.0.0.1:{port}", IS_HOST=str(int(is_host)), RDZV_ID=f"test-{port}")
+        env = dict(
+            torch_env(),
+            RDZV_ENDPOINT=f"127.0.0.1:{port}",
+            IS_HOST=str(int(is_host)),
+            RDZV_ID=f"test-{port}",
+            TRAIN_SCRIPT=str(GPT_WORKER),  # launch/train_gpt.py's job with the tests' hooks (snapshots, results)
+        )
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 ["bash", str(ELASTIC), *train_args],
@@ -90,8 +96,8 @@ def _check_resume(ckpt: Path, results: Path, nodes: list[Node], world_before: in
     assert resumed["mode"] == "resharded"
     assert report["final_step"] == STEPS
     assert any(
-        f"resumed from step {resumed['step']} at topology zero1 dp={world_before} fp32 -> "
-        f"zero1 dp={world_after} fp32" in n.output()
+        f"resumed from step {resumed['step']}: resharded zero1 dp={world_before} fp32 -> "
+        f"zero1 dp={world_after} fp32, read in place" in n.output()
         for n in nodes
     )
     before = {s: loss for s, loss, w in _step_lines(nodes) if w == world_before}

@@ -25,7 +25,7 @@ from ucp_deepspeed.interop import import_deepspeed
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.tools.cli import main as cli_main
 
-WORKER = ROOT / "launch" / "train_pipe.py"
+WORKER = ROOT / "tests" / "workers" / "train_pipe.py"
 LOSS_RTOL = 1e-5
 # bf16 gradients are accumulated and reduced in bf16 (DeepSpeed's pipeline refuses fp32 accumulation with bf16), so
 # another DP size rounds every later step differently; the restored states themselves are compared exactly

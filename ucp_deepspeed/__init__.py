@@ -29,6 +29,7 @@ _LAZY = {
     "uninstall": "ucp_deepspeed.runtime.integrations",
     "MegatronMpu": "ucp_deepspeed.runtime.mpu",
     "register_megatron_experts": "ucp_deepspeed.runtime.mpu",
+    "megatron_kwargs": "ucp_deepspeed.hf.models",
     "resume_tag": "ucp_deepspeed.sources.tags",
     "prune": "ucp_deepspeed.sources.tags",
 }
@@ -45,6 +46,7 @@ __all__ = [
     "convert",
     "initialize",
     "install",
+    "megatron_kwargs",
     "prune",
     "register_megatron_experts",
     "resume_tag",

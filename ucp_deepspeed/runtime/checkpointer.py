@@ -73,6 +73,13 @@ class LoadReport:
     refused: tuple[str, ...] = ()
     """Newer tags that failed to load (damaged) before this one, picked because no tag was named, loaded."""
 
+    def how(self) -> str:
+        """How the load ran, in words (for a job's log): DeepSpeed's own load, a reshard read in place, or one
+        through a universal copy."""
+        if self.mode != "resharded":
+            return f"{self.mode} load"
+        return f"resharded {self.saved} -> {self.live}, " + ("read in place" if self.direct else "via a copy")
+
 
 @dataclass(frozen=True)
 class Source:

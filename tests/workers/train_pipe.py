@@ -27,15 +27,14 @@ import argparse
 import json
 import math
 import os
-import shlex
-import sys
 from collections.abc import Iterator
 
+import common  # tests/workers/common.py, next to this script; puts launch/ on sys.path
 import deepspeed
 import megatron_cpu  # launch/megatron_cpu.py: megatron-core's CUDA-only helpers, on a CPU
 import torch
 import torch.distributed as dist
-from compare import compare  # launch/compare.py, next to this script
+from compare import compare  # tests/workers/compare.py, next to this script
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -508,17 +507,8 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=2, help="train: complete checkpoints to keep")
     parser.add_argument("--init-from", help="train: start from this checkpoint instead of resuming from --ckpt-dir")
     parser.add_argument("--init-tag", help="train: the tag of --init-from")
-    parser.add_argument(
-        "--each",
-        action="append",
-        default=[],
-        metavar="'ARGS'",
-        help="one more run in the same launch, given as its own quoted arguments",
-    )
-    args = parser.parse_args()
-    runs = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
-    if any(run.each for run in runs[1:]):
-        parser.error("--each runs cannot nest")
+    common.add_each(parser)
+    runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
     for run in runs:
         {"save": do_save, "load": do_load, "train": do_train}[run.mode](run)
@@ -527,9 +517,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # A C++ thread (gloo or DeepSpeed's shm op) occasionally aborts interpreter teardown after all work is
-    # done and written; skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    common.main_then_exit(main)

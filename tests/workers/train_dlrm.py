@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import sys
 import time
 
+import common  # tests/workers/common.py, next to this script
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -175,17 +174,8 @@ def main() -> None:
     parser.add_argument("--stop-at", type=int, default=0, help="exit after this step (a simulated failure)")
     parser.add_argument("--results")
     parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
-    parser.add_argument(
-        "--each",
-        action="append",
-        default=[],
-        metavar="'ARGS'",
-        help="one more job in the same launch, given as its own quoted arguments (start-up is paid once)",
-    )
-    args = parser.parse_args()
-    jobs = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
-    if any(job.each for job in jobs[1:]):
-        parser.error("--each jobs cannot nest")
+    common.add_each(parser)
+    jobs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
     for job in jobs:
         run(job)
@@ -277,7 +267,4 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    common.main_then_exit(main)

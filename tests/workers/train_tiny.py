@@ -21,13 +21,13 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 
+import common  # tests/workers/common.py, next to this script
 import deepspeed
 import torch
 import torch.distributed as dist
-from compare import compare  # launch/compare.py, next to this script
+from compare import compare  # tests/workers/compare.py, next to this script
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
@@ -427,13 +427,6 @@ def do_expect_error(args: argparse.Namespace) -> None:
             json.dump(outcomes, f, indent=1)
 
 
-def how(report: ucp_deepspeed.LoadReport) -> str:
-    """How the load ran, in words: DeepSpeed's own load, a reshard in place, or one through a universal copy."""
-    if report.mode != "resharded":
-        return f"{report.mode} load"
-    return f"resharded {report.saved} -> {report.live}, " + ("read in place" if report.direct else "via a copy")
-
-
 def do_load(args: argparse.Namespace) -> None:
     if args.expect_error:
         return do_expect_error(args)
@@ -479,7 +472,7 @@ def do_load(args: argparse.Namespace) -> None:
             print(
                 f"[{name} dp={dist.get_world_size()}] from {os.path.basename(source)}: step {engine.global_steps} "
                 f"loss {losses[-1]:.6f}; restored {count_tensors(snap)} tensors "
-                f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'} ({how(report)})",
+                f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'} ({report.how()})",
                 flush=True,
             )
     if dist.get_rank() == 0:
@@ -522,9 +515,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # A C++ thread (gloo or DeepSpeed's shm op) occasionally aborts interpreter teardown with
-    # "terminate called without an active exception" after all work is done and written; skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    common.main_then_exit(main)
