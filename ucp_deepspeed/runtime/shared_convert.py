@@ -2,8 +2,8 @@
 
 Rank 0 checks the tag's files against its metadata and owns the output folder. Every rank converts its share of
 the output files (`shard_jobs`); what each read is then checked on rank 0 against the source archives' CRCs before
-the manifest is written. A failure on any rank is raised on every rank (`collective.all_ok`). Nothing here
-imports DeepSpeed.
+the manifest is written. Any exception on any rank, not only a bad file, is raised on every rank
+(`collective.guarded`), so no rank waits in a collective for one that has given up. Nothing here imports DeepSpeed.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch.distributed as dist
 from ucp_deepspeed.convert.core import finish, run_jobs
 from ucp_deepspeed.convert.output import claimed, default_output, prepare_output
 from ucp_deepspeed.convert.plan import plan_jobs, shard_jobs
-from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.runtime.collective import all_ok, failure_of
+from ucp_deepspeed.runtime.collective import guarded, on_rank0
 from ucp_deepspeed.sources import NativeCheckpoint
 
 log = logging.getLogger("ucp_deepspeed")
@@ -39,48 +38,39 @@ def convert_across_ranks(
     Collective: every rank calls it with the same arguments.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    src, failure = None, None
-    try:
-        src = NativeCheckpoint(ckpt_dir, tag, layout_rules, check=rank == 0, verify=verify)
-    except (CheckpointError, OSError) as exc:
-        failure = failure_of(exc)
-    all_ok(failure)
-    assert src is not None  # all_ok raised otherwise
+    src: NativeCheckpoint = guarded(
+        lambda: NativeCheckpoint(ckpt_dir, tag, layout_rules, check=rank == 0, verify=verify)
+    )
     lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
     try:
-        box: list[Any] = [None]
-        if rank == 0:  # one folder for all ranks, whatever each was told
-            out = os.path.abspath(output or default_output(src))
-            try:
-                lock.enter_context(claimed(out, [src.tag_dir]))
-                box = [(None, prepare_output(src, out), out)]
-            except (CheckpointError, OSError) as exc:
-                box = [(failure_of(exc), None, out)]
+
+        def prepare() -> tuple[Any, str]:
+            out = os.path.abspath(output or default_output(src))  # one folder for all ranks, whatever each was told
+            lock.enter_context(claimed(out, [src.tag_dir]))
+            return prepare_output(src, out), out
+
+        box: list[Any] = [guarded(prepare if rank == 0 else lambda: None)]
         dist.broadcast_object_list(box, src=0)
-        failure, reusable, out = box[0]
-        all_ok(failure)
+        reusable, out = box[0]
         if reusable is None:
             return out
-        records, failure = [], None
-        try:
-            jobs = shard_jobs(plan_jobs(src), rank, world)
-            records = run_jobs(src, out, jobs, reusable, workers, progress and rank == 0)
-        except (CheckpointError, OSError) as exc:
-            failure = failure_of(exc)
-        all_ok(failure)
+        records = guarded(
+            lambda: run_jobs(
+                src, out, shard_jobs(plan_jobs(src), rank, world), reusable, workers, progress and rank == 0
+            )
+        )
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (records, src.pieces()))
-        if rank == 0:
-            try:
-                if reusable and verify:  # files an interrupted run made from reads it never checked
-                    log.info("ucp: leftover files reused; checking every byte of the source")
-                    src.check_everything()
-                else:
-                    src.check_reads([pieces for _, pieces in gathered])
-                finish(src, out, [r for part, _ in gathered for r in part])
-            except (CheckpointError, OSError) as exc:
-                failure = failure_of(exc)
-        all_ok(failure)
+
+        def check_and_finish() -> None:
+            if reusable and verify:  # files an interrupted run made from reads it never checked
+                log.info("ucp: leftover files reused; checking every byte of the source")
+                src.check_everything()
+            else:
+                src.check_reads([pieces for _, pieces in gathered])
+            finish(src, out, [r for part, _ in gathered for r in part])
+
+        on_rank0(check_and_finish)
         return out
     finally:
         lock.close()
