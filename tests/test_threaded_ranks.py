@@ -1,4 +1,4 @@
-"""Every rank of a shared conversion at worlds of 8, 64 and 1024, as threads of one process: `convert_across_ranks`.
+"""Every rank of a shared conversion at worlds of 8, 64 and 256, as threads of one process: `convert_across_ranks`.
 
 Each rank is a thread with its own rank in torch's multi-threaded process group (the one PyTorch's DCP tests use
 to check multi-rank logic without launching processes), so `broadcast_object_list` and `all_gather_object`
@@ -11,8 +11,10 @@ call reuses the finished folder without converting anything. That failure is a R
 damaged file: every exception reaches every rank (`collective.guarded`); before, only a bad file did, and the
 other ranks waited in a collective until its timeout.
 
-Measured on the 2-core CI machine: world 8, 0.3 s a case; world 64, 5-8 s a case. World 1024 (a thousand threads
-taking turns at the GIL) is the `scale` run, as is the 16-process launch.
+Measured on the 2-core CI machine: world 8, 0.3 s a case; world 64, 2-8 s a case; world 256, one conversion about
+12 s (the `scale` run, with the 16-process launch). Threads share one GIL and every rank decodes every rank's
+object at each gather, so the cost grows with the square of the world: 512 ranks took about 130 s and 1024 did
+not finish in 29 minutes. Worlds of 1024 are simulated per rank instead (`tests/test_simulated_ranks.py`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from ucp_deepspeed.sources import NativeCheckpoint
 
 TAG = "global_step3"
 FAILING_RANK = 3  # not rank 0, which alone owns the output folder and writes the manifest
-TIMEOUT = {8: 120.0, 64: 300.0, 1024: 3600.0}  # seconds a healthy world may take, on a slow and busy machine
-GRACE = {8: 15.0, 64: 30.0, 1024: 900.0}  # seconds the other ranks may take to end once one rank has ended
+TIMEOUT = {8: 120.0, 64: 300.0, 256: 600.0}  # seconds a healthy world may take, on a slow and busy machine
+GRACE = {8: 15.0, 64: 30.0, 256: 120.0}  # seconds the other ranks may take to end once one rank has ended
 
 
 def run_ranks(world: int, work: Callable[[int], Any], timeout: float, grace: float) -> list[Any]:
@@ -186,7 +188,7 @@ def convert_on_every_rank(world: int, ckpt_dir: Path, out: Path) -> list[Any]:
 
 @pytest.mark.parametrize(
     ("world", "source"),
-    [(8, "z1"), (8, "z3"), (64, "z1"), (64, "z3"), pytest.param(1024, "z1", marks=pytest.mark.scale)],
+    [(8, "z1"), (8, "z3"), (64, "z1"), (64, "z3"), pytest.param(256, "z1", marks=pytest.mark.scale)],
 )
 def test_every_rank_converts_its_share_and_all_return_one_folder(
     sources, reference, tmp_path, monkeypatch, world, source
