@@ -1,7 +1,8 @@
 """Real DeepSpeed engines in the pytest process (one rank, gloo): builders, training steps and whole-state snapshots.
 
 What a one-rank test can show without a launch: a refused load leaves every state as it was, a checkpoint engine
-writes files a later load accepts, and so on. Multi-rank logic is tested under torchrun.
+writes files a later load accepts, and so on. Every rank of a larger world, one after another in this process:
+`tests/fakeworld.py`.
 """
 
 from __future__ import annotations
