@@ -41,6 +41,7 @@ from fakeworld import FakeWorld
 
 from ucp_deepspeed import UniversalCheckpoint, compat, convert
 from ucp_deepspeed.format.metadata import FP32, VALUE
+from ucp_deepspeed.tools.cli import main as ucp
 
 TAG = "global_step3"
 
@@ -183,3 +184,31 @@ def test_every_rank_restores_a_real_dp2_checkpoint(sources, references, source, 
         restore_every_rank(
             sources[source], references(sources[source]), world, stage, lambda _: train_tiny.build(target)
         )
+
+
+def save_every_rank(out: Path, world: int, stage: int) -> Path:
+    """Train `inprocess.Net` 3 steps and save it on every rank of the world, one after another: DeepSpeed's real
+    save, each rank writing its own partition's file (gradients are not reduced over the fake group, so the ranks'
+    partitions come from runs that differ; every file is still what DeepSpeed writes at that rank and world)."""
+    fake = FakeWorld(world)
+    for rank in range(world):
+        with fake.rank(rank):
+            engine = inprocess.build(stage)
+            try:
+                inprocess.train(engine, 3)
+                engine.save_checkpoint(str(out))
+            finally:
+                engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world,stage", [(8, 1), (8, 2), (16, 1), (16, 2), (64, 1)])
+def test_a_save_at_a_large_dp_with_empty_partitions_reshards(references, tmp_path, capsys, world, stage):
+    """The second param group (19 elements) is padded to 2 x DP: at DP=8 ranks 5-7 save nothing of it, at DP=16
+    ranks 5-15, at 64 ranks 10-63. Healthy checkpoints that were once refused as contradicting their metadata: each
+    verifies, converts, and every rank of a DP=3 job at each stage restores exactly the converted tensors."""
+    ckpt = save_every_rank(tmp_path / "ckpt", world, stage)
+    assert ucp(["verify", str(ckpt)]) == 0, capsys.readouterr()
+    reference = references(ckpt)
+    for target in (1, 2, 3):
+        restore_every_rank(ckpt, reference, 3, target, lambda rank: inprocess.build(target, seed=rank + 1))
