@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import json
+import os
 import pickle
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from launching import ROOT, each, env, torchrun_command
@@ -122,6 +127,18 @@ def load_results(path: Path) -> list[dict]:
         return json.load(f)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_memory_left_by_killed_ranks() -> Iterator[None]:
+    """Remove DeepSpeed's shared-memory buffers (69 MB each in /dev/shm) that ranks this session SIGKILLed left
+    behind: the elastic and torn-save tests kill ranks, which never unlink theirs."""
+    pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 @pytest.fixture(scope="session")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Checkpoints of every source variant, saved once at dp=2 after three training steps."""
@@ -149,13 +166,50 @@ MEGATRON_SOURCES: dict[str, tuple[int, list[str]]] = {
 }
 
 
+class OnDemand(Mapping[str, Path]):
+    """Checkpoints saved by shared launches, each launch run the first time a test asks for one of its checkpoints:
+    a run of the default tests pays only for the launches they read (the `slow` ones read the rest). `group(name)`
+    is the launch a checkpoint comes from, `launch(group)` runs it; a failed launch fails every later request for
+    it with its output, without running again."""
+
+    def __init__(self, out: Path, names: list[str], group: Callable[[str], Any], launch: Callable[[Any], None]):
+        self.out, self.names, self.group, self.launch = out, names, group, launch
+        self.done: dict[Any, str | None] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self.names:
+            raise KeyError(name)
+        key = self.group(name)
+        if key not in self.done:
+            self.done[key] = f"the launch that saves {name} did not finish"
+            try:
+                self.launch(key)
+            except BaseException as exc:
+                self.done[key] = f"the launch that saves {name} failed:\n{exc}"[-6000:]
+                raise
+            self.done[key] = None
+        failure = self.done[key]
+        if failure is not None:
+            pytest.fail(failure)
+        return self.out / name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 @pytest.fixture(scope="session")
-def megatron_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every megatron-core source, trained 3 steps and saved once per session: one launch per world size."""
+def megatron_sources(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
+    """Every megatron-core source, trained 3 steps and saved once per session: one launch per world size, run when a
+    test first reads one of its sources."""
     out = tmp_path_factory.mktemp("megatron_sources")
-    for world in sorted({w for w, _ in MEGATRON_SOURCES.values()}):
+
+    def launch(world: int) -> None:
         runs = [
             ["save", *layout, "--out", str(out / name)] for name, (w, layout) in MEGATRON_SOURCES.items() if w == world
         ]
         launch_jobs(world, runs, attempts=2)
-    return {name: out / name for name in MEGATRON_SOURCES}
+
+    return OnDemand(out, list(MEGATRON_SOURCES), lambda name: MEGATRON_SOURCES[name][0], launch)

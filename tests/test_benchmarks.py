@@ -1,5 +1,5 @@
-"""The benchmarks keep working: smoke runs at tiny sizes (`-m bench`, which `.ci/run` runs after the default suite),
-and loss continuity, which checks numbers and so stays in the default run."""
+"""The benchmarks keep working: smoke runs at tiny sizes and the shortened loss-continuity run, which checks numbers
+(`-m bench`, which `.ci/run` runs after the default suite)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def test_checkn_run_benchmark_smoke(tmp_path, capsys):
     assert "| intermittent | 4 |" in output and "restored from adaptive-4 bits" in output
 
 
+@pytest.mark.bench
 def test_loss_continuity_short(tmp_path, capsys):
     """The paper's loss-continuity run, shortened: a resharding regression splits the curves and fails here."""
     out = tmp_path / "out"

@@ -31,7 +31,7 @@ def digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("params/*")}
 
 
-@pytest.mark.parametrize("name", ["z2", "nvmez3"])
+@pytest.mark.parametrize("name", ["z2", pytest.param("nvmez3", marks=pytest.mark.slow)])
 def test_conversion_split_over_processes_writes_what_one_process_writes(sources, tmp_path, name):
     if name == "nvmez3" and nvme_unavailable():
         pytest.skip(nvme_unavailable())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,13 +62,21 @@ def _hf(nproc: int, *args: str, module: str | None = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Uninterrupted HF Trainer runs at 2 ranks, ZeRO-2, 8 steps, a checkpoint every 4: the script untouched
-    under `torchrun -m ucp_deepspeed.run`, and plain (a checkpoint that carries no ucp metadata)."""
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """runs(kind): an uninterrupted HF Trainer run at 2 ranks, ZeRO-2, 8 steps, a checkpoint every 4, launched the
+    first time a test asks for it: the script untouched under `torchrun -m ucp_deepspeed.run` ("installed"), or
+    plain ("plain": a checkpoint that carries no ucp metadata)."""
     out = tmp_path_factory.mktemp("trainer")
-    _hf(2, "train", "--out", str(out / "installed"), "--zero", "2", "--no-install", module="ucp_deepspeed.run")
-    _hf(2, "train", "--out", str(out / "plain"), "--zero", "2", "--no-install")
-    return out
+    done: set[str] = set()
+
+    def run(kind: str) -> Path:
+        if kind not in done:
+            done.add(kind)
+            module = "ucp_deepspeed.run" if kind == "installed" else None
+            _hf(2, "train", "--out", str(out / kind), "--zero", "2", "--no-install", module=module)
+        return out / kind
+
+    return run
 
 
 def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
@@ -89,12 +98,18 @@ def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "world,zero,accum", [(1, 2, 1), (3, 2, 1), (2, 3, 1), (1, 2, 2)], ids=["dp1", "dp3", "zero3", "dp1-accum2"]
+    "world,zero,accum",
+    [
+        pytest.param(1, 2, 1, id="dp1"),
+        pytest.param(3, 2, 1, id="dp3", marks=pytest.mark.slow),
+        pytest.param(2, 3, 1, id="zero3", marks=pytest.mark.slow),
+        pytest.param(1, 2, 2, id="dp1-accum2", marks=pytest.mark.slow),
+    ],
 )
 def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, world, zero, accum):
     """`trainer.train(resume_from_checkpoint=...)` at 1 or 3 ranks or ZeRO-3, from a 2-rank ZeRO-2 checkpoint;
     at 1 rank also with 2 accumulation steps of half the batch (the same global batch)."""
-    source = trainer_runs / "installed"
+    source = trainer_runs("installed")
     checkpoint = source / "checkpoint-4"
     assert (checkpoint / "global_step4" / "ucp_meta_mp_rank_00.json").is_file()
     _hf(
@@ -118,11 +133,12 @@ def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, 
     assert torch.equal(torch.load(tmp_path / "rng_resumed.pt", weights_only=False), saved_rng)
 
 
+@pytest.mark.slow
 def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
     """A Trainer resume at the saved layout runs DeepSpeed's own load, which reads through ucp_deepspeed's checks:
     a crafted pickle in the model states is refused on every rank, and nothing it names runs."""
     source = tmp_path / "source"
-    shutil.copytree(trainer_runs / "installed" / "checkpoint-4", source)
+    shutil.copytree(trainer_runs("installed") / "checkpoint-4", source)
     swap_pickle(source / "global_step4" / "mp_rank_00_model_states.pt", popen_payload(tmp_path / "pwned"))
     cmd = torchrun_command(
         2,
@@ -142,14 +158,16 @@ def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow
 def test_trainer_resumes_a_checkpoint_saved_without_ucp(trainer_runs, tmp_path):
     """A Trainer job that never had ucp_deepspeed installed resumes at 3 ranks and ZeRO-1 once it is installed."""
-    source = trainer_runs / "plain"
+    source = trainer_runs("plain")
     assert not list((source / "checkpoint-4" / "global_step4").glob("ucp_meta_*"))
     _hf(3, "train", "--out", str(tmp_path), "--zero", "1", "--resume", str(source / "checkpoint-4"))
     _check_resume(source, tmp_path, "zero2 dp=2 fp32", "zero1 dp=3 fp32")
 
 
+@pytest.mark.slow
 def test_accelerate_resumes_at_another_world_size_and_stage(tmp_path):
     """A plain Accelerate loop with a DeepSpeed plugin: save_state at 2 ranks ZeRO-2, load_state at 3 ranks ZeRO-3."""
     _hf(2, "accelerate", "--out", str(tmp_path / "src"), "--zero", "2")

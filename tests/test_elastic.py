@@ -149,6 +149,7 @@ def test_node_lost_job_shrinks_and_resumes(tmp_path):
     _check_resume(ckpt, results, [host, other], world_before=4, world_after=2)
 
 
+@pytest.mark.slow
 def test_node_joins_job_grows_and_resumes(tmp_path):
     ckpt, results, port = tmp_path / "ckpt", tmp_path / "results.json", _free_port()
     args = _train_args(ckpt, results, delay=0.3)

@@ -211,4 +211,4 @@ def test_a_save_at_a_large_dp_with_empty_partitions_reshards(references, tmp_pat
     assert ucp(["verify", str(ckpt)]) == 0, capsys.readouterr()
     reference = references(ckpt)
     for target in (1, 2, 3):
-        restore_every_rank(ckpt, reference, 3, target, lambda rank: inprocess.build(target, seed=rank + 1))
+        restore_every_rank(ckpt, reference, 3, target, lambda rank, stage=target: inprocess.build(stage, seed=rank + 1))

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ds_to_universal, load_results, torchrun
 
@@ -54,6 +55,7 @@ def test_export_matches_ds_to_universal_and_loads_in_stock_deepspeed(sources, tm
     assert result["vs_first"] == [[]], "ours and ds_to_universal's output load differently"
 
 
+@pytest.mark.slow
 def test_resume_from_a_ds_to_universal_folder(sources, tmp_path):
     ckpt = _copy(sources["z1"], tmp_path / "ckpt")
     folder = _ds_to_universal(ckpt)

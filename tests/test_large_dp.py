@@ -36,6 +36,7 @@ def _same_conversion(a: str, b: str) -> None:
             assert torch.equal(left.read(name, key), right.read(name, key)), (name, key)
 
 
+@pytest.mark.slow  # the default run saves at DP=8, 16 and 64 in one process: test_fake_world.py
 def test_dp8_saves_with_empty_partitions_reshard_and_convert(tmp_path, capsys):
     torchrun(8, "save", "--out", str(tmp_path), "--variant", "z1narrow", "z2narrow", timeout=600)
     z1, z2 = tmp_path / "z1narrow", tmp_path / "z2narrow"

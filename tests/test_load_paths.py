@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
 from conftest import GPT_WORKER, launch_jobs, load_results, nvme_unavailable, torchrun
 
 TINY_CASES = {  # target -> sources, all loaded at dp=3 in one launch
@@ -42,6 +43,7 @@ def test_converted_reshard_of_zero_stages_offload_and_nvme(sources, tmp_path):
         assert all(copies([sources[n]]) for n in names), names
 
 
+@pytest.mark.slow
 def test_converted_reshard_of_megatron_tp_pp_and_experts(megatron_sources, tmp_path):
     layouts = [
         (["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "2", "--first-stage-layers", "1"], "llama-z3-tp2"),

@@ -8,31 +8,35 @@ next 3 losses against the uninterrupted run.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from conftest import load_results, torchrun
+from conftest import OnDemand, load_results, torchrun
 
 LOSS_RTOL = 1e-5
 
 # source name: (world size, expert-parallel size, variants saved by one launch)
 SAVES = {"ep2w2": (2, 2, ("moez1", "moez2")), "ep2w4": (4, 2, ("moez2",)), "ep1w1": (1, 1, ("moez1",))}
 
+# the default run loads at one rank from the 2-rank save (two launches); the other cells need a launch per world size
+SLOW = pytest.mark.slow
 TARGETS = [
     pytest.param(1, 1, "moez1", ("ep2w2/moez1", "ep2w2/moez2"), id="ep1-z1<-ep2-z1,z2"),
-    pytest.param(2, 2, "moez1", ("ep1w1/moez1",), id="ep2-z1<-ep1"),
-    pytest.param(4, 4, "moez2", ("ep2w2/moez1",), id="ep4-z2<-ep2-z1"),
-    pytest.param(3, 1, "moez2", ("ep2w4/moez2",), id="ep1-dp3-z2<-ep2-edp2-dp4-z2"),
+    pytest.param(2, 2, "moez1", ("ep1w1/moez1",), id="ep2-z1<-ep1", marks=SLOW),
+    pytest.param(4, 4, "moez2", ("ep2w2/moez1",), id="ep4-z2<-ep2-z1", marks=SLOW),
+    pytest.param(3, 1, "moez2", ("ep2w4/moez2",), id="ep1-dp3-z2<-ep2-edp2-dp4-z2", marks=SLOW),
 ]
 
 
 @pytest.fixture(scope="session")
-def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """MoE checkpoints after three steps, one launch per world size."""
+def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
+    """MoE checkpoints after three steps (`SAVE/VARIANT`), one launch per save, run when a test first reads it."""
     out = tmp_path_factory.mktemp("moe_sources")
-    for name, (world, ep, variants) in SAVES.items():
-        torchrun(world, "save", "--out", str(out / name), "--ep", str(ep), "--variant", *variants, attempts=2)
-    return out
+
+    def launch(save: str) -> None:
+        world, ep, variants = SAVES[save]
+        torchrun(world, "save", "--out", str(out / save), "--ep", str(ep), "--variant", *variants, attempts=2)
+
+    names = [f"{save}/{variant}" for save, (_, _, variants) in SAVES.items() for variant in variants]
+    return OnDemand(out, names, lambda name: name.split("/")[0], launch)
 
 
 @pytest.mark.parametrize("world,ep,target,sources", TARGETS)
@@ -48,7 +52,7 @@ def test_moe_reshard(moe_sources, tmp_path, world, ep, target, sources):
         "--results",
         str(results_file),
         "--source",
-        *(str(moe_sources / s) for s in sources),
+        *(str(moe_sources[s]) for s in sources),
     )
     results = load_results(results_file)
     assert len(results) == len(sources)
@@ -60,6 +64,7 @@ def test_moe_reshard(moe_sources, tmp_path, world, ep, target, sources):
         assert r["max_rel_loss"] <= LOSS_RTOL, f"{label}: losses {r['losses']} vs {r['reference_losses']}"
 
 
+@SLOW
 def test_wrong_expert_count_is_refused(moe_sources, tmp_path):
     results_file = tmp_path / "results.json"
     torchrun(
@@ -73,7 +78,7 @@ def test_wrong_expert_count_is_refused(moe_sources, tmp_path):
         "--results",
         str(results_file),
         "--source",
-        str(moe_sources / "ep2w2" / "moez1"),
+        str(moe_sources["ep2w2/moez1"]),
     )
     outcome = load_results(results_file)
     assert outcome["error"] is not None, "a checkpoint with 4 experts loaded into a model with 8"

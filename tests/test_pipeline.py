@@ -4,8 +4,9 @@ when the blocks are megatron-core column/row-parallel layers; to and from a plai
 
 Each load compares every fp32 master, Adam state, low-precision weight, buffer, step, per-group hyperparameter,
 scheduler and counter with torch.equal (keyed by global name, merged over all stages; both copies of the tied
-embedding must agree), then the next 3 losses with the uninterrupted run. Two launches save every source, one per
-world size; two launches load every target, one per world size.
+embedding must agree), then the next 3 losses with the uninterrupted run. One launch saves every source of a world
+size and one loads every target of a world size; the default run makes two (`slow` says which cases), `-m slow`
+the rest.
 """
 
 from __future__ import annotations
@@ -65,36 +66,69 @@ CASES = [
 ]
 
 
+def slow(case: tuple[int, str, str, str]) -> bool:
+    """Whether a case is outside the default run: the default loads at 2 ranks what the 2-rank launch saved (PP2 ->
+    PP1 DP2, another stage split, ZeRO-0 <-> 1, bf16, PipelineModule -> plain module), one launch each."""
+    world, _, source, mode = case
+    return world != 2 or not source.startswith("2/") or mode in ("stock", "imported")
+
+
+class Pipes:
+    """The saves (one launch per world size) and the loads (one launch per world size, slow cases apart), each run
+    the first time a test needs it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.saved: set[int] = set()
+        self.loaded: dict[tuple[int, bool], dict[tuple[int, str, str], dict]] = {}
+
+    def save(self, world: int) -> Path:
+        if world not in self.saved:
+            self.saved.add(world)
+            out = self.root / str(world)
+            torchrun(world, "save", "--out", str(out), "--variant", *SAVES[world], worker=WORKER, timeout=600)
+            if world == 4:  # DeepSpeed's converter on the uneven split, and its folder with the layer files copied in
+                tag = out / "pp2u" / "global_step3"
+                theirs = ds_to_universal(tag, tag.with_name("global_step3_universal"), workers=1)
+                shutil.copytree(theirs, self.root / "bare_universal")  # as DeepSpeed wrote it
+                for layer_file in tag.glob("layer_*-model_states.pt"):
+                    shutil.copy(layer_file, theirs)
+                shutil.copy(out / "pp2u" / "reference.pt", theirs)  # where the worker looks for it
+        return self.root / str(world)
+
+    def results(self, world: int, is_slow: bool) -> dict[tuple[int, str, str], dict]:
+        if (world, is_slow) not in self.loaded:
+            self.loaded[world, is_slow] = {}
+            cases = [c for c in CASES if c[0] == world and slow(c) == is_slow]
+            for source_world in sorted({int(c[2].split("/")[0]) for c in cases}):
+                self.save(source_world)
+            if any(mode == "stock" for *_, mode in cases):
+                for exported in ("2/pp2", "2/pp2z0"):
+                    assert (
+                        cli_main(["convert", "--format", "deepspeed", "--no-progress", str(self.root / exported)]) == 0
+                    )
+            targets: dict[str, list[str]] = {}
+            for _, target, source, _ in cases:
+                targets.setdefault(target, []).append(str(self.root / source))
+            args = [arg for target, srcs in targets.items() for arg in ("--case", target, *srcs)]
+            results = self.root / f"loads{world}{'slow' if is_slow else ''}.json"
+            torchrun(world, "load", "--results", str(results), *args, worker=WORKER, timeout=900)
+            for r in load_results(results):
+                self.loaded[world, is_slow][world, r["target"], str(Path(r["source"]).relative_to(self.root))] = r
+        return self.loaded[world, is_slow]
+
+
 @pytest.fixture(scope="module")
-def pipe_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple[int, str, str], dict]]:
-    root = tmp_path_factory.mktemp("pipeline")
-    for world, variants in SAVES.items():
-        torchrun(world, "save", "--out", str(root / str(world)), "--variant", *variants, worker=WORKER, timeout=600)
-    theirs = ds_to_universal(root / "4/pp2u/global_step3", root / "4/pp2u/global_step3_universal", workers=1)
-    shutil.copytree(theirs, root / "bare_universal")  # as DeepSpeed wrote it
-    for layer_file in (root / "4/pp2u/global_step3").glob("layer_*-model_states.pt"):
-        shutil.copy(layer_file, theirs)
-    shutil.copy(root / "4/pp2u/reference.pt", theirs)  # where the worker looks for it
-    for exported in ("2/pp2", "2/pp2z0"):
-        assert cli_main(["convert", "--format", "deepspeed", "--no-progress", str(root / exported)]) == 0
-    out = {}
-    for world in sorted({c[0] for c in CASES}):
-        targets: dict[str, list[str]] = {}
-        for w, target, source, _ in CASES:
-            if w == world:
-                targets.setdefault(target, []).append(str(root / source))
-        args = [arg for target, srcs in targets.items() for arg in ("--case", target, *srcs)]
-        results = root / f"loads{world}.json"
-        torchrun(world, "load", "--results", str(results), *args, worker=WORKER, timeout=900)
-        for r in load_results(results):
-            out[world, r["target"], str(Path(r["source"]).relative_to(root))] = r
-    return root, out
+def pipes(tmp_path_factory: pytest.TempPathFactory) -> Pipes:
+    return Pipes(tmp_path_factory.mktemp("pipeline"))
 
 
-@pytest.mark.parametrize("world,target,source,mode", CASES, ids=[f"{c[1]}-w{c[0]}<-{c[2]}" for c in CASES])
-def test_pipeline_reshard(pipe_results, world, target, source, mode):
-    _, results = pipe_results
-    r = results[world, target, source]
+@pytest.mark.parametrize(
+    "world,target,source,mode",
+    [pytest.param(*c, id=f"{c[1]}-w{c[0]}<-{c[2]}", marks=[pytest.mark.slow] if slow(c) else []) for c in CASES],
+)
+def test_pipeline_reshard(pipes, world, target, source, mode):
+    r = pipes.results(world, slow((world, target, source, mode)))[world, target, source]
     label = f"{r['saved']} -> {r['live']}"
     assert r["mode"] == mode, label
     assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"][:20])
@@ -103,10 +137,10 @@ def test_pipeline_reshard(pipe_results, world, target, source, mode):
     assert r["max_rel_loss"] <= rtol, f"{label}: losses {r['losses']} vs {r['reference_losses']}"
 
 
-def test_tied_embedding_crosses_a_partition_on_one_stage_only(pipe_results):
+@pytest.mark.slow
+def test_tied_embedding_crosses_a_partition_on_one_stage_only(pipes):
     """The case DeepSpeed's converter breaks on: both stages hold the tied embedding, split differently over DP."""
-    root, _ = pipe_results
-    tag = root / "4" / "pp2u" / "global_step3"
+    tag = pipes.save(4) / "pp2u" / "global_step3"
     crossing = []
     for stage in (0, 1):
         meta = read_meta(str(tag), stage)
@@ -116,10 +150,9 @@ def test_tied_embedding_crosses_a_partition_on_one_stage_only(pipe_results):
     assert crossing == [False, True]
 
 
-def test_layer_files_hold_buffers_and_frozen_parameters(pipe_results):
+def test_layer_files_hold_buffers_and_frozen_parameters(pipes):
     """A PipelineModule's buffers and frozen weights live in per-layer files; the metadata says which."""
-    root, _ = pipe_results
-    tag = root / "2" / "pp2" / "global_step3"
+    tag = pipes.save(2) / "pp2" / "global_step3"
     extras = {e.name: e for stage in (0, 1) for e in read_meta(str(tag), stage).extras}
     assert extras["7.scale"].kind == "frozen" and extras["7.scale"].file == "layer_07-model_states.pt"
     assert extras["7.scale"].key == "scale"
@@ -127,15 +160,17 @@ def test_layer_files_hold_buffers_and_frozen_parameters(pipe_results):
     assert (tag / "layer_06-model_states.pt").is_file()  # the parameter-less layer's empty file
 
 
-def test_ds_to_universal_folder_without_layer_files_names_what_is_missing(pipe_results, tmp_path):
+@pytest.mark.slow
+def test_ds_to_universal_folder_without_layer_files_names_what_is_missing(pipes, tmp_path):
     """DeepSpeed's converter drops a PipelineModule's buffers (and frozen weights): say so, never reset them."""
-    root, _ = pipe_results
+    pipes.save(4)
     with pytest.raises(CheckpointError) as err:
-        import_deepspeed(str(root / "bare_universal"), str(tmp_path / "out"))
+        import_deepspeed(str(pipes.root / "bare_universal"), str(tmp_path / "out"))
     assert "layer_*-model_states.pt" in err.value.reason and "2.calls" in err.value.reason
     assert not (tmp_path / "out").exists(), "nothing is written before the folder is known to be complete"
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_job_resumes_at_another_layout(tmp_path):
     """A pipeline training job under the `deepspeed` launcher, restarted on twice the ranks with another stage split:
     it resumes from the newest checkpoint, resharded, and its losses follow the uninterrupted run."""
@@ -170,10 +205,9 @@ def test_deepspeed_launcher_job_resumes_at_another_layout(tmp_path):
         assert abs(e["loss"] - uninterrupted[e["step"]]) <= LOSS_RTOL * abs(uninterrupted[e["step"]]), e
 
 
-def test_stages_with_different_param_group_counts_are_refused(pipe_results, tmp_path):
+def test_stages_with_different_param_group_counts_are_refused(pipes, tmp_path):
     """DeepSpeed drops a stage's empty param groups, so group numbers would not match across stages: refused."""
-    root, _ = pipe_results
-    ckpt = shutil.copytree(root / "2/pp2", tmp_path / "pp2", ignore=shutil.ignore_patterns("*.universal"))
+    ckpt = shutil.copytree(pipes.save(2) / "pp2", tmp_path / "pp2", ignore=shutil.ignore_patterns("*.universal"))
     meta_path = ckpt / "global_step3" / "ucp_meta_mp_rank_01.json"
     meta = json.loads(meta_path.read_text())
     meta["num_groups"] = 1

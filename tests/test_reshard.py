@@ -25,6 +25,8 @@ from ucp_deepspeed.tools.compare import diff
 FP32_LOSS_RTOL = 1e-6
 BF16_LOSS_RTOL = 5e-3  # bf16 forward/backward at another DP size rounds differently
 
+# the default run loads every DP=3 target (one launch): all stages, kernels and precisions; test_fake_world.py
+# restores the same sources at worlds of 3 to 16 without a launch. The other world sizes are a launch each
 SLOW = pytest.mark.slow
 KERNELS = {"offz1": "cpu_adam", "offz2": "cpu_adam", "offz3": "cpu_adam", "fusedz1": "fused_adam"}
 KERNELS |= {"adagradz0": "adagrad", "offadagradz2": "cpu_adagrad", "offlionz1": "cpu_lion", "offlionz2": "cpu_lion"}
@@ -32,34 +34,36 @@ KERNELS |= {"nvmez3": "cpu_adam", "wideoffz3": "cpu_adam"}
 WIDE_KERNEL_LOSS_RTOL = 1e-5  # CPU Adam and torch's AdamW round apart on the 870k-parameter model (1.4e-6 measured)
 NVME = pytest.mark.nvme
 CASES = [
-    pytest.param("z1", 1, ("z1", "z2", "z3", "offz2", "fusedz1", "bf16z1"), id="z1-dp1<-z1,z2,z3,offz2,fused,bf16"),
+    pytest.param(
+        "z1", 1, ("z1", "z2", "z3", "offz2", "fusedz1", "bf16z1"), id="z1-dp1<-z1,z2,z3,offz2,fused,bf16", marks=SLOW
+    ),
     # ZeRO-Offload steps DeepSpeed's CPU Adam (steps as ints) on host memory; torch's AdamW elsewhere
-    pytest.param("offz3", 1, ("offz3", "z2"), id="offz3-dp1<-offz3,z2"),
+    pytest.param("offz3", 1, ("offz3", "z2"), id="offz3-dp1<-offz3,z2", marks=SLOW),
     pytest.param("offz2", 3, ("offz2", "z1", "offz3", "fusedz1"), id="offz2-dp3<-offz2,z1,offz3,fused"),
     pytest.param("fusedz1", 3, ("offz2", "z1"), id="fused-dp3<-offz2,z1"),
     pytest.param("offadagradz2", 3, ("adagradz0",), id="cpu-adagrad-dp3<-torch-adagrad"),
-    pytest.param("adagradz0", 1, ("offadagradz2",), id="torch-adagrad-dp1<-cpu-adagrad"),
+    pytest.param("adagradz0", 1, ("offadagradz2",), id="torch-adagrad-dp1<-cpu-adagrad", marks=SLOW),
     pytest.param("offlionz1", 3, ("offlionz2",), id="cpu-lion-z1-dp3<-cpu-lion-z2"),
-    pytest.param("bf16z1", 1, ("z1", "bf16z2"), id="bf16z1-dp1<-fp32,bf16-without-fp32-accumulation"),
+    pytest.param("bf16z1", 1, ("z1", "bf16z2"), id="bf16z1-dp1<-fp32,bf16-without-fp32-accumulation", marks=SLOW),
     # DeepSpeed's CPU accelerator has no fp16: this source is bf16z2's files reshaped as an fp16 run writes them
-    pytest.param("bf16z2", 1, ("fp16z2",), id="bf16z2-dp1<-fp16-shaped"),
-    pytest.param("z2", 2, ("offz2",), id="z2-dp2<-offz2-same-size-other-kernel"),
-    pytest.param("offz1", 2, ("z1",), id="offz1-dp2<-z1-same-size-other-kernel"),
+    pytest.param("bf16z2", 1, ("fp16z2",), id="bf16z2-dp1<-fp16-shaped", marks=SLOW),
+    pytest.param("z2", 2, ("offz2",), id="z2-dp2<-offz2-same-size-other-kernel", marks=SLOW),
+    pytest.param("offz1", 2, ("z1",), id="offz1-dp2<-z1-same-size-other-kernel", marks=SLOW),
     pytest.param("z2", 3, ("z1", "z2", "z3", "z0", "bf16z2"), id="z2-dp3<-z1,z2,z3,z0,bf16z2"),
     pytest.param("z0", 3, ("z0", "z1"), id="z0-dp3<-z0,z1"),  # ZeRO-0 fp32: a torch optimizer on whole tensors
     pytest.param("z3", 4, ("z1", "z2", "z3"), id="z3-dp4<-z1,z2,z3", marks=SLOW),
-    pytest.param("z3", 1, ("z3",), id="z3-dp1<-z3"),
-    pytest.param("z1", 2, ("z1",), id="z1-dp2<-z1-native"),
+    pytest.param("z3", 1, ("z3",), id="z3-dp1<-z3", marks=SLOW),
+    pytest.param("z1", 2, ("z1",), id="z1-dp2<-z1-native", marks=SLOW),
     pytest.param("bf16z1", 3, ("bf16z1",), id="bf16z1-dp3<-bf16z1"),
-    pytest.param("bf16z3", 1, ("bf16z1",), id="bf16z3-dp1<-bf16z1"),
+    pytest.param("bf16z3", 1, ("bf16z1",), id="bf16z3-dp1<-bf16z1", marks=SLOW),
     pytest.param("bf16z2", 4, ("bf16z1",), id="bf16z2-dp4<-bf16z1", marks=SLOW),
     pytest.param("sgdz1", 3, ("sgdz2",), id="sgd-z1-dp3<-sgd-z2"),
     # NVMe offload: states read from the source's swap files, written into the live engine's; DeepSpeed's own load
     # gets the same-size cell wrong, and a one-rank NVMe engine of this DeepSpeed does not train (not a target)
     pytest.param("nvmez3", 3, ("nvmez3", "widez1"), id="nvme-z3-dp3<-nvme-z3,z1", marks=NVME),
-    pytest.param("nvmez3", 2, ("nvmez3",), id="nvme-z3-dp2<-nvme-z3-same-size", marks=NVME),
-    pytest.param("widez1", 1, ("nvmez3",), id="z1-dp1<-nvme-z3", marks=NVME),
-    pytest.param("wideoffz3", 1, ("nvmez3",), id="cpu-offload-z3-dp1<-nvme-z3", marks=NVME),
+    pytest.param("nvmez3", 2, ("nvmez3",), id="nvme-z3-dp2<-nvme-z3-same-size", marks=(NVME, SLOW)),
+    pytest.param("widez1", 1, ("nvmez3",), id="z1-dp1<-nvme-z3", marks=(NVME, SLOW)),
+    pytest.param("wideoffz3", 1, ("nvmez3",), id="cpu-offload-z3-dp1<-nvme-z3", marks=(NVME, SLOW)),
     pytest.param("z1", 3, ("z2nofrozen",), id="z1-dp3<-z2-exclude-frozen"),  # frozen param keeps its live value
 ]
 
@@ -151,6 +155,7 @@ def test_reshard(launched, request, target, dp, source_names):
         assert r["max_rel_loss"] <= rtol, f"{label}: losses {r['losses']} vs uninterrupted {r['reference_losses']}"
 
 
+@SLOW
 def test_checkpoint_of_another_model_is_refused(sources, tmp_path):
     results_file = tmp_path / "results.json"
     torchrun(2, "load", "--mismatch", "--variant", "z2", "--results", str(results_file), "--source", str(sources["z1"]))

@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import GPT_WORKER, torch_env
 from launching import torchrun_command
@@ -81,6 +82,7 @@ def test_killed_during_save_resumes_from_last_complete_checkpoint(tmp_path):
     _check_resumed(ckpt, results, before, "zero1 dp=3 fp32")
 
 
+@pytest.mark.slow
 def test_async_save_killed_before_written_is_never_used(tmp_path):
     ckpt, results = tmp_path / "ckpt", tmp_path / "second.json"
     before = _killed_in_save(ckpt, "--async-save")

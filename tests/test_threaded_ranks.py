@@ -47,6 +47,7 @@ TAG = "global_step3"
 FAILING_RANK = 3  # not rank 0, which alone owns the output folder and writes the manifest
 TIMEOUT = {8: 120.0, 64: 300.0, 256: 600.0}  # seconds a healthy world may take, on a slow and busy machine
 GRACE = {8: 15.0, 64: 30.0, 256: 120.0}  # seconds the other ranks may take to end once one rank has ended
+SLOW, SCALE = pytest.mark.slow, pytest.mark.scale
 
 
 def run_ranks(world: int, work: Callable[[int], Any], timeout: float, grace: float) -> list[Any]:
@@ -188,7 +189,7 @@ def convert_on_every_rank(world: int, ckpt_dir: Path, out: Path) -> list[Any]:
 
 @pytest.mark.parametrize(
     ("world", "source"),
-    [(8, "z1"), (8, "z3"), (64, "z1"), (64, "z3"), pytest.param(256, "z1", marks=pytest.mark.scale)],
+    [(8, "z1"), (8, "z3"), (64, "z1"), pytest.param(64, "z3", marks=SLOW), pytest.param(256, "z1", marks=SCALE)],
 )
 def test_every_rank_converts_its_share_and_all_return_one_folder(
     sources, reference, tmp_path, monkeypatch, world, source
@@ -229,7 +230,7 @@ def test_every_rank_converts_its_share_and_all_return_one_folder(
         pytest.param(CheckpointError("/injected/params/w.safetensors", "injected: short read"), id="CheckpointError"),
     ],
 )
-@pytest.mark.parametrize("world", [8, 64])
+@pytest.mark.parametrize("world", [8, pytest.param(64, marks=SLOW)])
 def test_a_failure_on_one_rank_is_raised_on_every_rank(sources, reference, tmp_path, monkeypatch, world, error):
     out = tmp_path / "out"
     written = record_shares(monkeypatch, fail_rank=FAILING_RANK, error=error)
