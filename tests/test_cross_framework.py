@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, load_results, popen_payload, swap_pickle, torch_env, torchrun
+from conftest import ROOT, OnDemand, load_results, popen_payload, swap_pickle, torch_env, torchrun
 from launching import torchrun_command
 
 from ucp_deepspeed.tools.cli import main as cli_main
@@ -62,21 +61,17 @@ def _hf(nproc: int, *args: str, module: str | None = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """runs(kind): an uninterrupted HF Trainer run at 2 ranks, ZeRO-2, 8 steps, a checkpoint every 4, launched the
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
+    """runs[kind]: an uninterrupted HF Trainer run at 2 ranks, ZeRO-2, 8 steps, a checkpoint every 4, launched the
     first time a test asks for it: the script untouched under `torchrun -m ucp_deepspeed.run` ("installed"), or
     plain ("plain": a checkpoint that carries no ucp metadata)."""
     out = tmp_path_factory.mktemp("trainer")
-    done: set[str] = set()
 
-    def run(kind: str) -> Path:
-        if kind not in done:
-            done.add(kind)
-            module = "ucp_deepspeed.run" if kind == "installed" else None
-            _hf(2, "train", "--out", str(out / kind), "--zero", "2", "--no-install", module=module)
-        return out / kind
+    def launch(kind: str) -> None:
+        module = "ucp_deepspeed.run" if kind == "installed" else None
+        _hf(2, "train", "--out", str(out / kind), "--zero", "2", "--no-install", module=module)
 
-    return run
+    return OnDemand(out, ["installed", "plain"], lambda kind: kind, launch)
 
 
 def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
@@ -109,7 +104,7 @@ def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
 def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, world, zero, accum):
     """`trainer.train(resume_from_checkpoint=...)` at 1 or 3 ranks or ZeRO-3, from a 2-rank ZeRO-2 checkpoint;
     at 1 rank also with 2 accumulation steps of half the batch (the same global batch)."""
-    source = trainer_runs("installed")
+    source = trainer_runs["installed"]
     checkpoint = source / "checkpoint-4"
     assert (checkpoint / "global_step4" / "ucp_meta_mp_rank_00.json").is_file()
     _hf(
@@ -138,7 +133,7 @@ def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
     """A Trainer resume at the saved layout runs DeepSpeed's own load, which reads through ucp_deepspeed's checks:
     a crafted pickle in the model states is refused on every rank, and nothing it names runs."""
     source = tmp_path / "source"
-    shutil.copytree(trainer_runs("installed") / "checkpoint-4", source)
+    shutil.copytree(trainer_runs["installed"] / "checkpoint-4", source)
     swap_pickle(source / "global_step4" / "mp_rank_00_model_states.pt", popen_payload(tmp_path / "pwned"))
     cmd = torchrun_command(
         2,
@@ -161,7 +156,7 @@ def test_trainer_resume_refuses_a_crafted_checkpoint(trainer_runs, tmp_path):
 @pytest.mark.slow
 def test_trainer_resumes_a_checkpoint_saved_without_ucp(trainer_runs, tmp_path):
     """A Trainer job that never had ucp_deepspeed installed resumes at 3 ranks and ZeRO-1 once it is installed."""
-    source = trainer_runs("plain")
+    source = trainer_runs["plain"]
     assert not list((source / "checkpoint-4" / "global_step4").glob("ucp_meta_*"))
     _hf(3, "train", "--out", str(tmp_path), "--zero", "1", "--resume", str(source / "checkpoint-4"))
     _check_resume(source, tmp_path, "zero2 dp=2 fp32", "zero1 dp=3 fp32")
