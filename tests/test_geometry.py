@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucp_deepspeed.format.metadata import ParamSlot
-from ucp_deepspeed.geometry.fragments import Fragment, fragments
+from ucp_deepspeed.geometry.fragments import Fragment, fragments, fragments_in, rank_fragment
 
 sizes = st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=8)
 
@@ -79,3 +79,34 @@ def test_fragments_that_do_not_cover_the_parameter_are_refused(zero, partition):
     slot = ParamSlot("w", (4, 4), 0, 0, 0, partition)
     with pytest.raises(ValueError, match="w: fragments cover"):
         fragments(slot, zero, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    numel=st.integers(min_value=1, max_value=300),
+    offset=st.integers(min_value=0, max_value=400),
+    dp=st.integers(min_value=1, max_value=1024),
+    zero=st.sampled_from([1, 3]),
+    data=st.data(),
+)
+def test_a_range_visits_only_the_fragments_it_overlaps(numel, offset, dp, zero, data):
+    """`fragments_in` (what a resuming rank plans with) cuts exactly the whole parameter's fragments to a range, and
+    `rank_fragment` (what checking one file uses) is a rank's own fragment, at any DP up to 1024."""
+    if zero == 3:
+        slot = ParamSlot("w", (numel,), 0, 0, offset % 50, -(-numel // dp))
+    else:
+        partition = -(-(offset + numel) // (2 * dp)) * 2
+        slot = ParamSlot("w", (numel,), 0, 0, offset, partition)
+    whole = fragments(slot, zero, dp)
+    start = data.draw(st.integers(0, numel - 1))
+    end = data.draw(st.integers(start + 1, numel))
+    cut = [
+        Fragment(f.rank, f.src + lo - f.dst, lo, hi - lo)
+        for f in whole
+        for lo, hi in [(max(start, f.dst), min(end, f.dst + f.numel))]
+        if lo < hi
+    ]
+    assert fragments_in(slot, zero, dp, start, end) == cut
+    for rank in {0, dp - 1, data.draw(st.integers(0, dp - 1))}:
+        mine = [f for f in whole if f.rank == rank]
+        assert [f for f in [rank_fragment(slot, zero, dp, rank)] if f is not None] == mine

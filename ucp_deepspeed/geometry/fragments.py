@@ -37,29 +37,37 @@ class Fragment:
     numel: int
 
 
-def zero12_fragments(slot: ParamSlot, dp: int) -> list[Fragment]:
-    """Fragments of a ZeRO-1/2 parameter: its extent in the flat buffer cut at partition borders.
+def zero12_fragments(slot: ParamSlot, dp: int, start: int = 0, end: int | None = None) -> list[Fragment]:
+    """Fragments of elements [start, end) of a ZeRO-1/2 parameter: its extent in the flat buffer cut at partition
+    borders; only the partitions the range overlaps are visited.
 
     Partition k is in the file of data-parallel rank `slot.ranks[k]` (rank k when `ranks` is empty).
     """
-    begin, end = slot.offset, slot.offset + slot.numel
-    files = slot.ranks or tuple(range(dp))
+    end = slot.numel if end is None else end
+    begin, stop = slot.offset + start, slot.offset + end
+    count = len(slot.ranks) if slot.ranks else dp
+    if begin >= stop or slot.partition <= 0:
+        return []
     out = []
-    for k, rank in enumerate(files):
-        lo, hi = max(begin, k * slot.partition), min(end, (k + 1) * slot.partition)
+    for k in range(begin // slot.partition, min(count, -(-stop // slot.partition))):
+        lo, hi = max(begin, k * slot.partition), min(stop, (k + 1) * slot.partition)
         if lo < hi:
-            out.append(Fragment(rank, lo - k * slot.partition, lo - begin, hi - lo))
+            rank = slot.ranks[k] if slot.ranks else k
+            out.append(Fragment(rank, lo - k * slot.partition, lo - slot.offset, hi - lo))
     return out
 
 
-def zero3_fragments(slot: ParamSlot, dp: int) -> list[Fragment]:
-    """Fragments of a ZeRO-3 parameter: rank r holds elements [r*partition, (r+1)*partition)."""
+def zero3_fragments(slot: ParamSlot, dp: int, start: int = 0, end: int | None = None) -> list[Fragment]:
+    """Fragments of elements [start, end) of a ZeRO-3 parameter: rank r holds elements [r*partition,
+    (r+1)*partition); only the ranks the range overlaps are visited."""
+    end = slot.numel if end is None else end
+    if start >= end or slot.partition <= 0:
+        return []
     out = []
-    for rank in range(dp):
-        start = rank * slot.partition
-        numel = min(slot.partition, slot.numel - start)
-        if numel > 0:
-            out.append(Fragment(rank, slot.offset, start, numel))
+    for rank in range(start // slot.partition, min(dp, -(-end // slot.partition))):
+        lo, hi = max(start, rank * slot.partition), min(end, (rank + 1) * slot.partition, slot.numel)
+        if lo < hi:
+            out.append(Fragment(rank, slot.offset + lo - rank * slot.partition, lo, hi - lo))
     return out
 
 
@@ -70,6 +78,32 @@ def fragments(slot: ParamSlot, zero_stage: int, dp: int) -> list[Fragment]:
     if covered != slot.numel:
         raise ValueError(f"{slot.name}: fragments cover {covered} of {slot.numel} elements")
     return frags
+
+
+def fragments_in(slot: ParamSlot, zero_stage: int, dp: int, start: int, end: int) -> list[Fragment]:
+    """The fragments holding elements [start, end) of a parameter, cut to that range: O(fragments overlapped), not
+    O(data-parallel size), so a rank of a 1024-rank job plans its reads without visiting every source rank."""
+    frags = (zero3_fragments if zero_stage == 3 else zero12_fragments)(slot, dp, start, end)
+    covered = sum(f.numel for f in frags)
+    if covered != end - start:
+        raise ValueError(f"{slot.name}: fragments cover {covered} of elements [{start}, {end})")
+    return frags
+
+
+def rank_fragment(slot: ParamSlot, zero_stage: int, dp: int, rank: int) -> Fragment | None:
+    """The fragment of a parameter in data-parallel rank `rank`'s file, if it holds one: found directly, so checking
+    each of a thousand files does not walk every parameter's thousand fragments."""
+    if zero_stage == 3:
+        start = rank * slot.partition
+        frags = zero3_fragments(slot, dp, start, min(slot.numel, start + slot.partition)) if rank < dp else []
+    else:
+        files = slot.ranks or range(dp)
+        if rank not in files:
+            return None
+        k = files.index(rank)
+        begin = max(0, k * slot.partition - slot.offset)
+        frags = zero12_fragments(slot, dp, begin, min(slot.numel, max(begin, (k + 1) * slot.partition - slot.offset)))
+    return next((f for f in frags if f.rank == rank), None)
 
 
 def saved_numel(end: int, partition: int, position: int) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, SaveMeta
-from ucp_deepspeed.geometry.fragments import fragments, saved_numel
+from ucp_deepspeed.geometry.fragments import rank_fragment, saved_numel
 from ucp_deepspeed.sources.model_states import ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
@@ -151,7 +151,8 @@ def check_optim(meta: SaveMeta, optim: OptimRankFile, rank: int) -> list[str]:
                     f"flat {index} holds {size} elements, metadata says {expected} (partitions of "
                     f"{sorted(partitions)}, parameters up to element {max(s.offset + s.numel for s in slots)})"
                 )
-            ends = [f.src + f.numel for s in slots for f in fragments(s, topo.zero_stage, topo.dp) if f.rank == rank]
+            mine = [rank_fragment(s, topo.zero_stage, topo.dp, rank) for s in slots]
+            ends = [f.src + f.numel for f in mine if f is not None]
             if ends and max(ends) > size:
                 problems.append(
                     f"flat {index}: metadata places parameters up to element {max(ends)} of this rank's {size}"
@@ -184,8 +185,8 @@ def _check_mapping(slots: list[Any], mapping: dict[str, Any], index: int, rank: 
     expected = {
         slot.local or slot.name: (frag.numel, frag.src)
         for slot in slots
-        for frag in fragments(slot, stage, dp)
-        if frag.rank == rank
+        for frag in [rank_fragment(slot, stage, dp, rank)]
+        if frag is not None
     }
     found = {name: (int(a.numel), int(a.start)) for name, a in mapping.items()}
     if found == expected:
