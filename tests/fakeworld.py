@@ -11,7 +11,8 @@ object collectives the load path decides with:
   first) picks the tag and the plan for all;
 - `all_gather_object` gives each rank what the ranks run before it contributed at that call, and its own object
   for the ranks not run yet: the ranks of a data-parallel job that all succeed contribute alike (no problems, the
-  same parameter names), which is what a real gather would have shown them.
+  same parameter names), which is what a real gather would have shown them; `gather_object` does the same for its
+  destination rank.
 
 What this cannot show: data moved by tensor collectives (ZeRO-3's gather of persistent parameters, gradient
 reduction); those stay covered by the torchrun tests.
@@ -55,6 +56,12 @@ class FakeWorld:
         sent[self._rank] = pickle.loads(pickle.dumps(obj))
         object_list[:] = [sent.get(r, sent[self._rank]) for r in range(len(object_list))]
 
+    def _gather(self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None) -> None:
+        gathered: list[Any] = [None] * self.size
+        self._all_gather(gathered, obj)
+        if self._rank == dst and object_gather_list is not None:
+            object_gather_list[:] = gathered
+
     @contextmanager
     def rank(self, rank: int) -> Iterator[None]:
         """This process as rank `rank` of the world, until the block ends; any process group before it is replaced
@@ -63,16 +70,20 @@ class FakeWorld:
             _destroy()
         env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.size), "LOCAL_WORLD_SIZE": "1"}
         saved_env = {k: os.environ.get(k) for k in env}
-        saved = dist.broadcast_object_list, dist.all_gather_object
+        saved = dist.broadcast_object_list, dist.all_gather_object, dist.gather_object
         os.environ.update(env)
-        dist.broadcast_object_list, dist.all_gather_object = self._broadcast, self._all_gather  # type: ignore[assignment]
+        dist.broadcast_object_list, dist.all_gather_object, dist.gather_object = (  # type: ignore[assignment]
+            self._broadcast,
+            self._all_gather,
+            self._gather,
+        )
         self._rank, self._calls = rank, 0
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=self.size)
         try:
             yield
         finally:
             _destroy()
-            dist.broadcast_object_list, dist.all_gather_object = saved
+            dist.broadcast_object_list, dist.all_gather_object, dist.gather_object = saved
             for key, value in saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)

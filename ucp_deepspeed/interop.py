@@ -122,7 +122,7 @@ def export_deepspeed(
             global_state = {k: rebuild(v) for k, v in src.optim(0).global_state().items()}
         _save_pt(os.path.join(out, ZERO, OPTIMIZER_STATE), global_state)
         for rank in src.ranks:  # DeepSpeed reads these; a PipelineModule's layer files keep its buffers for us
-            for path in rank.model_paths + rank.layer_paths:
+            for path in [*rank.model_paths, *rank.layer_paths]:
                 shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
         atomic_write(os.path.join(os.path.dirname(out), LATEST_UNIVERSAL), os.path.basename(out).encode())
         return out

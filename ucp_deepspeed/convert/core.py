@@ -82,7 +82,8 @@ def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
         return stream_tensors(out, job.relpath, entries, lambda key: assemble(src, item, key))
     if job.kind == "buffers":
         return write_tensors(out, job.relpath, {t.name: assemble(src, t) for t in src.tensors if t.kind == "buffer"})
-    return write_object(out, job.relpath, src.training_state())
+    state = src.training_state()
+    return write_object(out, job.relpath, {**state, "client_states": list(state["client_states"])})
 
 
 def run_jobs(

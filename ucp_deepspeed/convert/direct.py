@@ -5,36 +5,47 @@ parameter and buffer tables, element ranges of each state, buffers, the training
 DeepSpeed's rank files. A range of a parameter that no tensor-parallel split cuts is read from the ZeRO
 fragments that overlap it, and only their overlapping part; a split parameter is merged whole first (the
 last one merged is kept, since a restore reads each parameter's states one after another).
-Every read is recorded for the CRC check of the source archives (`NativeCheckpoint.check_reads`).
+Every read is recorded for the CRC check of the source archives (`NativeCheckpoint.check_reads`). Inside `batch`, ranges
+are read once the block ends, sorted by archive and offset, each run of adjacent bytes in one request: a rank that
+restores a partition made of many parameters' fragments in one source file sends one request per run, not one per
+parameter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ucp_deepspeed.convert.core import assemble, build_manifest
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import VALUE, ParamSlot
 from ucp_deepspeed.format.universal import TensorReader, torch_dtype
+from ucp_deepspeed.geometry.layout import Layout
 from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.sources.native import RankFiles
 
 
 class DirectCheckpoint(TensorReader):
     """The universal view of a native tag, read on demand from its rank files."""
 
-    def __init__(self, src: NativeCheckpoint):
+    def __init__(self, src: NativeCheckpoint, manifest: Manifest | None = None):
+        """`manifest`: `build_manifest(src)` made by one rank and shared (it opens the first rank files and lists
+        every file of the tag)."""
         self.src = src
         self.root = src.tag_dir
-        self.manifest = build_manifest(src)
+        self.manifest = manifest if manifest is not None else build_manifest(src)
         self.params = self.manifest.params
         self.buffers = self.manifest.buffers
         self._tensors = {t.name: t for t in src.tensors}
         self._lock = threading.Lock()
         self._merged: tuple[str, str, torch.Tensor] | None = None
+        self._batch = threading.local()
 
     def _tensor(self, name: str) -> Any:
         tensor = self._tensors.get(name)
@@ -52,14 +63,85 @@ class DirectCheckpoint(TensorReader):
             self._merged = (name, key, merged)
         return merged
 
-    def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
-        """Elements [start, start+numel) of a state of a full tensor, flattened."""
+    def _in_place(self, name: str, key: str) -> tuple[RankFiles, ParamSlot] | None:
+        """The rank files and slot a state is read from by element range, when no tensor-parallel split cuts it."""
         tensor = self._tensor(name)
-        numel = math.prod(tensor.shape) - start if numel is None else numel
         shard = tensor.shards[0] if len(tensor.shards) == 1 else None
         if shard is not None and isinstance(shard.item, ParamSlot) and not tensor.layout.is_split and key != VALUE:
-            return self.src.ranks[shard.mp_rank].read_param_range(shard.item, key, start, numel)
+            return self.src.ranks[shard.mp_rank], shard.item
+        return None
+
+    def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
+        """Elements [start, start+numel) of a state of a full tensor, flattened."""
+        numel = math.prod(self._tensor(name).shape) - start if numel is None else numel
+        found = self._in_place(name, key)
+        if found is not None:
+            return found[0].read_param_range(found[1], key, start, numel)
         return self._whole(name, key).reshape(-1)[start : start + numel]
+
+    def read_into(self, name: str, key: str, start: int, out: torch.Tensor) -> None:
+        """Fill `out` from the fragments that hold the range; inside `batch`, once the block ends, merged."""
+        found = self._in_place(name, key)
+        if found is None or out.dtype != torch.float32 or not out.is_contiguous():
+            super().read_into(name, key, start, out)
+            return
+        self._fill(*found, key, start, out)
+
+    def read_local(
+        self,
+        name: str,
+        key: str,
+        layout: Layout,
+        local_shape: Sequence[int],
+        rank: int,
+        tp: int,
+        start: int = 0,
+        numel: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A range of tensor-parallel rank `rank`'s share; a share that is exactly one saved rank's (the same split at
+        the same size, no vocab padding to drop) is read by element range from that rank's fragments alone."""
+        tensor = self._tensor(name)
+        shard = tensor.shards[rank] if len(tensor.shards) == tp else None
+        if (
+            shard is None
+            or key == VALUE
+            or not layout.is_split
+            or layout.vocab
+            or layout != tensor.layout
+            or not isinstance(shard.item, ParamSlot)
+            or tuple(shard.item.shape) != tuple(local_shape)
+            or (out is not None and (out.dtype != torch.float32 or not out.is_contiguous()))
+        ):
+            return super().read_local(name, key, layout, local_shape, rank, tp, start, numel, out)
+        numel = (out.numel() if out is not None else math.prod(local_shape) - start) if numel is None else numel
+        out = torch.empty(numel, dtype=torch.float32) if out is None else out
+        self._fill(self.src.ranks[shard.mp_rank], shard.item, key, start, out)
+        return out
+
+    def _fill(self, files: RankFiles, slot: ParamSlot, key: str, start: int, out: torch.Tensor) -> None:
+        """Read a range of one rank's share of a parameter into `out`: now, or at the end of the enclosing `batch`."""
+        pending = getattr(self._batch, "pending", None)
+        for tfile, spans in files.param_range_spans(slot, key, start, out).items():
+            if pending is None:
+                tfile.read_spans(spans)
+            else:
+                pending.setdefault(tfile, []).extend(spans)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold the block's reads, then read them by archive in file order, runs of adjacent bytes merged."""
+        if getattr(self._batch, "pending", None) is not None:  # nested: the outer block reads
+            yield
+            return
+        self._batch.pending = {}
+        try:
+            yield
+            pending = self._batch.pending
+        finally:
+            self._batch.pending = None
+        for tfile, spans in pending.items():
+            tfile.read_spans(spans)
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """Entries [start, start+length) along `dim` of a state of a full tensor."""

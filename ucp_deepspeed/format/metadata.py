@@ -19,6 +19,7 @@ from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 from ucp_deepspeed.io.atomic import atomic_write
+from ucp_deepspeed.io.stats import record as record_io
 
 META_VERSION = 1
 FP32 = "fp32"  # state name of the fp32 master weight, next to optimizer states such as exp_avg
@@ -214,4 +215,6 @@ def read_meta(tag_dir: str, mp_rank: int = 0) -> SaveMeta:
             'ucp_deepspeed.initialize with "checkpoint": {"universal": true}?',
         )
     with open(path) as f:
-        return SaveMeta.from_json(f.read(), path)
+        text = f.read()
+    record_io(files=1, requests=1, metadata=len(text))
+    return SaveMeta.from_json(text, path)

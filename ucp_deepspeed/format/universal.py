@@ -14,13 +14,14 @@ bytes it uses, however the folder was named, at the cost of at most two extra bl
 from __future__ import annotations
 
 import abc
+import contextlib
 import io
 import json
 import math
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
 from ucp_deepspeed.io.atomic import atomic_file, atomic_write
 from ucp_deepspeed.io.checksum import BLOCK, BlockHasher, block_crcs, crc32
+from ucp_deepspeed.io.stats import record as record_io
 from ucp_deepspeed.io.torch_file import load_file
 
 FORMAT = "ucp_deepspeed/universal"
@@ -194,6 +196,7 @@ class CheckedFile:
         except FileNotFoundError:
             raise CheckpointError(self.path, "file listed in the manifest is missing") from None
         size = os.fstat(self._fd).st_size
+        record_io(files=1)
         if size != record.nbytes:
             self.close()
             raise CheckpointError(
@@ -231,6 +234,7 @@ class CheckedFile:
         begin, end = first * BLOCK, min((last + 1) * BLOCK, self.record.nbytes)
         buf = torch.empty(end - begin, dtype=torch.uint8)
         view = buf.numpy().data
+        record_io(requests=1, data=len(view))
         done = 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], begin + done)
@@ -454,6 +458,17 @@ class TensorReader(abc.ABC):
     def close(self) -> None:
         """Release every open file."""
 
+    def read_into(self, name: str, key: str, start: int, out: torch.Tensor) -> None:
+        """Fill `out` with elements [start, start+out.numel()) of a state of a full tensor; inside `batch` a reader
+        may fill it only when the block ends."""
+        out.copy_(self.read(name, key, start, out.numel()))
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Reads into `read_into` targets may be held until the block ends and then merged, one request per run of
+        adjacent bytes; no target may be used before then. Not to be shared between threads."""
+        yield
+
     def read_local(
         self,
         name: str,
@@ -464,27 +479,31 @@ class TensorReader(abc.ABC):
         tp: int,
         start: int = 0,
         numel: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state.
+        """Elements [start, start+numel) of tensor-parallel rank `rank`'s flattened share of a state, into `out`
+        if given (then possibly only when the enclosing `batch` ends).
 
         When the share is one run of whole rows (replicated, or split on dim 0) only the rows that
         cover the range are read; otherwise the share is assembled first.
         """
         total = math.prod(local_shape)
-        numel = total - start if numel is None else numel
+        numel = (out.numel() if out is not None else total - start) if numel is None else numel
         pieces = layout.pieces(local_shape, rank, tp)
         dtype = torch.float32 if key != VALUE else torch_dtype(self.params[name].dtype)
         if (layout.dim == 0 or not layout.is_split) and len(pieces) <= 1:
             row = math.prod(local_shape[1:])
             kept = max(0, min(pieces[0].length * row - start, numel)) if pieces else 0
-            if kept == numel:
+            if out is None and kept == numel:
                 return self.read(name, key, pieces[0].full_start * row + start, numel).to(dtype)
-            out = torch.zeros(numel, dtype=dtype)
+            out = torch.empty(numel, dtype=dtype) if out is None else out
             if kept:
-                out[:kept] = self.read(name, key, pieces[0].full_start * row + start, kept)
+                self.read_into(name, key, pieces[0].full_start * row + start, out[:kept])
+            out[kept:].zero_()
             return out
         local = split(layout, local_shape, rank, tp, lambda d, s, n: self.read_slice(name, key, d, s, n), dtype)
-        return local.reshape(-1)[start : start + numel]
+        part = local.reshape(-1)[start : start + numel]
+        return part if out is None else out.copy_(part)
 
 
 class FolderReader(TensorReader):

@@ -29,9 +29,11 @@ import torch
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.checksum import combine_pieces, crc32
 from ucp_deepspeed.io.safe_pickle import PickledObject, SafeUnpickler, StorageType, TensorType, UnsafePickle
+from ucp_deepspeed.io.stats import record
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 _CHUNK = 1 << 24
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 SAVE_ID_RECORD = ".data/ucp_save_id"
 
 
@@ -92,6 +94,18 @@ class _Storage:
         self.dtype = dtype
 
 
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """`views` with their first `skip` bytes dropped (what a short read left to fill)."""
+    out = []
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        out.append(view[skip:])
+        skip = 0
+    return out
+
+
 def _ints(value: Any) -> bool:
     return isinstance(value, (tuple, list, torch.Size)) and all(type(v) is int and v >= 0 for v in value)
 
@@ -115,6 +129,7 @@ class _Records:
             raise CheckpointError(self.path, f"record '{name}' is compressed; expected torch's stored layout")
         if name not in self._offsets:
             header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
+            record(requests=1, metadata=len(header))
             if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
                 raise CheckpointError(self.path, f"corrupt zip header for '{name}'")
             fields = _LOCAL_HEADER.unpack(header)
@@ -124,20 +139,28 @@ class _Records:
             raise CheckpointError(self.path, f"truncated: record '{name}' ends at byte {base + length} of {self._size}")
         return base, length
 
-    def pread_into(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointError(self.path, f"truncated: nothing to read at byte {offset + done}")
-            done += got
+    def pread_into(self, views: list[memoryview], offset: int, data: bool = True) -> None:
+        """Fill `views`, in order, from the file's bytes at `offset` on: one request per `IOV_MAX` buffers."""
+        for first in range(0, len(views), _IOV_MAX):
+            batch = [v for v in views[first : first + _IOV_MAX] if len(v)]
+            total = sum(len(v) for v in batch)
+            if not total:
+                continue
+            record(requests=1, **{"data" if data else "metadata": total})
+            done = 0
+            while done < total:
+                got = os.preadv(self._fd, _after(batch, done), offset + done)
+                if got <= 0:
+                    raise CheckpointError(self.path, f"truncated: nothing to read at byte {offset + done}")
+                done += got
+            offset += total
 
     def _pread_from(self, base: int, offset: int, length: int) -> bytes:
-        return self.pread(base + offset, length)
+        return self.pread(base + offset, length, data=True)
 
-    def pread(self, offset: int, length: int) -> bytes:
+    def pread(self, offset: int, length: int, data: bool = False) -> bytes:
         out = bytearray(length)
-        self.pread_into(memoryview(out), offset)
+        self.pread_into([memoryview(out)], offset, data)
         return bytes(out)
 
     def note(self, name: str, start: int, data: memoryview) -> None:
@@ -180,6 +203,95 @@ class _Records:
         return problems
 
 
+Span = tuple[str, int, int, torch.Tensor]
+"""(record, first byte in the record, first byte in the file, where the bytes go)."""
+
+
+MERGE_GAP = 1 << 16
+"""Spans of one file at most this many bytes apart are read in one request, gap included: on a disk or an object
+store a request costs more than reading 64 KiB more."""
+
+
+def _read_spans(records: _Records, spans: list[Span]) -> None:
+    """Read spans in file order, each run of spans less than `MERGE_GAP` apart in one request, noting each span for
+    the CRC check."""
+    run: list[Span] = []
+    end = 0
+    for span in sorted(spans, key=lambda s: s[2]):
+        if run and span[2] - end > MERGE_GAP:
+            _read_run(records, run)
+            run = []
+        end = max(end, span[2] + span[3].nbytes) if run else span[2] + span[3].nbytes
+        run.append(span)
+    if run:
+        _read_run(records, run)
+
+
+def _read_run(records: _Records, run: list[Span]) -> None:
+    """One request for a run of spans: straight into their targets when they follow one another without a gap,
+    else into one buffer that is then copied out."""
+    views = [out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"") for *_, out in run]
+    first = run[0][2]
+    if all(a[2] + len(v) == b[2] for a, v, b in zip(run, views, run[1:])):
+        records.pread_into(views, first)
+    else:
+        buffer = bytearray(max(s[2] + len(v) for s, v in zip(run, views)) - first)
+        records.pread_into([memoryview(buffer)], first)
+        for (_, _, at, _), view in zip(run, views):
+            view[:] = buffer[at - first : at - first + len(view)]
+    for (name, begin, _, _), view in zip(run, views):
+        records.note(name, begin, view)
+
+
+@dataclass(frozen=True)
+class StorageSpan:
+    """Where the elements of one 1-D tensor lie in an archive, as the rank that opened and checked it found them:
+    another rank reads them with `IndexedArchive`, without reading the zip directory or the pickle again."""
+
+    record: str
+    record_offset: int
+    """Byte of element 0 in the record."""
+    file_offset: int
+    """Byte of element 0 in the file."""
+    numel: int
+    dtype: str
+
+
+class IndexedArchive:
+    """A torch archive read at the offsets another rank recorded (`StorageSpan`s), after that rank checked its zip
+    directory, pickle and save id; what is read here is noted for that rank's CRC check (`pieces`) like any read."""
+
+    def __init__(self, path: str, verify: bool = True):
+        self.path = str(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(self.path, "file is missing") from None
+        except OSError as exc:
+            raise CheckpointError(self.path, f"cannot open ({exc.strerror})") from None
+        record(files=1)
+        self._records = _Records(self.path, self._fd, os.fstat(self._fd).st_size, [], verify)
+
+    @property
+    def file(self) -> IndexedArchive:
+        """Itself: what was read from it is found like an opened rank file's (`pieces`)."""
+        return self
+
+    def read_spans(self, spans: list[Span]) -> None:
+        """`TorchFile.read_spans`: runs of adjacent spans in one request each."""
+        _read_spans(self._records, spans)
+
+    def pieces(self) -> dict[str, list[tuple[int, int, int]]]:
+        """(start, length, crc32) of every read so far, by record, for the CRC check on the rank that indexed it."""
+        return self._records.pieces()
+
+    def close(self) -> None:
+        """Release the file descriptor."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class TorchFile:
     """One `torch.save` zip file: its unpickled object with `LazyTensor` leaves, and checked byte-range reads.
 
@@ -200,9 +312,11 @@ class TorchFile:
         try:
             with zipfile.ZipFile(self.path) as zf:
                 infos = zf.infolist()
+                directory = self.size - zf.start_dir
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
             self.close()
             raise CheckpointError(self.path, f"truncated or corrupt torch file ({exc})") from None
+        record(files=1, requests=2, metadata=directory)  # zipfile reads the end record, then the directory
         pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
         if pkl is None:
             self.close()
@@ -278,6 +392,17 @@ class TorchFile:
         self, key: str, dtype: torch.dtype, start: int, numel: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Read `numel` elements of storage `key` from element `start`, straight into `out` if given."""
+        name, begin, at = self.storage_span(key, dtype, start, numel)
+        if out is None:
+            out = torch.empty(numel, dtype=dtype)
+        elif out.dtype != dtype or out.numel() != numel or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"read target must be a contiguous CPU {dtype} tensor of {numel} elements")
+        _read_run(self._records, [(name, begin, at, out)])
+        return out
+
+    def storage_span(self, key: str, dtype: torch.dtype, start: int, numel: int) -> tuple[str, int, int]:
+        """(record, first byte in the record, first byte in the file) of elements [start, start+numel) of storage
+        `key`: where a merged read (`read_spans`) finds them."""
         itemsize = dtype.itemsize
         name = f"{self._prefix}data/{key}"
         base, nbytes = self._records.data_range(name)
@@ -286,14 +411,13 @@ class TorchFile:
             raise CheckpointError(
                 self.path, f"truncated: storage {key} needs bytes up to {begin + length}, its record holds {nbytes}"
             )
-        if out is None:
-            out = torch.empty(numel, dtype=dtype)
-        elif out.dtype != dtype or out.numel() != numel or not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError(f"read target must be a contiguous CPU {dtype} tensor of {numel} elements")
-        view = out.view(torch.uint8).numpy().data if numel else memoryview(b"")
-        self._records.pread_into(view, base + begin)
-        self._records.note(name, begin, view)
-        return out
+        return name, begin, base + begin
+
+    def read_spans(self, spans: list[Span]) -> None:
+        """Fill each `out` of (record, first byte in the record, first byte in the file, out) from `storage_span`s:
+        runs of spans that follow one another in the file are one request, and every span is noted for the CRC
+        check as if read alone."""
+        _read_spans(self._records, spans)
 
     def pieces(self) -> dict[str, list[tuple[int, int, int]]]:
         """(start, length, crc32) of every read so far, by record: to be checked here or by another process."""

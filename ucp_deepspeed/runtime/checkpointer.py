@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as tdist
 
 from ucp_deepspeed import compat
+from ucp_deepspeed.convert.core import build_manifest
 from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.convert.output import claimed, remove_output
 from ucp_deepspeed.errors import CheckpointError
@@ -43,7 +44,7 @@ from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalChec
 from ucp_deepspeed.io.swap_file import file_block_crcs
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import describe, optimizer_record, same_stage, topology
-from ucp_deepspeed.runtime.collective import all_ok, everywhere, guarded, on_rank0
+from ucp_deepspeed.runtime.collective import all_ok, everywhere, from_rank0, guarded, on_rank0, to_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig
 from ucp_deepspeed.runtime.gate import Gate
 from ucp_deepspeed.runtime.mpu import megatron_moe_layers
@@ -277,7 +278,10 @@ class UniversalCheckpointer:
             out = self._materialized(kind, load_dir, tag)
             ckpt = UniversalCheckpoint(out, verify=options.verify)
             return Source(path, LoadReport(kind.name, _saved(ckpt), live.describe(), out, kind.name), lambda: ckpt)
-        metas, _ = tag_metas(path, options.layout_rules)
+        rank0 = tdist.get_rank() == 0
+        # one rank reads the metadata of every model-parallel rank; a thousand ranks reading it would each do so
+        found = from_rank0(guarded(lambda: tag_metas(path, options.layout_rules) if rank0 else None))
+        metas = found[0]
         meta = metas[0]
         saved = meta.topology
         # another optimizer class keeps its state differently (DeepSpeed's CPU Adam counts steps in ints): DeepSpeed's
@@ -315,12 +319,22 @@ class UniversalCheckpointer:
                 "checkpoint"
             )
         if options.direct:
-            rank0 = tdist.get_rank() == 0
+            # rank 0 checks every file against the metadata, unless picking the tag just did; the others open only
+            # the files they read
             src = guarded(
-                lambda: NativeCheckpoint(load_dir, tag, options.layout_rules, check=rank0, verify=options.verify)
+                lambda: NativeCheckpoint(
+                    load_dir, tag, options.layout_rules, check=rank0 and not checked, verify=options.verify, metas=found
+                )
             )
+            # the manifest (it opens the first rank files and stats every file of the tag) and where each optimizer
+            # file holds its states are made once, on rank 0, which has opened every file to check it
+            manifest, index = from_rank0(guarded(lambda: (build_manifest(src), src.file_index()) if rank0 else None))
+            if not rank0:
+                src.use_index(index)
             report = LoadReport("resharded", saved.describe(), live.describe(), None, direct=True)
-            return Source(path, report, lambda: DirectCheckpoint(src), check_reads=lambda: _check_direct_reads(src))
+            return Source(
+                path, report, lambda: DirectCheckpoint(src, manifest), check_reads=lambda: _check_direct_reads(src)
+            )
         out = convert_across_ranks(
             load_dir,
             tag,
@@ -435,6 +449,5 @@ def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str,
 
 def _check_direct_reads(src: NativeCheckpoint) -> None:
     """Every byte any rank read straight from the rank files, checked on rank 0 against their CRCs (collective)."""
-    gathered: list[Any] = [None] * tdist.get_world_size()
-    tdist.all_gather_object(gathered, src.pieces())
-    on_rank0(lambda: src.check_reads(gathered))
+    gathered = to_rank0(src.pieces())
+    on_rank0(lambda: src.check_reads(gathered or []))

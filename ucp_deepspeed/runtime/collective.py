@@ -51,6 +51,21 @@ def on_rank0(work: Callable[[], Any]) -> None:
     guarded(work if dist.get_rank() == 0 else lambda: None)
 
 
+def to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank 0 and None elsewhere: what only rank 0 acts on (the pieces to
+    CRC-check, the names to compare) crosses the network once, not once per rank (collective)."""
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (collective)."""
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def everywhere(flag: bool) -> bool:
     """True when `flag` holds on every rank (collective)."""
     flags: list[Any] = [None] * dist.get_world_size()

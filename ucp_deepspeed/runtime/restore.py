@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from deepspeed import comm as dist
+import torch.distributed as dist
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
@@ -33,7 +33,7 @@ from ucp_deepspeed.runtime.capture import (
     namer,
     topology,
 )
-from ucp_deepspeed.runtime.collective import guarded
+from ucp_deepspeed.runtime.collective import from_rank0, guarded, to_rank0
 from ucp_deepspeed.runtime.gate import Gate
 
 log = logging.getLogger("ucp_deepspeed")
@@ -107,11 +107,20 @@ def check_compatible(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parame
     Pipeline stages each hold part of the model, so names are compared over all ranks together.
     """
     problems, names = _problems(engine, ckpt, live)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (problems, sorted(names)))
-    problems = list(dict.fromkeys(p for part, _ in everyone for p in part))
-    all_names = {n for _, part in everyone for n in part}
-    frozen = {info.name for p, info in live.items() if not p.requires_grad}
+    frozen = sorted(info.name for p, info in live.items() if not p.requires_grad)
+    everyone = to_rank0((problems, sorted(names), frozen))
+    found = from_rank0(_all_problems(ckpt, everyone) if everyone is not None else None)
+    if found:
+        raise CheckpointError(
+            f"{ckpt.root}/{MANIFEST}", "checkpoint does not match this model:\n  " + "\n  ".join(found)
+        )
+
+
+def _all_problems(ckpt: TensorReader, everyone: list[tuple[list[str], list[str], list[str]]]) -> list[str]:
+    """What every rank found, and the names no rank has or the checkpoint lacks (on rank 0)."""
+    problems = list(dict.fromkeys(p for part, _, _ in everyone for p in part))
+    all_names = {n for _, part, _ in everyone for n in part}
+    frozen = {n for _, _, part in everyone for n in part}
     skipped = frozen if ckpt.manifest.frozen_excluded else set()  # saved with exclude_frozen_parameters
     missing = sorted(all_names - set(ckpt.params) - skipped)
     extra = sorted(set(ckpt.params) - all_names)
@@ -119,10 +128,7 @@ def check_compatible(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parame
         problems.insert(0, f"parameters not in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if extra:
         problems.insert(0, f"checkpoint parameters not in model: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-    if problems:
-        raise CheckpointError(
-            f"{ckpt.root}/{MANIFEST}", "checkpoint does not match this model:\n  " + "\n  ".join(problems)
-        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -313,12 +319,13 @@ def _state_keys(ckpt: TensorReader) -> list[str]:
 
 
 def _reader(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> Any:
-    """read(param, key, start, numel): a flat range of this rank's tensor-parallel share of a state."""
+    """read(param, key, start, numel, out=None): a flat range of this rank's tensor-parallel share of a state; with
+    `out`, filled in place, possibly only when the enclosing `ckpt.batch()` ends."""
     mp = model_parallel(engine)
 
-    def read(p: torch.nn.Parameter, key: str, start: int, numel: int) -> torch.Tensor:
+    def read(p: torch.nn.Parameter, key: str, start: int, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         info = live[p]
-        return ckpt.read_local(info.name, key, info.layout, info.shape, mp.tp_rank, mp.tp, start, numel)
+        return ckpt.read_local(info.name, key, info.layout, info.shape, mp.tp_rank, mp.tp, start, numel, out)
 
     return read
 
@@ -332,14 +339,15 @@ def _stage_zero12(
     keys = smap.keys if smap is not None else {}
     for i, group in enumerate(groups):
         bufs = {k: torch.zeros_like(group.fp32) for k in keys}
-        for lp in group.params:
-            fragment = compat.zero12_fragment(lp)
-            if fragment is None:
-                continue
-            start, hp_start, numel, hp = fragment
-            out.copies.append((hp.data, _own(read(lp, FP32, start, numel))))
-            for k, saved in keys.items():
-                bufs[k].narrow(0, hp_start, numel).copy_(read(lp, saved, start, numel))
+        with ckpt.batch():  # a partition's fragments of one source file are read in one request per run
+            for lp in group.params:
+                fragment = compat.zero12_fragment(lp)
+                if fragment is None:
+                    continue
+                start, hp_start, numel, hp = fragment
+                out.copies.append((hp.data, read(lp, FP32, start, numel, torch.empty(numel, dtype=torch.float32))))
+                for k, saved in keys.items():
+                    read(lp, saved, start, numel, bufs[k].narrow(0, hp_start, numel))
         if smap is not None:
             out.installs.append(_state_install(opt.optimizer, i, group.fp32, ckpt, smap, bufs))
     if smap is not None:
@@ -392,12 +400,14 @@ def _stage_subgroup(
 ) -> None:
     flat = sub.fp32
     bufs = {k: torch.zeros_like(flat) for k in keys}
-    for p in sub.params:
-        _, offset, partition, start = compat.zero3_position(opt, p)
-        numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
-        out.copies.append((flat.data.narrow(0, offset, numel), _own(read(p, FP32, start, numel))))
-        for k, saved in keys.items():
-            bufs[k].narrow(0, offset, numel).copy_(read(p, saved, start, numel))
+    with ckpt.batch():
+        for p in sub.params:
+            _, offset, partition, start = compat.zero3_position(opt, p)
+            numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
+            value = torch.empty(numel, dtype=torch.float32)
+            out.copies.append((flat.data.narrow(0, offset, numel), read(p, FP32, start, numel, value)))
+            for k, saved in keys.items():
+                read(p, saved, start, numel, bufs[k].narrow(0, offset, numel))
     if smap is not None:
         out.installs.append(_state_install(opt.optimizer, sub.group, flat, ckpt, smap, bufs))
     out.installs.append(lambda: sub.lp.data.copy_(flat.data))
@@ -468,6 +478,8 @@ def client_state(engine: Any, ckpt: TensorReader, state: dict[str, Any]) -> dict
     if (saved.tp, saved.pp) == (live.tp, live.pp) and index < len(per_rank):
         return per_rank[index]
     first = state.get("client_state", {})
+    if dist.get_rank() != 0:  # the same warning on every rank: only one reads every rank's client state for it
+        return first
     varying = sorted({k for other in per_rank[1:] for k in first if not _same_value(first[k], other.get(k))})
     if varying:
         log.warning(

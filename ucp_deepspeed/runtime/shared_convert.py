@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ucp_deepspeed.convert.core import finish, run_jobs
 from ucp_deepspeed.convert.output import claimed, default_output, prepare_output
 from ucp_deepspeed.convert.plan import plan_jobs, shard_jobs
-from ucp_deepspeed.runtime.collective import guarded, on_rank0
+from ucp_deepspeed.runtime.collective import guarded, on_rank0, to_rank0
 from ucp_deepspeed.sources import NativeCheckpoint
 
 log = logging.getLogger("ucp_deepspeed")
@@ -59,8 +59,7 @@ def convert_across_ranks(
                 src, out, shard_jobs(plan_jobs(src), rank, world), reusable, workers, progress and rank == 0
             )
         )
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (records, src.pieces()))
+        gathered = to_rank0((records, src.pieces())) or []
 
         def check_and_finish() -> None:
             if reusable and verify:  # files an interrupted run made from reads it never checked

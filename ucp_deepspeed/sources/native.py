@@ -6,7 +6,8 @@ import math
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 
@@ -21,9 +22,9 @@ from ucp_deepspeed.format.metadata import (
 )
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.swap import SWAP_RECORD, read_swap_records
-from ucp_deepspeed.geometry.fragments import fragments
+from ucp_deepspeed.geometry.fragments import fragments, fragments_in
 from ucp_deepspeed.io.swap_file import SwapTensor
-from ucp_deepspeed.io.torch_file import TorchFile
+from ucp_deepspeed.io.torch_file import IndexedArchive, LazyTensor, Span, StorageSpan, TorchFile
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, check_whole, fail
 from ucp_deepspeed.sources.infer import infer_metas
@@ -37,6 +38,36 @@ def resolve_tag(ckpt_dir: str, tag: str | None = None) -> str:
     return str(tag) if tag is not None else read_latest(ckpt_dir)
 
 
+@dataclass(frozen=True)
+class FileIndex:
+    """Where one optimizer file holds each flat buffer's states, found by the rank that opened and checked it."""
+
+    path: str
+    spans: dict[tuple[int, str], StorageSpan]
+
+
+class RankPaths(Sequence[str]):
+    """The path of each data-parallel rank's file of one kind, made when asked for: a resuming rank of a 1024-rank
+    job names only the files it opens."""
+
+    def __init__(self, tag_dir: str, pattern: str, count: int):
+        self.tag_dir, self.pattern, self.size = tag_dir, pattern, count
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.size))]
+        if not -self.size <= index < self.size:
+            raise IndexError(index)
+        return os.path.join(self.tag_dir, self.pattern.format(index % self.size))
+
+
 class RankFiles:
     """The files of one model-parallel rank (one tensor/pipeline coordinate), opened lazily."""
 
@@ -44,19 +75,28 @@ class RankFiles:
         self.tag_dir, self.mp_rank, self.meta, self.verify = tag_dir, mp_rank, meta, verify
         topo = meta.topology
         prefix = "bf16_" if topo.dtype == "bf16" else ""
-        self.optim_paths = [
-            os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
-            for r in range(topo.dp)
-        ]
-        if topo.zero_stage == 3:
-            self.model_paths = [
-                os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt") for r in range(topo.dp)
-            ]
-        else:
-            self.model_paths = [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
+        self.optim_paths = RankPaths(
+            tag_dir, f"{prefix}zero_pp_rank_{{}}_mp_rank_{mp_rank:02d}_optim_states.pt", topo.dp
+        )
+        self.model_paths: Sequence[str] = (
+            RankPaths(tag_dir, f"zero_pp_rank_{{}}_mp_rank_{mp_rank:02d}_model_states.pt", topo.dp)
+            if topo.zero_stage == 3
+            else [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
+        )
         files = {s.file for s in meta.params} | {e.file for e in meta.extras}
         self.layer_paths = sorted(os.path.join(tag_dir, f) for f in files if f)
         self.swaps = read_swap_records(tag_dir) if topo.zero_stage == 3 else {}
+        self.index: dict[str, FileIndex] = {}
+        self._archives: dict[int, IndexedArchive] = {}
+        self._lock = threading.Lock()
+        self._optim: dict[int, OptimRankFile] = {}
+        self._model: dict[int, ModelStatesFile] = {}
+        self._layers: dict[str, LayerStatesFile] = {}
+
+    @property
+    def needed(self) -> list[str]:
+        """Every file of this model-parallel rank a conversion reads (built on request: it lists every DP rank's)."""
+        topo = self.meta.topology
         swap_files = [
             os.path.join(folder, name)
             for path in self.optim_paths
@@ -64,12 +104,8 @@ class RankFiles:
             for folder, record in [self.swaps[os.path.basename(path)]]
             for name in [SWAP_RECORD, *sorted(record.files)]
         ]
-        self.needed = self.model_paths + ([] if topo.unpartitioned else self.optim_paths) + self.layer_paths
-        self.needed += swap_files
-        self._lock = threading.Lock()
-        self._optim: dict[int, OptimRankFile] = {}
-        self._model: dict[int, ModelStatesFile] = {}
-        self._layers: dict[str, LayerStatesFile] = {}
+        optim = [] if topo.unpartitioned else list(self.optim_paths)
+        return [*self.model_paths, *optim, *self.layer_paths, *swap_files]
 
     def optim(self, rank: int) -> OptimRankFile:
         """The optimizer file of data-parallel rank `rank`, opened once."""
@@ -107,10 +143,17 @@ class RankFiles:
             )
         return opened
 
+    def archive(self, rank: int) -> IndexedArchive:
+        """The optimizer file of data-parallel rank `rank` as indexed by the rank that checked it, opened once."""
+        with self._lock:
+            if rank not in self._archives:
+                self._archives[rank] = IndexedArchive(self.optim_paths[rank], self.verify)
+            return self._archives[rank]
+
     def files(self) -> list[Any]:
         """Every rank file opened so far."""
         with self._lock:
-            return [*self._optim.values(), *self._model.values(), *self._layers.values()]
+            return [*self._optim.values(), *self._model.values(), *self._layers.values(), *self._archives.values()]
 
     def read_param(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """One state (`fp32` or an optimizer key) of this rank's share of a parameter, from every DP rank."""
@@ -130,22 +173,50 @@ class RankFiles:
     def read_param_range(self, slot: ParamSlot, state: str, start: int, numel: int) -> torch.Tensor:
         """Elements [start, start+numel) of one state of this rank's share of a parameter, flattened: only the
         fragments that overlap them are read, and only their overlapping part."""
-        topo = self.meta.topology
-        if topo.unpartitioned:
-            return self._read_whole(slot, state).reshape(-1)[start : start + numel].clone()
         out = torch.empty(numel, dtype=torch.float32)
-        end = start + numel
-        for frag in fragments(slot, topo.zero_stage, topo.dp):
-            lo, hi = max(start, frag.dst), min(end, frag.dst + frag.numel)
-            if lo >= hi:
+        for tfile, spans in self.param_range_spans(slot, state, start, out).items():
+            tfile.read_spans(spans)
+        return out
+
+    def param_range_spans(
+        self, slot: ParamSlot, state: str, start: int, out: torch.Tensor
+    ) -> dict[TorchFile | IndexedArchive, list[Span]]:
+        """Where elements [start, start+len(out)) of one state of a parameter lie, by archive, for a merged read into
+        `out` (`TorchFile.read_spans`); parts not held as plain archive bytes (ZeRO-0, NVMe swap files) are read now."""
+        topo = self.meta.topology
+        numel = out.numel()
+        if topo.unpartitioned:
+            out.copy_(self._read_whole(slot, state).reshape(-1)[start : start + numel])
+            return {}
+        spans: dict[TorchFile | IndexedArchive, list[Span]] = {}
+        for frag in fragments_in(slot, topo.zero_stage, topo.dp, start, start + numel):
+            dest = out[frag.dst - start : frag.dst - start + frag.numel]
+            indexed = self.index.get(os.path.basename(self.optim_paths[frag.rank]))
+            where = indexed.spans.get((slot.flat, state)) if indexed is not None else None
+            if where is not None:  # else a state kept in NVMe swap files, or none: the file itself says which
+                archive = self.archive(frag.rank)
+                if where.dtype != "float32" or frag.src + frag.numel > where.numel:
+                    raise CheckpointError(
+                        archive.path,
+                        f"{state} of flat buffer {slot.flat} is {where.numel} {where.dtype} elements, metadata reads "
+                        f"float32 elements up to {frag.src + frag.numel}",
+                    )
+                begin = frag.src * 4
+                spans.setdefault(archive, []).append(
+                    (where.record, where.record_offset + begin, where.file_offset + begin, dest)
+                )
                 continue
             lazy = self.optim(frag.rank).flat(slot.flat, state)
             if lazy.dtype != torch.float32:
                 raise CheckpointError(
                     self.optim_paths[frag.rank], f"{state} of flat buffer {slot.flat} is {lazy.dtype}, expected float32"
                 )
-            lazy.read(frag.src + lo - frag.dst, hi - lo, out=out[lo - start : hi - start])
-        return out
+            if isinstance(lazy, LazyTensor) and lazy.is_contiguous():
+                span = lazy.file.storage_span(lazy.key, lazy.dtype, lazy.storage_offset + frag.src, frag.numel)
+                spans.setdefault(lazy.file, []).append((*span, dest))
+            else:
+                lazy.read(frag.src, frag.numel, out=dest)
+        return spans
 
     def _read_whole(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """ZeRO-0 fp32: the parameter itself (its fp32 master) or its entry in the saved torch optimizer state."""
@@ -193,6 +264,27 @@ class RankFiles:
         """Release every opened file."""
         for f in self.files():
             f.close()
+
+
+class ClientStates(Sequence[dict[str, Any]]):
+    """Each model-parallel rank's client state, read when asked for: a resuming rank reads its own rank's model-states
+    file, not every one of a 512-way tensor x pipeline-parallel save."""
+
+    def __init__(self, ranks: list[RankFiles]):
+        self.ranks = ranks
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        rank = self.ranks[index]
+        return rank.model_states(0).client_state(rank.meta.client_state_keys)
 
 
 def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], bool]:
@@ -255,31 +347,39 @@ def _rules(layout_rules: Any, where: str) -> tuple:
 class NativeCheckpoint:
     """A DeepSpeed checkpoint tag: every model-parallel rank's metadata and lazily opened files.
 
-    With `check` (the default) every rank file's pickle is read at once and checked against the
-    metadata; a loading job does that on one rank only. `verify=False` skips the CRC checks of
-    tensor reads, to measure their cost.
+    With `check` (the default) every rank file must exist and its pickle is read at once and checked
+    against the metadata; a loading job does that on one rank only, and the other ranks touch only the
+    files they read. `metas` are the tag's metadata as `tag_metas` returns them, read by one rank and
+    shared, so a thousand ranks do not each read every model-parallel rank's metadata. `verify=False`
+    skips the CRC checks of tensor reads, to measure their cost.
     """
 
     def __init__(
-        self, ckpt_dir: str, tag: str | None = None, layout_rules: Any = None, check: bool = True, verify: bool = True
+        self,
+        ckpt_dir: str,
+        tag: str | None = None,
+        layout_rules: Any = None,
+        check: bool = True,
+        verify: bool = True,
+        metas: tuple[list[SaveMeta], bool] | None = None,
     ):
         self.ckpt_dir = os.path.abspath(ckpt_dir)
         self.tag = resolve_tag(self.ckpt_dir, tag)
         self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
         if not os.path.isdir(self.tag_dir):
             raise CheckpointError(self.tag_dir, "checkpoint tag folder does not exist")
-        self.metas, self.inferred = tag_metas(self.tag_dir, layout_rules)
+        self.metas, self.inferred = metas if metas is not None else tag_metas(self.tag_dir, layout_rules)
         self.meta = self.metas[0]
         topo = self.meta.topology
         self.tensors = full_tensors(self.metas, os.path.join(self.tag_dir, meta_filename(0)))
         self.ranks = [RankFiles(self.tag_dir, r, meta, verify) for r, meta in enumerate(self.metas)]
-        needed = [p for rank in self.ranks for p in rank.needed]
-        missing = [os.path.relpath(p, self.tag_dir) for p in needed if not os.path.isfile(p)]
-        if missing:
-            raise CheckpointError(
-                self.tag_dir, f"saved at {topo.describe()} but rank files are missing: {', '.join(missing)}"
-            )
         if check:
+            needed = [p for rank in self.ranks for p in rank.needed]
+            missing = [os.path.relpath(p, self.tag_dir) for p in needed if not os.path.isfile(p)]
+            if missing:
+                raise CheckpointError(
+                    self.tag_dir, f"saved at {topo.describe()} but rank files are missing: {', '.join(missing)}"
+                )
             try:
                 self._check_files()
             except (CheckpointError, ValueError):
@@ -326,6 +426,24 @@ class NativeCheckpoint:
             if problems:
                 first = problems[0][0]
                 fail(first, [p if path == first else f"{os.path.basename(path)}: {p}" for path, p in problems])
+
+    def file_index(self) -> dict[int, dict[str, FileIndex]]:
+        """Per model-parallel rank, by file name, where every optimizer file holds its flat buffers' states: made by
+        the rank that checks the tag (it opens and parses every file) and handed to the others (`use_index`), so a
+        resuming rank reads its ranges without opening a zip directory or parsing a pickle."""
+        out: dict[int, dict[str, FileIndex]] = {}
+        for mp_rank, rank in enumerate(self.ranks):
+            if rank.meta.topology.unpartitioned:
+                continue
+            for d, path in enumerate(rank.optim_paths):
+                spans = rank.optim(d).spans()
+                out.setdefault(mp_rank, {})[os.path.basename(path)] = FileIndex(path, spans)
+        return out
+
+    def use_index(self, index: dict[int, dict[str, FileIndex]]) -> None:
+        """Read optimizer files at the offsets another rank indexed (`file_index`) instead of parsing them."""
+        for mp_rank, files in index.items():
+            self.ranks[mp_rank].index = files
 
     def pieces(self) -> dict[str, dict[str, list[tuple[int, int, int]]]]:
         """What was read from each rank file, by path and record, for a CRC check here or on another rank."""
@@ -404,7 +522,7 @@ class NativeCheckpoint:
     def training_state(self) -> dict[str, Any]:
         """The non-tensor training state: the LR scheduler, the optimizer wrapper's state, and the client state of
         each model-parallel rank (`client_states`, by model-states file index; `client_state` is rank 0's)."""
-        clients = [r.model_states(0).client_state(r.meta.client_state_keys) for r in self.ranks]
+        clients = ClientStates(self.ranks)
         return {
             "lr_scheduler": self.model_states(0).lr_scheduler(),
             "client_state": clients[0],

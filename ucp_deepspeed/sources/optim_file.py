@@ -17,7 +17,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.swap import SwapRecord
 from ucp_deepspeed.io.swap_file import SwapTensor
-from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize, plain
+from ucp_deepspeed.io.torch_file import LazyTensor, StorageSpan, TorchFile, materialize, plain
 from ucp_deepspeed.sources.keys import OPTIMIZER_WRAPPER_KEYS
 
 _TENSORS = (LazyTensor, SwapTensor)
@@ -119,6 +119,19 @@ class OptimRankFile:
         if not isinstance(tensor, _TENSORS):
             raise CheckpointError(self.path, f"flat buffer {index} has no state '{state}'")
         return tensor
+
+    def spans(self) -> dict[tuple[int, str], StorageSpan]:
+        """Where each flat buffer's fp32 master and per-element states lie in the file, for ranks that read it
+        without parsing it (`IndexedArchive`); a state kept elsewhere (NVMe swap files) is left out."""
+        out = {}
+        for index in range(self.num_flat):
+            for state in (FP32, *self.state_keys(index)):
+                lazy = self.flat(index, state)
+                if isinstance(lazy, LazyTensor) and lazy.is_contiguous() and len(lazy.shape) == 1:
+                    name, begin, at = self._file.storage_span(lazy.key, lazy.dtype, lazy.storage_offset, lazy.numel())
+                    dtype = str(lazy.dtype).removeprefix("torch.")
+                    out[(index, state)] = StorageSpan(name, begin, at, lazy.numel(), dtype)
+        return out
 
     def state_keys(self, index: int) -> list[str]:
         """Per-element optimizer state keys of a flat buffer (those shaped like the fp32 master)."""
