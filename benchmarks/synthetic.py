@@ -239,17 +239,19 @@ def training_step(engine: deepspeed.DeepSpeedEngine, params_m: float) -> Callabl
 class Usage:
     """This rank's peak resident memory above its level at entry (and what of it is still held at exit), and the
     bytes it passed to write() and got from read(), over a block (bytes read through mmap are not counted;
-    `sockets` is what the machine's interfaces received meanwhile, to tell the ranks' messages from file IO)."""
+    `sockets` is what the machine's interfaces received meanwhile, to tell the ranks' messages from file IO);
+    `from_disk` is what of it the kernel had to fetch from the disk, not the page cache: a load measured warm and
+    one that found its source evicted differ there."""
 
     def __init__(self) -> None:
         self.process = psutil.Process()
-        self.extra_rss = self.held_rss = self.written = self.read = self.sockets = 0
+        self.extra_rss = self.held_rss = self.written = self.read = self.sockets = self.from_disk = 0
         self._done = threading.Event()
 
     def __enter__(self) -> Usage:
         self._base = self.process.memory_info().rss
         io = self.process.io_counters()
-        self._written, self._read = io.write_chars, io.read_chars
+        self._written, self._read, self._disk = io.write_chars, io.read_chars, io.read_bytes
         self._sockets = socket_bytes()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -266,6 +268,7 @@ class Usage:
         self.extra_rss = max(self.extra_rss, self.held_rss)
         io = self.process.io_counters()
         self.written, self.read = io.write_chars - self._written, io.read_chars - self._read
+        self.from_disk = io.read_bytes - self._disk
         self.sockets = socket_bytes() - self._sockets
 
 
@@ -406,7 +409,7 @@ def load(args: argparse.Namespace) -> dict:
         "extra_rss": extra_rss,
         "held_rss": held_rss,
     }
-    result.update(written=written, read=read)
+    result.update(written=written, read=read, from_disk=summed(usage.from_disk)[0])
     if mode is None:
         result["kind"] = engine.ucp_last_load.kind
         result["direct"] = engine.ucp_last_load.direct
