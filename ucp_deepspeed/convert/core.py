@@ -8,6 +8,7 @@ every job has finished, after every byte any process read was checked against it
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import multiprocessing
 import os
@@ -112,9 +113,11 @@ def run_jobs(
         return record
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for job, record in zip(todo, pool.map(run, todo)):
+        # each job runs in a copy of this thread's context, so what it reads counts where this thread counts (io.stats)
+        futures = [pool.submit(contextvars.copy_context().run, run, job) for job in todo]
+        for job, future in zip(todo, futures):
+            records.append(future.result())
             bar.update(job.nbytes)
-            records.append(record)
     bar.close()
     return records
 

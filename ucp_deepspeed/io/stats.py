@@ -8,6 +8,7 @@ context variable, so threads and ranks simulated one after another keep their co
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -51,11 +52,16 @@ def counting() -> Iterator[ReadStats]:
             outer.add(stats)
 
 
+_lock = threading.Lock()
+
+
 def record(files: int = 0, requests: int = 0, metadata: int = 0, data: int = 0) -> None:
-    """Report operations to the enclosing `counting` block, if any (cheap when none is open)."""
+    """Report operations to the enclosing `counting` block, if any (cheap when none is open); worker threads started
+    in a copy of its context (`contextvars.copy_context`) count into it too."""
     stats = _current.get()
     if stats is not None:
-        stats.files_opened += files
-        stats.requests += requests
-        stats.metadata_bytes += metadata
-        stats.data_bytes += data
+        with _lock:
+            stats.files_opened += files
+            stats.requests += requests
+            stats.metadata_bytes += metadata
+            stats.data_bytes += data

@@ -10,6 +10,7 @@ the same optimizer step. Only pickles are read, never tensor bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -119,56 +120,114 @@ def check_whole(meta: SaveMeta, states: ModelStatesFile) -> list[str]:
     return problems
 
 
-def check_optim(meta: SaveMeta, optim: OptimRankFile, rank: int) -> list[str]:
-    """Contradictions between one model-parallel rank's metadata and data-parallel rank `rank`'s optimizer file."""
+@dataclass(frozen=True)
+class FlatLayout:
+    """What the metadata says of one flat buffer across a model-parallel rank's files, worked out once for all of
+    them: checking each of a thousand files against every parameter would be quadratic in the tag's size."""
+
+    slots: tuple[Any, ...]
+    end: int
+    """Element after the last parameter in the flat buffer."""
+    partitions: frozenset[int]
+    owners: frozenset[int]
+    """Data-parallel sizes the metadata partitions it over."""
+    overlaps: tuple[str, ...]
+    """Parameters the metadata places over one another (ZeRO-1/2)."""
+    by_position: dict[int, tuple[Any, ...]]
+    """ZeRO-1/2: the parameters with elements in each partition."""
+
+
+def flat_layouts(meta: SaveMeta) -> dict[int, FlatLayout]:
+    """Per flat buffer, its `FlatLayout`: O(parameters + partitions they overlap)."""
+    grouped: dict[int, list[Any]] = {}
+    for slot in meta.params:
+        grouped.setdefault(slot.flat, []).append(slot)
+    return {index: _layout(meta, index, slots) for index, slots in grouped.items()}
+
+
+def _layout(meta: SaveMeta, index: int, slots: list[Any]) -> FlatLayout:
+    """One flat buffer's `FlatLayout`, from the parameters the metadata places in it."""
+    spans = sorted((s.offset, s.offset + s.numel, s.name) for s in slots)
+    overlaps = tuple(
+        f"flat {index}: metadata overlaps {a} and {b}"
+        for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:])
+        if start_b < end_a
+    )
+    by_position: dict[int, list[Any]] = {}
+    if meta.topology.zero_stage != 3:
+        for slot in slots:
+            if slot.partition > 0 and slot.numel > 0:
+                first, last = slot.offset // slot.partition, (slot.offset + slot.numel - 1) // slot.partition
+                for k in range(first, last + 1):
+                    by_position.setdefault(k, []).append(slot)
+    return FlatLayout(
+        tuple(slots),
+        max(s.offset + s.numel for s in slots),
+        frozenset(s.partition for s in slots),
+        frozenset(len(s.ranks) or meta.topology.dp for s in slots),
+        overlaps,
+        {k: tuple(v) for k, v in by_position.items()},
+    )
+
+
+def check_optim(
+    meta: SaveMeta,
+    optim: OptimRankFile,
+    rank: int,
+    layouts: dict[int, FlatLayout] | None = None,
+) -> list[str]:
+    """Contradictions between one model-parallel rank's metadata and data-parallel rank `rank`'s optimizer file;
+    `layouts` is `flat_layouts(meta)`, made once when checking many files."""
     topo = meta.topology
+    layouts = flat_layouts(meta) if layouts is None else layouts
     problems = []
     stage = optim.entry("zero_stage")
     if stage is not None and int(stage) != topo.zero_stage:
         problems.append(f"zero_stage is {stage}, metadata says {topo.zero_stage}")
-    flats: dict[int, list[Any]] = {}
-    for slot in meta.params:
-        if slot.ranks and rank not in slot.ranks:
-            continue
-        flats.setdefault(slot.flat, []).append(slot)
+    flats = {}
+    for index, layout in layouts.items():
+        held = [s for s in layout.slots if not s.ranks or rank in s.ranks]
+        if len(held) == len(layout.slots):
+            flats[index] = layout
+        elif held:  # a flat whose parameters live in different files (experts): worked out for this file alone
+            flats[index] = _layout(meta, index, held)
     if flats and max(flats) >= optim.num_flat:
         return problems + [f"{optim.num_flat} flat buffers, metadata places parameters in flat {max(flats)}"]
     counts = optim.entry("partition_count")
     mappings = optim.entry("param_slice_mappings") if topo.zero_stage < 3 else None
-    for index, slots in sorted(flats.items()):
+    for index, layout in sorted(flats.items()):
+        slots = layout.slots
         size = optim.flat(index, FP32).shape[0]
-        owners = {len(s.ranks) or topo.dp for s in slots}
+        mine: tuple[Any, ...] = slots
         if topo.zero_stage == 3:
             need = sum(s.partition for s in slots)
             if need != size:
                 problems.append(f"flat {index} holds {size} elements, metadata's partitions of its parameters {need}")
         else:
-            partitions = {s.partition for s in slots}
-            files = slots[0].ranks or tuple(range(topo.dp))
-            expected = saved_numel(max(s.offset + s.numel for s in slots), min(partitions), files.index(rank))
-            if len(partitions) != 1 or size != expected:
+            files = slots[0].ranks or range(topo.dp)
+            position = files.index(rank)
+            expected = saved_numel(layout.end, min(layout.partitions), position)
+            if len(layout.partitions) != 1 or size != expected:
                 problems.append(
                     f"flat {index} holds {size} elements, metadata says {expected} (partitions of "
-                    f"{sorted(partitions)}, parameters up to element {max(s.offset + s.numel for s in slots)})"
+                    f"{sorted(layout.partitions)}, parameters up to element {layout.end})"
                 )
-            mine = [rank_fragment(s, topo.zero_stage, topo.dp, rank) for s in slots]
-            ends = [f.src + f.numel for f in mine if f is not None]
+            mine = layout.by_position.get(position, ())
+            frags = [rank_fragment(s, topo.zero_stage, topo.dp, rank) for s in mine]
+            ends = [f.src + f.numel for f in frags if f is not None]
             if ends and max(ends) > size:
                 problems.append(
                     f"flat {index}: metadata places parameters up to element {max(ends)} of this rank's {size}"
                 )
-            spans = sorted((s.offset, s.offset + s.numel, s.name) for s in slots)
-            for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
-                if start_b < end_a:
-                    problems.append(f"flat {index}: metadata overlaps {a} and {b}")
-        if isinstance(counts, list) and index < len(counts) and int(counts[index]) not in owners:
+            problems += layout.overlaps
+        if isinstance(counts, list) and index < len(counts) and int(counts[index]) not in layout.owners:
             problems.append(
                 f"partition_count of flat {index} is {counts[index]}, metadata partitions it over "
-                f"{sorted(owners)} ranks"
+                f"{sorted(layout.owners)} ranks"
             )
-        elif isinstance(counts, int) and counts not in owners:
-            problems.append(f"partition_count is {counts}, metadata partitions over {sorted(owners)} ranks")
-        limit = size if topo.zero_stage == 3 else max(size, *(s.partition for s in slots))
+        elif isinstance(counts, int) and counts not in layout.owners:
+            problems.append(f"partition_count is {counts}, metadata partitions over {sorted(layout.owners)} ranks")
+        limit = size if topo.zero_stage == 3 else max(size, *layout.partitions)
         for key in optim.state_keys(index):  # ZeRO-1/2 may keep a state's alignment padding, not the fp32's
             if not size <= optim.flat(index, key).shape[0] <= limit:
                 problems.append(
@@ -176,7 +235,7 @@ def check_optim(meta: SaveMeta, optim: OptimRankFile, rank: int) -> list[str]:
                     f"the fp32 partition {size}"
                 )
         if mappings is not None and index < len(mappings):
-            problems += _check_mapping(slots, mappings[index] or {}, index, rank, topo.zero_stage, topo.dp)
+            problems += _check_mapping(list(mine), mappings[index] or {}, index, rank, topo.zero_stage, topo.dp)
     return problems
 
 

@@ -26,7 +26,14 @@ from ucp_deepspeed.geometry.fragments import fragments, fragments_in
 from ucp_deepspeed.io.swap_file import SwapTensor
 from ucp_deepspeed.io.torch_file import IndexedArchive, LazyTensor, Span, StorageSpan, TorchFile
 from ucp_deepspeed.naming.rules import parse_rules
-from ucp_deepspeed.sources.consistency import check_model_states, check_optim, check_steps, check_whole, fail
+from ucp_deepspeed.sources.consistency import (
+    check_model_states,
+    check_optim,
+    check_steps,
+    check_whole,
+    fail,
+    flat_layouts,
+)
 from ucp_deepspeed.sources.infer import infer_metas
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
@@ -419,7 +426,10 @@ class NativeCheckpoint:
             else:
                 optims = [rank.optim(d) for d in range(topo.dp)]
                 try:
-                    problems += [(o.path, p) for d, o in enumerate(optims) for p in check_optim(rank.meta, o, d)]
+                    layouts = flat_layouts(rank.meta)
+                    problems += [
+                        (o.path, p) for d, o in enumerate(optims) for p in check_optim(rank.meta, o, d, layouts)
+                    ]
                 except ValueError as exc:  # fragments that cannot cover a parameter
                     problems.append((rank.optim_paths[0], str(exc)))
                 problems += [(self.tag_dir, p) for p in check_steps(optims)]
