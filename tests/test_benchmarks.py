@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, torch_env
 
-PROGRESS = re.compile(r"^(== |source |  resume at )")
+PROGRESS = re.compile(r"^(== |source |  resume at |  resume |  convert )")
 
 
 def run_benchmark(script: str, *args: str, capsys: pytest.CaptureFixture) -> str:
@@ -87,3 +87,10 @@ def test_resume_benchmark_smoke(tmp_path, capsys):
         for r in mine:
             if r[2] == "ours, direct":
                 assert r[9].endswith("kB") and r[11] == "0.0 kB", r  # log lines at most; no checkpoint bytes
+
+
+@pytest.mark.bench
+def test_scale_benchmark_smoke(capsys):
+    output = run_benchmark("bench_scale.py", capsys=capsys)
+    assert "| shrink to 3/4, ZeRO-1 | 64 | 48 |" in output
+    assert "| 64 | 8 |" in output and "1T parameters" in output
