@@ -90,7 +90,7 @@ def local_shape(layout: Layout, full: tuple[int, ...], tp: int) -> tuple[int, ..
     return tuple(shape)
 
 
-def _zero12(sizes: list[tuple[str, int]], dp: int) -> list[list[tuple[str, int, int]]]:
+def zero12_ranges(sizes: list[tuple[str, int]], dp: int) -> list[list[tuple[str, int, int]]]:
     """Per DP rank, (parameter, start, numel) of one param group's flat buffer cut as ZeRO-1/2 cuts it."""
     total = sum(n for _, n in sizes)
     partition = -(-total // (2 * dp)) * 2
@@ -105,7 +105,7 @@ def _zero12(sizes: list[tuple[str, int]], dp: int) -> list[list[tuple[str, int, 
     return owned
 
 
-def _zero3(sizes: list[tuple[str, int]], dp: int) -> list[list[tuple[str, int, int]]]:
+def zero3_ranges(sizes: list[tuple[str, int]], dp: int) -> list[list[tuple[str, int, int]]]:
     """Per DP rank, (parameter, start, numel) of what ZeRO-3 gives it: ceil(numel / dp) of every parameter."""
     owned: list[list[tuple[str, int, int]]] = [[] for _ in range(dp)]
     for name, numel in sizes:
@@ -129,7 +129,7 @@ def plan(
             ]
             per_dp: list[list[Owned]] = [[] for _ in range(target.dp)]
             groups = sorted({g for *_, g in mine})
-            cut = _zero3 if target.zero_stage == 3 else _zero12
+            cut = zero3_ranges if target.zero_stage == 3 else zero12_ranges
             for group in groups if target.zero_stage != 3 else [None]:
                 sizes = [(n, k) for n, k, g in mine if group is None or g == group]
                 for dp_rank, runs in enumerate(cut(sizes, target.dp)):

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from simulate import zero3_ranges, zero12_ranges
 
 from ucp_deepspeed import UniversalCheckpoint, convert
 from ucp_deepspeed.convert.direct import DirectCheckpoint
@@ -22,33 +23,6 @@ from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.sources import NativeCheckpoint
 
 TAG = "global_step3"
-
-
-def zero12_ranges(sizes: list[tuple[str, int]], world: int) -> list[list[tuple[str, int, int]]]:
-    """Per rank, (parameter, start, numel) of the pieces it owns of one param group cut as ZeRO-1/2 cuts it."""
-    total = sum(n for _, n in sizes)
-    partition = -(-total // (2 * world)) * 2
-    owned: list[list[tuple[str, int, int]]] = [[] for _ in range(world)]
-    offset = 0
-    for name, numel in sizes:
-        for rank in range(offset // partition, min(world, -(-(offset + numel) // partition))):
-            lo, hi = max(offset, rank * partition), min(offset + numel, (rank + 1) * partition)
-            if lo < hi:
-                owned[rank].append((name, lo - offset, hi - lo))
-        offset += numel
-    return owned
-
-
-def zero3_ranges(sizes: list[tuple[str, int]], world: int) -> list[list[tuple[str, int, int]]]:
-    """Per rank, (parameter, start, numel) of the pieces ZeRO-3 gives it: ceil(numel / world) of every parameter."""
-    owned: list[list[tuple[str, int, int]]] = [[] for _ in range(world)]
-    for name, numel in sizes:
-        piece = -(-numel // world)
-        for rank in range(world):
-            start = rank * piece
-            if start < numel:
-                owned[rank].append((name, start, min(piece, numel - start)))
-    return owned
 
 
 @pytest.fixture(scope="module")
