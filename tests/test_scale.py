@@ -164,3 +164,11 @@ def test_real_engines_restore_a_1024_rank_checkpoint(tmp_path, monkeypatch, sour
     print(
         f"1024 -> {world} ZeRO-{source_stage} -> ZeRO-{stage}: {elapsed:.0f} s, {1000 * elapsed / world:.0f} ms a rank"
     )
+
+
+def test_a_tensor_parallel_change_at_512_ranks_is_exact(saved):
+    """TP2 x PP2 x DP128 resumed at TP1 x PP2 x DP256: a parameter the change cuts differently is merged whole from
+    its two saved shards by every rank that holds part of it (the bound this costs is stated in the docs)."""
+    spec, synthetic = saved(128, 1, tp=2, pp=2)
+    sim = run((spec, synthetic), Target(256, 1, tp=1, pp=2))
+    assert all(c.stats.metadata_bytes == 0 for c in sim.costs)

@@ -22,7 +22,7 @@ from ucp_deepspeed.format.metadata import (
 )
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.swap import SWAP_RECORD, read_swap_records
-from ucp_deepspeed.geometry.fragments import fragments, fragments_in
+from ucp_deepspeed.geometry.fragments import fragments_in
 from ucp_deepspeed.io.swap_file import SwapTensor
 from ucp_deepspeed.io.torch_file import IndexedArchive, LazyTensor, Span, StorageSpan, TorchFile
 from ucp_deepspeed.naming.rules import parse_rules
@@ -164,18 +164,9 @@ class RankFiles:
 
     def read_param(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """One state (`fp32` or an optimizer key) of this rank's share of a parameter, from every DP rank."""
-        topo = self.meta.topology
-        if topo.unpartitioned:
+        if self.meta.topology.unpartitioned:
             return self._read_whole(slot, state)
-        out = torch.empty(slot.numel, dtype=torch.float32)
-        for frag in fragments(slot, topo.zero_stage, topo.dp):
-            lazy = self.optim(frag.rank).flat(slot.flat, state)
-            if lazy.dtype != torch.float32:
-                raise CheckpointError(
-                    self.optim_paths[frag.rank], f"{state} of flat buffer {slot.flat} is {lazy.dtype}, expected float32"
-                )
-            lazy.read(frag.src, frag.numel, out=out[frag.dst : frag.dst + frag.numel])
-        return out.view(slot.shape)
+        return self.read_param_range(slot, state, 0, slot.numel).view(slot.shape)
 
     def read_param_range(self, slot: ParamSlot, state: str, start: int, numel: int) -> torch.Tensor:
         """Elements [start, start+numel) of one state of this rank's share of a parameter, flattened: only the
