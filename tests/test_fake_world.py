@@ -186,19 +186,31 @@ def test_every_rank_restores_a_real_dp2_checkpoint(sources, references, source, 
         )
 
 
-def save_every_rank(out: Path, world: int, stage: int) -> Path:
-    """Train `inprocess.Net` 3 steps and save it on every rank of the world, one after another: DeepSpeed's real
-    save, each rank writing its own partition's file (gradients are not reduced over the fake group, so the ranks'
-    partitions come from runs that differ; every file is still what DeepSpeed writes at that rank and world)."""
+def save_every_rank(out: Path, world: int, stage: int, build: Callable[[], Any] | None = None) -> Path:
+    """Train 3 steps and save on every rank of the world, one after another (`build()`, by default `inprocess.Net`
+    at `stage`): DeepSpeed's real save, each rank writing its own partition's file (gradients are not reduced over the
+    fake group, so the ranks' partitions come from runs that differ; every file is still what DeepSpeed writes at
+    that rank and world).
+
+    The fake backend moves no data, so two ZeRO-3 safeguards that compare ranks through it are switched off: the
+    check that every rank traced the same module order (a broadcast that leaves other ranks at -1), and the
+    non-finite gradient norm, which would skip the step (the gradients are reduced into uninitialised memory) and
+    leave a rank with no optimizer state to save."""
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+    import deepspeed.runtime.zero.stage3 as stage3
+
     fake = FakeWorld(world)
-    for rank in range(world):
-        with fake.rank(rank):
-            engine = inprocess.build(stage)
-            try:
-                inprocess.train(engine, 3)
-                engine.save_checkpoint(str(out))
-            finally:
-                engine.destroy()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(coordinator, "assert_ints_same_as_other_ranks", lambda ints: None)
+        patch.setattr(stage3, "is_invalid_grad_norm", lambda norm: False)
+        for rank in range(world):
+            with fake.rank(rank):
+                engine = build() if build is not None else inprocess.build(stage)
+                try:
+                    inprocess.train(engine, 3)
+                    engine.save_checkpoint(str(out))
+                finally:
+                    engine.destroy()
     return out
 
 

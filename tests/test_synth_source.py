@@ -24,8 +24,8 @@ import inprocess
 import pytest
 import torch
 import torch.distributed as dist
-from fakeworld import FakeWorld
 from synth_source import Synthetic, SynthSpec, SynthTensor, gpt_stack, synthesize
+from test_fake_world import save_every_rank
 
 import ucp_deepspeed
 from ucp_deepspeed import UniversalCheckpoint, convert
@@ -158,32 +158,6 @@ def build_tp(stage: int) -> Any:
     return ucp_deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=GroupsMpu(2))[0]
 
 
-def save_world(out: Path, world: int, build: Callable[[], Any]) -> Path:
-    """Train 3 steps and save on every rank of a fake world, one after another: each rank's files are what
-    DeepSpeed writes at that rank and world.
-
-    The fake backend moves no data, so two ZeRO-3 safeguards that compare ranks through it are switched off: the
-    check that every rank traced the same module order (a broadcast that leaves other ranks at -1), and the
-    non-finite gradient norm, which would skip the step (the gradients are reduced into uninitialised memory) and
-    leave a rank with no optimizer state to save."""
-    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
-    import deepspeed.runtime.zero.stage3 as stage3
-
-    fake = FakeWorld(world)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(coordinator, "assert_ints_same_as_other_ranks", lambda ints: None)
-        patch.setattr(stage3, "is_invalid_grad_norm", lambda norm: False)
-        for rank in range(world):
-            with fake.rank(rank):
-                engine = build()
-                try:
-                    inprocess.train(engine, 3)
-                    engine.save_checkpoint(str(out))
-                finally:
-                    engine.destroy()
-    return out
-
-
 REAL = {
     "dp4-zero1": (4, lambda: inprocess.build(1), SynthSpec(dp=4, zero_stage=1, tensors=NET)),
     "dp4-zero2": (4, lambda: inprocess.build(2), SynthSpec(dp=4, zero_stage=2, tensors=NET)),
@@ -226,7 +200,7 @@ def real_saves(tmp_path_factory) -> Callable[[str], Path]:
     def save(case: str) -> Path:
         if case not in made:
             world, build, _ = REAL[case]
-            made[case] = save_world(tmp_path_factory.mktemp("real") / case, world, build)
+            made[case] = save_every_rank(tmp_path_factory.mktemp("real") / case, world, 0, build)
         return made[case]
 
     return save

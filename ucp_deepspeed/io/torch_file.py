@@ -257,18 +257,23 @@ class StorageSpan:
     dtype: str
 
 
+def _open(path: str) -> int:
+    """A read-only descriptor of a rank file; a missing or unreadable one is a `CheckpointError` naming it."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointError(path, "file is missing") from None
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+
+
 class IndexedArchive:
     """A torch archive read at the offsets another rank recorded (`StorageSpan`s), after that rank checked its zip
     directory, pickle and save id; what is read here is noted for that rank's CRC check (`pieces`) like any read."""
 
     def __init__(self, path: str, verify: bool = True):
         self.path = str(path)
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(self.path, "file is missing") from None
-        except OSError as exc:
-            raise CheckpointError(self.path, f"cannot open ({exc.strerror})") from None
+        self._fd = _open(self.path)
         record(files=1)
         self._records = _Records(self.path, self._fd, os.fstat(self._fd).st_size, [], verify)
 
@@ -302,12 +307,7 @@ class TorchFile:
     def __init__(self, path: str, verify: bool = True):
         self.path = str(path)
         self._fd = -1
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(self.path, "file is missing") from None
-        except OSError as exc:
-            raise CheckpointError(self.path, f"cannot open ({exc.strerror})") from None
+        self._fd = _open(self.path)
         self.size = os.fstat(self._fd).st_size
         try:
             with zipfile.ZipFile(self.path) as zf:
