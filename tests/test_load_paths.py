@@ -65,18 +65,29 @@ def test_converted_reshard_of_megatron_tp_pp_and_experts(megatron_sources, tmp_p
 
 def test_direct_reshard_checks_every_byte_it_read(sources, tmp_path):
     """A flipped byte in a rank file that one of the 3 ranks reads: every rank reads its share, the reads are
-    checked before anything is written, and every rank raises the CRC error with its engine as it was."""
+    checked before anything is written, and every rank raises the CRC error with its engine as it was.
+
+    The same launch checks the two other ways one rank can fail the others: a RuntimeError or a MemoryError on
+    rank 1 halfway through staging its share is raised, named, on every rank, with every engine as it was; and rank
+    0 taking longer over the tag's metadata (6 s) than the training group's timeout (2 s) does not fail the load,
+    since the other ranks wait for it on the checkpointer's own group."""
     src = tmp_path / "z1"
     shutil.copytree(sources["z1"], src, ignore=shutil.ignore_patterns("*.universal"))
     optim = src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bytearray(optim.read_bytes())
     data[len(data) // 2] ^= 0x01
     optim.write_bytes(bytes(data))
+    healthy = str(sources["z1"])
     out = tmp_path / "errors.json"
-    torchrun(3, "load", "--expect-error", "--variant", "z2", "--source", str(src), "--results", str(out))
-    (outcome,) = load_results(out)
-    errors = set(outcome["errors"])
+    cases = [str(src), f"{healthy}!RuntimeError", f"{healthy}!MemoryError", f"{healthy}!slow"]
+    torchrun(3, "load", "--expect-error", "--variant", "z2", "--results", str(out), "--source", *cases)
+    damaged, *injected, slow = load_results(out)
+    errors = set(damaged["errors"])
     assert len(errors) == 1 and None not in errors, errors
     assert f"{optim}: record" in errors.pop()
-    assert outcome["changed"] == [[], [], []] and outcome["step"] == [None, None, None], outcome
+    for outcome in (damaged, *injected):
+        assert outcome["changed"] == [[], [], []] and outcome["step"] == [None, None, None], outcome
+    for outcome, kind in zip(injected, ("RuntimeError", "MemoryError")):
+        assert outcome["errors"] == [f"rank 1: {kind}: injected on rank 1"] * 3, outcome
+    assert slow["errors"] == [None, None, None], slow
     assert not list(src.glob("*.universal"))

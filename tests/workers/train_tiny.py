@@ -16,17 +16,21 @@ One launch handles several checkpoints, because each launch pays for importing D
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import functools
 import json
 import math
 import os
 import shutil
 import tempfile
+import time
 
 import common  # tests/workers/common.py, next to this script
 import deepspeed
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from compare import compare  # tests/workers/compare.py, next to this script
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -407,16 +411,66 @@ def gathered(value: object) -> list:
     return everyone
 
 
+@contextlib.contextmanager
+def fault(name: str):
+    """What a source's `!NAME` suffix injects into its load:
+
+    - `RuntimeError`, `MemoryError`: rank 1 raises it at its third read while it stages its share (mid-restore);
+    - `slow`: the default process group's timeout drops to 2 s and rank 0 takes 6 s over the tag's metadata, while
+      the other ranks wait for it (the collective timeout NCCL would enforce)."""
+    if not name:
+        yield
+        return
+    from ucp_deepspeed.runtime import checkpointer, restore
+
+    if name == "slow":
+        real = checkpointer.tag_metas
+
+        def slow_metas(*a, **k):
+            time.sleep(6)
+            return real(*a, **k)
+
+        checkpointer.tag_metas = slow_metas if dist.get_rank() == 0 else real
+        c10d._set_pg_timeout(datetime.timedelta(seconds=2), None)
+        try:
+            yield
+        finally:
+            checkpointer.tag_metas = real
+            c10d._set_pg_timeout(datetime.timedelta(minutes=10), None)
+        return
+    real_reader = restore._reader
+
+    def failing_reader(*a, **k):
+        read, calls = real_reader(*a, **k), [0]
+
+        def read_or_fail(*ra, **rk):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise {"RuntimeError": RuntimeError, "MemoryError": MemoryError}[name]("injected on rank 1")
+            return read(*ra, **rk)
+
+        return read_or_fail
+
+    restore._reader = failing_reader if dist.get_rank() == 1 else real_reader
+    try:
+        yield
+    finally:
+        restore._reader = real_reader
+
+
 def do_expect_error(args: argparse.Namespace) -> None:
-    """Load each source (`DIR` or `DIR#TAG`) that should fail; every rank must raise the same error. Each engine
-    trains a step first; what the failed load changed in it, and whether it then refuses a step, are recorded."""
+    """Load each source (`DIR`, `DIR#TAG`, either with `!FAULT`: `fault`) that should fail; every rank must raise
+    the same error. Each engine trains a step first; what the failed load changed in it, and whether it then
+    refuses a step, are recorded."""
     outcomes = []
     for source in args.source:
-        load_dir, _, tag = source.partition("#")
+        spec, _, injected = source.partition("!")
+        load_dir, _, tag = spec.partition("#")
         engine = build(args.variant[0])
         train(engine, 1)
         before = snapshot(engine)
-        error = attempt(functools.partial(engine.load_checkpoint, load_dir, tag=tag or None))
+        with fault(injected):
+            error = attempt(functools.partial(engine.load_checkpoint, load_dir, tag=tag or None))
         changed = compare(before, snapshot(engine)) if error is not None else []
         refused = attempt(functools.partial(train, engine, 1)) if error is not None else None
         outcomes.append(

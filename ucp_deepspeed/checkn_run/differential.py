@@ -35,6 +35,7 @@ from ucp_deepspeed.checkn_run.tracking import RowTracker, check_optimizer, find_
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.universal import atomic_write
 from ucp_deepspeed.runtime.capture import live_params
+from ucp_deepspeed.runtime.collective import barrier
 
 
 def new_baseline_pays(history: list[float], fraction: float) -> bool:
@@ -113,7 +114,7 @@ class DifferentialSaver:
                 shutil.rmtree(out)
             os.makedirs(out)
             atomic_write(os.path.join(out, MARKER), b"")
-        dist.barrier()
+        barrier()
         extra = {
             "save_id": save_id,
             "differential": {
@@ -129,7 +130,7 @@ class DifferentialSaver:
         _, nbytes = write_live(engine, out, client_state, tables, extra)
         if dist.get_rank() == 0 and save_latest:
             atomic_write(os.path.join(save_dir, "latest"), tag.encode())
-        dist.barrier()
+        barrier()
         self.chain, self.chain_ids = chain, ids
         if kind == "baseline":
             self.since_baseline = {m: torch.zeros_like(f) for m, f in self.since_baseline.items()}

@@ -21,6 +21,7 @@ A load is one pipeline, each step callable on its own:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -44,7 +45,17 @@ from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalChec
 from ucp_deepspeed.io.swap_file import file_block_crcs
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import describe, optimizer_record, same_stage, topology
-from ucp_deepspeed.runtime.collective import all_ok, everywhere, from_rank0, guarded, on_rank0, to_rank0
+from ucp_deepspeed.runtime.collective import (
+    all_ok,
+    barrier,
+    coordinated,
+    coordination_group,
+    everywhere,
+    from_rank0,
+    guarded,
+    on_rank0,
+    to_rank0,
+)
 from ucp_deepspeed.runtime.config import UniversalConfig
 from ucp_deepspeed.runtime.gate import Gate
 from ucp_deepspeed.runtime.mpu import megatron_moe_layers
@@ -100,6 +111,17 @@ class Source:
     """A converted copy to remove after the load (`keep: false`)."""
 
 
+def _coordinated(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` with the checkpointer's own group for every wait on another rank (`collective.coordinated`)."""
+
+    @functools.wraps(method)
+    def run(self: UniversalCheckpointer, *args: Any, **kwargs: Any) -> Any:
+        with coordinated(self.group):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class UniversalCheckpointer:
     """Universal checkpoints for one DeepSpeed engine (see the module docstring); built by `attach`."""
 
@@ -111,10 +133,11 @@ class UniversalCheckpointer:
         self.files = bind(engine, options.verify)
         self.gate = Gate()  # closed by a load that failed after it began writing into the engine
         compat.before_model_step(engine, lambda: self.gate.check("step"))
+        self.group = coordination_group(options.wait_minutes)
         # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
-        box = [uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None]
-        tdist.broadcast_object_list(box, src=0)
-        self._run_id, self._saves = box[0], itertools.count(1)
+        with coordinated(self.group):
+            self._run_id = from_rank0(uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None)
+        self._saves = itertools.count(1)
         self.saver = make_saver(engine, options)  # an extension's save in place of DeepSpeed's (Check-N-Run)
         self.last_load: LoadReport | None = None
         self.hf_config: dict[str, Any] | None = None  # the Hugging Face config of the weights loaded last
@@ -122,6 +145,7 @@ class UniversalCheckpointer:
 
     # --- saving -------------------------------------------------------------------------------------------------
 
+    @_coordinated
     def wait(self) -> None:
         """Block until a pending asynchronous or decoupled checkpoint is written on every rank and `latest` names it
         (collective); then apply retention."""
@@ -134,6 +158,7 @@ class UniversalCheckpointer:
             self._retain(self._prune_dir)
             self._prune_dir = None
 
+    @_coordinated
     def save(
         self,
         save_dir: str,
@@ -185,11 +210,12 @@ class UniversalCheckpointer:
         keep = self.options.keep_last
         if keep is None:
             return
-        tdist.barrier()  # every rank's files of the new tag are written before it counts as complete
+        barrier()  # every rank's files of the new tag are written before it counts as complete
         on_rank0(lambda: prune(save_dir, keep))
 
     # --- loading ------------------------------------------------------------------------------------------------
 
+    @_coordinated
     def load(
         self,
         load_dir: str,
@@ -229,10 +255,9 @@ class UniversalCheckpointer:
         # while loading leaves the engine as it was, so an older complete tag is tried next
         refused: list[str] = []
         first: CheckpointError | None = None
+        rank0 = tdist.get_rank() == 0  # one rank opens the tags
         while True:
-            box: list[Any] = [_pick_tag(load_dir, refused) if tdist.get_rank() == 0 else None]  # one rank opens
-            tdist.broadcast_object_list(box, src=0)
-            picked, failure = box[0]
+            picked, failure = from_rank0(guarded(lambda: _pick_tag(load_dir, refused) if rank0 else None))
             if failure:
                 raise first or CheckpointError(*failure)
             try:
@@ -259,7 +284,7 @@ class UniversalCheckpointer:
                 out = self._imported(fmt, folder)
                 return Source(folder, LoadReport("imported", fmt.name, live, out), self._opener(out))
         if os.path.isfile(os.path.join(load_dir, MANIFEST)):
-            ckpt = UniversalCheckpoint(load_dir, verify=self.options.verify)
+            ckpt = guarded(lambda: UniversalCheckpoint(load_dir, verify=self.options.verify))
             saved = ckpt.manifest.source.topology.describe()
             return Source(load_dir, LoadReport("universal", saved, live, load_dir), lambda: ckpt)
         return None
@@ -349,14 +374,26 @@ class UniversalCheckpointer:
 
     def run(self, source: Source, native: dict[str, Any], flags: tuple[bool, bool, bool]) -> tuple:
         """Load `source` into the engine: DeepSpeed's own load behind the gate, or ours (verify, stage, commit)."""
-        if source.open is None:
+        make = source.open
+        if make is None:
             self.files.expect(source.path, source.expect_save_id)
             self._report(source.report)
             with self.gate.writing(source.path):  # DeepSpeed writes as it reads: it cannot be staged
                 path, client = self._checked(os.path.dirname(source.path), native, os.path.basename(source.path))
             self.hf_config = source.hf_config
             return path, {k: v for k, v in (client or {}).items() if k in source.client_keys}
-        reader = source.open()
+        opened: list[TensorReader] = []
+
+        def open_reader() -> TensorReader:
+            opened.append(make())
+            return opened[0]
+
+        try:  # a reader one rank failed to open fails the load on every rank
+            reader = guarded(open_reader)
+        except CheckpointError:
+            for each in opened:
+                each.close()
+            raise
         try:
             client = restore(self.engine, reader, *flags, check_reads=source.check_reads, gate=self.gate)
         finally:
@@ -365,7 +402,7 @@ class UniversalCheckpointer:
             self.saver.restored(reader.manifest)
         self.hf_config = reader.manifest.hf_config
         self._report(source.report)
-        tdist.barrier()
+        barrier()
         if source.discard is not None and tdist.get_rank() == 0:
             remove_output(source.discard)
         return source.path, client

@@ -1,17 +1,55 @@
-"""Error fan-out for the ranks of a loading job: one rank's failure is raised on every rank.
+"""Coordination of the ranks of a loading or saving job: error fan-out, and waits with a bound of our own.
 
 A rank that raises alone leaves the others waiting in the next collective, so every step that can
 fail on some ranks only (reading files, converting a share of the parameters) ends in `all_ok`.
+
+Rank 0 alone does some unbounded work (picking and checking a tag, importing, replaying a Check-N-Run chain)
+while the others wait for its answer. Under NCCL a collective that waits longer than the training group's
+timeout (10 minutes by default) kills the job, so these object collectives run on a gloo group of our own
+(`coordination_group`) whose timeout the user sets (`"wait_minutes"`), independent of the training backend;
+`coordinated` makes it the group every helper here uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch.distributed as dist
 
 from ucp_deepspeed.errors import CheckpointError
+
+_GROUP: ContextVar[Any] = ContextVar("ucp_coordination_group", default=None)
+
+# torch's in-process test worlds (one rank at a time, or ranks as threads) have no peer to wait for and no store a
+# gloo group could meet over
+_IN_PROCESS = ("fake", "threaded")
+
+
+def coordination_group(minutes: float) -> Any:
+    """A gloo group over every rank whose collectives wait up to `minutes`; None in an in-process world
+    (collective: every rank calls it, in the same order)."""
+    if dist.get_backend() in _IN_PROCESS:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
+
+
+@contextlib.contextmanager
+def coordinated(group: Any) -> Iterator[None]:
+    """The helpers here use `group` (None: the default group) until the block ends."""
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+def barrier() -> None:
+    """Every rank has got here (collective)."""
+    dist.barrier(group=_GROUP.get())
 
 
 def failure_of(exc: BaseException) -> tuple[str, str]:
@@ -25,7 +63,7 @@ def failure_of(exc: BaseException) -> tuple[str, str]:
 def all_ok(failure: tuple[str, str] | None) -> None:
     """Raise the same error on every rank if any rank failed (collective)."""
     failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
+    dist.all_gather_object(failures, failure, group=_GROUP.get())
     first = next((f for f in failures if f), None)
     if first:
         raise CheckpointError(*first)
@@ -55,19 +93,19 @@ def to_rank0(obj: Any) -> list[Any] | None:
     """Every rank's `obj`, in rank order, on rank 0 and None elsewhere: what only rank 0 acts on (the pieces to
     CRC-check, the names to compare) crosses the network once, not once per rank (collective)."""
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
+    dist.gather_object(obj, gathered, dst=0, group=_GROUP.get())
     return gathered
 
 
 def from_rank0(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (collective)."""
     box = [obj if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_GROUP.get())
     return box[0]
 
 
 def everywhere(flag: bool) -> bool:
     """True when `flag` holds on every rank (collective)."""
     flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, flag)
+    dist.all_gather_object(flags, flag, group=_GROUP.get())
     return all(flags)

@@ -39,6 +39,10 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Show a tqdm progress bar on rank 0 during conversion."""
     async_save: bool = False
     """Write checkpoint files in a background thread: `save_checkpoint` returns once the state is in host memory."""
+    wait_minutes: float = Field(60.0, gt=0)
+    """How long a rank waits for another during a save or load (rank 0 picking and checking a tag, importing,
+    replaying a Check-N-Run chain) before the load fails on every rank. These waits run on a gloo group of their
+    own, so the training group's timeout (NCCL's 10 minutes) does not bound them."""
     extensions: dict[str, Any] = Field(default_factory=dict)
     """Sections extensions registered (`plugins.register_section`), e.g. Check-N-Run's `differential`, by name."""
     vocab_size: int = Field(0, ge=0)

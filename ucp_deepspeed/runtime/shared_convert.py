@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ucp_deepspeed.convert.core import finish, run_jobs
 from ucp_deepspeed.convert.output import claimed, default_output, prepare_output
 from ucp_deepspeed.convert.plan import plan_jobs, shard_jobs
-from ucp_deepspeed.runtime.collective import guarded, on_rank0, to_rank0
+from ucp_deepspeed.runtime.collective import from_rank0, guarded, on_rank0, to_rank0
 from ucp_deepspeed.sources import NativeCheckpoint
 
 log = logging.getLogger("ucp_deepspeed")
@@ -49,9 +49,7 @@ def convert_across_ranks(
             lock.enter_context(claimed(out, [src.tag_dir]))
             return prepare_output(src, out), out
 
-        box: list[Any] = [guarded(prepare if rank == 0 else lambda: None)]
-        dist.broadcast_object_list(box, src=0)
-        reusable, out = box[0]
+        reusable, out = from_rank0(guarded(prepare if rank == 0 else lambda: None))
         if reusable is None:
             return out
         records = guarded(
