@@ -15,6 +15,7 @@ from typing import Any
 
 import inprocess
 import pytest
+import torch
 from inprocess import build, differences, state, train
 
 from ucp_deepspeed import CheckpointError, convert
@@ -122,3 +123,25 @@ def test_a_native_load_that_fails_part_way_closes_the_engine_until_a_load_succee
     assert engine.ucp_last_load.mode == "native" and engine.global_steps == 2
     train(engine, 1)
     engine.save_checkpoint(str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_reshard_writes_into_the_engines_own_tensors(saved, stage):
+    """The ZeRO-1 tag into a trained ZeRO-2 or ZeRO-3 engine: every optimizer state and fp32 partition is the same
+    tensor after the load, its storage overwritten, none allocated beside it (what keeps a GPU's memory at the
+    engine's own during a restore; the staged copy is in host memory)."""
+    from ucp_deepspeed import compat
+
+    engine = build(stage, seed=1)
+    train(engine, 3)
+    opt = compat.base_optimizer(engine)
+    tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+    tensors += [p for g in opt.param_groups for p in g["params"]]
+    before = [(t.data_ptr(), t.clone()) for t in tensors]
+    engine.load_checkpoint(str(saved), tag=TAG3)
+    assert engine.ucp_last_load.mode == "resharded"
+    after = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+    after += [p for g in opt.param_groups for p in g["params"]]
+    assert len(after) == len(tensors) >= 4
+    assert [t.data_ptr() for t in after] == [ptr for ptr, _ in before]
+    assert not all(torch.equal(t, old) for t, (_, old) in zip(after, before)), "nothing was loaded"

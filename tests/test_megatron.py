@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import launch_jobs, load_results
+from fakeworld import FakeWorld
+from megatron.core import parallel_state as ps
 from safetensors.torch import load_file
 
+import ucp_deepspeed
 from ucp_deepspeed import CheckpointError, convert
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.tools.cli import main as cli_main
@@ -41,6 +44,8 @@ MOE_TARGETS = [
 # (world size, arch, zero, tp, pp, extra args, sources); sources are conftest's MEGATRON_SOURCES
 TARGETS = [
     pytest.param(1, "gpt", 1, 1, 1, (), ("gpt-z1-tp2", "gpt-z1-pp2"), id="gpt-z1-dp1<-tp2,pp2"),
+    # into TP=2: the two TP ranks get random streams of their own from stage 0's (`client_state_ok`)
+    pytest.param(2, "gpt", 1, 2, 1, (), ("gpt-z1-pp2",), id="gpt-z1-tp2<-pp2"),
     pytest.param(3, "gpt", 2, 1, 1, (), ("gpt-z2-tp2dp2", "gpt-z1-tp2"), id="gpt-z2-dp3<-z2tp2dp2,z1tp2", marks=SLOW),
     pytest.param(4, "gpt", 2, 2, 1, (), ("gpt-z2-tp2dp2",), id="gpt-z2-tp2dp2<-same-native", marks=SLOW),
     # a DP change at TP=2: each TP rank keeps its role, and its own client state (its random stream)
@@ -266,3 +271,17 @@ def test_tp_checkpoint_without_metadata_needs_rules(megatron_sources, tmp_path, 
     assert cli_main(["convert", str(bare), "--layout-rules", str(rules), "--output", str(out), "--no-progress"]) == 0
     report = diff(str(out), str(megatron_sources["gpt-z1-tp2"]))
     assert report.identical and len(report.states) > 40, report
+
+
+def test_context_parallelism_is_refused_at_initialize():
+    """megatron-core at CP=2 (rank 1 of 4, fake process groups): DeepSpeed would get a data-parallel group without
+    the context-parallel ranks, so `initialize` refuses before building an engine."""
+    with FakeWorld(4).rank(1):
+        ps.initialize_model_parallel(context_parallel_size=2, create_gloo_process_groups=False)
+        try:
+            assert ps.get_context_parallel_world_size() == 2 and ps.get_data_parallel_world_size() == 2
+            config = {"train_batch_size": 4, "optimizer": {"type": "Adam"}, "checkpoint": {"universal": True}}
+            with pytest.raises(NotImplementedError, match=r"context parallelism \(context_parallel_size=2\)"):
+                ucp_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
+        finally:
+            ps.destroy_model_parallel()

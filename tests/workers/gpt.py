@@ -23,11 +23,13 @@ import io
 import json
 import math
 import os
+import random
 import signal
 import time
 
 import common  # tests/workers/common.py, next to this script; puts launch/ on sys.path
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 import train_gpt  # launch/train_gpt.py, the reference script
@@ -129,25 +131,69 @@ def layout_name(args: argparse.Namespace) -> str:
 
 
 def rank_client_state(tp_rank: int, pp_rank: int) -> dict:
-    """Per-rank client state as Megatron-DeepSpeed keeps it: each model-parallel rank's own random stream."""
-    stream = torch.Generator().manual_seed(1000 + 100 * pp_rank + tp_rank)
-    return {"rng_state": stream.get_state(), "role": [tp_rank, pp_rank]}
+    """Per-rank client state as Megatron-DeepSpeed keeps it: `get_rng_state()`'s list of each model-parallel rank's
+    python, numpy, torch and tracker streams (seeded as megatron-core seeds them), and a plain per-rank entry."""
+    seed = 1000 + 100 * pp_rank
+
+    def gen(s: int) -> torch.Tensor:
+        return torch.Generator().manual_seed(s).get_state()
+
+    streams = {
+        "random_rng_state": random.Random(seed).getstate(),
+        "np_rng_state": np.random.RandomState(seed).get_state(),
+        "torch_rng_state": gen(seed),
+        "rng_tracker_states": {"data-parallel-rng": gen(seed), "model-parallel-rng": gen(seed + 2718 + tp_rank)},
+    }
+    return {"rng_state": [streams], "role": [tp_rank, pp_rank]}
 
 
 def own_role() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
 
 
+def _same(a: object, b: object) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return a == b
+
+
 def client_state_ok(client: dict, report: ucp_deepspeed.LoadReport) -> bool:
-    """A rank that keeps its role (same TP and PP sizes) gets its own saved client state, any other rank model-parallel
-    rank 0's (collective: true on every rank)."""
+    """A rank that keeps its role (same TP and PP sizes) gets its own saved client state. At other sizes each gets
+    model-parallel rank 0's plain entries and random streams of its own: none a saved rank's, the default ones
+    shared by the tensor-parallel ranks of a stage and the model-parallel one by no two of them (collective: true
+    on every rank)."""
 
     def sizes(desc: str) -> tuple[str, str]:
         found = dict(part.split("=") for part in desc.split() if "=" in part)
         return found.get("tp", "1"), found.get("pp", "1")
 
-    expected = rank_client_state(*own_role()) if sizes(report.saved) == sizes(report.live) else rank_client_state(0, 0)
-    ok = client.get("role") == expected["role"] and torch.equal(client.get("rng_state"), expected["rng_state"])
+    tp_rank, pp_rank = own_role()
+    if sizes(report.saved) == sizes(report.live):
+        ok = _same(client, rank_client_state(tp_rank, pp_rank))
+    else:
+        saved_tp, saved_pp = (int(n) for n in sizes(report.saved))
+        saved = [rank_client_state(t, p)["rng_state"][0] for t in range(saved_tp) for p in range(saved_pp)]
+        mine = client["rng_state"][0]
+        ok = client["role"] == [0, 0] and not any(
+            _same(mine[k], s[k]) for s in saved for k in s if k != "rng_tracker_states"
+        )
+        ok = ok and not any(
+            _same(v, s["rng_tracker_states"][n]) for s in saved for n, v in mine["rng_tracker_states"].items()
+        )
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (tp_rank, pp_rank, mine))
+        for tp, pp, theirs in everyone:
+            for key in ("random_rng_state", "np_rng_state", "torch_rng_state"):
+                ok = ok and _same(mine[key], theirs[key]) == (pp == pp_rank)
+            trackers = mine["rng_tracker_states"], theirs["rng_tracker_states"]
+            ok = ok and _same(*(t["data-parallel-rng"] for t in trackers)) == (pp == pp_rank)
+            ok = ok and _same(*(t["model-parallel-rng"] for t in trackers)) == ((tp, pp) == (tp_rank, pp_rank))
     flags: list = [None] * dist.get_world_size()
     dist.all_gather_object(flags, ok)
     return all(flags)

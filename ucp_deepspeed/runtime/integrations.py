@@ -10,7 +10,9 @@ HF Trainer and Accelerate also keep one RNG file per process (`rng_state_<i>.pth
 `rng_state.pth` for one process; `random_states_<i>.pkl`, which also holds Accelerate's step
 count). At a larger world size the new processes would find none and keep their seeded state, and
 an Accelerate process would also keep step 0 while the others continue. `install()` lets such a
-process restore the files of saved process `i mod n` instead.
+process restore the files of saved process `i mod n` instead (the step count with it), and then
+re-seeds its generators from that state and its own index (`rng.reseed_process`): two processes
+never continue on one stream. A process whose own file exists restores it as saved.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import deepspeed
 
 from ucp_deepspeed import compat
-from ucp_deepspeed.runtime import engine
+from ucp_deepspeed.runtime import engine, rng
 from ucp_deepspeed.runtime.config import UniversalConfig
 
 log = logging.getLogger("ucp_deepspeed")
@@ -109,14 +111,18 @@ def _load_rng_state_any_world(original: Any) -> Any:
         wanted = f"rng_state_{index}.pth" if world > 1 else "rng_state.pth"
         if found is None or os.path.basename(found) == wanted:
             return original(self, checkpoint)
+        saved_index = int(os.path.basename(found).removeprefix("rng_state").removesuffix(".pth").lstrip("_") or 0)
         log.info(
-            "ucp: process %d restores the RNG state saved as %s (saved at another world size)",
+            "ucp: process %d restores the RNG state saved as %s (saved at another world size)%s",
             index,
             os.path.basename(found),
+            "" if saved_index == index else ", then re-seeds from it: no two processes share a stream",
         )
         with tempfile.TemporaryDirectory() as tmp:  # the Trainer's own restore, which knows every device type
             os.symlink(found, os.path.join(tmp, wanted))
-            return original(self, tmp)
+            original(self, tmp)
+        if saved_index != index:
+            rng.reseed_process(index)
 
     return _load_rng_state
 
@@ -137,6 +143,9 @@ def _load_accelerator_state_any_world(original: Any) -> Any:
                 found,
             )
             bound.arguments["process_index"] = found  # accelerate uses it only to name that file
+            loaded = original(*bound.args, **bound.kwargs)
+            rng.reseed_process(index)
+            return loaded
         return original(*bound.args, **bound.kwargs)
 
     return load_accelerator_state

@@ -36,6 +36,15 @@ class MegatronMpu:
             raise RuntimeError(
                 "call megatron.core.parallel_state.initialize_model_parallel() before ucp_deepspeed.initialize"
             )
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1:
+            # DeepSpeed would reduce gradients over the data-parallel group alone, leaving the context-parallel
+            # ranks' halves of each sequence unsummed, and those ranks would write files of the same names
+            raise NotImplementedError(
+                f"megatron-core context parallelism (context_parallel_size={cp}) is not supported under DeepSpeed: "
+                "its data-parallel group leaves out the context-parallel ranks, so their gradients would never be "
+                "reduced together; train with context_parallel_size=1"
+            )
         self.ps = parallel_state
 
     def get_model_parallel_group(self) -> Any:

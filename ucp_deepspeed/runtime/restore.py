@@ -24,6 +24,7 @@ from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, GroupRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, decode_value
 from ucp_deepspeed.naming.experts import expert_blocks
+from ucp_deepspeed.runtime import rng
 from ucp_deepspeed.runtime.capture import (
     LiveParam,
     engine_dtype,
@@ -106,7 +107,7 @@ def check_compatible(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parame
 
     Pipeline stages each hold part of the model, so names are compared over all ranks together.
     """
-    problems, names = _problems(engine, ckpt, live)
+    problems, names = guarded(lambda: _problems(engine, ckpt, live))
     frozen = sorted(info.name for p, info in live.items() if not p.requires_grad)
     everyone = to_rank0((problems, sorted(names), frozen))
     found = from_rank0(_all_problems(ckpt, everyone) if everyone is not None else None)
@@ -270,7 +271,10 @@ class Staged:
     """What one rank read for a restore, held apart from the engine until every rank has read and checked its share.
 
     A load refused while reading (a damaged byte, a missing file, an error on another rank) then leaves the engine as
-    it was. `copies` are (engine tensor, value read) pairs and `installs` put new optimizer state, hyperparameters,
+    it was. What is read is held in host memory, and the commit copies it into the engine's own tensors (optimizer
+    states of the same shape included), so device memory never holds a second copy: per parameter of this rank's
+    partition the host holds 4 bytes of fp32 master plus 4 per optimizer state (12 for Adam) until the commit.
+    `copies` are (engine tensor, value read) pairs and `installs` put new optimizer state, hyperparameters,
     counters and the scheduler in place: both only touch memory. `refresh` runs last and may read again, but only
     bytes some rank has already read and checked: it rebuilds ZeRO-1/2's low-precision weights, whose other
     partitions are other ranks' (reading them is 3.5x faster on gloo than DeepSpeed's all-gather).
@@ -280,6 +284,12 @@ class Staged:
     installs: list[Callable[[], None]] = field(default_factory=list)
     refresh: list[Callable[[], None]] = field(default_factory=list)
     client: dict[str, Any] = field(default_factory=dict)
+
+
+def _host_like(flat: torch.Tensor) -> torch.Tensor:
+    """A staging buffer for a state of `flat` in host memory: the device holds only the engine's own state, which
+    the commit overwrites in place, so a restore needs no device memory beyond it."""
+    return torch.zeros(flat.shape, dtype=flat.dtype, device="cpu")
 
 
 def _state_install(
@@ -300,7 +310,7 @@ def _state_install(
         }
         state.clear()
         state.update(scalars)
-        state.update({k: kept[k].copy_(buf) if k in kept else buf for k, buf in bufs.items()})
+        state.update({k: kept[k].copy_(buf) if k in kept else buf.to(key.device) for k, buf in bufs.items()})
 
     return install
 
@@ -338,7 +348,7 @@ def _stage_zero12(
     read = _reader(engine, ckpt, live)
     keys = smap.keys if smap is not None else {}
     for i, group in enumerate(groups):
-        bufs = {k: torch.zeros_like(group.fp32) for k in keys}
+        bufs = {k: _host_like(group.fp32) for k in keys}
         with ckpt.batch():  # a partition's fragments of one source file are read in one request per run
             for lp in group.params:
                 fragment = compat.zero12_fragment(lp)
@@ -375,7 +385,7 @@ def _stage_whole(
         for p in group["params"]:
             out.copies.append((p.data, _own(read(p, FP32, 0, p.numel())).view(p.shape)))
             if smap is not None:
-                bufs = {k: read(p, saved, 0, p.numel()).view(p.shape).to(p.device) for k, saved in smap.keys.items()}
+                bufs = {k: read(p, saved, 0, p.numel()).view(p.shape) for k, saved in smap.keys.items()}
                 out.installs.append(_state_install(opt, g, p, ckpt, smap, {k: _own(v) for k, v in bufs.items()}))
 
 
@@ -399,7 +409,7 @@ def _stage_subgroup(
     opt: Any, sub: Any, read: Any, keys: dict[str, str], ckpt: TensorReader, smap: StateMap | None, out: Staged
 ) -> None:
     flat = sub.fp32
-    bufs = {k: torch.zeros_like(flat) for k in keys}
+    bufs = {k: _host_like(flat) for k in keys}
     with ckpt.batch():
         for p in sub.params:
             _, offset, partition, start = compat.zero3_position(opt, p)
@@ -469,8 +479,9 @@ def _stage_training_state(engine: Any, ckpt: TensorReader, load_lr_scheduler_sta
 def client_state(engine: Any, ckpt: TensorReader, state: dict[str, Any]) -> dict[str, Any]:
     """This rank's client state. DeepSpeed saves one per model-parallel rank (Megatron-DeepSpeed keeps each rank's
     RNG streams there): a rank that keeps its role, because the tensor- and pipeline-parallel sizes are unchanged,
-    gets its own rank's; at other sizes every rank gets model-parallel rank 0's, and entries that differed between
-    the saved ranks are named in a warning, since no rank's own value can follow it."""
+    gets its own rank's. At other sizes every rank gets model-parallel rank 0's, with the random states in it
+    re-seeded for the rank's role (`runtime.rng`); other entries that differed between the saved ranks are named in
+    a warning, since no rank's own value can follow it."""
     per_rank = state.get("client_states") or []
     saved = ckpt.manifest.source.topology
     live = topology(engine)
@@ -478,16 +489,26 @@ def client_state(engine: Any, ckpt: TensorReader, state: dict[str, Any]) -> dict
     if (saved.tp, saved.pp) == (live.tp, live.pp) and index < len(per_rank):
         return per_rank[index]
     first = state.get("client_state", {})
+    mp = model_parallel(engine)
+    role = rng.Role(mp.pp_rank, mp.tp_rank, max((r for _, r in expert_groups(engine).values()), default=0))
+    mine = rng.reseeded(first, role, f"{ckpt.root}/{MANIFEST}")
     if dist.get_rank() != 0:  # the same warning on every rank: only one reads every rank's client state for it
-        return first
-    varying = sorted({k for other in per_rank[1:] for k in first if not _same_value(first[k], other.get(k))})
+        return mine
+    varying = sorted(
+        {
+            k
+            for other in per_rank[1:]
+            for k in first
+            if k not in rng.RNG_KEYS and not rng.holds_rng(first[k]) and not _same_value(first[k], other.get(k))
+        }
+    )
     if varying:
         log.warning(
             "ucp: client_state entries %s differ between the saved model-parallel ranks; at this tensor/pipeline-"
             "parallel size every rank gets model-parallel rank 0's",
             varying,
         )
-    return first
+    return mine
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -565,11 +586,11 @@ def restore(
     or the NVMe path, which cannot stage) leaves `gate` closed: the engine refuses to step or save until a load
     succeeds.
     """
-    live = live_params(engine)
+    live = guarded(lambda: live_params(engine))
     check_compatible(engine, ckpt, live)
     # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
     load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.weights_only
-    smap = state_map(engine, ckpt) if load_optimizer_states else None
+    smap = guarded(lambda: state_map(engine, ckpt)) if load_optimizer_states else None
     staged = guarded(lambda: stage(engine, ckpt, live, smap, load_lr_scheduler_states, load_module_only))
     if check_reads is not None:
         check_reads()
