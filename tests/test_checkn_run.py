@@ -30,7 +30,7 @@ CASES = {  # name: (policy, extra options, saved at (dp, zero), resumed at (dp, 
     "one_shot": ("one_shot", [], (2, 1), (1, 2)),
     "incremental": ("incremental", [], (2, 2), (3, 1)),
     "intermittent": ("intermittent", [], (2, 1), (2, 3)),
-    "quantized": ("intermittent", ["--bits", "4", "--method", "adaptive"], (2, 1), (1, 1)),
+    "quantized": ("intermittent", ["--bits", "4", "--method", "adaptive"], (2, 3), (1, 1)),  # saved from ZeRO-3
 }
 
 

@@ -214,6 +214,39 @@ def zero12_fragment(lp: Any) -> tuple[int, int, int, Any] | None:
     )
 
 
+def owned_fragments(engine: Any, keys: list[str]) -> Callable[[Any], tuple[int, dict[str, Any]] | None]:
+    """For a trainable parameter of a ZeRO-1/2/3 engine: (its first element this rank holds, {"fp32": that piece of
+    the fp32 master, key: that piece of each optimizer state}), views into the engine's own tensors; None when this
+    rank holds none of it."""
+    import math
+
+    opt = engine.optimizer
+    state = base_optimizer(engine).state
+    if int(engine.zero_optimization_stage()) == 3:
+
+        def zero3(p: Any) -> tuple[int, dict[str, Any]] | None:
+            sub, offset, partition, start = zero3_position(opt, p)
+            numel = min(partition, math.prod(full_shape(p)) - start)
+            if numel <= 0:
+                return None
+            flat = opt.fp32_partitioned_groups_flat[sub]
+            held = state.get(flat, {})
+            return start, {"fp32": flat.narrow(0, offset, numel), **{k: held[k].narrow(0, offset, numel) for k in keys}}
+
+        return zero3
+    flats = {id(lp): group.fp32 for group in zero12_groups(opt) for lp in group.params}
+
+    def zero12(p: Any) -> tuple[int, dict[str, Any]] | None:
+        fragment = zero12_fragment(p)
+        if fragment is None:
+            return None
+        start, hp_start, numel, hp = fragment
+        held = state.get(flats[id(p)], {})
+        return start, {"fp32": hp, **{k: held[k].narrow(0, hp_start, numel) for k in keys}}
+
+    return zero12
+
+
 def relink_optimizer_states(opt: Any) -> None:
     """After optimizer states were replaced: make the per-parameter views (`safe_get_full_optimizer_state`)
     point at the new tensors."""
@@ -266,6 +299,12 @@ class NvmeSwap:
 def nvme_offload(engine: Any) -> bool:
     """Whether the engine offloads its optimizer to NVMe (ZeRO-3 swap files)."""
     return bool(engine.zero_nvme_offload_optimizer())
+
+
+def nvme_param_offload(engine: Any) -> bool:
+    """Whether ZeRO-3 swaps the engine's parameters to NVMe (`offload_param.device: nvme`)."""
+    offload = engine.zero_offload_param() if int(engine.zero_optimization_stage()) == 3 else None
+    return offload is not None and str(getattr(offload.device, "value", offload.device)) == "nvme"
 
 
 def nvme_swap(engine: Any, save_dir: str, tag: str) -> NvmeSwap | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ from ucp_deepspeed.runtime.capture import (
     param_groups,
     topology,
 )
+from ucp_deepspeed.runtime.collective import to_rank0
 from ucp_deepspeed.sources.keys import OPTIMIZER_WRAPPER_KEYS
 
 
@@ -92,10 +94,15 @@ def _state_keys(engine: Any) -> list[str]:
 
 def _param_groups(engine: Any) -> tuple[GroupRecord, ...]:
     base = engine.optimizer.optimizer
+    # ZeRO-3 hands a group its flat sub-groups only while it steps them: between steps its "params" are empty
+    flats: dict[int, list[torch.Tensor]] = {}
+    if int(engine.zero_optimization_stage()) == 3:
+        for sub in compat.zero3_subgroups(engine.optimizer):
+            flats.setdefault(sub.group, []).append(sub.fp32)
     groups = []
-    for group in base.param_groups:
+    for index, group in enumerate(base.param_groups):
         scalars = {}
-        for p in group["params"]:
+        for p in flats.get(index, group["params"]):
             if base.state.get(p):
                 scalars = {k: v for k, v in base.state[p].items() if not (torch.is_tensor(v) and v.dim() > 0)}
                 break
@@ -123,6 +130,7 @@ def write_live(
     placed = live_params(engine)
     records: list[FileRecord] = []
     params: dict[str, ParamRecord] = {}
+    whole = _gatherer(engine, keys)
     for p, info in placed.items():
         name = info.name
         shape = tuple(info.shape)
@@ -133,12 +141,10 @@ def write_live(
                 records.append(write_tensors(out, param_file(name), {VALUE: value}))
             params[name] = ParamRecord(shape, _dtype(p), 0, False, param_file(name), (VALUE,))
             continue
-        state = {FP32: safe_get_full_fp32_param(p).detach().cpu().reshape(shape)}
-        for key in keys:
-            state[key] = safe_get_full_optimizer_state(p, key).detach().cpu().reshape(shape)
+        state = whole(p, shape)
         spec = tables.get(name)
         file = param_file(name) if spec is None else table_file(name)
-        if rank0:
+        if state is not None:
             records.append(write_tensors(out, file, state if spec is None else _table_tensors(state, spec)))
         table = {} if spec is None else {"table": _table_record(spec, shape[0])}
         params[name] = ParamRecord(shape, _dtype(p), groups[p], True, file, (FP32, *keys), table)
@@ -176,6 +182,41 @@ def write_live(
         extra={**extra, **recorded_sections(model_spec(engine), engine.ucp.hf_config, optimizer_record(engine))},
     )
     return write_manifest(out, manifest, records), sum(r.nbytes for r in records)
+
+
+def _gatherer(engine: Any, keys: list[str]) -> Callable[[torch.nn.Parameter, tuple[int, ...]], dict | None]:
+    """whole(p, shape): a parameter's fp32 value and optimizer states, whole in host memory on rank 0 (the writer)
+    and None elsewhere (collective). Each rank sends only the piece it holds, so no rank but the writer ever holds
+    a whole table, and the writer one parameter at a time; DeepSpeed's `safe_get_full_*` would build each whole
+    value on every rank's device. An NVMe-offloaded optimizer keeps its states swapped out: there, DeepSpeed's."""
+    if compat.nvme_offload(engine):
+
+        def swapped(p: torch.nn.Parameter, shape: tuple[int, ...]) -> dict | None:
+            state = {FP32: safe_get_full_fp32_param(p).detach().cpu().reshape(shape)}
+            for key in keys:
+                state[key] = safe_get_full_optimizer_state(p, key).detach().cpu().reshape(shape)
+            return state if dist.get_rank() == 0 else None
+
+        return swapped
+    held = compat.owned_fragments(engine, keys)
+
+    def gathered(p: torch.nn.Parameter, shape: tuple[int, ...]) -> dict | None:
+        piece = held(p)
+        pieces = to_rank0(None if piece is None else (piece[0], {k: v.detach().cpu() for k, v in piece[1].items()}))
+        if pieces is None:
+            return None
+        numel = math.prod(shape)
+        out = {k: torch.empty(numel, dtype=torch.float32) for k in (FP32, *keys)}
+        filled = 0
+        for start, values in filter(None, pieces):
+            for key, value in values.items():
+                out[key if key != "fp32" else FP32].narrow(0, start, value.numel()).copy_(value)
+            filled += values["fp32"].numel()
+        if filled != numel:
+            raise RuntimeError(f"the ranks hold {filled} of the {numel} elements of a parameter of shape {shape}")
+        return {k: v.view(shape) for k, v in out.items()}
+
+    return gathered
 
 
 def _table_record(spec: TableSave, total: int) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Which embedding rows changed since the last checkpoint, recorded as they are looked up.
 
 A forward pre-hook on each tracked `nn.Embedding` / `nn.EmbeddingBag` sets one flag per looked-up
-row, so the cost is one indexed store per lookup, and nothing scans a table at save time. At save
+row, on the device, so the cost is one indexed store per lookup with no wait for the device, and nothing
+scans a table at save time. At save
 the flags of all ranks are OR-ed together with one all-reduce of a byte per row.
 
 A row that is not looked up gets a zero gradient. Under plain SGD or Adagrad without weight decay
@@ -56,7 +57,13 @@ class RowTracker:
 
     def __init__(self, tables: dict[str, torch.nn.Module]) -> None:
         self.tables = tables
-        self.flags = {name: torch.zeros(compat.full_shape(m.weight)[0], dtype=torch.bool) for name, m in tables.items()}
+        # on the device the lookups run on: setting a flag is then one kernel, with no copy of the ids to the host
+        # and no wait for the device on every forward
+        device = get_accelerator().current_device_name()
+        self.flags = {
+            name: torch.zeros(compat.full_shape(m.weight)[0], dtype=torch.bool, device=device)
+            for name, m in tables.items()
+        }
         self._hooks = [m.register_forward_pre_hook(self._hook(name)) for name, m in tables.items()]
         self.seconds = 0.0
         """Time spent flagging rows, so its overhead per step can be reported."""
@@ -74,9 +81,8 @@ class RowTracker:
     def take(self) -> dict[str, torch.Tensor]:
         """The rows looked up on any rank since the last call, per table (collective); the flags restart."""
         out = {}
-        device = get_accelerator().current_device_name()
         for name, flags in self.flags.items():
-            merged = flags.to(device=device, dtype=torch.uint8)
+            merged = flags.to(dtype=torch.uint8)
             if dist.is_initialized():
                 dist.all_reduce(merged, op=dist.ReduceOp.MAX)
             out[name] = merged.cpu().bool()
