@@ -438,3 +438,10 @@ def test_nvme_swap_and_zero3_resident(tmp_path):
         assert torch.equal(state["exp_avg_sq"], torch.full_like(flat, 3.0))
     with compat.zero3_resident(opt, 1):  # kept in memory: nothing to swap
         assert opt.fp32_partitioned_groups_flat[1].numel() == 600
+
+
+def test_nvme_param_offload(zero3, zero12):
+    """DeepSpeed's `zero_offload_param()` is read for its device: a ZeRO-3 engine keeping its parameters in memory
+    and a ZeRO-1/2 engine are not swapping to NVMe (the refusal itself: test_config)."""
+    assert not compat.nvme_param_offload(zero3) and not compat.nvme_param_offload(zero12)
+    assert zero3.zero_offload_param() is None

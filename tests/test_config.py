@@ -100,3 +100,33 @@ def test_differential_refuses_optimizers_that_move_untouched_rows():
     ):
         with pytest.raises(NotImplementedError, match="leaves rows without gradient unchanged"):
             check_optimizer(bad)
+
+
+def test_what_initialize_refuses_is_named():
+    """bf16 at ZeRO-0 with a client optimizer is DeepSpeed's FP16_UnfusedOptimizer (BF16_Optimizer needs fp32
+    gradient accumulation, and cannot be built on this CPU): refused at `initialize`, naming the wrapper and what
+    to use instead. ZeRO-3 with parameters swapped to NVMe is refused by name (checked on the predicate: building
+    one needs the async_io op)."""
+    from types import SimpleNamespace
+
+    import inprocess
+    import torch
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    import ucp_deepspeed
+    from ucp_deepspeed.runtime.capture import unsupported
+
+    inprocess.one_rank()
+    model = inprocess.Net()
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "checkpoint": {"universal": True}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with pytest.raises(
+        NotImplementedError,
+        match="bf16 at ZeRO stage 0, where DeepSpeed wraps the optimizer in its "
+        "FP16_UnfusedOptimizer; use zero_optimization.stage 1",
+    ):
+        ucp_deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = SimpleNamespace(
+        zero_optimization_stage=lambda: 3, zero_offload_param=lambda: SimpleNamespace(device=OffloadDeviceEnum.nvme)
+    )
+    assert "ZeRO-3 with offload_param.device nvme" in unsupported(engine)

@@ -134,3 +134,34 @@ def test_a_checkpoint_without_an_optimizer_record_maps_by_name(tmp_path):
         "exp_avg": "exp_avg",
         "exp_avg_sq": "exp_avg_sq",
     }
+
+
+def test_an_fp16_loss_scaler_is_carried_to_fp16_only():
+    """fp16 cannot run on this CPU, so the loss scaler's way through a reshard is checked alone: DeepSpeed's pickled
+    DynamicLossScaler, read without running code, kept as plain data in the universal state, rebuilt as the same
+    object for an fp16 engine (what the restore sets on its optimizer), and left out for a bf16 or fp32 one."""
+    import pickle
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from ucp_deepspeed import compat
+    from ucp_deepspeed.io.safe_pickle import loads
+    from ucp_deepspeed.io.torch_file import plain
+    from ucp_deepspeed.runtime.restore import wrapper_state
+
+    scaler = DynamicLossScaler(2.0**16, scale_window=100, min_scale=4.0, delayed_shift=2, consecutive_hysteresis=False)
+    scaler.cur_scale, scaler.cur_iter, scaler.last_overflow_iter, scaler.cur_hysteresis = 2.0**11, 57, 40, 1
+    saved = {"loss_scaler": scaler, "dynamic_loss_scale": True, "overflow": False, "clip_grad": 1.0}
+    universal = plain(loads(pickle.dumps(saved)))
+    assert not isinstance(universal["loss_scaler"], DynamicLossScaler)  # plain data, as the universal state keeps it
+    ckpt = SimpleNamespace(manifest=SimpleNamespace(source=SimpleNamespace(topology=SimpleNamespace(dtype="fp16"))))
+    wrapper = {k: compat.rebuild(v) for k, v in wrapper_state(ckpt, "fp16", {"optimizer_wrapper": universal}).items()}
+    assert type(wrapper["loss_scaler"]) is DynamicLossScaler and vars(wrapper["loss_scaler"]) == vars(scaler)
+    assert {k: v for k, v in wrapper.items() if k != "loss_scaler"} == {
+        "dynamic_loss_scale": True,
+        "overflow": False,
+        "clip_grad": 1.0,
+    }
+    assert wrapper["loss_scaler"].loss_scale == 2.0**11
+    for live in ("bf16", "fp32"):
+        assert wrapper_state(ckpt, live, {"optimizer_wrapper": universal}) == {}

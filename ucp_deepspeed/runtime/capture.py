@@ -27,11 +27,6 @@ from ucp_deepspeed.naming.model import ParamInfo, global_namer, param_infos
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.version import __version__
 
-UNSUPPORTED = (
-    "universal checkpointing needs a ZeRO optimizer (zero_optimization.stage 1, 2 or 3, bf16's BF16_Optimizer, "
-    "or a torch optimizer at stage 0 in fp32); fp16 without ZeRO is not supported"
-)
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -282,14 +277,25 @@ def param_groups(engine: Any) -> dict[Any, int]:
     return {p: i for i, group in enumerate(compat.zero12_groups(opt)) for p in group.params}
 
 
-def supported(engine: Any) -> bool:
-    """Whether the engine's optimizer keeps fp32 state this package knows how to describe: flat partitions, or
-    whole parameters stepped by a torch optimizer."""
+def unsupported(engine: Any) -> str | None:
+    """Why universal checkpointing cannot describe or restore this engine's training state, or None when it can."""
+    stage = int(engine.zero_optimization_stage())
+    if compat.nvme_param_offload(engine):
+        return (
+            "universal checkpointing does not support ZeRO-3 with offload_param.device nvme: parameters swapped "
+            "out to NVMe are not restored in place; offload them to cpu (offload_param.device cpu), or keep them "
+            "on the device"
+        )
+    if stage in (1, 2, 3) or compat.is_bf16_optimizer(engine.optimizer):
+        return None
+    if compat.is_unpartitioned(engine):
+        if expert_blocks(engine.module):  # DeepSpeed saves a MoE model's torch optimizer whole per expert rank
+            return "universal checkpointing does not support a MoE model at ZeRO stage 0; use stage 1, 2 or 3"
+        return None
     return (
-        int(engine.zero_optimization_stage()) in (1, 2, 3)
-        or compat.is_bf16_optimizer(engine.optimizer)
-        # DeepSpeed saves a MoE model's torch optimizer whole into per-expert-rank files at ZeRO-0: not described
-        or (compat.is_unpartitioned(engine) and not expert_blocks(engine.module))
+        f"universal checkpointing does not support {engine_dtype(engine)} at ZeRO stage 0, where DeepSpeed wraps "
+        f"the optimizer in its {type(engine.optimizer).__name__}; use zero_optimization.stage 1 (the same fp32 "
+        "masters, partitioned), or for bf16 set data_types.grad_accum_dtype to fp32 (DeepSpeed's BF16_Optimizer)"
     )
 
 
@@ -323,10 +329,10 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: di
         slots = _zero3_slots(engine.optimizer, names, placed)
     elif compat.is_unpartitioned(engine):
         slots = _whole_slots(engine.optimizer, names, placed, layer_files)
-    elif supported(engine):
+    elif unsupported(engine) is None:
         slots = _all_expert_ranks(engine, _zero12_slots(engine.optimizer, names, placed))
     else:
-        raise NotImplementedError(UNSUPPORTED)
+        raise NotImplementedError(unsupported(engine))
     owned = {s.local or s.name for s in slots}
     extras = []
     for name, p in module.named_parameters():

@@ -11,7 +11,7 @@ from typing import Any
 import deepspeed
 from deepspeed.pipe import PipelineModule
 
-from ucp_deepspeed.runtime.capture import UNSUPPORTED, supported
+from ucp_deepspeed.runtime.capture import unsupported
 from ucp_deepspeed.runtime.checkpointer import LoadReport, UniversalCheckpointer, checkpointer_of
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
 from ucp_deepspeed.runtime.mpu import MegatronMpu, megatron_initialized, megatron_moe_visible
@@ -63,8 +63,9 @@ def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
     """Make an existing engine save ucp metadata and load checkpoints of any topology (`engine.ucp` owns them)."""
     if checkpointer_of(engine) is not None:
         return engine
-    if not supported(engine):
-        raise NotImplementedError(UNSUPPORTED)  # refuse now rather than at the first save, mid-training
+    reason = unsupported(engine)
+    if reason is not None:
+        raise NotImplementedError(reason)  # refuse now rather than at the first save, mid-training
     checkpointer = UniversalCheckpointer(engine, options or UniversalConfig(enabled=True))
     engine.ucp = checkpointer
     engine.ucp_last_load = None
