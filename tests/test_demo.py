@@ -31,3 +31,20 @@ def test_demo_runs_and_shows_what_it_promises() -> None:
     compared = [line for line in out.splitlines() if "tensor states compared" in line]
     assert len(compared) == 2 and all(line.endswith("checkpoints are identical") for line in compared), out
     assert "no converted copy written" in out and "deepspeed checkpoint:" in out, out
+
+
+def test_gpu_smoke_refuses_to_start_without_cuda() -> None:
+    """launch/gpu_smoke.sh is for a machine with GPUs: here it says so and stops, before any launch."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / "gpu_smoke.sh")], env=torch_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "gpu_smoke: needs CUDA and at least 2 GPUs" in proc.stderr and "==" not in proc.stdout
+    script = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "gpu_smoke.py"), "tiny", "--out", "unused"],
+        env=torch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert script.returncode == 1 and "gpu_smoke: CUDA is not available" in script.stderr
