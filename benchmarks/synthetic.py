@@ -197,6 +197,7 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
                 "progress": False,
                 "verify": bool(args.verify),
                 "direct": bool(getattr(args, "direct", False)),
+                "refresh": getattr(args, "refresh", "auto"),
                 "layout_rules": [{"match": r"norm\..*", "layout": "replicated"}],
             }
         },
@@ -307,6 +308,9 @@ def main() -> None:
     parser.add_argument("--direct", action="store_true", help="load: reshard straight from the rank files")
     parser.add_argument("--deepspeed-universal", metavar="TAG", help="load: DeepSpeed's load_universal of TAG")
     parser.add_argument("--step", action="store_true", help="load: also time the first training step after it")
+    parser.add_argument(
+        "--refresh", default="auto", choices=["auto", "read", "gather"], help='load: the "refresh" option'
+    )
     parser.add_argument("--repeat", type=int, default=3, help="save: timed saves of each kind before the kept one")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--pp", type=int, default=1, help="a DeepSpeed PipelineModule of this many stages")

@@ -247,6 +247,12 @@ def owned_fragments(engine: Any, keys: list[str]) -> Callable[[Any], tuple[int, 
     return zero12
 
 
+def update_lp_params(opt: Any) -> None:
+    """Rebuild a ZeRO-1/2 (or BF16) optimizer's low-precision weights from the fp32 partitions: each rank copies its
+    own, then DeepSpeed all-gathers them over the data-parallel groups (collective)."""
+    opt.update_lp_params()
+
+
 def relink_optimizer_states(opt: Any) -> None:
     """After optimizer states were replaced: make the per-parameter views (`safe_get_full_optimizer_state`)
     point at the new tensors."""

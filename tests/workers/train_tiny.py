@@ -51,6 +51,8 @@ VARIANTS = {
     "z2": {"stage": 2, "dtype": "fp32"},
     "z3": {"stage": 3, "dtype": "fp32"},
     "bf16z1": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True},
+    # a target: low-precision weights rebuilt by all-gathering the partitions, as on NCCL (`"refresh": "gather"`)
+    "bf16z1gather": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True, "refresh": "gather"},
     "bf16z2": {"stage": 2, "dtype": "bf16"},
     "bf16z3": {"stage": 3, "dtype": "bf16"},
     "sgdz2": {"stage": 2, "dtype": "fp32", "optimizer": "sgd"},
@@ -154,6 +156,8 @@ def ds_config(variant: dict, dp: int, swap_dir: str = "") -> dict:
         "zero_optimization": {"stage": variant["stage"]},
         "checkpoint": {"universal": {"enabled": True, "progress": False, "direct": DIRECT[0]}},
     }
+    if variant.get("refresh"):
+        cfg["checkpoint"]["universal"]["refresh"] = variant["refresh"]
     if variant["stage"] == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     if variant.get("optimizer") in ("sgd", "adagrad"):

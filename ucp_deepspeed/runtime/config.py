@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, field_validator
@@ -39,6 +39,11 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Show a tqdm progress bar on rank 0 during conversion."""
     async_save: bool = False
     """Write checkpoint files in a background thread: `save_checkpoint` returns once the state is in host memory."""
+    refresh: Literal["auto", "read", "gather"] = "auto"
+    """How a ZeRO-1/2 restore rebuilds the low-precision weights, whose partitions other ranks hold: `read` reads
+    the rank's whole tensor- and pipeline-parallel share of fp32 masters again (4 bytes per parameter per rank, from
+    storage), `gather` all-gathers the partitions over the data-parallel group as DeepSpeed does after a step (no
+    read). `auto` gathers except on gloo, where reading measured faster."""
     wait_minutes: float = Field(60.0, gt=0)
     """How long a rank waits for another during a save or load (rank 0 picking and checking a tag, importing,
     replaying a Check-N-Run chain) before the load fails on every rank. These waits run on a gloo group of their

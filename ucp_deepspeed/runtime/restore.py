@@ -27,6 +27,7 @@ from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.runtime import rng
 from ucp_deepspeed.runtime.capture import (
     LiveParam,
+    attached_options,
     engine_dtype,
     expert_groups,
     live_params,
@@ -277,7 +278,8 @@ class Staged:
     `copies` are (engine tensor, value read) pairs and `installs` put new optimizer state, hyperparameters,
     counters and the scheduler in place: both only touch memory. `refresh` runs last and may read again, but only
     bytes some rank has already read and checked: it rebuilds ZeRO-1/2's low-precision weights, whose other
-    partitions are other ranks' (reading them is 3.5x faster on gloo than DeepSpeed's all-gather).
+    partitions are other ranks' (reading them is 3.5x faster on gloo than DeepSpeed's all-gather; elsewhere they
+    are all-gathered after the commit: `refresh_by_gathering`).
     """
 
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -362,6 +364,8 @@ def _stage_zero12(
             out.installs.append(_state_install(opt.optimizer, i, group.fp32, ckpt, smap, bufs))
     if smap is not None:
         out.installs.append(lambda: compat.relink_optimizer_states(opt))
+    if refresh_by_gathering(engine):
+        return  # after the commit, on every rank at once (`restore`)
 
     def refresh() -> None:
         # Each rank reads its whole low-precision weights, as DeepSpeed's native load reads the full model-states
@@ -372,6 +376,16 @@ def _stage_zero12(
                 lp.data.copy_(read(lp, FP32, 0, lp.numel()).view(lp.shape))
 
     out.refresh.append(refresh)
+
+
+def refresh_by_gathering(engine: Any) -> bool:
+    """Whether a ZeRO-1/2 restore rebuilds the low-precision weights by all-gathering the partitions (the
+    `refresh` option) rather than reading the rank's whole share of fp32 masters again."""
+    if int(engine.zero_optimization_stage()) not in (1, 2) and not compat.is_bf16_optimizer(engine.optimizer):
+        return False
+    options = attached_options(engine)
+    mode = options.refresh if options is not None else "auto"
+    return mode == "gather" or (mode == "auto" and dist.get_backend() != "gloo")
 
 
 def _stage_whole(
@@ -598,4 +612,6 @@ def restore(
         guarded(lambda: commit(staged))
         if int(engine.zero_optimization_stage()) == 3:
             compat.zero3_regather(engine.optimizer)  # persistent parameters from the new partitions (collective)
+        elif refresh_by_gathering(engine):
+            compat.update_lp_params(engine.optimizer)  # collective: outside `guarded`, which every rank has passed
     return staged.client
