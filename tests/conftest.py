@@ -155,6 +155,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 MEGATRON_SOURCES: dict[str, tuple[int, list[str]]] = {
     "gpt-z1-tp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "2", "--pp", "1"]),
     "gpt-z1-pp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "1", "--pp", "2"]),
+    # the layers as megatron-core's Transformer Engine spec names them (tests/workers/te_names.py)
+    "gpt-te-z1-tp2": (2, ["--arch", "gpt", "--zero", "1", "--tp", "2", "--pp", "1", "--te-names"]),
     "gpt-z2-tp2dp2": (4, ["--arch", "gpt", "--zero", "2", "--tp", "2", "--pp", "1"]),
     "llama-z1-tp2pp2": (4, ["--arch", "llama", "--zero", "1", "--tp", "2", "--pp", "2"]),
     "llama-z1-dp4": (4, ["--arch", "llama", "--zero", "1", "--tp", "1", "--pp", "1"]),

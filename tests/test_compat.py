@@ -445,3 +445,22 @@ def test_nvme_param_offload(zero3, zero12):
     and a ZeRO-1/2 engine are not swapping to NVMe (the refusal itself: test_config)."""
     assert not compat.nvme_param_offload(zero3) and not compat.nvme_param_offload(zero12)
     assert zero3.zero_offload_param() is None
+
+
+def test_megatron_transformer_engine_names():
+    """What the TE <-> local naming reads off megatron-core: its map between the two specs' norm names, the expert
+    classes by name (TEGroupedMLP cannot be built without Transformer Engine), and its TransformerLayer."""
+    from megatron.core.transformer.moe import experts
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    assert compat.megatron_fused_norms() == {
+        "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+        "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+    }
+    assert experts.TEGroupedMLP.__module__.startswith("megatron.core.transformer.moe")
+    assert experts.GroupedMLP.__module__.startswith("megatron.core.transformer.moe")
+    layer = TransformerLayer.__new__(TransformerLayer)
+    assert compat.is_megatron_transformer_layer(layer) and not compat.is_megatron_transformer_layer(
+        torch.nn.Linear(1, 1)
+    )
+    assert compat.megatron_grouped_experts(experts.SequentialMLP.__new__(experts.SequentialMLP)) is None

@@ -172,3 +172,41 @@ def test_rename_maps_prefixes_and_refuses_collisions():
     assert placed["0.weight"].name == "tied_modules.embed.weight" and placed["1.bias"].name == "1.bias"
     with pytest.raises(ValueError, match="would both be '1.weight'"):
         param_infos(net, net.named_parameters(), 1, rename={"0.": "1."})
+
+
+def _megatron_class(name: str, module: str) -> type:
+    """A stand-in for a megatron-core class that needs Transformer Engine or a GPU to build: same name and module,
+    so it is recognised as that class."""
+    return type(name, (torch.nn.Module,), {"__module__": module})
+
+
+def test_grouped_gemm_experts_are_named_as_sequential_ones():
+    """TEGroupedMLP keeps local expert i as `linear_fc1.weight<i>` (TE's GroupedLinear); in a checkpoint it is
+    SequentialMLP's `local_experts.<i>.linear_fc1.weight`, by global id: expert 1 of expert-parallel rank 1 of 2
+    local experts is expert 3. megatron-core's GroupedMLP, one fused weight for all local experts, is refused."""
+    from ucp_deepspeed.naming.model import global_namer
+
+    def moe(experts: torch.nn.Module) -> torch.nn.Module:
+        layer = _megatron_class("MoELayer", "megatron.core.transformer.moe.moe_layer")()
+        layer.num_local_experts, layer.expert_group_name, layer.experts = 2, "ep_size_2", experts
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        model.layers[0].mlp = layer
+        return model
+
+    grouped = _megatron_class("TEGroupedMLP", "megatron.core.transformer.moe.experts")()
+    for linear in ("linear_fc1", "linear_fc2"):
+        setattr(grouped, linear, torch.nn.Module())
+        for i in range(2):
+            getattr(grouped, linear).register_parameter(f"weight{i}", torch.nn.Parameter(torch.zeros(4, 4)))
+    to_global = global_namer(moe(grouped), {"ep_size_2": 1})
+    assert (
+        to_global("layers.0.mlp.experts.linear_fc1.weight1") == "layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
+    )
+    assert (
+        to_global("layers.0.mlp.experts.linear_fc2.weight0") == "layers.0.mlp.experts.local_experts.2.linear_fc2.weight"
+    )
+    fused = _megatron_class("GroupedMLP", "megatron.core.transformer.moe.experts")()
+    fused.weight1 = torch.nn.Parameter(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="layers.0.mlp.experts: megatron-core's GroupedMLP keeps all local experts"):
+        global_namer(moe(fused))

@@ -389,6 +389,29 @@ def is_megatron_moe(module: Any) -> bool:
     return type(module).__name__ == "MoELayer" and type(module).__module__.startswith("megatron.core.transformer.moe")
 
 
+def megatron_grouped_experts(module: Any) -> str | None:
+    """`te` for megatron-core's TEGroupedMLP (one weight per local expert: `linear_fc1.weight<i>`), `fused` for its
+    GroupedMLP (all local experts in one `weight1` / `weight2`), None for anything else."""
+    if not type(module).__module__.startswith("megatron.core.transformer.moe"):
+        return None
+    return {"TEGroupedMLP": "te", "GroupedMLP": "fused"}.get(type(module).__name__)
+
+
+def is_megatron_transformer_layer(module: Any) -> bool:
+    """A megatron-core `TransformerLayer` (or a subclass defined in megatron-core)."""
+    return is_megatron_module(module) and any(c.__name__ == "TransformerLayer" for c in type(module).__mro__)
+
+
+@functools.cache
+def megatron_fused_norms() -> dict[str, str]:
+    """Transformer Engine's fused-norm parameter prefixes inside a megatron-core transformer layer -> the local
+    spec's, read from megatron-core's own map between the two (its local GPT layer spec's
+    `sharded_state_dict_keys_map`: `input_layernorm.` <-> `self_attention.linear_qkv.layer_norm_`, ...)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return {te: local for local, te in get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map.items()}
+
+
 class _MoEOrMegatron(type):
     def __instancecheck__(cls, obj: Any) -> bool:
         from deepspeed.moe.layer import MoE

@@ -37,6 +37,7 @@ from compare import compare
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from te_names import te_named_spec
 from train_gpt import SEQ, VOCAB, build, stage_ranks, train
 
 import ucp_deepspeed
@@ -126,6 +127,7 @@ def save_logits(engine: deepspeed.DeepSpeedEngine, path: str) -> None:
 
 def layout_name(args: argparse.Namespace) -> str:
     moe = f" moe ep{args.ep}" if args.moe else ""
+    moe += " te-names" if args.te_names else ""
     name = os.path.basename(args.model) if args.model else args.arch
     return f"{name}{moe} z{args.zero} tp{args.tp} pp{args.pp} dp{ps.get_data_parallel_world_size()}"
 
@@ -364,10 +366,15 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=STEPS, help="save: steps to train before saving")
     parser.add_argument("--cont", type=int, default=CONT, help="save, load: steps to train after, losses compared")
     parser.add_argument("--logits-init", help="save: logits right after loading --init-from, before training")
+    parser.add_argument(
+        "--te-names", action="store_true", help="build the layers as megatron-core's TE spec names them (te_names.py)"
+    )
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
+    local_spec = train_gpt.get_gpt_layer_local_spec
     for run in runs:
+        train_gpt.get_gpt_layer_local_spec = te_named_spec if run.te_names else local_spec
         train_gpt.setup(run)
         {"save": do_save, "load": do_load, "train": do_train}[run.mode](run)
         dist.barrier()

@@ -87,6 +87,49 @@ def _in_megatron(module: torch.nn.Module) -> Callable[[str], bool]:
     return inside
 
 
+def canonical_namer(module: torch.nn.Module) -> Callable[[str], str]:
+    """Names of a megatron-core model built from Transformer Engine specs -> the local spec's, so that a checkpoint
+    names a parameter the same way whichever spec trained it, and resumes under the other.
+
+    Two differences: TE fuses each layer's norms into the next linear (`self_attention.linear_qkv.layer_norm_weight`
+    is the local `input_layernorm.weight`, by megatron-core's own map), and TEGroupedMLP keeps local expert i's
+    weights as `experts.linear_fc1.weight<i>`, SequentialMLP's `experts.local_experts.<i>.linear_fc1.weight`.
+    Megatron-core's GroupedMLP, which fuses all local experts into one tensor, is refused.
+    """
+    layers, grouped = [], []
+    for path, sub in module.named_modules():
+        kind = compat.megatron_grouped_experts(sub)
+        if kind == "fused":
+            raise ValueError(
+                f"{path}: megatron-core's GroupedMLP keeps all local experts in one fused weight, which is not "
+                "supported; build the experts with SequentialMLP (moe_grouped_gemm=False) or Transformer Engine's "
+                "TEGroupedMLP"
+            )
+        if kind == "te":
+            grouped.append(f"{path}." if path else "")
+        elif compat.is_megatron_transformer_layer(sub):
+            layers.append(f"{path}." if path else "")
+    if not layers and not grouped:
+        return lambda name: name
+    fused = compat.megatron_fused_norms() if layers else {}
+    renamed = {}
+    for name, _ in module.named_parameters():
+        experts = next((p for p in grouped if name.startswith(p)), None)
+        if experts is not None:
+            linear, _, leaf = name[len(experts) :].rpartition(".")
+            base = leaf.rstrip("0123456789")
+            if linear and base != leaf:
+                renamed[name] = f"{experts}local_experts.{leaf[len(base) :]}.{linear}.{base}"
+            continue
+        layer = max((p for p in layers if name.startswith(p)), key=len, default=None)
+        if layer is not None:
+            rest = name[len(layer) :]
+            te = next((t for t in fused if rest.startswith(t)), None)
+            if te is not None:
+                renamed[name] = layer + fused[te] + rest[len(te) :]
+    return lambda name: renamed.get(name, name)
+
+
 def renamer(prefixes: dict[str, str]) -> Callable[[str], str]:
     """Model names -> checkpoint names by longest prefix (the `rename` option), so two modules that differ only by
     prefixes, such as a PipelineModule and a plain module of the same layers, share checkpoints."""
@@ -106,7 +149,8 @@ def global_namer(
 ) -> Callable[[str], str]:
     """Maps a name in this rank's module to its name in the whole model.
 
-    Pipeline stages number layers locally, and each expert-parallel rank numbers its experts from 0;
+    Transformer Engine names are the local spec's (`canonical_namer`). Pipeline stages number layers locally, and
+    each expert-parallel rank numbers its experts from 0;
     `ep_ranks` gives this rank's expert-parallel rank per expert group. `rename` then maps model name
     prefixes to the checkpoint's (a plain module resuming a `PipelineModule` checkpoint).
     """
@@ -114,9 +158,10 @@ def global_namer(
     tied = _tied_output(module)
     blocks = expert_blocks(module)
     renamed = renamer(rename or {})
+    canonical = canonical_namer(module)
 
     def to_global(name: str) -> str:
-        name = tied.get(name, name)
+        name = canonical(tied.get(name, name))
         for block in blocks:
             if block.expert_of(name) is not None:
                 name = block.rename(name, (ep_ranks or {}).get(block.group, 0))

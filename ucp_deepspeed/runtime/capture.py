@@ -23,7 +23,7 @@ from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.layout import Layout
 from ucp_deepspeed.naming.experts import expert_blocks
-from ucp_deepspeed.naming.model import ParamInfo, global_namer, param_infos
+from ucp_deepspeed.naming.model import ParamInfo, canonical_namer, global_namer, param_infos
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.version import __version__
 
@@ -165,10 +165,11 @@ def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
     files = _expert_file_ranks(engine)
     group_of_flat = {i: g.get("name") for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")}
     namers: dict[tuple[str, int], Callable[[str], str]] = {}
+    canonical = canonical_namer(engine.module)
     out = []
     for slot in slots:
         local = slot.local or slot.name
-        block = next((b for b in blocks if b.expert_of(local) is not None), None)
+        block = next((b for b in blocks if b.expert_of(canonical(local)) is not None), None)
         group = group_of_flat.get(slot.flat)
         if block is None or group is None:
             out.append(slot)
