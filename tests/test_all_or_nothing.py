@@ -145,3 +145,27 @@ def test_a_reshard_writes_into_the_engines_own_tensors(saved, stage):
     assert len(after) == len(tensors) >= 4
     assert [t.data_ptr() for t in after] == [ptr for ptr, _ in before]
     assert not all(torch.equal(t, old) for t, (_, old) in zip(after, before)), "nothing was loaded"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "converted"])
+def test_a_reshard_that_would_drop_fp8_state_is_refused_by_name(saved, tmp_path, direct):
+    """Transformer Engine saves each module's FP8 scales and amax history as `<module>._extra_state`, a byte tensor
+    (empty without FP8): the universal format does not carry it, so a reshard of such a tag is refused, naming the
+    entry, before anything is read or written."""
+    from ucp_deepspeed.io.torch_file import save_id_of, stamp
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt, ignore=shutil.ignore_patterns("*.universal"))
+    model_states = ckpt / TAG3 / "mp_rank_00_model_states.pt"
+    save_id = save_id_of(str(model_states))
+    sd = torch.load(model_states, weights_only=False)
+    sd["module"]["norm._extra_state"] = torch.empty(0, dtype=torch.uint8)  # no FP8: nothing to carry
+    sd["module"]["head._extra_state"] = torch.arange(200, dtype=torch.uint8)
+    torch.save(sd, model_states)
+    stamp(str(model_states), save_id)
+    engine = build(2, seed=1, universal={"direct": direct})
+    train(engine, 3)
+    _refused_and_untouched(
+        engine, str(ckpt), TAG3, r"mp_rank_00_model_states.pt: head._extra_state holds Transformer Engine FP8 state"
+    )
+    assert not list(ckpt.glob("*.universal"))

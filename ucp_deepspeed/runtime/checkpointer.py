@@ -351,15 +351,22 @@ class UniversalCheckpointer:
                     load_dir, tag, options.layout_rules, check=rank0 and not checked, verify=options.verify, metas=found
                 )
             )
+
             # the manifest (it opens the first rank files and stats every file of the tag) and where each optimizer
-            # file holds its states are made once, on rank 0, which has opened every file to check it
-            manifest, index = from_rank0(guarded(lambda: (build_manifest(src), src.file_index()) if rank0 else None))
+            # file holds its states are made once, on rank 0, which has opened every file to check it (and refuses
+            # FP8 state the universal format cannot carry)
+            def plan() -> tuple[Any, Any]:
+                src.refuse_fp8_state()
+                return build_manifest(src), src.file_index()
+
+            manifest, index = from_rank0(guarded(plan if rank0 else lambda: None))
             if not rank0:
                 src.use_index(index)
             report = LoadReport("resharded", saved.describe(), live.describe(), None, direct=True)
             return Source(
                 path, report, lambda: DirectCheckpoint(src, manifest), check_reads=lambda: _check_direct_reads(src)
             )
+        on_rank0(lambda: _no_fp8_state(load_dir, tag, options.layout_rules, found))
         out = convert_across_ranks(
             load_dir,
             tag,
@@ -482,6 +489,14 @@ def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str,
         return None, (os.path.join(load_dir, LATEST), "'latest' is empty and there are no tag folders")
     reason = incomplete_reason(load_dir, newest) or "unreadable"
     return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
+
+
+def _no_fp8_state(load_dir: str, tag: str, rules: Any, metas: Any) -> None:
+    src = NativeCheckpoint(load_dir, tag, rules, check=False, metas=metas)
+    try:
+        src.refuse_fp8_state()
+    finally:
+        src.close()
 
 
 def _check_direct_reads(src: NativeCheckpoint) -> None:

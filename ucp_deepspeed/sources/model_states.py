@@ -33,6 +33,16 @@ class ModelStatesFile:
         """Names in the saved module state dict (empty at ZeRO-3, which saves no module)."""
         return list(self._obj.get("module") or {})
 
+    def fp8_states(self) -> dict[str, int]:
+        """Module entries holding Transformer Engine extra state (`*._extra_state`: FP8 scales and amax history,
+        serialized into a byte tensor), with their sizes; empty ones (a module without FP8 state) are left out."""
+        module = self._obj.get("module") or {}
+        return {
+            k: v.numel()
+            for k, v in module.items()
+            if k.endswith("_extra_state") and isinstance(v, LazyTensor) and v.numel() > 0
+        }
+
     def module_tensors(self) -> dict[str, LazyTensor]:
         """Every tensor of the saved module state dict (skipping non-tensor entries such as `_extra_state`)."""
         return {k: v for k, v in (self._obj.get("module") or {}).items() if isinstance(v, LazyTensor)}

@@ -516,6 +516,20 @@ class NativeCheckpoint:
         """Model-states file of data-parallel rank `rank` of the first model-parallel rank."""
         return self.ranks[0].model_states(rank)
 
+    def refuse_fp8_state(self) -> None:
+        """Refuse a reshard of a tag whose modules saved Transformer Engine FP8 state, naming the first entry: the
+        universal format does not carry it, and a resumed FP8 run would restart its scaling from nothing."""
+        for rank in self.ranks:
+            states = rank.model_states(0).fp8_states()
+            if states:
+                name, size = next(iter(states.items()))
+                raise CheckpointError(
+                    rank.model_paths[0],
+                    f"{name} holds Transformer Engine FP8 state ({size} bytes of scales and amax history; "
+                    f"{len(states)} such entries in this file), which a reshard cannot carry to another layout; "
+                    "resume at the saved layout, where DeepSpeed's own load restores it",
+                )
+
     def optim(self, rank: int) -> OptimRankFile:
         """Optimizer file of data-parallel rank `rank` of the first model-parallel rank."""
         return self.ranks[0].optim(rank)
