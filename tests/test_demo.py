@@ -40,11 +40,3 @@ def test_gpu_smoke_refuses_to_start_without_cuda() -> None:
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "gpu_smoke: needs CUDA and at least 2 GPUs" in proc.stderr and "==" not in proc.stdout
-    script = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "gpu_smoke.py"), "tiny", "--out", "unused"],
-        env=torch_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert script.returncode == 1 and "gpu_smoke: CUDA is not available" in script.stderr
