@@ -18,6 +18,7 @@ from conftest import torch_env
 
 from ucp_deepspeed import UniversalCheckpoint, convert
 from ucp_deepspeed.format.universal import MANIFEST
+from ucp_deepspeed.tools.cli import main as cli_main
 from ucp_deepspeed.tools.compare import diff
 
 SHIM = Path(__file__).with_name("shim.py")
@@ -59,19 +60,27 @@ def _unfinished(out: Path) -> None:
     assert not [p for p in out.rglob("*") if ".tmp." in p.name], "temporary files are cleaned up"
 
 
-def test_flipped_byte_in_a_source_file_is_found(source, tmp_path):
+def test_flipped_byte_in_a_source_file_is_found(source, tmp_path, capsys):
+    """`ucp verify` and `ucp convert` in this process (the command's own entry point), and `convert --procs 2`,
+    whose child processes read the damaged bytes, as a command of its own."""
     path = source / TAG / OPTIM
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # inside the flat fp32 partition
     path.write_bytes(bytes(data))
     before = digest(source)
-    checked = ucp("verify", str(source))
-    assert checked.returncode == 1 and f"{OPTIM}: record" in checked.stdout and "crc32" in checked.stdout
+    assert cli_main(["verify", str(source)]) == 1
+    checked = capsys.readouterr().out
+    assert f"{OPTIM}: record" in checked and "crc32" in checked
     # every byte read is checked: in this process, in child processes (--procs), and by a rerun that would reuse
     # the files the first run made from the damaged bytes before its check failed
     for out, split in (("out", []), ("split", ["--procs", "2"]), ("out", [])):
-        refused = ucp("convert", str(source), "--output", str(tmp_path / out), *split)
-        assert refused.returncode == 2 and "fails its crc32 check" in refused.stderr and OPTIM in refused.stderr
+        command = ["convert", str(source), "--output", str(tmp_path / out), *split]
+        if split:
+            refused = ucp(*command)
+            code, err = refused.returncode, refused.stderr
+        else:
+            code, err = cli_main(command), capsys.readouterr().err
+        assert code == 2 and "fails its crc32 check" in err and OPTIM in err
         assert not (tmp_path / out / MANIFEST).exists() and digest(source) == before
 
 

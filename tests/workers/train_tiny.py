@@ -420,7 +420,7 @@ def fault(name: str):
     """What a source's `!NAME` suffix injects into its load:
 
     - `RuntimeError`, `MemoryError`: rank 1 raises it at its third read while it stages its share (mid-restore);
-    - `slow`: the default process group's timeout drops to 2 s and rank 0 takes 6 s over the tag's metadata, while
+    - `slow`: the default process group's timeout drops to 1 s and rank 0 takes 4 s over the tag's metadata, while
       the other ranks wait for it (the collective timeout NCCL would enforce)."""
     if not name:
         yield
@@ -431,11 +431,11 @@ def fault(name: str):
         real = checkpointer.tag_metas
 
         def slow_metas(*a, **k):
-            time.sleep(6)
+            time.sleep(4)
             return real(*a, **k)
 
         checkpointer.tag_metas = slow_metas if dist.get_rank() == 0 else real
-        c10d._set_pg_timeout(datetime.timedelta(seconds=2), None)
+        c10d._set_pg_timeout(datetime.timedelta(seconds=1), None)
         try:
             yield
         finally:
