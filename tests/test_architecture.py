@@ -92,3 +92,74 @@ def test_the_ucp_command_imports_no_training_framework(module):
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+FILESYSTEM = {
+    "open",
+    "os.open",
+    "os.replace",
+    "os.rename",
+    "os.unlink",
+    "os.remove",
+    "os.listdir",
+    "os.makedirs",
+    "os.walk",
+    "os.stat",
+    "os.scandir",
+    "os.pread",
+    "os.preadv",
+    "os.fsync",
+    "os.symlink",
+}
+FILESYSTEM_MODULES = ("os.path.", "shutil.", "glob.")
+LOCAL_FILES = {
+    "compat.py": "DeepSpeed's recovery scripts, read from its own package",
+    "runtime/config.py": "the ds_config file the user names",
+    "naming/rules.py": "a layout-rules file the user names",
+    "run.py": "the training script's folder, put on sys.path",
+    "runtime/integrations.py": "the Trainer reads RNG files from a local folder: the one to restore is linked there",
+    "hf/import_.py": "a Hugging Face model folder, read with safetensors' own reader",
+    "hf/models.py": "a Hugging Face model folder's config.json",
+}
+"""The modules above `io` that may touch the local filesystem themselves, and why: none of them reads or writes a
+checkpoint file; every checkpoint object goes through `io.storage`."""
+
+
+def _filesystem_calls(path: pathlib.Path) -> list[tuple[int, str]]:
+    def name(node: ast.AST) -> str:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute):
+            return f"{name(node.value)}.{node.attr}"
+        return ""
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            called = name(node.func)
+            if called in FILESYSTEM or called.startswith(FILESYSTEM_MODULES):
+                found.append((node.lineno, called))
+    return found
+
+
+def _storage_bypasses(package: pathlib.Path) -> list[str]:
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel.startswith("io/") or rel in LOCAL_FILES:
+            continue
+        bad += [f"{rel}:{line}: {called}" for line, called in _filesystem_calls(path)]
+    return bad
+
+
+def test_checkpoint_files_are_reached_only_through_the_storage_layer():
+    """The local filesystem and object stores are two implementations of `io.storage`: a module above it that calls
+    `open`, `os.path` or `os.replace` itself would work on disk and break on a store."""
+    assert _storage_bypasses(PACKAGE) == []
+
+
+def test_the_storage_check_catches_a_bypass(tmp_path):
+    fake = tmp_path / "ucp_deepspeed"
+    (fake / "format").mkdir(parents=True)
+    (fake / "format" / "bad.py").write_text("import os\ndef f(p):\n    return os.path.isfile(p) and open(p).read()\n")
+    assert _storage_bypasses(fake) == ["format/bad.py:3: os.path.isfile", "format/bad.py:3: open"]

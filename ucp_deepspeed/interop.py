@@ -16,11 +16,8 @@ the manifest lists them under `notes`.
 
 from __future__ import annotations
 
-import glob
 import io
-import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,13 +35,13 @@ from ucp_deepspeed.format.universal import (
     BUFFERS,
     STATE,
     FileRecord,
-    atomic_write,
     encode_value,
     param_file,
     write_manifest,
     write_object,
     write_tensors,
 )
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, plain
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources import NativeCheckpoint
@@ -62,7 +59,7 @@ OPTIMIZER_STATE = "optimizer_state.pt"
 def _save_pt(path: str, obj: Any) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    atomic_write(path, buf.getbuffer())
+    st.write(path, buf.getbuffer())
 
 
 def _geometry(tensor: FullTensor) -> dict[str, Any]:
@@ -83,7 +80,7 @@ def _geometry(tensor: FullTensor) -> dict[str, Any]:
 
 def default_deepspeed_output(src: NativeCheckpoint) -> str:
     """`<ckpt>/<tag>_universal`, where DeepSpeed's own converter is usually pointed."""
-    return os.path.join(src.ckpt_dir, f"{src.tag}_universal")
+    return st.join(src.ckpt_dir, f"{src.tag}_universal")
 
 
 def export_deepspeed(
@@ -92,21 +89,21 @@ def export_deepspeed(
     """Write a native checkpoint in DeepSpeed's universal layout; return the output folder."""
     src = NativeCheckpoint(ckpt_dir, tag)
     try:
-        out = os.path.abspath(output or default_deepspeed_output(src))
+        out = st.normalize(output or default_deepspeed_output(src))
         check_output(out, [src.tag_dir])
-        if os.path.exists(out) and os.listdir(out):
+        if st.exists(out) and st.listdir(out):
             raise CheckpointError(out, "exists and is not empty; refusing to write into it")
         _, scalars = src.optimizer_groups()
         keys = [FP32] + src.state_keys()
         trainable = [t for t in src.tensors if t.kind == "param"]
 
         def write_param(t: FullTensor) -> None:
-            folder = os.path.join(out, ZERO, t.name)
+            folder = st.join(out, ZERO, t.name)
             for key in keys:
-                _save_pt(os.path.join(folder, f"{key}.pt"), {PARAM: assemble(src, t, key), **_geometry(t)})
+                _save_pt(st.join(folder, f"{key}.pt"), {PARAM: assemble(src, t, key), **_geometry(t)})
             step = scalars.get(t.group, {}).get("step") if t.group is not None else None
             if step is not None:
-                _save_pt(os.path.join(folder, "step.pt"), step)
+                _save_pt(st.join(folder, "step.pt"), step)
 
         bar = tqdm(total=len(trainable), unit="param", desc="ucp convert --format deepspeed", disable=not progress)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -120,11 +117,11 @@ def export_deepspeed(
             global_state: dict[str, Any] = {"param_groups": hyperparams, "zero_stage": 0, "ds_version": version}
         else:
             global_state = {k: rebuild(v) for k, v in src.optim(0).global_state().items()}
-        _save_pt(os.path.join(out, ZERO, OPTIMIZER_STATE), global_state)
+        _save_pt(st.join(out, ZERO, OPTIMIZER_STATE), global_state)
         for rank in src.ranks:  # DeepSpeed reads these; a PipelineModule's layer files keep its buffers for us
             for path in [*rank.model_paths, *rank.layer_paths]:
-                shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
-        atomic_write(os.path.join(os.path.dirname(out), LATEST_UNIVERSAL), os.path.basename(out).encode())
+                st.copy(path, st.join(out, st.basename(path)))
+        st.write(st.join(st.dirname(out), LATEST_UNIVERSAL), st.basename(out).encode())
         return out
     finally:
         src.close()
@@ -134,20 +131,20 @@ def deepspeed_universal_folder(path: str) -> str | None:
     """The DeepSpeed universal folder at `path` (or named by `path/latest_universal`), if there is one."""
     named = latest_tag(path, LATEST_UNIVERSAL)
     if named is not None:
-        path = os.path.join(path, named)
-    return path if os.path.isfile(os.path.join(path, ZERO, OPTIMIZER_STATE)) else None
+        path = st.join(path, named)
+    return path if st.isfile(st.join(path, ZERO, OPTIMIZER_STATE)) else None
 
 
 def _stage_files(folder: str) -> list[str]:
     """The model-states files of a DeepSpeed universal folder (one per model-parallel rank), layer files apart."""
-    names = sorted(f for f in os.listdir(folder) if f.endswith("model_states.pt") and not LAYER_FILE.fullmatch(f))
+    names = sorted(f for f in st.listdir(folder) if f.endswith("model_states.pt") and not LAYER_FILE.fullmatch(f))
     if not names:
         raise CheckpointError(
             folder,
             "no *model_states.pt in this DeepSpeed universal folder; its param groups, "
             "buffers and frozen parameters cannot be recovered",
         )
-    return [os.path.join(folder, n) for n in names]
+    return [st.join(folder, n) for n in names]
 
 
 class _ModuleTensors:
@@ -168,7 +165,7 @@ class _ModuleTensors:
             return None
         layer, key = found.groups()
         # tensor-parallel layer files sort model_00 first: what a replicated buffer needs
-        files = sorted(glob.glob(os.path.join(glob.escape(self.folder), f"layer_{int(layer):02d}-*model_states.pt")))
+        files = st.glob(self.folder, f"layer_{int(layer):02d}-*model_states.pt")
         if not files:
             return None
         if files[0] not in self.layers:
@@ -183,9 +180,9 @@ class _ModuleTensors:
         """
         trained_layers = {n.split(".", 1)[0] for n in trainable}
         out = []
-        for path in sorted(glob.glob(os.path.join(glob.escape(self.folder), "layer_*-model_states.pt"))):
-            found = LAYER_FILE.fullmatch(os.path.basename(path))
-            layer = str(int(os.path.basename(path)[len("layer_") :].split("-", 1)[0])) if found else ""
+        for path in st.glob(self.folder, "layer_*-model_states.pt"):
+            found = LAYER_FILE.fullmatch(st.basename(path))
+            layer = str(int(st.basename(path)[len("layer_") :].split("-", 1)[0])) if found else ""
             if layer not in trained_layers:
                 continue
             if path not in self.layers:
@@ -224,7 +221,7 @@ def import_deepspeed(folder: str, output: str) -> str:
         for path in _stage_files(folder):
             module.models.append(ModelStatesFile(path))
         models = module.models
-        model, model_files = models[0], [os.path.basename(m.path) for m in models]
+        model, model_files = models[0], [st.basename(m.path) for m in models]
         # each pipeline stage lists its own parameters; tensor-parallel ranks list the same ones again
         groups: list[list[str]] = []
         counts = {len(stage.entry("param_shapes") or []) for stage in models}
@@ -257,23 +254,23 @@ def import_deepspeed(folder: str, output: str) -> str:
                 f"{' ...' if len(missing) > 6 else ''}): DeepSpeed's ds_to_universal does not copy a "
                 "PipelineModule's layer files. Copy the source tag's layer_*-model_states.pt files into this folder",
             )
-        optim_state = load_file(os.path.join(folder, ZERO, OPTIMIZER_STATE))
+        optim_state = load_file(st.join(folder, ZERO, OPTIMIZER_STATE))
         records: list[FileRecord] = []
         params: dict[str, ParamRecord] = {}
         scalars: dict[int, dict[str, Any]] = {}
         keys: list[str] = []
         for g, names in enumerate(groups):
             for name in names:
-                pdir = os.path.join(folder, ZERO, name)
-                if not os.path.isdir(pdir):
+                pdir = st.join(folder, ZERO, name)
+                if not st.isdir(pdir):
                     raise CheckpointError(pdir, f"parameter '{name}' listed in {', '.join(model_files)} has no folder")
                 tensors = {}
-                for fname in sorted(os.listdir(pdir)):
+                for fname in sorted(st.listdir(pdir)):
                     key = fname.removesuffix(".pt")
                     if key == "step":
-                        scalars.setdefault(g, {"step": load_file(os.path.join(pdir, fname))})
+                        scalars.setdefault(g, {"step": load_file(st.join(pdir, fname))})
                     else:
-                        tensors[key] = load_file(os.path.join(pdir, fname))[PARAM].float().contiguous()
+                        tensors[key] = load_file(st.join(pdir, fname))[PARAM].float().contiguous()
                 if FP32 not in tensors:
                     raise CheckpointError(pdir, "no fp32.pt")
                 keys = [FP32] + sorted(k for k in tensors if k != FP32)
@@ -315,7 +312,7 @@ def import_deepspeed(folder: str, output: str) -> str:
         manifest = Manifest(
             created_by=written_by(),
             source=SourceRecord(
-                os.path.abspath(folder),
+                st.normalize(folder),
                 None,
                 saved,
                 {"deepspeed": str(model.entry("ds_version", ""))},

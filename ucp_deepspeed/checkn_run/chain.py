@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 from collections.abc import Iterable
 
 import torch
@@ -32,13 +30,13 @@ from ucp_deepspeed.format.universal import (
     CheckedFile,
     Folder,
     FolderReader,
-    atomic_write,
     copy_checked,
     param_file,
     read_manifest,
     write_manifest,
     write_tensors,
 )
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.checksum import crc32
 
 MARKER = ".ucp_checkn_run"  # written first into a Check-N-Run tag folder, before any tensor file
@@ -46,24 +44,23 @@ MARKER = ".ucp_checkn_run"  # written first into a Check-N-Run tag folder, befor
 
 def is_element(tag_dir: str) -> bool:
     """Whether a tag folder was written by a Check-N-Run save (complete or not)."""
-    return os.path.isfile(os.path.join(tag_dir, MARKER))
+    return st.isfile(st.join(tag_dir, MARKER))
 
 
 def read_element(ckpt_dir: str, tag: str) -> Manifest:
     """One chain element's manifest, after checking that every file it lists is there at its size."""
-    root = os.path.join(ckpt_dir, tag)
+    root = st.join(ckpt_dir, tag)
     manifest = read_manifest(root)
-    path = os.path.join(root, MANIFEST)
+    path = st.join(root, MANIFEST)
     if not manifest.section("differential"):
         raise CheckpointError(path, "not a Check-N-Run checkpoint (no 'differential' section)")
     for relpath, want in Folder(root, manifest).records.items():
-        file = os.path.join(root, relpath)
-        if not os.path.isfile(file):
+        file = st.join(root, relpath)
+        if not st.isfile(file):
             raise CheckpointError(file, f"file of chain element {tag} is missing")
-        if os.path.getsize(file) != want.nbytes:
-            raise CheckpointError(
-                file, f"size {os.path.getsize(file)} differs from manifest ({want.nbytes}): truncated or replaced"
-            )
+        size = st.stat(file)[0]
+        if size != want.nbytes:
+            raise CheckpointError(file, f"size {size} differs from manifest ({want.nbytes}): truncated or replaced")
     return manifest
 
 
@@ -78,17 +75,17 @@ def chain(ckpt_dir: str, tag: str) -> list[tuple[str, Manifest]]:
     tags = section.get("chain")
     ids = section.get("chain_ids")
     if not isinstance(tags, list) or not tags or tags[-1] != tag or (ids is not None and len(ids) != len(tags)):
-        raise CheckpointError(os.path.join(ckpt_dir, tag, MANIFEST), "malformed chain in the 'differential' section")
+        raise CheckpointError(st.join(ckpt_dir, tag, MANIFEST), "malformed chain in the 'differential' section")
     elements = [(t, read_element(ckpt_dir, t) if t != tag else target) for t in tags]
     for i, (t, manifest) in enumerate(elements):
         if ids is not None and manifest.extra.get("save_id") != ids[i]:
             raise CheckpointError(
-                os.path.join(ckpt_dir, t, MANIFEST),
+                st.join(ckpt_dir, t, MANIFEST),
                 f"is save {manifest.extra.get('save_id')}, but {tag} was written on top of save {ids[i]}: "
                 "this element was replaced after the chain was written",
             )
     if elements[0][1].section("differential").get("kind") != "baseline":
-        raise CheckpointError(os.path.join(ckpt_dir, tags[0]), "first element of the chain is not a baseline")
+        raise CheckpointError(st.join(ckpt_dir, tags[0]), "first element of the chain is not a baseline")
     return elements
 
 
@@ -100,7 +97,7 @@ def require_rows(path: str, rows: torch.Tensor, total: int) -> None:
 
 def crc_problems(ckpt_dir: str, elements: list[tuple[str, Manifest]]) -> list[str]:
     """Files of the chain whose blocks do not match their element's manifest."""
-    return [p for tag, manifest in elements for p in Folder(os.path.join(ckpt_dir, tag), manifest).verify()]
+    return [p for tag, manifest in elements for p in Folder(st.join(ckpt_dir, tag), manifest).verify()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +183,9 @@ def replay_rows(folders: list[tuple[str, Folder, Manifest]], name: str, key: str
     for t, folder, manifest in folders:
         record = manifest.params.get(name)
         if record is None:
-            raise CheckpointError(os.path.join(folder.root, MANIFEST), f"chain element {t} lacks table {name}")
+            raise CheckpointError(st.join(folder.root, MANIFEST), f"chain element {t} lacks table {name}")
         if key not in record.keys:
-            raise CheckpointError(os.path.join(folder.root, MANIFEST), f"table {name} has no state {key!r}")
+            raise CheckpointError(st.join(folder.root, MANIFEST), f"table {name} has no state {key!r}")
         handle = folder.file(record.file)
         table = _table_record(handle.path, name, record)
         width = record.shape[1:]
@@ -207,13 +204,13 @@ def replay_rows(folders: list[tuple[str, Folder, Manifest]], name: str, key: str
         if b > a:
             out[rows[a:b] - lo] = _stored_rows(handle, name, key, table, width, a, b)
     if out is None:
-        raise CheckpointError(os.path.join(folders[0][1].root, MANIFEST), f"no element holds table {name}")
+        raise CheckpointError(st.join(folders[0][1].root, MANIFEST), f"no element holds table {name}")
     return out
 
 
 def _fingerprint(ckpt_dir: str, elements: list[tuple[str, Manifest]]) -> list[list[str]]:
     """Each element's tag and save id: what a full copy of the chain was made from."""
-    return [[t, manifest.extra.get("save_id") or _manifest_crc(os.path.join(ckpt_dir, t))] for t, manifest in elements]
+    return [[t, manifest.extra.get("save_id") or _manifest_crc(st.join(ckpt_dir, t))] for t, manifest in elements]
 
 
 def _full_manifest(target: Manifest, fingerprint: list[list[str]], params: dict[str, ParamRecord]) -> Manifest:
@@ -237,7 +234,7 @@ def _whole_table(name: str, record: ParamRecord) -> ParamRecord:
 
 
 def _open(ckpt_dir: str, elements: list[tuple[str, Manifest]], verify: bool) -> list[tuple[str, Folder, Manifest]]:
-    return [(t, Folder(os.path.join(ckpt_dir, t), manifest, verify), manifest) for t, manifest in elements]
+    return [(t, Folder(st.join(ckpt_dir, t), manifest, verify), manifest) for t, manifest in elements]
 
 
 def materialize(ckpt_dir: str, tag: str, out: str) -> str:
@@ -247,19 +244,17 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     """
     elements = chain(ckpt_dir, tag)
     fingerprint = _fingerprint(ckpt_dir, elements)
-    if os.path.isfile(os.path.join(out, MANIFEST)):
+    if st.isfile(st.join(out, MANIFEST)):
         if read_manifest(out).source.extra.get("chain") == fingerprint:
             return out
-        shutil.rmtree(out)
+        st.delete(out)
     folders = _open(ckpt_dir, elements, True)
     target = elements[-1][1]
     here = folders[-1][1]
-    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, INTENT)):
+    if st.isdir(out) and st.listdir(out) and not st.isfile(st.join(out, INTENT)):
         raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
-    os.makedirs(out, exist_ok=True)
-    atomic_write(
-        os.path.join(out, INTENT), json.dumps({"source": os.path.join(ckpt_dir, tag), "chain": fingerprint}).encode()
-    )
+    st.makedirs(out)
+    st.write(st.join(out, INTENT), json.dumps({"source": st.join(ckpt_dir, tag), "chain": fingerprint}).encode())
     records, params = [], {}
     try:
         for name, record in target.params.items():
@@ -276,7 +271,7 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
         for _, folder, _ in folders:
             folder.close()
     write_manifest(out, _full_manifest(target, fingerprint, params), records)
-    os.unlink(os.path.join(out, INTENT))
+    st.delete(st.join(out, INTENT))
     return out
 
 
@@ -299,7 +294,7 @@ class ChainCheckpoint(FolderReader):
         target = elements[-1][1]
         self._tables = {name for name, record in target.params.items() if "table" in record.extra}
         params = {n: _whole_table(n, r) if n in self._tables else r for n, r in target.params.items()}
-        root = os.path.abspath(os.path.join(ckpt_dir, tag))
+        root = st.normalize(st.join(ckpt_dir, tag))
         super().__init__(root, _full_manifest(target, _fingerprint(ckpt_dir, elements), params), self._folders[-1][1])
 
     def _rows(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
@@ -341,5 +336,4 @@ class ChainCheckpoint(FolderReader):
 
 
 def _manifest_crc(root: str) -> str:
-    with open(os.path.join(root, MANIFEST), "rb") as f:
-        return f"{crc32(f.read()):08x}"
+    return f"{crc32(st.read(st.join(root, MANIFEST))):08x}"

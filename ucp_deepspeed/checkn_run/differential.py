@@ -21,8 +21,6 @@ new baseline, so a chain never spans two runs of different layouts.
 
 from __future__ import annotations
 
-import os
-import shutil
 from typing import Any, cast
 
 import torch
@@ -33,7 +31,7 @@ from ucp_deepspeed.checkn_run.live_save import TableSave, check_supported, write
 from ucp_deepspeed.checkn_run.quantize import choose_bits
 from ucp_deepspeed.checkn_run.tracking import RowTracker, check_optimizer, find_tables, rows_of
 from ucp_deepspeed.format.manifest import Manifest
-from ucp_deepspeed.format.universal import atomic_write
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.capture import live_params
 from ucp_deepspeed.runtime.collective import barrier
 
@@ -108,12 +106,12 @@ class DifferentialSaver:
             if kind == "baseline"
             else (self.chain_ids + [save_id] if self.policy == "incremental" else [self.chain_ids[0], save_id])
         )
-        out = os.path.join(save_dir, tag)
+        out = st.join(save_dir, tag)
         if dist.get_rank() == 0:
-            if os.path.isdir(out):
-                shutil.rmtree(out)
-            os.makedirs(out)
-            atomic_write(os.path.join(out, MARKER), b"")
+            if st.isdir(out):
+                st.delete(out)
+            st.makedirs(out)
+            st.write(st.join(out, MARKER), b"")
         barrier()
         extra = {
             "save_id": save_id,
@@ -129,7 +127,7 @@ class DifferentialSaver:
         }
         _, nbytes = write_live(engine, out, client_state, tables, extra)
         if dist.get_rank() == 0 and save_latest:
-            atomic_write(os.path.join(save_dir, "latest"), tag.encode())
+            st.write(st.join(save_dir, "latest"), tag.encode())
         barrier()
         self.chain, self.chain_ids = chain, ids
         if kind == "baseline":

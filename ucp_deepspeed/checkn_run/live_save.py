@@ -12,7 +12,6 @@ rows can be quantized; optimizer states of those rows stay exact. Dense paramete
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ from ucp_deepspeed.format.universal import (
     write_object,
     write_tensors,
 )
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.capture import (
     live_params,
     model_parallel,
@@ -171,7 +171,7 @@ def write_live(
         created_by=written_by(),
         source=SourceRecord(
             out,
-            os.path.basename(out),
+            st.basename(out),
             topology(engine),
             {"base_optimizer": type(engine.optimizer.optimizer).__name__},
         ),

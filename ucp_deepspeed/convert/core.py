@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import multiprocessing
-import os
 from collections.abc import Iterable
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
@@ -44,6 +43,7 @@ from ucp_deepspeed.format.universal import (
     write_tensors,
 )
 from ucp_deepspeed.geometry.layout import dropped_padding, merge
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
 from ucp_deepspeed.sources.plan import FullTensor
 
@@ -228,7 +228,7 @@ def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> st
     if missing:
         raise CheckpointError(out, f"conversion incomplete, {len(missing)} files not produced: {sorted(missing)[:5]}")
     path = write_manifest(out, build_manifest(src), records)
-    os.unlink(os.path.join(out, INTENT))
+    st.delete(st.join(out, INTENT))
     Journal.remove(out)
     return path
 
@@ -254,14 +254,14 @@ def convert(
     `procs` > 1 splits the output files over that many child processes, each with `workers` threads.
     """
     tag = resolve_tag(ckpt_dir, tag)
-    kind = kind_of(os.path.join(ckpt_dir, tag))
+    kind = kind_of(st.join(ckpt_dir, tag))
     if kind is not None:
-        out = os.path.abspath(output or os.path.join(ckpt_dir, f"{tag}.universal"))
-        with claimed(out, [os.path.join(ckpt_dir, tag)]):
+        out = st.normalize(output or st.join(ckpt_dir, f"{tag}.universal"))
+        with claimed(out, [st.join(ckpt_dir, tag)]):
             return kind.materialize(ckpt_dir, tag, out)
     src = NativeCheckpoint(ckpt_dir, tag, layout_rules, verify=verify)
     try:
-        out = os.path.abspath(output or default_output(src))
+        out = st.normalize(output or default_output(src))
         with claimed(out, [src.tag_dir]):
             reusable = prepare_output(src, out)
             if reusable is None:

@@ -9,10 +9,11 @@ resume-tag choice, pruning, conversion and loading go through this table.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ucp_deepspeed.io import storage as st
 
 if TYPE_CHECKING:  # universal.py imports this module
     from ucp_deepspeed.format.universal import TensorReader
@@ -57,6 +58,6 @@ def markers() -> tuple[str, ...]:
 def kind_of(tag_dir: str) -> TagKind | None:
     """The registered kind whose marker `tag_dir` holds, or None for a DeepSpeed tag or anything else."""
     for kind in _KINDS.values():
-        if os.path.isfile(os.path.join(tag_dir, kind.marker)):
+        if st.isfile(st.join(tag_dir, kind.marker)):
             return kind
     return None

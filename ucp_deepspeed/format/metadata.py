@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -18,8 +17,7 @@ from ucp_deepspeed.format.manifest import check_optimizer_record
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
-from ucp_deepspeed.io.atomic import atomic_write
-from ucp_deepspeed.io.stats import record as record_io
+from ucp_deepspeed.io import storage as st
 
 META_VERSION = 1
 FP32 = "fp32"  # state name of the fp32 master weight, next to optimizer states such as exp_avg
@@ -199,22 +197,20 @@ def _tensor_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def write_meta(meta: SaveMeta, tag_dir: str, mp_rank: int = 0) -> str:
     """Atomically write the metadata of one model-parallel rank into a checkpoint tag folder."""
-    os.makedirs(tag_dir, exist_ok=True)
-    path = os.path.join(tag_dir, meta_filename(mp_rank))
-    atomic_write(path, meta.to_json().encode())
+    st.makedirs(tag_dir)
+    path = st.join(tag_dir, meta_filename(mp_rank))
+    st.write(path, meta.to_json().encode())
     return path
 
 
 def read_meta(tag_dir: str, mp_rank: int = 0) -> SaveMeta:
     """Read the metadata of one model-parallel rank from a checkpoint tag folder."""
-    path = os.path.join(tag_dir, meta_filename(mp_rank))
-    if not os.path.isfile(path):
+    path = st.join(tag_dir, meta_filename(mp_rank))
+    if not st.isfile(path):
         raise CheckpointError(
             path,
             "ucp_deepspeed metadata is missing; was this checkpoint saved through "
             'ucp_deepspeed.initialize with "checkpoint": {"universal": true}?',
         )
-    with open(path) as f:
-        text = f.read()
-    record_io(files=1, requests=1, metadata=len(text))
+    text = st.read_text(path)
     return SaveMeta.from_json(text, path)

@@ -11,13 +11,12 @@ and each file's element count, byte size and one CRC-32 per MiB (so that a read 
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.io.atomic import atomic_write
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.checksum import BLOCK
 
 OFFLOADED = "offloaded_tensors"
@@ -81,27 +80,24 @@ class SwapRecord:
 
 def write_swap_record(record: SwapRecord, folder: str) -> str:
     """Atomically write a rank's swap record into its `offloaded_tensors/rank<NN>` folder."""
-    path = os.path.join(folder, SWAP_RECORD)
-    atomic_write(path, record.to_json().encode())
+    path = st.join(folder, SWAP_RECORD)
+    st.write(path, record.to_json().encode())
     return path
 
 
 def read_swap_records(tag_dir: str) -> dict[str, tuple[str, SwapRecord]]:
     """Every swap record of a tag folder: optimizer file name -> (its swap folder, the record)."""
-    root = os.path.join(tag_dir, OFFLOADED)
+    root = st.join(tag_dir, OFFLOADED)
     out: dict[str, tuple[str, SwapRecord]] = {}
-    if not os.path.isdir(root):
+    if not st.isdir(root):
         return out
-    for entry in sorted(os.listdir(root)):
-        path = os.path.join(root, entry, SWAP_RECORD)
-        if not os.path.isfile(path):
+    for entry in sorted(st.listdir(root)):
+        path = st.join(root, entry, SWAP_RECORD)
+        if not st.isfile(path):
             continue
-        if os.path.islink(os.path.join(root, entry)) or os.path.islink(path):  # reads stay inside the tag folder
+        if st.islink(st.join(root, entry)) or st.islink(path):  # reads stay inside the tag folder
             raise CheckpointError(path, "a swap folder or record that is a symbolic link is not read")
-        with open(path, "rb") as f:
-            data = f.read(_MAX_RECORD + 1)
-        if len(data) > _MAX_RECORD:
-            raise CheckpointError(path, f"swap record is larger than {_MAX_RECORD} bytes")
+        data = st.read(path, limit=_MAX_RECORD)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
@@ -109,5 +105,5 @@ def read_swap_records(tag_dir: str) -> dict[str, tuple[str, SwapRecord]]:
         record = SwapRecord.from_json(text, path)
         if record.optim_file in out:
             raise CheckpointError(path, f"a second swap record for {record.optim_file}")
-        out[record.optim_file] = (os.path.join(root, entry), record)
+        out[record.optim_file] = (st.join(root, entry), record)
     return out

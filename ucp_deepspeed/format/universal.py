@@ -18,7 +18,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,7 +31,7 @@ from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.manifest import BufferRecord, FileRecord, Manifest, ParamRecord
 from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
-from ucp_deepspeed.io.atomic import atomic_file, atomic_write
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.checksum import BLOCK, BlockHasher, block_crcs, crc32
 from ucp_deepspeed.io.stats import record as record_io
 from ucp_deepspeed.io.torch_file import load_file
@@ -67,7 +66,7 @@ def record_bytes(relpath: str, data: bytes | memoryview) -> FileRecord:
 
 def write_bytes(root: str, relpath: str, data: bytes | memoryview) -> FileRecord:
     """Write one output file atomically and return its record."""
-    atomic_write(os.path.join(root, relpath), data)
+    st.write(st.join(root, relpath), data)
     return record_bytes(relpath, data)
 
 
@@ -114,7 +113,7 @@ def stream_tensors(
     head += b" " * (-len(head) % 8)
     prefix = struct.pack("<Q", len(head)) + head
     hasher = BlockHasher()
-    with atomic_file(os.path.join(root, relpath)) as f:
+    with st.writer(st.join(root, relpath)) as f:
         f.write(prefix)
         hasher.update(prefix)
         for key, dtype, shape in entries:
@@ -147,24 +146,18 @@ def write_manifest(root: str, manifest: Manifest, records: Iterable[FileRecord])
         block_size=BLOCK,
         files={r.path: r.to_json() for r in sorted(records, key=lambda r: r.path)},
     )
-    path = os.path.join(root, MANIFEST)
-    atomic_write(path, json.dumps(body, indent=1).encode())
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    path = st.join(root, MANIFEST)
+    st.storage_of(path).commit(path, json.dumps(body, indent=1).encode())
     return path
 
 
 def read_manifest(root: str) -> Manifest:
     """A folder's manifest, parsed, checked for format and version, and validated (`Manifest.decode`)."""
-    path = os.path.join(root, MANIFEST)
-    if not os.path.isfile(path):
+    path = st.join(root, MANIFEST)
+    if not st.isfile(path):
         raise CheckpointError(path, "manifest missing: not a universal checkpoint, or an unfinished conversion")
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(st.read(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(path, f"manifest is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -187,15 +180,18 @@ class CheckedFile:
     """One file of a manifest, read by byte range; every block a read touches is checked once."""
 
     def __init__(self, root: str, record: FileRecord, verify: bool = True):
-        self.path = os.path.join(root, record.path)
+        self.path = st.join(root, record.path)
         self.record = record
         self.verify_reads = verify
-        self._fd = -1
+        self._blob: st.Blob | None = None
         try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(self.path, "file listed in the manifest is missing") from None
-        size = os.fstat(self._fd).st_size
+            self._blob = st.open_blob(self.path)
+            size = self._blob.size
+        except CheckpointError as exc:
+            self.close()
+            if "missing" in exc.reason:
+                raise CheckpointError(self.path, "file listed in the manifest is missing") from None
+            raise
         record_io(files=1)
         if size != record.nbytes:
             self.close()
@@ -218,7 +214,7 @@ class CheckedFile:
     def _check_whole(self) -> None:
         crc, pos = 0, 0
         while pos < self.record.nbytes:
-            chunk = os.pread(self._fd, min(_CHUNK, self.record.nbytes - pos), pos)
+            chunk = self._handle().read(pos, min(_CHUNK, self.record.nbytes - pos), data=True)
             crc, pos = crc32(chunk, crc), pos + len(chunk)
         if _hex(crc) != self.record.crc32:
             raise CheckpointError(self.path, f"crc32 {_hex(crc)} does not match the manifest ({self.record.crc32})")
@@ -234,13 +230,7 @@ class CheckedFile:
         begin, end = first * BLOCK, min((last + 1) * BLOCK, self.record.nbytes)
         buf = torch.empty(end - begin, dtype=torch.uint8)
         view = buf.numpy().data
-        record_io(requests=1, data=len(view))
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], begin + done)
-            if got <= 0:
-                raise CheckpointError(self.path, "truncated while reading")
-            done += got
+        self._handle().readinto([view], begin)
         with self._lock:
             fresh = [b for b in range(first, last + 1) if b not in self._good]
         for b in fresh:
@@ -317,11 +307,16 @@ class CheckedFile:
         self.header()
         return self.tensor(key).reshape(self.header()[key][1])
 
+    def _handle(self) -> st.Blob:
+        if self._blob is None:
+            raise CheckpointError(self.path, "read after close")
+        return self._blob
+
     def close(self) -> None:
-        """Release the file descriptor."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Release the file."""
+        blob, self._blob = getattr(self, "_blob", None), None
+        if blob is not None:
+            blob.close()
 
     def __del__(self) -> None:
         self.close()
@@ -331,7 +326,7 @@ class Folder:
     """The files a manifest lists, opened on first use for checked reads."""
 
     def __init__(self, root: str, manifest: Manifest, verify: bool = True):
-        self.root = os.path.abspath(root)
+        self.root = st.normalize(root)
         self.verify_reads = verify
         self.records = manifest.files
         self._open: dict[str, CheckedFile] = {}
@@ -342,14 +337,14 @@ class Folder:
         with self._lock:
             if relpath not in self._open:
                 if relpath not in self.records:
-                    raise CheckpointError(os.path.join(self.root, relpath), "file is not listed in the manifest")
+                    raise CheckpointError(st.join(self.root, relpath), "file is not listed in the manifest")
                 self._open[relpath] = CheckedFile(self.root, self.records[relpath], self.verify_reads)
             return self._open[relpath]
 
     def load_object(self, relpath: str) -> Any:
         """A whole torch file of the folder (its blocks checked first), unpickled safely."""
         self.file(relpath).verify()
-        return load_file(os.path.join(self.root, relpath))
+        return load_file(st.join(self.root, relpath))
 
     def verify(self, relpaths: Iterable[str] | None = None) -> list[str]:
         """Check every block of the given files (all by default); return one line per problem."""
@@ -378,7 +373,7 @@ def copy_checked(src: Folder, relpath: str, root: str, dest: str | None = None) 
     source = src.file(relpath)
     dest = dest or relpath
     hasher = BlockHasher()
-    with atomic_file(os.path.join(root, dest)) as f:
+    with st.writer(st.join(root, dest)) as f:
         for start in range(0, source.record.nbytes, _CHUNK):
             data = source.read(start, min(_CHUNK, source.record.nbytes - start)).numpy().data
             f.write(data)
@@ -421,7 +416,7 @@ def decode_value(value: Any) -> Any:
 
 def is_complete(root: str) -> bool:
     """Whether a folder holds a finished conversion (its manifest exists)."""
-    return os.path.isfile(os.path.join(root, MANIFEST))
+    return st.isfile(st.join(root, MANIFEST))
 
 
 class TensorReader(abc.ABC):
@@ -569,12 +564,12 @@ class UniversalCheckpoint(FolderReader):
     to measure what they cost)."""
 
     def __init__(self, root: str, verify: bool = True):
-        root = os.path.abspath(root)
+        root = st.normalize(root)
         manifest = read_manifest(root)
         kind = kind_of(root)
         if kind is not None:
             raise CheckpointError(
-                os.path.join(root, MANIFEST),
+                st.join(root, MANIFEST),
                 f"a {kind.name} tag, which may hold only part of the state: load it with "
                 "load_checkpoint, or make a full copy with `ucp convert DIR --tag TAG`",
             )

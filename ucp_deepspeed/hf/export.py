@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,9 +31,10 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.paths import check_output, locate
-from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, atomic_write, stream_tensors
+from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, stream_tensors
 from ucp_deepspeed.hf.models import ARCHS, arch_for, config_of, with_heads
 from ucp_deepspeed.hf.names import Heads, Link, hf_shapes, links, to_hf
+from ucp_deepspeed.io import storage as st
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -206,7 +206,7 @@ def export_hf(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_output(out, [locate(path).path])
-    if not os.path.isfile(os.path.join(path, MANIFEST)):
+    if not st.isfile(st.join(path, MANIFEST)):
         path = convert(path, progress=progress)
     ckpt = UniversalCheckpoint(path)
     spec = model_of(ckpt, overrides)
@@ -224,7 +224,7 @@ def export_hf(
 
     tensors = entries(arch, read, ckpt, spec)
     shards = plan_shards(tensors, shard_bytes, size)
-    os.makedirs(out, exist_ok=True)
+    st.makedirs(out)
     weight_map, total = {}, 0
     bar = tqdm(
         total=sum(math.prod(e.shape) * size for e in tensors),
@@ -250,9 +250,9 @@ def export_hf(
         total += sum(math.prod(e.shape) * size for e in shard)
         weight_map.update({e.name: fname for e in shard})
     bar.close()
-    atomic_write(
-        os.path.join(out, "model.safetensors.index.json"),
+    st.write(
+        st.join(out, "model.safetensors.index.json"),
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode(),
     )
-    atomic_write(os.path.join(out, "config.json"), json.dumps(config, indent=2, sort_keys=True).encode())
+    st.write(st.join(out, "config.json"), json.dumps(config, indent=2, sort_keys=True).encode())
     return out

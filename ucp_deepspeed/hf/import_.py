@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
 from ucp_deepspeed.hf.models import read_config, spec_of
 from ucp_deepspeed.hf.names import Heads, from_hf, hf_shapes, links
+from ucp_deepspeed.io import storage as st
 
 _DERIVED = re.compile(r"(.*\.)?(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)")
 """Buffers older `transformers` versions saved that are computed from the config, not learned."""
@@ -112,7 +114,8 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
     """Write a weights-only universal checkpoint of a `transformers` folder; returns `out`.
 
     Args:
-        hf_dir: a folder with `config.json` and `model.safetensors` (or shards and their index).
+        hf_dir: a folder with `config.json` and `model.safetensors` (or shards and their index); a URL of one on an
+            object store is fetched into a temporary folder first, as `from_pretrained` fetches from the Hub.
         out: the universal folder to create (must not exist or be empty).
         num_kv_heads: for a GPT-2 folder exported from a grouped-query model, the key/value heads to fold back to.
     Returns:
@@ -122,6 +125,15 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
         >>> # build the model from ModelSpec.decode(manifest["model"]) with hf.models.megatron_kwargs, then
         >>> engine.load_checkpoint("llama.universal")
     """
+    if st.is_url(hf_dir):
+        with tempfile.TemporaryDirectory(prefix="ucp_import_hf_") as local:
+            for rel in st.find(hf_dir):
+                st.copy(st.join(hf_dir, rel), os.path.join(local, rel))
+            return _import(local, st.normalize(hf_dir), out, num_kv_heads, progress)
+    return _import(hf_dir, os.path.abspath(hf_dir), out, num_kv_heads, progress)
+
+
+def _import(hf_dir: str, origin: str, out: str, num_kv_heads: int | None, progress: bool) -> str:
     config, raw = read_config(hf_dir)
     arch, spec = spec_of(config, os.path.join(hf_dir, "config.json"), num_kv_heads)
     heads = Heads(spec.num_attention_heads, spec.num_query_groups)
@@ -134,8 +146,8 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
                 raise CheckpointError(
                     hf_dir, f"{name} has shape {folder.shape(name)}; the config says {shape} (for {link.mcore})"
                 )
-    check_output(out, [hf_dir])
-    if os.path.isdir(out) and os.listdir(out):
+    check_output(out, [hf_dir, origin])
+    if st.isdir(out) and st.listdir(out):
         raise CheckpointError(out, "exists and is not empty; refusing to write into it")
     records, params = [], dict[str, ParamRecord]()
     for link in tqdm(table, desc="ucp import-hf", disable=not progress):
@@ -153,7 +165,7 @@ def import_hf(hf_dir: str, out: str, num_kv_heads: int | None = None, progress: 
         Manifest(
             created_by=written_by(),
             source=SourceRecord(
-                os.path.abspath(hf_dir),
+                origin,
                 None,
                 Topology(dp=1, zero_stage=0, dtype="fp32", optimizer=f"none (Hugging Face {arch} import)"),
                 {"transformers": str(raw["transformers_version"])} if raw.get("transformers_version") else {},

@@ -28,6 +28,9 @@ class ReadStats:
     """Zip directories, pickles, metadata files: everything read to plan."""
     data_bytes: int = 0
     """Tensor bytes."""
+    write_requests: int = 0
+    """Whole objects written through `io.storage` (one PUT each on a store)."""
+    bytes_written: int = 0
 
     def add(self, other: ReadStats) -> None:
         """Add `other`'s counts to these."""
@@ -55,7 +58,9 @@ def counting() -> Iterator[ReadStats]:
 _lock = threading.Lock()
 
 
-def record(files: int = 0, requests: int = 0, metadata: int = 0, data: int = 0) -> None:
+def record(
+    files: int = 0, requests: int = 0, metadata: int = 0, data: int = 0, writes: int = 0, written: int = 0
+) -> None:
     """Report operations to the enclosing `counting` block, if any (cheap when none is open); worker threads started
     in a copy of its context (`contextvars.copy_context`) count into it too."""
     stats = _current.get()
@@ -65,3 +70,5 @@ def record(files: int = 0, requests: int = 0, metadata: int = 0, data: int = 0) 
             stats.requests += requests
             stats.metadata_bytes += metadata
             stats.data_bytes += data
+            stats.write_requests += writes
+            stats.bytes_written += written

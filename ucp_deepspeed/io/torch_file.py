@@ -17,12 +17,11 @@ import dataclasses
 import functools
 import io
 import math
-import os
 import struct
 import threading
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -30,10 +29,10 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.checksum import combine_pieces, crc32
 from ucp_deepspeed.io.safe_pickle import PickledObject, SafeUnpickler, StorageType, TensorType, UnsafePickle
 from ucp_deepspeed.io.stats import record
+from ucp_deepspeed.io.storage import Blob, open_blob
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 _CHUNK = 1 << 24
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 SAVE_ID_RECORD = ".data/ucp_save_id"
 
 
@@ -94,18 +93,6 @@ class _Storage:
         self.dtype = dtype
 
 
-def _after(views: list[memoryview], skip: int) -> list[memoryview]:
-    """`views` with their first `skip` bytes dropped (what a short read left to fill)."""
-    out = []
-    for view in views:
-        if skip >= len(view):
-            skip -= len(view)
-            continue
-        out.append(view[skip:])
-        skip = 0
-    return out
-
-
 def _ints(value: Any) -> bool:
     return isinstance(value, (tuple, list, torch.Size)) and all(type(v) is int and v >= 0 for v in value)
 
@@ -113,8 +100,8 @@ def _ints(value: Any) -> bool:
 class _Records:
     """Where each record of a zip archive is, and the CRC-32 pieces of what was read from it."""
 
-    def __init__(self, path: str, fd: int, size: int, infos: list[zipfile.ZipInfo], verify: bool = True):
-        self.path, self._fd, self._size, self.verify = path, fd, size, verify
+    def __init__(self, blob: Blob, infos: list[zipfile.ZipInfo], verify: bool = True):
+        self.path, self._blob, self.verify = blob.path, blob, verify
         self.infos = {i.filename: i for i in infos}
         self._offsets: dict[str, int] = {}
         self._pieces: dict[str, list[tuple[int, int, int]]] = {}
@@ -128,32 +115,23 @@ class _Records:
         if info.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(self.path, f"record '{name}' is compressed; expected torch's stored layout")
         if name not in self._offsets:
-            header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
-            record(requests=1, metadata=len(header))
-            if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+            if info.header_offset + _LOCAL_HEADER.size > self._blob.size:
+                raise CheckpointError(self.path, f"truncated: the zip header of '{name}' is past the end")
+            header = self._blob.read(info.header_offset, _LOCAL_HEADER.size)
+            if header[:4] != b"PK\x03\x04":
                 raise CheckpointError(self.path, f"corrupt zip header for '{name}'")
             fields = _LOCAL_HEADER.unpack(header)
             self._offsets[name] = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
         base, length = self._offsets[name], info.file_size
-        if base + length > self._size:
-            raise CheckpointError(self.path, f"truncated: record '{name}' ends at byte {base + length} of {self._size}")
+        if base + length > self._blob.size:
+            raise CheckpointError(
+                self.path, f"truncated: record '{name}' ends at byte {base + length} of {self._blob.size}"
+            )
         return base, length
 
     def pread_into(self, views: list[memoryview], offset: int, data: bool = True) -> None:
-        """Fill `views`, in order, from the file's bytes at `offset` on: one request per `IOV_MAX` buffers."""
-        for first in range(0, len(views), _IOV_MAX):
-            batch = [v for v in views[first : first + _IOV_MAX] if len(v)]
-            total = sum(len(v) for v in batch)
-            if not total:
-                continue
-            record(requests=1, **{"data" if data else "metadata": total})
-            done = 0
-            while done < total:
-                got = os.preadv(self._fd, _after(batch, done), offset + done)
-                if got <= 0:
-                    raise CheckpointError(self.path, f"truncated: nothing to read at byte {offset + done}")
-                done += got
-            offset += total
+        """Fill `views`, in order, from the file's bytes at `offset` on (one request, or a few on a store)."""
+        self._blob.readinto(views, offset, data)
 
     def _pread_from(self, base: int, offset: int, length: int) -> bytes:
         return self.pread(base + offset, length, data=True)
@@ -257,14 +235,13 @@ class StorageSpan:
     dtype: str
 
 
-def _open(path: str) -> int:
-    """A read-only descriptor of a rank file; a missing or unreadable one is a `CheckpointError` naming it."""
+def zip_directory(blob: Blob) -> list[zipfile.ZipInfo]:
+    """The records a zip archive's directory lists, read with as few requests as its size allows."""
     try:
-        return os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CheckpointError(path, "file is missing") from None
-    except OSError as exc:
-        raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+        with zipfile.ZipFile(blob.raw()) as zf:
+            return zf.infolist()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        raise CheckpointError(blob.path, f"truncated or corrupt torch file ({exc})") from None
 
 
 class IndexedArchive:
@@ -273,9 +250,9 @@ class IndexedArchive:
 
     def __init__(self, path: str, verify: bool = True):
         self.path = str(path)
-        self._fd = _open(self.path)
+        self._blob = open_blob(self.path)
         record(files=1)
-        self._records = _Records(self.path, self._fd, os.fstat(self._fd).st_size, [], verify)
+        self._records = _Records(self._blob, [], verify)
 
     @property
     def file(self) -> IndexedArchive:
@@ -291,10 +268,8 @@ class IndexedArchive:
         return self._records.pieces()
 
     def close(self) -> None:
-        """Release the file descriptor."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Release the file."""
+        self._blob.close()
 
 
 class TorchFile:
@@ -306,23 +281,20 @@ class TorchFile:
 
     def __init__(self, path: str, verify: bool = True):
         self.path = str(path)
-        self._fd = -1
-        self._fd = _open(self.path)
-        self.size = os.fstat(self._fd).st_size
+        self._blob = open_blob(self.path)
+        record(files=1)
         try:
-            with zipfile.ZipFile(self.path) as zf:
-                infos = zf.infolist()
-                directory = self.size - zf.start_dir
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+            self.size = self._blob.size
+            infos = zip_directory(self._blob)
+        except CheckpointError:
             self.close()
-            raise CheckpointError(self.path, f"truncated or corrupt torch file ({exc})") from None
-        record(files=1, requests=2, metadata=directory)  # zipfile reads the end record, then the directory
+            raise
         pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
         if pkl is None:
             self.close()
             raise CheckpointError(self.path, "not a torch.save archive (no data.pkl)")
         self._prefix = pkl.filename[: -len("data.pkl")]
-        self._records = _Records(self.path, self._fd, self.size, infos, verify)
+        self._records = _Records(self._blob, infos, verify)
         data = self._read_record(pkl.filename)
         extra = {
             ("torch._utils", "_rebuild_tensor_v2"): self._rebuild_tensor,
@@ -439,10 +411,10 @@ class TorchFile:
         return self._records.check(names)
 
     def close(self) -> None:
-        """Release the file descriptor."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Release the file."""
+        blob = getattr(self, "_blob", None)
+        if blob is not None:
+            blob.close()
 
     def __del__(self) -> None:
         self.close()
@@ -496,27 +468,33 @@ def load_file(path: str) -> Any:
         tfile.close()
 
 
-def stamp(path: str, save_id: str) -> None:
-    """Add the save id record to a torch archive just written, binding it to the other files of its save.
+def stamp(target: str | IO[bytes], save_id: str) -> None:
+    """Add the save id record to a torch archive just written (a local file, or one held in memory), binding it to
+    the other files of its save.
 
     The record is appended after torch's records and the zip directory is rewritten after it;
     `torch.load` reads the archive as before and ignores the record.
     """
-    with zipfile.ZipFile(path, "a") as zf:
+    name = target if isinstance(target, str) else "<archive in memory>"
+    with zipfile.ZipFile(target, "a") as zf:
         pkl = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
         if pkl is None:
-            raise CheckpointError(path, "not a torch.save archive (no data.pkl); cannot record the save id")
+            raise CheckpointError(name, "not a torch.save archive (no data.pkl); cannot record the save id")
         zf.writestr(pkl[: -len("data.pkl")] + SAVE_ID_RECORD, save_id.encode("ascii"))
 
 
 def save_id_of(path: str) -> str | None:
     """The save id recorded in a torch archive, or None (reads the zip directory and one small record)."""
+    blob = open_blob(path)
     try:
-        with zipfile.ZipFile(path) as zf:
-            name = next((n for n in zf.namelist() if n.endswith(SAVE_ID_RECORD)), None)
-            return zf.read(name).decode("ascii", "replace") if name else None
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(path, f"truncated or corrupt torch file ({exc})") from None
+        infos = {i.filename: i for i in zip_directory(blob)}
+        name = next((n for n in infos if n.endswith(SAVE_ID_RECORD)), None)
+        if name is None:
+            return None
+        records = _Records(blob, list(infos.values()))
+        return records.pread(*records.data_range(name)).decode("ascii", "replace")
+    finally:
+        blob.close()
 
 
 class VerifyingReader(io.RawIOBase):
@@ -529,15 +507,14 @@ class VerifyingReader(io.RawIOBase):
     def __init__(self, path: str, verify: bool = True):
         super().__init__()
         self.path = path
-        self._file = open(path, "rb", buffering=0)
-        size = os.fstat(self._file.fileno()).st_size
+        self._blob = open_blob(path)
+        self._pos = 0
         try:
-            with zipfile.ZipFile(path) as zf:
-                infos = zf.infolist()
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-            self._file.close()
-            raise CheckpointError(path, f"truncated or corrupt torch file ({exc})") from None
-        self._records = _Records(path, self._file.fileno(), size, infos, verify)
+            infos = zip_directory(self._blob)
+        except CheckpointError:
+            self._blob.close()
+            raise
+        self._records = _Records(self._blob, infos, verify)
         spans = []
         for info in infos:
             if info.compress_type == zipfile.ZIP_STORED and info.file_size:
@@ -560,16 +537,20 @@ class VerifyingReader(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        return self._file.seek(offset, whence)
+        self._pos = max(0, {0: 0, 1: self._pos, 2: self._blob.size}[whence] + offset)
+        return self._pos
 
     def tell(self) -> int:
-        return self._file.tell()
+        return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        pos = self._file.tell()
-        got = self._file.readinto(buffer)
+        pos = self._pos
+        view = memoryview(buffer).cast("B")
+        got = max(0, min(len(view), self._blob.size - pos))
         if got:
-            view = memoryview(buffer).cast("B")[:got]
+            view = view[:got]
+            self._blob.readinto([view], pos, data=True)
+            self._pos += got
             for begin, end, name in self._spans:
                 lo, hi = max(begin, pos), min(end, pos + got)
                 if lo < hi:
@@ -583,5 +564,5 @@ class VerifyingReader(io.RawIOBase):
             raise CheckpointError(self.path, "; ".join(p.removeprefix(f"{self.path}: ") for p in problems))
 
     def close(self) -> None:
-        self._file.close()
+        self._blob.close()
         super().close()

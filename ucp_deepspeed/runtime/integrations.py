@@ -28,6 +28,7 @@ from typing import Any
 import deepspeed
 
 from ucp_deepspeed import compat
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime import engine, rng
 from ucp_deepspeed.runtime.config import UniversalConfig
 
@@ -84,7 +85,7 @@ def installed() -> bool:
 def saved_process_index(directory: str, stem: str, suffix: str, process_index: int) -> int | None:
     """Whose per-process file `<stem>_<i><suffix>` a process restores: its own, else saved process i mod n's."""
     pattern = re.compile(rf"{re.escape(stem)}_(\d+){re.escape(suffix)}")
-    saved = sorted(int(m.group(1)) for f in os.listdir(directory) if (m := pattern.fullmatch(f)))
+    saved = sorted(int(m.group(1)) for f in st.listdir(directory) if (m := pattern.fullmatch(f)))
     if not saved:
         return None
     return process_index if process_index in saved else saved[process_index % len(saved)]
@@ -92,13 +93,13 @@ def saved_process_index(directory: str, stem: str, suffix: str, process_index: i
 
 def saved_rng_file(checkpoint: str, process_index: int, world_size: int) -> str | None:
     """The Trainer RNG file a process should restore at this world size: its own, else saved process i mod n."""
-    single = os.path.join(checkpoint, "rng_state.pth")
-    if world_size == 1 and os.path.isfile(single):
+    single = st.join(checkpoint, "rng_state.pth")
+    if world_size == 1 and st.isfile(single):
         return single
     index = saved_process_index(checkpoint, "rng_state", ".pth", process_index)
     if index is not None:
-        return os.path.join(checkpoint, f"rng_state_{index}.pth")
-    return single if os.path.isfile(single) else None
+        return st.join(checkpoint, f"rng_state_{index}.pth")
+    return single if st.isfile(single) else None
 
 
 def _load_rng_state_any_world(original: Any) -> Any:
@@ -109,13 +110,13 @@ def _load_rng_state_any_world(original: Any) -> Any:
         index, world = self.args.process_index, self.args.world_size
         found = saved_rng_file(checkpoint, index, world)
         wanted = f"rng_state_{index}.pth" if world > 1 else "rng_state.pth"
-        if found is None or os.path.basename(found) == wanted:
+        if found is None or st.basename(found) == wanted:
             return original(self, checkpoint)
-        saved_index = int(os.path.basename(found).removeprefix("rng_state").removesuffix(".pth").lstrip("_") or 0)
+        saved_index = int(st.basename(found).removeprefix("rng_state").removesuffix(".pth").lstrip("_") or 0)
         log.info(
             "ucp: process %d restores the RNG state saved as %s (saved at another world size)%s",
             index,
-            os.path.basename(found),
+            st.basename(found),
             "" if saved_index == index else ", then re-seeds from it: no two processes share a stream",
         )
         with tempfile.TemporaryDirectory() as tmp:  # the Trainer's own restore, which knows every device type
@@ -134,7 +135,7 @@ def _load_accelerator_state_any_world(original: Any) -> Any:
     def load_accelerator_state(*args: Any, **kwargs: Any) -> dict:
         bound = signature.bind(*args, **kwargs)
         directory, index = os.fspath(bound.arguments["input_dir"]), bound.arguments["process_index"]
-        found = saved_process_index(directory, "random_states", ".pkl", index) if os.path.isdir(directory) else None
+        found = saved_process_index(directory, "random_states", ".pkl", index) if st.isdir(directory) else None
         if found is not None and found != index:
             log.info(
                 "ucp: process %d restores the random states saved as random_states_%d.pkl (saved at "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any
 
 import torch.distributed as dist
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from ucp_deepspeed.convert.core import finish, run_jobs
 from ucp_deepspeed.convert.output import claimed, default_output, prepare_output
 from ucp_deepspeed.convert.plan import plan_jobs, shard_jobs
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.collective import from_rank0, guarded, on_rank0, to_rank0
 from ucp_deepspeed.sources import NativeCheckpoint
 
@@ -45,7 +45,7 @@ def convert_across_ranks(
     try:
 
         def prepare() -> tuple[Any, str]:
-            out = os.path.abspath(output or default_output(src))  # one folder for all ranks, whatever each was told
+            out = st.normalize(output or default_output(src))  # one folder for all ranks, whatever each was told
             lock.enter_context(claimed(out, [src.tag_dir]))
             return prepare_output(src, out), out
 

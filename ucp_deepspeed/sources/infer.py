@@ -18,9 +18,7 @@ layers locally) and expert parallelism are refused.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
-import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +28,7 @@ from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import saved_numel
 from ucp_deepspeed.geometry.layout import REPLICATED
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.naming.rules import Rule
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
@@ -49,10 +48,10 @@ RULES_HINT = (
 def _model_states_paths(tag_dir: str) -> dict[int, str]:
     """Model-parallel rank -> its (data-parallel rank 0) model-states file."""
     out = {}
-    for path in glob.glob(os.path.join(tag_dir, "*mp_rank_*_model_states.pt")):
-        m = re.fullmatch(r"(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt", os.path.basename(path))
+    for name in st.listdir(tag_dir):
+        m = re.fullmatch(r"(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt", name)
         if m:
-            out[int(m.group(1))] = path
+            out[int(m.group(1))] = st.join(tag_dir, name)
     return out
 
 
@@ -114,10 +113,10 @@ def _layer_extras(
         # the topology's tensor-parallel axis, when it has one, names the file (even at size 1)
         names = [f"layer_{layer:02d}-model_{mp_rank % tp:02d}-model_states.pt"]
         names += [f"layer_{layer:02d}-model_states.pt"] if tp == 1 else []
-        file = next((n for n in names if os.path.isfile(os.path.join(tag_dir, n))), None)
+        file = next((n for n in names if st.isfile(st.join(tag_dir, n))), None)
         if file is None:
-            raise CheckpointError(os.path.join(tag_dir, names[-1]), "pipeline layer file is missing")
-        states = LayerStatesFile(os.path.join(tag_dir, file))
+            raise CheckpointError(st.join(tag_dir, names[-1]), "pipeline layer file is missing")
+        states = LayerStatesFile(st.join(tag_dir, file))
         try:
             for key in states.keys():
                 name = f"{layer}.{key}"
@@ -151,10 +150,10 @@ def _infer_rank(
         dp = int(states.entry("dp_world_size"))
         stage = (
             3
-            if os.path.basename(model_path).startswith("zero_pp_rank_")
+            if st.basename(model_path).startswith("zero_pp_rank_")
             else int((ds_config.get("zero_optimization") or {}).get("stage", 0))
         )
-        if glob.glob(os.path.join(tag_dir, "bf16_zero_pp_rank_*")):
+        if any(n.startswith("bf16_zero_pp_rank_") for n in st.listdir(tag_dir)):
             raise CheckpointError(
                 tag_dir,
                 "saved without ucp_deepspeed metadata and without a ZeRO optimizer (bf16's "
@@ -194,8 +193,8 @@ def _infer_rank(
         else [n for n in module if n not in set(trainable) | set(shared) | set(buffers)]
     )
     layouts = _layouts(trainable + frozen, tp, rules, model_path)
-    optim_path = os.path.join(tag_dir, f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
-    if not os.path.isfile(optim_path):
+    optim_path = st.join(tag_dir, f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
+    if not st.isfile(optim_path):
         raise CheckpointError(optim_path, "optimizer file of data-parallel rank 0 is missing")
     optim = OptimRankFile(optim_path, stage)
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from ucp_deepspeed.format.metadata import (
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.swap import SWAP_RECORD, read_swap_records
 from ucp_deepspeed.geometry.fragments import fragments_in
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.swap_file import SwapTensor
 from ucp_deepspeed.io.torch_file import IndexedArchive, LazyTensor, Span, StorageSpan, TorchFile
 from ucp_deepspeed.naming.rules import parse_rules
@@ -72,7 +72,7 @@ class RankPaths(Sequence[str]):
             return [self[i] for i in range(*index.indices(self.size))]
         if not -self.size <= index < self.size:
             raise IndexError(index)
-        return os.path.join(self.tag_dir, self.pattern.format(index % self.size))
+        return st.join(self.tag_dir, self.pattern.format(index % self.size))
 
 
 class RankFiles:
@@ -88,10 +88,10 @@ class RankFiles:
         self.model_paths: Sequence[str] = (
             RankPaths(tag_dir, f"zero_pp_rank_{{}}_mp_rank_{mp_rank:02d}_model_states.pt", topo.dp)
             if topo.zero_stage == 3
-            else [os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
+            else [st.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
         )
         files = {s.file for s in meta.params} | {e.file for e in meta.extras}
-        self.layer_paths = sorted(os.path.join(tag_dir, f) for f in files if f)
+        self.layer_paths = sorted(st.join(tag_dir, f) for f in files if f)
         self.swaps = read_swap_records(tag_dir) if topo.zero_stage == 3 else {}
         self.index: dict[str, FileIndex] = {}
         self._archives: dict[int, IndexedArchive] = {}
@@ -105,10 +105,10 @@ class RankFiles:
         """Every file of this model-parallel rank a conversion reads (built on request: it lists every DP rank's)."""
         topo = self.meta.topology
         swap_files = [
-            os.path.join(folder, name)
+            st.join(folder, name)
             for path in self.optim_paths
-            if os.path.basename(path) in self.swaps
-            for folder, record in [self.swaps[os.path.basename(path)]]
+            if st.basename(path) in self.swaps
+            for folder, record in [self.swaps[st.basename(path)]]
             for name in [SWAP_RECORD, *sorted(record.files)]
         ]
         optim = [] if topo.unpartitioned else list(self.optim_paths)
@@ -119,7 +119,7 @@ class RankFiles:
         with self._lock:
             if rank not in self._optim:
                 path = self.optim_paths[rank]
-                swap = self.swaps.get(os.path.basename(path))
+                swap = self.swaps.get(st.basename(path))
                 self._optim[rank] = self._bound(OptimRankFile(path, self.meta.topology.zero_stage, self.verify, swap))
             return self._optim[rank]
 
@@ -189,7 +189,7 @@ class RankFiles:
         spans: dict[TorchFile | IndexedArchive, list[Span]] = {}
         for frag in fragments_in(slot, topo.zero_stage, topo.dp, start, start + numel):
             dest = out[frag.dst - start : frag.dst - start + frag.numel]
-            indexed = self.index.get(os.path.basename(self.optim_paths[frag.rank]))
+            indexed = self.index.get(st.basename(self.optim_paths[frag.rank]))
             where = indexed.spans.get((slot.flat, state)) if indexed is not None else None
             if where is not None:  # else a state kept in NVMe swap files, or none: the file itself says which
                 archive = self.archive(frag.rank)
@@ -218,7 +218,7 @@ class RankFiles:
 
     def _read_whole(self, slot: ParamSlot, state: str) -> torch.Tensor:
         """ZeRO-0 fp32: the parameter itself (its fp32 master) or its entry in the saved torch optimizer state."""
-        path = os.path.join(self.tag_dir, slot.file) if slot.file else self.model_paths[0]
+        path = st.join(self.tag_dir, slot.file) if slot.file else self.model_paths[0]
         if state != FP32:
             lazy = self.model_states(0).optimizer_state(slot.flat, state)
         elif slot.file:
@@ -245,7 +245,7 @@ class RankFiles:
                     self.model_states(rank).frozen_fragment(extra.local_name).read(0, n, out=out[start : start + n])
             return out.view(extra.shape)
         if extra.file:
-            path = os.path.join(self.tag_dir, extra.file)
+            path = st.join(self.tag_dir, extra.file)
             lazy = self.layer(path).tensor(extra.key)
         else:
             path = self.model_paths[0]
@@ -304,7 +304,7 @@ def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], b
 
 
 def _read_metas(tag_dir: str, layout_rules: Any) -> tuple[list[SaveMeta], bool]:
-    if not os.path.isfile(os.path.join(tag_dir, meta_filename(0))):
+    if not st.isfile(st.join(tag_dir, meta_filename(0))):
         try:
             return infer_metas(tag_dir, _rules(layout_rules, tag_dir)), True
         except ValueError as exc:  # a name in DeepSpeed's files that cannot be a tensor's (see check_name)
@@ -312,9 +312,7 @@ def _read_metas(tag_dir: str, layout_rules: Any) -> tuple[list[SaveMeta], bool]:
     first = read_meta(tag_dir, 0)
     topo = first.topology
     missing = [
-        meta_filename(r)
-        for r in range(1, topo.tp * topo.pp)
-        if not os.path.isfile(os.path.join(tag_dir, meta_filename(r)))
+        meta_filename(r) for r in range(1, topo.tp * topo.pp) if not st.isfile(st.join(tag_dir, meta_filename(r)))
     ]
     if missing:
         raise CheckpointError(
@@ -326,7 +324,7 @@ def _read_metas(tag_dir: str, layout_rules: Any) -> tuple[list[SaveMeta], bool]:
     for r, meta in enumerate(metas):
         if meta.topology != topo or meta.pp_rank * topo.tp + meta.tp_rank != r:
             raise CheckpointError(
-                os.path.join(tag_dir, meta_filename(r)),
+                st.join(tag_dir, meta_filename(r)),
                 f"metadata of model-parallel rank {r} says {meta.topology.describe()} "
                 f"tp_rank={meta.tp_rank} pp_rank={meta.pp_rank}; rank 0 says {topo.describe()}",
             )
@@ -361,19 +359,19 @@ class NativeCheckpoint:
         verify: bool = True,
         metas: tuple[list[SaveMeta], bool] | None = None,
     ):
-        self.ckpt_dir = os.path.abspath(ckpt_dir)
+        self.ckpt_dir = st.normalize(ckpt_dir)
         self.tag = resolve_tag(self.ckpt_dir, tag)
-        self.tag_dir = os.path.join(self.ckpt_dir, self.tag)
-        if not os.path.isdir(self.tag_dir):
+        self.tag_dir = st.join(self.ckpt_dir, self.tag)
+        if not st.isdir(self.tag_dir):
             raise CheckpointError(self.tag_dir, "checkpoint tag folder does not exist")
         self.metas, self.inferred = metas if metas is not None else tag_metas(self.tag_dir, layout_rules)
         self.meta = self.metas[0]
         topo = self.meta.topology
-        self.tensors = full_tensors(self.metas, os.path.join(self.tag_dir, meta_filename(0)))
+        self.tensors = full_tensors(self.metas, st.join(self.tag_dir, meta_filename(0)))
         self.ranks = [RankFiles(self.tag_dir, r, meta, verify) for r, meta in enumerate(self.metas)]
         if check:
             needed = [p for rank in self.ranks for p in rank.needed]
-            missing = [os.path.relpath(p, self.tag_dir) for p in needed if not os.path.isfile(p)]
+            missing = [p[len(self.tag_dir) + 1 :] for p in needed if not st.isfile(p)]
             if missing:
                 raise CheckpointError(
                     self.tag_dir, f"saved at {topo.describe()} but rank files are missing: {', '.join(missing)}"
@@ -398,7 +396,7 @@ class NativeCheckpoint:
                 (t, t.dtype) for t in rank.meta.extras if t.file
             ] + [(t, "float32") for t in rank.meta.params if t.file]  # ZeRO-0 fp32: a trainable weight is its master
             for extra, dtype in in_layers:
-                path = os.path.join(rank.tag_dir, extra.file)
+                path = st.join(rank.tag_dir, extra.file)
                 try:
                     lazy = rank.layer(path).tensor(extra.key)
                 except CheckpointError as exc:
@@ -426,7 +424,7 @@ class NativeCheckpoint:
                 problems += [(self.tag_dir, p) for p in check_steps(optims)]
             if problems:
                 first = problems[0][0]
-                fail(first, [p if path == first else f"{os.path.basename(path)}: {p}" for path, p in problems])
+                fail(first, [p if path == first else f"{st.basename(path)}: {p}" for path, p in problems])
 
     def file_index(self) -> dict[int, dict[str, FileIndex]]:
         """Per model-parallel rank, by file name, where every optimizer file holds its flat buffers' states: made by
@@ -438,7 +436,7 @@ class NativeCheckpoint:
                 continue
             for d, path in enumerate(rank.optim_paths):
                 spans = rank.optim(d).spans()
-                out.setdefault(mp_rank, {})[os.path.basename(path)] = FileIndex(path, spans)
+                out.setdefault(mp_rank, {})[st.basename(path)] = FileIndex(path, spans)
         return out
 
     def use_index(self, index: dict[int, dict[str, FileIndex]]) -> None:
@@ -476,7 +474,7 @@ class NativeCheckpoint:
 
     def source_files(self) -> list[str]:
         """Every file conversion reads, for fingerprinting."""
-        metas = [] if self.inferred else [os.path.join(self.tag_dir, meta_filename(r)) for r in range(len(self.ranks))]
+        metas = [] if self.inferred else [st.join(self.tag_dir, meta_filename(r)) for r in range(len(self.ranks))]
         return [p for rank in self.ranks for p in rank.needed] + metas
 
     def verify(self) -> list[str]:
@@ -498,7 +496,7 @@ class NativeCheckpoint:
         swaps = {folder: record for rank in self.ranks for folder, record in rank.swaps.values()}
         for folder, record in sorted(swaps.items()):
             for name, entry in sorted(record.files.items()):
-                path = os.path.join(folder, name)
+                path = st.join(folder, name)
                 try:
                     SwapTensor(path, torch.uint8, 0, entry.nbytes, entry.blocks).check()
                 except CheckpointError as exc:

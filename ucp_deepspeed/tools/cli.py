@@ -25,6 +25,7 @@ from ucp_deepspeed.hf.export import DTYPES, Overrides, export_hf
 from ucp_deepspeed.hf.import_ import import_hf
 from ucp_deepspeed.hf.models import ARCHS
 from ucp_deepspeed.interop import export_deepspeed
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.tools.compare import DiffReport, diff
 
@@ -117,7 +118,7 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
             "params": params,
             "buffers": [t.name for t in src.tensors if t.kind == "buffer"],
             "tied": {k: v for m in src.metas for k, v in m.tied.items()},
-            "total_bytes": sum(os.path.getsize(f) for f in files),
+            "total_bytes": sum(st.stat(f)[0] for f in files),
             "files": len(files),
             "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed",
             **({"model": meta.model.encode()} if meta.model is not None else {}),
@@ -196,9 +197,9 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
     if kind is None or found.tag is None:
         raise CheckpointError(found.path, f"is a {found.kind} checkpoint, which `ucp verify` cannot check")
     problems = kind.verify(found.root, found.tag)
-    copy = os.path.join(found.root, f"{found.tag}.universal")
+    copy = st.join(found.root, f"{found.tag}.universal")
     what = f"every file of the {kind.name} tag and the tags it needs matches its manifest"
-    if os.path.isfile(os.path.join(copy, MANIFEST)):  # loads with "direct": false reuse this full copy
+    if st.isfile(st.join(copy, MANIFEST)):  # loads with "direct": false reuse this full copy
         problems += UniversalCheckpoint(copy).verify()
         what += ", and so does its full copy " + copy
     return problems, what
@@ -259,7 +260,7 @@ def _convert_under_torchrun(args: argparse.Namespace) -> str | None:
         on_rank0(lambda: box.__setitem__(0, resolve_tag(args.ckpt_dir, args.tag)))  # one tag for all ranks
         dist.broadcast_object_list(box, src=0)
         tag = box[0]
-        if kind_of(os.path.join(args.ckpt_dir, tag)) is not None:  # a Check-N-Run chain: replayed by one process
+        if kind_of(st.join(args.ckpt_dir, tag)) is not None:  # a Check-N-Run chain: replayed by one process
             done: list[str] = []
             on_rank0(lambda: done.append(convert(args.ckpt_dir, tag, args.output, args.workers, False)))
             return done[0] if done else None

@@ -14,8 +14,6 @@ optimizer state (e.g. Adam's `step`) are compared as values.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.paths import locate
 from ucp_deepspeed.format.universal import UniversalCheckpoint
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
 
 Reader = Callable[[str, str], torch.Tensor]
@@ -77,10 +76,10 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[Manifest, Reader
     if kind is not None and found.tag is not None:  # e.g. a Check-N-Run chain, replayed into a scratch universal folder
         scratch = tempfile.mkdtemp(prefix="ucp_diff_")
         try:
-            with opened(kind.materialize(found.root, found.tag, os.path.join(scratch, found.tag))) as result:
+            with opened(kind.materialize(found.root, found.tag, st.join(scratch, found.tag))) as result:
                 yield result
         finally:
-            shutil.rmtree(scratch)
+            st.delete(scratch)
         return
     if found.kind == "universal":
         ckpt = UniversalCheckpoint(found.path)

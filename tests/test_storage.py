@@ -1,0 +1,138 @@
+"""The storage layer against a real S3 server (moto's, on 127.0.0.1): ranged reads, whole-object writes, listings,
+and every fault with one clear line that names the object or bucket and never a secret."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import pytest
+import torch
+from s3server import SECRET, S3Server, s3_server
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io import stats
+from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.torch_file import TorchFile, load_file
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    return f"s3://{s3.bucket()}"
+
+
+def test_a_scheme_nothing_serves_is_refused_not_taken_for_a_folder() -> None:
+    with pytest.raises(CheckpointError, match=r"nosuch://bucket/run: 'nosuch://' is not a storage scheme"):
+        st.normalize("nosuch://bucket/run")
+    assert st.normalize("file:///tmp/x") == "/tmp/x"
+    assert not st.is_url("s3:/bucket/run")  # one slash: a local path, as POSIX reads it
+
+
+@pytest.mark.parametrize(
+    "url", [f"s3://AKIAEXAMPLE:{SECRET}@bucket/run", f"s3://bucket/run?secret_key={SECRET}", "s3://AKIA@bucket/run"]
+)
+def test_a_url_with_credentials_is_refused_without_repeating_them(url: str) -> None:
+    with pytest.raises(CheckpointError) as caught:
+        st.normalize(url)
+    assert "carries credentials" in str(caught.value)
+    assert SECRET not in str(caught.value) and "AKIA" not in str(caught.value)
+
+
+def test_objects_round_trip_with_ranged_reads_and_listings(bucket: str) -> None:
+    root = st.join(bucket, "run")
+    data = bytes(range(256)) * 4096  # 1 MiB
+    st.write(st.join(root, "tag", "a.bin"), data)
+    st.write(st.join(root, "tag", "sub", "b.bin"), b"xyz")
+    st.write(st.join(root, "latest"), "tag")
+    assert st.read_text(st.join(root, "latest")) == "tag"
+    assert st.listdir(root) == ["latest", "tag"]
+    assert st.isdir(st.join(root, "tag")) and not st.isfile(st.join(root, "tag"))
+    assert st.isfile(st.join(root, "tag", "a.bin")) and not st.exists(st.join(root, "nope"))
+    assert st.storage_of(root).sizes(st.join(root, "tag")) == {"a.bin": len(data)}
+    assert st.find(st.join(root, "tag")) == ["a.bin", "sub/b.bin"]
+    blob = st.open_blob(st.join(root, "tag", "a.bin"))
+    with stats.counting() as counted:
+        out = bytearray(1000)
+        blob.readinto([memoryview(out)[:400], memoryview(out)[400:]], 5000)
+    assert bytes(out) == data[5000:6000]
+    assert (counted.requests, counted.data_bytes) == (1, 1000)  # one ranged GET of exactly the bytes asked for
+    st.delete(st.join(root, "tag"))
+    assert st.listdir(root) == ["latest"]
+
+
+def test_a_torch_file_on_the_store_is_read_by_range_and_checked(bucket: str) -> None:
+    tensors = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    path = st.join(bucket, "f.pt")
+    st.write(path, buffer.getvalue())
+    with stats.counting() as counted:
+        tfile = TorchFile(path)
+        part = tfile.obj["w"].read(1000, 50)
+    assert torch.equal(part, tensors["w"][1000:1050])
+    # a slice costs its bytes and the archive's directory and pickle, not the object's 1.2 MB
+    # requests: the tail (directory), the pickle and the slice, and the local zip header before each record
+    assert (counted.data_bytes, counted.requests) == (200, 5) and counted.metadata_bytes < 70_000
+    tfile.check_reads()  # the record's CRC covers all of it: the check reads what no read covered
+    assert torch.equal(load_file(path)["w"], tensors["w"])
+    damaged = bytearray(buffer.getvalue())
+    damaged[len(damaged) // 2] ^= 1  # a bit of w, flipped behind our back
+    st.write(path, bytes(damaged))
+    with pytest.raises(CheckpointError, match=r"f\.pt: record .* fails its crc32 check"):
+        load_file(path)
+    st.write(path, buffer.getvalue()[: len(damaged) // 2])  # truncated
+    with pytest.raises(CheckpointError, match=r"f\.pt: truncated or corrupt"):
+        TorchFile(path)
+
+
+def test_a_missing_bucket_or_object_is_named(s3: S3Server) -> None:
+    with pytest.raises(CheckpointError, match=r"s3://no-such-bucket-ucp: the bucket does not exist"):
+        st.read("s3://no-such-bucket-ucp/run/latest")
+    bucket = s3.bucket()
+    with pytest.raises(CheckpointError, match=rf"s3://{bucket}/run/latest: object is missing"):
+        st.read(f"s3://{bucket}/run/latest")
+
+
+def test_a_store_that_went_down_fails_naming_the_object_and_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(st, "RETRIES", 1)
+    monkeypatch.setattr(st, "BACKOFF", 0.01)
+    with s3_server() as down:
+        bucket = down.bucket()
+        st.write(f"s3://{bucket}/x", b"1")
+        down.stop()
+        with pytest.raises(CheckpointError) as caught:
+            st.read(f"s3://{bucket}/x")
+    assert str(caught.value).startswith(f"s3://{bucket}/x: storage request failed while reading it")
+    assert SECRET not in str(caught.value)
+
+
+def test_throttling_is_retried_with_a_bound(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(st, "BACKOFF", 0.001)
+    store = st.storage_of(bucket)
+    assert isinstance(store, st.FsspecStorage)
+    st.write(st.join(bucket, "o"), b"abc")
+    real = store.fs.cat_file
+    calls = {"n": 0}
+
+    class SlowDown(OSError):
+        pass
+
+    def throttled(path: str, *args: object, **kwargs: object) -> bytes:
+        calls["n"] += 1
+        if calls["n"] <= throttle[0]:
+            raise SlowDown("503 SlowDown: Please reduce your request rate.")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "cat_file", throttled)
+    throttle = [st.RETRIES]
+    assert st.read(st.join(bucket, "o")) == b"abc" and calls["n"] == st.RETRIES + 1
+    calls["n"], throttle[0] = 0, st.RETRIES + 1
+    with pytest.raises(CheckpointError, match=r"/o: storage request failed while reading it \(SlowDown"):
+        st.read(st.join(bucket, "o"))
+    assert calls["n"] == st.RETRIES + 1
