@@ -15,6 +15,10 @@
                                              without syncing it to disk), against an asynchronous one
                                              (which syncs in the background), and a training step
                                              while it writes
+    stall --params-m 75 --out DIR|URL        a synchronous save to DIR/sync (kept, for loads) and an
+                                             asynchronous one to DIR/async: the stall of each, the
+                                             background rest, the objects and bytes written; on disk or
+                                             an object store alike
 
 Rank 0 prints one JSON line starting with `RESULT `.
 """
@@ -40,6 +44,8 @@ import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 import ucp_deepspeed
+from ucp_deepspeed.io import stats
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.native_io import rebind, unbound
 
@@ -273,6 +279,13 @@ class Usage:
         self.sockets = socket_bytes() - self._sockets
 
 
+def gathered_ints(value: int) -> list[int]:
+    """Every rank's `value`."""
+    box = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(box, torch.tensor([value], dtype=torch.int64))
+    return [int(b) for b in box]
+
+
 def socket_bytes() -> int:
     """Bytes the machine's network interfaces have received (the ranks of one machine talk over loopback)."""
     with open("/proc/net/dev") as f:
@@ -296,7 +309,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load", "async"])
+    parser.add_argument("mode", choices=["save", "load", "async", "stall"])
     parser.add_argument("--params-m", type=float, required=True)
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--out")
@@ -334,7 +347,7 @@ def main() -> None:
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     result: dict = {}
-    if args.mode in ("save", "async"):
+    if args.mode in ("save", "async", "stall"):
         engine = build(args)
         step = training_step(engine, args.params_m)
         step()
@@ -355,6 +368,8 @@ def main() -> None:
         result["step_while_writing_s"] = timed(step)
         result["async_rest_s"] = timed(engine.wait_for_checkpoint)
         result["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(trial) for f in fs)
+    elif args.mode == "stall":
+        result.update(stalls(engine, step, args.out))
     elif args.mode == "save":
         trial = os.path.join(args.out, "trial")
         plain_s, ucp_s = [], []
@@ -385,6 +400,23 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def stalls(engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str) -> dict:
+    """How long a synchronous and an asynchronous save to `out` (a folder or an object-store URL) keep training
+    waiting, what the asynchronous one leaves to the background, and what each wrote."""
+    sync_dir, async_dir = st.join(out, "sync"), st.join(out, "async")
+    result = {"step_s": min(timed(step) for _ in range(2))}
+    result["sync_save_s"] = timed(lambda: engine.save_checkpoint(sync_dir))
+    rebind(engine, AsyncCheckpointEngine(engine._config))
+    result["async_stall_s"] = timed(lambda: engine.save_checkpoint(async_dir))
+    result["step_while_writing_s"] = timed(step)
+    result["async_rest_s"] = timed(engine.wait_for_checkpoint)
+    if dist.get_rank() == 0:
+        tag = st.join(sync_dir, st.read_text(st.join(sync_dir, "latest")))
+        found = st.find(tag)
+        result["objects"], result["bytes"] = len(found), sum(st.stat(st.join(tag, rel))[0] for rel in found)
+    return result
+
+
 def load(args: argparse.Namespace) -> dict:
     """Time one load into a fresh engine (ours; with --plain or --deepspeed-universal DeepSpeed's own), and what it
     cost: the extra resident memory and the bytes written, each summed over the ranks."""
@@ -397,7 +429,7 @@ def load(args: argparse.Namespace) -> dict:
     else:
         run, mode = lambda: engine.load_checkpoint(args.source), None
     try:
-        with Usage() as usage:
+        with Usage() as usage, stats.counting() as counted:
             seconds = timed(run)
     except Exception as exc:  # recorded: a load DeepSpeed cannot do raises alike on every rank, and is a result
         engine.destroy()
@@ -414,6 +446,9 @@ def load(args: argparse.Namespace) -> dict:
         "held_rss": held_rss,
     }
     result.update(written=written, read=read, from_disk=summed(usage.from_disk)[0])
+    # what every rank asked of storage: requests (ranged GETs on a store, preads on disk) and bytes fetched
+    result["requests"], result["fetched"] = summed(counted.requests, counted.data_bytes + counted.metadata_bytes)
+    result["max_rank_requests"] = max(gathered_ints(counted.requests))
     if mode is None:
         result["kind"] = engine.ucp_last_load.kind
         result["direct"] = engine.ucp_last_load.direct

@@ -1,20 +1,29 @@
 """The async checkpoint engine on its own, in one process: snapshots are exact and isolated from later
-updates, files appear only whole, and a failed background write is an error, never a moved `latest`."""
+updates, files appear only whole (on disk, and on an S3 store), and a failed background write is an error, never a
+moved `latest`."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import threading
+import time
 from collections import OrderedDict
 
 import pytest
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+from s3server import s3_server
 
 import ucp_deepspeed.runtime.async_save
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.commit import read_commit
+from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.torch_file import load_file
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine, snapshot
+from ucp_deepspeed.runtime.native_io import BoundEngine, Guard
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -101,3 +110,53 @@ def test_failed_write_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
         engine.get_commit_info()
     assert os.listdir(tmp_path / "global_step4") == []
     engine.cleanup()
+
+
+def test_an_upload_to_the_store_runs_behind_training_and_commits_only_when_acknowledged(monkeypatch, caplog):
+    """`save` returns with the state in host memory; the commit object and `latest` follow every acknowledged
+    upload, and a failed upload is an error at the next commit, leaves `latest` alone and is reported at exit."""
+    with s3_server() as s3:
+        run = f"s3://{s3.bucket()}/run"
+        guard = Guard(verify=True)
+        engine = AsyncCheckpointEngine()
+        engine.zipfile_serialization = True  # as DeepSpeed's default config has it
+        bound = BoundEngine(engine, guard)
+        release = threading.Event()
+        real = ucp_deepspeed.runtime.async_save.write_file
+
+        def slow_upload(*args, **kwargs):
+            release.wait(30)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ucp_deepspeed.runtime.async_save, "write_file", slow_upload)
+        for step, fail in ((2, False), (4, True)):
+            tag_dir = f"{run}/global_step{step}"
+            info = CheckpointCommitInfo(tag=f"global_step{step}", save_dir=run, save_latest=False)
+            guard.pending[tag_dir] = (f"save-{step}", True)
+            guard.save_id = f"save-{step}"
+            bound.create(info)
+            path = f"{tag_dir}/mp_rank_00_model_states.pt" if not fail else f"s3://no-such-bucket-ucp/x/{step}.pt"
+            state = _state()
+            started = time.perf_counter()
+            bound.save(state, path)
+            assert time.perf_counter() - started < 5 and engine.get_commit_info() is None  # still uploading
+            state["fp32_flat_groups"][0].zero_()  # training goes on
+            release.set()
+            engine.wait()
+            if fail:
+                with pytest.raises(CheckpointError, match=r"1 file\(s\) failed to write.*no-such-bucket-ucp"):
+                    engine.get_commit_info()
+                break
+            bound.commit(engine.get_commit_info())
+            release.clear()
+        assert st.read_text(f"{run}/latest") == "global_step2"
+        record = read_commit(f"{run}/global_step2")
+        assert record is not None and record.save_id == "save-2"
+        size = dict(record.objects)["mp_rank_00_model_states.pt"]
+        assert size == st.stat(f"{run}/global_step2/mp_rank_00_model_states.pt")[0]
+        loaded = load_file(f"{run}/global_step2/mp_rank_00_model_states.pt")
+        assert torch.equal(loaded["fp32_flat_groups"][0], torch.arange(12, dtype=torch.float32))  # the snapshot
+        with caplog.at_level(logging.ERROR, logger="ucp_deepspeed"):
+            engine._report_at_exit()
+        assert "global_step4 was not committed before exit" in caplog.text
+        engine.cleanup()

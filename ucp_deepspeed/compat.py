@@ -86,6 +86,27 @@ def commit_decoupled_checkpoint(engine: Any) -> None:
     engine._commit_decoupled_checkpoint()
 
 
+def store_recovery_scripts(engine: Any, remote: Callable[[str], bool], write: Callable[[str, bytes], None]) -> None:
+    """DeepSpeed copies its `zero_to_fp32.py` scripts into the save folder with `shutil.copyfile`, which cannot reach
+    an object store: for a `remote` folder, send them through `write` instead."""
+    native = engine._copy_recovery_script
+
+    def copy_recovery_script(save_path: str) -> None:
+        if not remote(save_path):
+            return native(save_path)
+        import deepspeed
+
+        utils = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            source = os.path.join(utils, script)
+            if os.path.isfile(source):
+                with open(source, "rb") as f:
+                    write(save_path.rstrip("/") + "/" + script, f.read())
+        return None
+
+    engine._copy_recovery_script = copy_recovery_script
+
+
 def before_model_step(engine: Any, check: Callable[[], None]) -> None:
     """Run `check` before every optimizer step of `engine` (plain and pipeline engines step through
     `_take_model_step`); it refuses the step by raising."""

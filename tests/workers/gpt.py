@@ -42,6 +42,7 @@ from train_gpt import SEQ, VOCAB, build, stage_ranks, train
 
 import ucp_deepspeed
 from ucp_deepspeed.geometry.layout import merge
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.capture import infos
 
 STEPS = 3
@@ -215,16 +216,19 @@ def do_save(args: argparse.Namespace) -> None:
     cont = train(engine, args.cont)
     if dist.get_rank() == 0:
         print(f"[{layout_name(args)}] losses {losses} then {cont}; saved {len(snap['fp32'])} params", flush=True)
-        torch.save(
-            {"snapshot": snap, "continuation": cont, "layout": layout_name(args)},
-            os.path.join(args.out, "reference.pt"),
-        )
+        reference = io.BytesIO()
+        torch.save({"snapshot": snap, "continuation": cont, "layout": layout_name(args)}, reference)
+        st.write(st.join(args.out, "reference.pt"), reference.getvalue())  # a folder or an object-store URL
 
 
 def do_load(args: argparse.Namespace) -> None:
     results = []
     for source in args.source:
-        ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False) if dist.get_rank() == 0 else None
+        ref = (
+            torch.load(io.BytesIO(st.read(st.join(source, "reference.pt"))), weights_only=False)
+            if dist.get_rank() == 0
+            else None
+        )
         engine = build(args, direct=not args.converted)
         _, client = engine.load_checkpoint(source)
         client_ok = client_state_ok(client, engine.ucp_last_load)

@@ -16,8 +16,8 @@ Rank 0 logs `step N loss L auc A world W` and, with --results, writes a JSON rep
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 import time
 
 import common  # tests/workers/common.py, next to this script
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import ucp_deepspeed
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import list_tags
 
 DENSE = 8
@@ -182,6 +183,13 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def put(obj: object, location: str) -> None:
+    """`torch.save` to a folder or an object-store URL."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    st.write(location, buffer.getvalue())
+
+
 def run(args: argparse.Namespace) -> None:
     """Train (resuming from the newest complete tag of --ckpt-dir if there is one), saving as configured."""
     engine = build(args)
@@ -201,7 +209,7 @@ def run(args: argparse.Namespace) -> None:
         if args.snapshots:
             snap = snapshot(engine)
             if dist.get_rank() == 0:
-                torch.save(snap, os.path.join(args.ckpt_dir, f"resumed_step{engine.global_steps}.pt"))
+                put(snap, st.join(args.ckpt_dir, f"resumed_step{engine.global_steps}.pt"))
     log, saves = [], []
     step_time = 0.0
     while engine.global_steps < args.steps:
@@ -221,15 +229,14 @@ def run(args: argparse.Namespace) -> None:
             if args.snapshots:
                 snap = snapshot(engine)
                 if dist.get_rank() == 0:
-                    os.makedirs(args.ckpt_dir, exist_ok=True)
-                    torch.save(snap, os.path.join(args.ckpt_dir, f"saved_step{engine.global_steps}.pt"))
+                    st.makedirs(args.ckpt_dir)
+                    put(snap, st.join(args.ckpt_dir, f"saved_step{engine.global_steps}.pt"))
             start = time.perf_counter()
             engine.save_checkpoint(args.ckpt_dir)
             seconds = time.perf_counter() - start
-            tag_dir = os.path.join(args.ckpt_dir, f"global_step{engine.global_steps}")
+            tag_dir = st.join(args.ckpt_dir, f"global_step{engine.global_steps}")
             if dist.get_rank() == 0:
-                with open(os.path.join(tag_dir, "manifest.json")) as f:
-                    manifest = json.load(f)
+                manifest = json.loads(st.read(st.join(tag_dir, "manifest.json")))
                 saves.append(
                     {
                         "step": engine.global_steps,

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import io
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 import ucp_deepspeed
 from ucp_deepspeed import compat
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.capture import infos
 
 GLOBAL_BATCH = 48  # divides evenly over 1, 2, 3, 4, 6, 8 and 16 ranks
@@ -328,9 +330,10 @@ def client_state(engine: deepspeed.DeepSpeedEngine) -> dict:
 
 
 def do_save(args: argparse.Namespace) -> None:
+    reloaded: list[dict] = []
     for name in args.variant:
         engine = build(name, ep=args.ep, plain=args.plain)
-        ckpt = os.path.join(args.out, name)
+        ckpt = st.join(args.out, name)  # a folder or an object-store URL
         early = VARIANTS[name].get("early", 0)
         if early:
             train(engine, early)
@@ -350,6 +353,7 @@ def do_save(args: argparse.Namespace) -> None:
             )
         cont = train(engine, CONT)
         if dist.get_rank() == 0:
+            reference = io.BytesIO()
             torch.save(
                 {
                     "snapshot": snap,
@@ -357,9 +361,19 @@ def do_save(args: argparse.Namespace) -> None:
                     "client_state": client_state(engine) | {"sampler_position": snap["counters"][1]},
                     "dp": dist.get_world_size(),
                 },
-                os.path.join(ckpt, "reference.pt"),
+                reference,
             )
+            st.write(st.join(ckpt, "reference.pt"), reference.getvalue())
         dist.barrier()
+        if args.reload:  # the same layout loads what was just saved: ucp's own reader on a store, DeepSpeed's on disk
+            again = build(name, ep=args.ep)
+            _, client = again.load_checkpoint(ckpt)
+            diffs = compare(snap, snapshot(again))
+            diffs += compare(client_state(engine) | {"sampler_position": snap["counters"][1]}, client, "client_state")
+            reloaded.append({"source": ckpt, "mode": again.ucp_last_load.mode, "diffs": diffs})
+    if args.reload and dist.get_rank() == 0:
+        with open(args.reload, "w") as f:
+            json.dump(reloaded, f, indent=1)
 
 
 def do_mismatch(args: argparse.Namespace) -> None:
@@ -495,11 +509,11 @@ def do_load(args: argparse.Namespace) -> None:
     cases = args.case or [[args.variant[0], *args.source]]
     results = []
     for name, source in ((case[0], src) for case in cases for src in case[1:]):
-        ref = torch.load(os.path.join(source, "reference.pt"), weights_only=False)
+        ref = torch.load(io.BytesIO(st.read(st.join(source, "reference.pt"))), weights_only=False)
         engine = build(name, ep=args.ep)
         path, client = engine.load_checkpoint(source)
         snap = snapshot(engine)
-        saved_dtype = VARIANTS.get(os.path.basename(source), {}).get("dtype", VARIANTS[name]["dtype"])
+        saved_dtype = VARIANTS.get(st.basename(source), {}).get("dtype", VARIANTS[name]["dtype"])
         if saved_dtype != VARIANTS[name]["dtype"]:
             # the fp32 masters are the truth: weights of another precision are made from them (frozen ones from
             # their saved value), as DeepSpeed makes them after each step
@@ -528,7 +542,7 @@ def do_load(args: argparse.Namespace) -> None:
         )
         if dist.get_rank() == 0:
             print(
-                f"[{name} dp={dist.get_world_size()}] from {os.path.basename(source)}: step {engine.global_steps} "
+                f"[{name} dp={dist.get_world_size()}] from {st.basename(source)}: step {engine.global_steps} "
                 f"loss {losses[-1]:.6f}; restored {count_tensors(snap)} tensors "
                 f"{'bit-exactly' if not diffs else f'with {len(diffs)} differences'} ({report.how()})",
                 flush=True,
@@ -558,6 +572,7 @@ def main() -> None:
     parser.add_argument("--stock", action="store_true", help="load DeepSpeed universal folders with plain DeepSpeed")
     parser.add_argument("--expect-error", action="store_true", help="load damaged checkpoints; record each error")
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
+    parser.add_argument("--reload", metavar="RESULTS", help="save: then load each save at the same layout, compare")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
     parser.add_argument(
         "--converted", action="store_true", help='load: reshard through a universal copy ("direct": false)'

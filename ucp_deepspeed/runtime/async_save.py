@@ -11,8 +11,10 @@ and only when every rank has written all its files does rank 0 point `latest` at
 
 from __future__ import annotations
 
+import atexit
 import copy
-import os
+import io
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -23,8 +25,11 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.atomic import atomic_path
 from ucp_deepspeed.io.torch_file import stamp
+
+log = logging.getLogger("ucp_deepspeed")
 
 
 def snapshot(obj: Any, storages: dict[tuple, torch.UntypedStorage] | None = None) -> Any:
@@ -51,13 +56,28 @@ def snapshot(obj: Any, storages: dict[tuple, torch.UntypedStorage] | None = None
     return copy.deepcopy(obj)
 
 
-def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str = "") -> None:
-    """`torch.save` one checkpoint file atomically, stamped with its save id (module-level so tests can
-    interrupt it)."""
+def serialized(state: Any, save_id: str = "", zipfile_serialization: bool = True) -> memoryview:
+    """One checkpoint file's bytes, made in host memory and stamped with its save id: what an object store is sent
+    whole."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer, _use_new_zipfile_serialization=zipfile_serialization)
+    if save_id:
+        stamp(buffer, save_id)
+    return buffer.getbuffer()
+
+
+def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str = "") -> int:
+    """`torch.save` one checkpoint file atomically, stamped with its save id; returns its size (module-level so
+    tests can interrupt it)."""
+    if st.is_url(path):
+        data = serialized(state, save_id, zipfile_serialization)
+        st.write(path, data)
+        return len(data)
     with atomic_path(path) as tmp:
         torch.save(state, tmp, _use_new_zipfile_serialization=zipfile_serialization)
         if save_id:
             stamp(tmp, save_id)
+    return st.size(path)
 
 
 class AsyncCheckpointEngine(TorchCheckpointEngine):
@@ -70,6 +90,7 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-async-save")
         self._writes: list[tuple[str, Future]] = []
         self._pending: CheckpointCommitInfo | None = None
+        atexit.register(self._report_at_exit)
 
     def is_decoupled(self) -> bool:
         """Tell DeepSpeed to leave `latest` alone at save time and ask `get_commit_info` at each step."""
@@ -79,7 +100,7 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
         """Start a checkpoint; the caller has committed the previous one (see `engine.wait_for_checkpoint`)."""
         if self._pending is not None:
             raise CheckpointError(
-                os.path.join(info.save_dir, str(info.tag)),
+                st.join(str(info.save_dir), str(info.tag)),
                 f"save started while {self._pending.tag} is still being written; "
                 "call engine.wait_for_checkpoint() first",
             )
@@ -97,6 +118,14 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
                 ),
             )
         )
+
+    def uploaded(self) -> list[tuple[str, int]]:
+        """(location, size) of the files of this checkpoint written to an object store: what its commit lists."""
+        return [
+            (path, future.result())
+            for path, future in self._writes
+            if st.is_url(path) and future.done() and future.exception() is None
+        ]
 
     def wait(self) -> None:
         """Block until this rank's queued files are written (or have failed)."""
@@ -121,7 +150,7 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
         if failed:
             mine = "; ".join(failures) or "this rank's files were written"
             raise CheckpointError(
-                os.path.join(self._pending.save_dir, str(self._pending.tag)),
+                st.join(str(self._pending.save_dir), str(self._pending.tag)),
                 f"async save: {failed} file(s) failed to write, so `latest` was not moved ({mine})",
             )
         return self._pending if unfinished == 0 else None
@@ -131,6 +160,20 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
         self.wait()
         self._writes, self._pending = [], None
         return True
+
+    def _report_at_exit(self) -> None:
+        """At exit, finish the writes under way (no file is left half sent) and say that the save was not committed:
+        committing takes every rank, which may be gone; `latest` still names the previous save."""
+        if self._pending is None:
+            return
+        self.wait()
+        failures = [f"{path}: {f.exception()}" for path, f in self._writes if f.exception() is not None]
+        log.error(
+            "ucp: the asynchronous save of %s was not committed before exit (%s); `latest` still names the previous "
+            "save: call engine.wait_for_checkpoint() before exiting",
+            st.join(str(self._pending.save_dir), str(self._pending.tag)),
+            "; ".join(failures) or "no optimizer step or wait committed it",
+        )
 
     def cleanup(self) -> None:
         """Finish this rank's writes when the engine is destroyed; `latest` moves only through a commit."""

@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from ucp_deepspeed.format.metadata import write_meta
 from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.format.swap import OFFLOADED, SwapFile, SwapRecord, write_swap_record
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.swap_file import file_block_crcs
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import describe, optimizer_record, same_stage, topology
@@ -88,6 +88,8 @@ class LoadReport:
     def how(self) -> str:
         """How the load ran, in words (for a job's log): DeepSpeed's own load, a reshard read in place, or one
         through a universal copy."""
+        if self.mode == "direct":
+            return f"same layout {self.live}, read in place by byte range (DeepSpeed's own load reads local files only)"
         if self.mode != "resharded":
             return f"{self.mode} load"
         return f"resharded {self.saved} -> {self.live}, " + ("read in place" if self.direct else "via a copy")
@@ -131,6 +133,8 @@ class UniversalCheckpointer:
         if options.async_save:
             engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine))
         self.files = bind(engine, options.verify)
+        st.set_default_options(options.storage_options)
+        compat.store_recovery_scripts(engine, st.is_url, st.write)
         self.gate = Gate()  # closed by a load that failed after it began writing into the engine
         compat.before_model_step(engine, lambda: self.gate.check("step"))
         self.group = coordination_group(options.wait_minutes)
@@ -171,6 +175,14 @@ class UniversalCheckpointer:
         engine = self.engine
         self.wait()
         self.gate.check("save")
+        save_dir = _location(save_dir)
+        url = st.is_url(save_dir)
+        if url and compat.nvme_offload(engine):
+            raise CheckpointError(
+                save_dir,
+                "NVMe optimizer offload keeps part of the state in local swap files that DeepSpeed copies with "
+                "shutil; save it to a local folder (or a filesystem mounted from the store)",
+            )
         client_state = client_state or {}
         tag = str(f"global_step{engine.global_steps}" if tag is None else tag)
         save_id = f"{self._run_id}-{next(self._saves)}"
@@ -184,21 +196,32 @@ class UniversalCheckpointer:
             meta = dataclasses.replace(
                 meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"), frozen_excluded=True
             )
+        tag_dir = st.join(save_dir, tag)
+        if url:  # the commit object, then `latest`, are written once every rank's objects are acknowledged
+            self.files.pending[tag_dir] = (save_id, save_latest)
         if compat.data_parallel_rank(engine) == 0:
-            write_meta(meta, os.path.join(save_dir, tag), engine.checkpoint_mp_rank)
+            try:
+                path = write_meta(meta, tag_dir, engine.checkpoint_mp_rank)
+            except Exception as exc:
+                if not url:
+                    raise
+                self.files.upload_failed(st.join(tag_dir, "ucp_meta"), exc)  # raised on every rank at the commit
+            else:
+                if url:
+                    self.files.uploaded(path, st.size(path))
         try:
             saved = self._native_save(
                 save_dir,
                 tag=tag,
                 client_state=client_state,
-                save_latest=save_latest,
+                save_latest=save_latest and not url,
                 exclude_frozen_parameters=exclude_frozen_parameters,
             )
         finally:
             self.files.save_id = ""
         swap = compat.nvme_swap(engine, save_dir, tag)
         if swap is not None:
-            record_swap_files(swap, os.path.join(save_dir, tag, OFFLOADED, swap.folder), save_id)
+            record_swap_files(swap, st.join(save_dir, tag, OFFLOADED, swap.folder), save_id)
         if unbound(engine).is_decoupled():
             self._prune_dir = save_dir  # the save is complete only once committed
         else:
@@ -228,6 +251,7 @@ class UniversalCheckpointer:
     ) -> tuple:
         """Load a checkpoint of any layout into the engine, all or nothing; returns (path, client_state)."""
         self.wait()
+        load_dir = _location(load_dir)
         native = {
             "load_module_strict": load_module_strict,
             "load_optimizer_states": load_optimizer_states,
@@ -246,7 +270,7 @@ class UniversalCheckpointer:
         folder = self._folder_source(load_dir)
         if folder is not None:
             return self.run(folder, native, flags)
-        if tag is None and not os.path.isfile(os.path.join(load_dir, LATEST)) and not list_tags(load_dir):
+        if tag is None and not st.isfile(st.join(load_dir, LATEST)) and not list_tags(load_dir):
             return self._checked(load_dir, native, None)  # DeepSpeed's own answer to a folder with nothing to load
         if tag is not None:
             tag = resolve_tag(load_dir, tag)
@@ -283,7 +307,7 @@ class UniversalCheckpointer:
             if folder is not None:
                 out = self._imported(fmt, folder)
                 return Source(folder, LoadReport("imported", fmt.name, live, out), self._opener(out))
-        if os.path.isfile(os.path.join(load_dir, MANIFEST)):
+        if st.isfile(st.join(load_dir, MANIFEST)):
             ckpt = guarded(lambda: UniversalCheckpoint(load_dir, verify=self.options.verify))
             saved = ckpt.manifest.source.topology.describe()
             return Source(load_dir, LoadReport("universal", saved, live, load_dir), lambda: ckpt)
@@ -293,7 +317,7 @@ class UniversalCheckpointer:
         """How to load `tag`: an extension's tag, DeepSpeed's own load (same layout) or a reshard. `checked` when
         resume_tag has already opened and checked every file of it."""
         engine, options = self.engine, self.options
-        path, live = os.path.join(load_dir, tag), topology(engine)
+        path, live = st.join(load_dir, tag), topology(engine)
         kind = kind_of(path)
         if kind is not None:
             if options.direct:
@@ -317,11 +341,12 @@ class UniversalCheckpointer:
         )
         # DeepSpeed's own load of a ZeRO-3 NVMe checkpoint leaves the swapped optimizer states and the sub-groups kept
         # in memory at their fresh values (measured: 13 of 16 tensors wrong); ours reads the swap files
-        swapped = compat.nvme_offload(engine) or os.path.isdir(os.path.join(path, OFFLOADED))
+        swapped = compat.nvme_offload(engine) or st.isdir(st.join(path, OFFLOADED))
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours. Every
         # rank answers (a stage may hold MoE layers or fail alone): the collective runs everywhere or nowhere
         if (
             saved.same_layout(live)
+            and not st.is_url(load_dir)  # DeepSpeed's own load reads local paths only; ours reads a store by range
             and same_kernel
             and not swapped
             and everywhere(guarded(lambda: not megatron_moe_layers(engine.module) and same_stage(engine, metas)))
@@ -362,7 +387,8 @@ class UniversalCheckpointer:
             manifest, index = from_rank0(guarded(plan if rank0 else lambda: None))
             if not rank0:
                 src.use_index(index)
-            report = LoadReport("resharded", saved.describe(), live.describe(), None, direct=True)
+            mode = "direct" if saved.same_layout(live) and st.is_url(load_dir) else "resharded"
+            report = LoadReport(mode, saved.describe(), live.describe(), None, direct=True)
             return Source(
                 path, report, lambda: DirectCheckpoint(src, manifest), check_reads=lambda: _check_direct_reads(src)
             )
@@ -370,7 +396,7 @@ class UniversalCheckpointer:
         out = convert_across_ranks(
             load_dir,
             tag,
-            options.output and os.path.join(options.output, tag),
+            options.output and st.join(options.output, tag),
             options.layout_rules,
             options.verify,
             options.workers,
@@ -386,7 +412,7 @@ class UniversalCheckpointer:
             self.files.expect(source.path, source.expect_save_id)
             self._report(source.report)
             with self.gate.writing(source.path):  # DeepSpeed writes as it reads: it cannot be staged
-                path, client = self._checked(os.path.dirname(source.path), native, os.path.basename(source.path))
+                path, client = self._checked(st.dirname(source.path), native, st.basename(source.path))
             self.hf_config = source.hf_config
             return path, {k: v for k, v in (client or {}).items() if k in source.client_keys}
         opened: list[TensorReader] = []
@@ -429,12 +455,12 @@ class UniversalCheckpointer:
 
     def _imported(self, fmt: ForeignFormat, folder: str) -> str:
         """Our copy of a foreign folder (DeepSpeed's universal format), made once by rank 0 and reused afterwards."""
-        name = f"{os.path.basename(os.path.normpath(folder))}.ucp"
-        out = os.path.join(self.options.output or os.path.dirname(folder), name)
+        name = f"{st.basename(folder.rstrip('/'))}.ucp"
+        out = st.join(self.options.output or st.dirname(folder), name)
 
         def work() -> None:
             with claimed(out, [folder]):
-                if not os.path.isfile(os.path.join(out, MANIFEST)):
+                if not st.isfile(st.join(out, MANIFEST)):
                     log.info("ucp: importing %s folder %s into %s", fmt.name, folder, out)
                     fmt.import_to(folder, out)
 
@@ -445,10 +471,10 @@ class UniversalCheckpointer:
         """The full universal copy of an extension's tag (a Check-N-Run chain), made once by rank 0; its blocks are
         checked as they are read, like any universal folder."""
         options = self.options
-        out = os.path.join(options.output, tag) if options.output else os.path.join(load_dir, f"{tag}.universal")
+        out = st.join(options.output, tag) if options.output else st.join(load_dir, f"{tag}.universal")
 
         def work() -> None:
-            with claimed(out, [os.path.join(load_dir, tag)]):
+            with claimed(out, [st.join(load_dir, tag)]):
                 kind.materialize(load_dir, tag, out)
 
         on_rank0(work)
@@ -468,13 +494,19 @@ def _saved(reader: TensorReader) -> str:
 def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> None:
     """Record the swap files DeepSpeed copied into `folder` for this rank's save: sizes, CRCs, the save id."""
     files = {}
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(st.listdir(folder)):
         swap_id = name.removesuffix(".tensor.swp").rpartition("-")[2]  # `<ds_id>` or `<state>-<ds_id>`
         if name.endswith(".tensor.swp") and swap_id in swap.swapped:
-            path = os.path.join(folder, name)
-            files[name] = SwapFile(swap.swapped[swap_id], os.path.getsize(path), file_block_crcs(path))
+            path = st.join(folder, name)
+            files[name] = SwapFile(swap.swapped[swap_id], st.stat(path)[0], file_block_crcs(path))
     dtype = str(swap.dtype).removeprefix("torch.")
     write_swap_record(SwapRecord(swap.optim_file, save_id, dtype, files), folder)
+
+
+def _location(location: Any) -> Any:
+    """A checkpoint URL checked (a scheme no installed filesystem serves, or credentials in it, are refused);
+    a local path as given."""
+    return st.normalize(location) if isinstance(location, str) and st.is_url(location) else location
 
 
 def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str, str] | None]:
@@ -486,7 +518,7 @@ def _pick_tag(load_dir: str, refused: list[str]) -> tuple[str | None, tuple[str,
         return None, (load_dir, f"holds no complete checkpoint older than {refused[-1]} to fall back to")
     newest = latest_tag(load_dir) or next(reversed(list_tags(load_dir)), None)
     if newest is None:
-        return None, (os.path.join(load_dir, LATEST), "'latest' is empty and there are no tag folders")
+        return None, (st.join(load_dir, LATEST), "'latest' is empty and there are no tag folders")
     reason = incomplete_reason(load_dir, newest) or "unreadable"
     return None, (load_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}")
 

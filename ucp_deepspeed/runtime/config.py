@@ -48,6 +48,10 @@ class UniversalConfig(DeepSpeedConfigModel):
     """How long a rank waits for another during a save or load (rank 0 picking and checking a tag, importing,
     replaying a Check-N-Run chain) before the load fails on every rank. These waits run on a gloo group of their
     own, so the training group's timeout (NCCL's 10 minutes) does not bound them."""
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """Passed to the fsspec filesystem of a checkpoint URL (`s3://...`): e.g. `{"endpoint_url": ...}` or
+    `{"profile": ...}`. Credentials are best left to the AWS environment variables and config files; given here, they
+    reach no file, log line or error."""
     extensions: dict[str, Any] = Field(default_factory=dict)
     """Sections extensions registered (`plugins.register_section`), e.g. Check-N-Run's `differential`, by name."""
     vocab_size: int = Field(0, ge=0)

@@ -24,7 +24,6 @@ them waiting in a collective. The caller raises the noted problem on every rank 
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 from typing import IO, Any, cast
@@ -33,8 +32,13 @@ import torch
 
 from ucp_deepspeed.compat import deepspeed_safe_globals, user_safe_globals
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.commit import CommitRecord, write_commit
+from ucp_deepspeed.format.paths import LATEST
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
+from ucp_deepspeed.runtime.async_save import serialized
+from ucp_deepspeed.runtime.collective import all_ok, on_rank0, to_rank0
 
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
@@ -84,6 +88,12 @@ class Guard:
         self.save_id = ""
         self.expected: dict[str, str] = {}  # tag folder -> save id its metadata records
         self.problem: CheckpointError | None = None  # the first damaged record a load read
+        # a save to an object store: (location, size) of each object this rank sent and the store acknowledged, the
+        # first upload that failed (raised on every rank at the commit, not mid-save, where the others would wait),
+        # and per tag folder the save id and whether `latest` should name it once committed
+        self.uploads: list[tuple[str, int]] = []
+        self.upload_failure: CheckpointError | None = None
+        self.pending: dict[str, tuple[str, bool]] = {}
 
     def damaged(self, exc: CheckpointError) -> None:
         """Note a damaged record read during a load; the first one is kept."""
@@ -96,7 +106,16 @@ class Guard:
 
     def expect(self, tag_dir: str, save_id: str) -> None:
         """Files read from `tag_dir` must carry `save_id` (empty: the save recorded none)."""
-        self.expected[os.path.realpath(tag_dir)] = save_id
+        self.expected[st.realpath(tag_dir)] = save_id
+
+    def uploaded(self, path: str, size: int) -> None:
+        """Note an object of the save in progress that the store acknowledged."""
+        self.uploads.append((path, size))
+
+    def upload_failed(self, path: str, exc: BaseException) -> None:
+        """Note a failed upload; the save goes on, and fails on every rank at its commit."""
+        reason = exc.reason if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        self.upload_failure = self.upload_failure or CheckpointError(path, f"upload failed: {reason}")
 
 
 class BoundEngine:
@@ -113,25 +132,69 @@ class BoundEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def makedirs(self, path: str, exist_ok: bool = False) -> Any:
+        """The wrapped engine's `makedirs`; a store has no folders to make."""
+        return None if st.is_url(path) else self.inner.makedirs(path, exist_ok=exist_ok)
+
     def save(self, state_dict: Any, path: str) -> None:
-        """Write one file through the wrapped engine; it is stamped at commit, once it is surely on disk."""
+        """Write one file through the wrapped engine; it is stamped at commit, once it is surely on disk. A file for
+        an object store is made in host memory, stamped and sent whole (an asynchronous engine does that itself)."""
+        guard = self.ucp_guard
+        if st.is_url(path) and not getattr(self.inner, "stamps_itself", False):
+            try:
+                data = serialized(state_dict, guard.save_id)
+                st.write(path, data)
+            except Exception as exc:  # noted, raised on every rank at the commit
+                guard.upload_failed(path, exc)
+            else:
+                guard.uploaded(path, len(data))
+            return
         self.inner.save(state_dict, path)
         if self.ucp_guard.save_id and not getattr(self.inner, "stamps_itself", False):
             self._written.append((path, self.ucp_guard.save_id))
 
     def commit(self, info: Any) -> Any:
-        """The wrapped engine's commit (a decoupled writer finishes its files here), then each file gets its id."""
+        """The wrapped engine's commit (a decoupled writer finishes its files here), then each file gets its id; on
+        an object store, the tag's commit object and `latest` (collective)."""
+        uploaded = getattr(self.inner, "uploaded", None)
+        finished = uploaded() if callable(uploaded) else []
         result = self.inner.commit(info)
         written, self._written = self._written, []
         for path, save_id in written:
             stamp(path, save_id)
+        if st.is_url(str(info.save_dir)):
+            guard = self.ucp_guard
+            uploads, guard.uploads = guard.uploads + finished, []
+            failure, guard.upload_failure = guard.upload_failure, None
+            tag_dir = st.join(str(info.save_dir), str(info.tag))
+            save_id, latest = guard.pending.pop(tag_dir, ("", False))
+            commit_to_store(tag_dir, save_id, uploads, failure, latest)
         return result
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """Read one file without running code from it, every record checked."""
         guard = self.ucp_guard
-        expected = guard.expected.get(os.path.realpath(os.path.dirname(path)), "")
+        expected = guard.expected.get(st.realpath(st.dirname(path)), "")
         return safe_load(path, map_location, expected, guard.verify, guard.damaged)
+
+
+def commit_to_store(
+    tag_dir: str, save_id: str, uploads: list[tuple[str, int]], failure: CheckpointError | None, latest: bool
+) -> None:
+    """Finish a save to an object store once every rank's objects are acknowledged: rank 0 writes the tag's commit
+    object, listing every object, and then, if asked, `latest`. A failed upload on any rank fails the save on every
+    rank before anything is committed (collective)."""
+    all_ok((failure.path, failure.reason) if failure is not None else None)
+    prefix = tag_dir.rstrip("/") + "/"
+    gathered = to_rank0([(path[len(prefix) :], size) for path, size in uploads if path.startswith(prefix)])
+
+    def commit() -> None:
+        objects = tuple(sorted({entry for rank in gathered or [] for entry in rank}))
+        write_commit(tag_dir, CommitRecord(save_id, objects))
+        if latest:
+            st.write(st.join(st.dirname(tag_dir), LATEST), st.basename(tag_dir))
+
+    on_rank0(commit)
 
 
 def bind(engine: Any, verify: bool = True) -> Guard:

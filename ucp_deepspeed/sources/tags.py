@@ -10,14 +10,14 @@ tensor bytes are checked against their CRCs when read).
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 from collections.abc import Sequence
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.commit import COMMIT, uncommitted_reason
 from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.paths import latest_tag
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
 
 log = logging.getLogger("ucp_deepspeed")
@@ -26,13 +26,20 @@ _STEP = re.compile(r"(\d+)$")
 
 def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
     """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete."""
-    kind = kind_of(os.path.join(ckpt_dir, tag))
+    kind = kind_of(st.join(ckpt_dir, tag))
     if kind is not None:
         try:
             kind.needs(ckpt_dir, tag)
         except CheckpointError as exc:
             return str(exc)
         return None
+    if st.is_url(ckpt_dir):  # on a store, objects of a torn save look whole: only the commit object tells
+        try:
+            reason = uncommitted_reason(st.join(ckpt_dir, tag))
+        except CheckpointError as exc:
+            return str(exc)
+        if reason is not None:
+            return f"{st.join(ckpt_dir, tag)}: {reason}"
     try:
         NativeCheckpoint(ckpt_dir, tag).close()
     except CheckpointError as exc:
@@ -42,7 +49,10 @@ def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
 
 def _order(ckpt_dir: str, tag: str) -> tuple[int, float]:
     found = _STEP.search(tag)
-    return (int(found.group(1)) if found else -1, os.path.getmtime(os.path.join(ckpt_dir, tag)))
+    # a store's folder has no time of its own: its commit object's is when the save finished
+    folder = st.join(ckpt_dir, tag)
+    when = st.join(folder, COMMIT) if st.is_url(folder) else folder
+    return (int(found.group(1)) if found else -1, st.mtime(when) if st.exists(when) else 0.0)
 
 
 def newest_complete(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
@@ -77,7 +87,7 @@ def resume_tag(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
 
 
 def _needs(ckpt_dir: str, tag: str) -> list[str]:
-    kind = kind_of(os.path.join(ckpt_dir, tag))
+    kind = kind_of(st.join(ckpt_dir, tag))
     return [tag] if kind is None else kind.needs(ckpt_dir, tag)
 
 
@@ -103,10 +113,10 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
     ]
     for tag in doomed:
         for path in (
-            os.path.join(ckpt_dir, tag),
-            os.path.join(ckpt_dir, f"{tag}.universal"),
-            os.path.join(ckpt_dir, f"{tag}_universal"),
+            st.join(ckpt_dir, tag),
+            st.join(ckpt_dir, f"{tag}.universal"),
+            st.join(ckpt_dir, f"{tag}_universal"),
         ):
-            if os.path.isdir(path):
-                shutil.rmtree(path)
+            if st.isdir(path):
+                st.delete(path)
     return doomed
