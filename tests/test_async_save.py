@@ -1,5 +1,5 @@
-"""The async checkpoint engine on its own, in one process: snapshots are exact and isolated from later
-updates, files appear only whole (on disk, and on an S3 store), and a failed background write is an error, never a
+"""The checkpoint engines on their own, in one process: snapshots are exact and isolated from later updates, files
+appear only whole (on disk, and on an S3 store), and a failed write, in the background or not, is an error, never a
 moved `latest`."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from s3server import s3_server
 
 import ucp_deepspeed.runtime.async_save
@@ -160,3 +162,24 @@ def test_an_upload_to_the_store_runs_behind_training_and_commits_only_when_ackno
             engine._report_at_exit()
         assert "global_step4 was not committed before exit" in caplog.text
         engine.cleanup()
+
+
+def test_a_failed_upload_fails_the_save_at_its_commit_and_commits_nothing():
+    """A save to a store whose upload fails goes on (the other ranks would wait for this one), then fails at the
+    commit, naming the object; no commit object is written and `latest` keeps naming the previous save."""
+    with s3_server() as s3:
+        run = f"s3://{s3.bucket()}/run"
+        st.write(f"{run}/latest", "global_step1")
+        guard = Guard(verify=True)
+        bound = BoundEngine(TorchCheckpointEngine(None), guard)
+        tag_dir = f"{run}/global_step2"
+        guard.pending[tag_dir], guard.save_id = ("save-2", True), "save-2"
+        bound.makedirs(tag_dir, exist_ok=True)
+        bound.save(_state(), f"{tag_dir}/mp_rank_00_model_states.pt")
+        s3.bucket()  # the store still answers; this object's bucket does not exist
+        bound.save(_state(), f"{tag_dir}/zero_pp_rank_0_mp_rank_00_optim_states.pt".replace(run, "s3://gone-ucp/run"))
+        info = CheckpointCommitInfo(tag="global_step2", save_dir=run, save_latest=False)
+        with pytest.raises(CheckpointError, match=r"s3://gone-ucp/run/global_step2/zero_pp.*upload failed"):
+            bound.commit(info)
+        assert read_commit(tag_dir) is None and st.read_text(f"{run}/latest") == "global_step1"
+        assert not Path("s3:").exists()

@@ -94,3 +94,15 @@ def test_scale_benchmark_smoke(capsys):
     output = run_benchmark("bench_scale.py", capsys=capsys)
     assert "| shrink to 3/4, ZeRO-1 | 64 | 48 |" in output
     assert "| 64 | 8 |" in output and "1T parameters" in output
+
+
+@pytest.mark.bench
+def test_object_store_benchmark_smoke(tmp_path, capsys):
+    """Every row of the object-store benchmark runs, and a reshard fetches from the store what it reads from disk."""
+    output = run_benchmark("bench_object_store.py", "--work", str(tmp_path), capsys=capsys)
+    for zero, other in ((1, 3), (3, 1)):
+        for store in ("local disk", "S3 (moto)"):
+            assert f"| {zero} | {store} | save, DP 2 |" in output
+            assert f"| {zero} | {store} | reshard to DP 1, ZeRO-{other} (resharded) |" in output
+    ratios = [float(r) for r in re.findall(r"the store fetched ([0-9.]+)x the bytes", output)]
+    assert len(ratios) == 2 and all(r <= 1.1 for r in ratios), ratios

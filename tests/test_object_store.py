@@ -30,20 +30,39 @@ def s3() -> Iterator[S3Server]:
 
 
 @pytest.fixture(scope="module")
-def saved(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A ZeRO-1 job (saved at steps 2 and 3) and a ZeRO-2 job on 2 ranks, saved to the store and each loaded back at
-    the same layout, in one launch."""
+def saved(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """A ZeRO-1 job (saved at steps 2 and 3) and a ZeRO-2 job on 2 ranks, saved to the store, then each loaded back
+    into fresh engines at the same layout and at another ZeRO stage, in one launch."""
     run = f"s3://{s3.bucket()}/run"
     reloaded = tmp_path_factory.mktemp("store") / "reloaded.json"
-    torchrun(2, "save", "--out", run, "--variant", "z1b", "z2", "--reload", str(reloaded))
-    for r in json.loads(reloaded.read_text()):  # the same layout, read from the store by our reader
-        assert (r["mode"], r["diffs"]) == ("direct", []), r
-    return run
+    torchrun(
+        2, "save", "--out", run, "--variant", "z1b", "z2", "--reload", str(reloaded), "--reload-as", "z1b=z3", "z2=z1"
+    )
+    return run, json.loads(reloaded.read_text())
 
 
-def test_a_job_saved_to_the_store_resumes_at_another_size_and_stage(saved: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def run(saved: tuple[str, list[dict]]) -> str:
+    return saved[0]
+
+
+def test_a_job_saved_to_the_store_resumes_at_the_same_layout_and_another_stage(saved: tuple[str, list[dict]]) -> None:
+    run, found = saved
+    assert [(r["source"], r["target"], r["mode"]) for r in found] == [
+        (f"{run}/z1b", "z1b", "direct"),  # the same layout, read from the store by our reader
+        (f"{run}/z1b", "z3", "resharded"),
+        (f"{run}/z2", "z2", "direct"),
+        (f"{run}/z2", "z1", "resharded"),
+    ]
+    for r in found:
+        assert r["diffs"] == [] and r["max_rel_loss"] < 1e-5, r
+    assert not Path("s3:").exists()  # never taken for a local folder
+
+
+@pytest.mark.slow
+def test_a_job_saved_to_the_store_resumes_at_another_size_and_stage(run: str, tmp_path: Path) -> None:
     results = tmp_path / "results.json"
-    cases = [["--case", "z3", f"{saved}/z1b"], ["--case", "z1", f"{saved}/z2"]]
+    cases = [["--case", "z3", f"{run}/z1b"], ["--case", "z1", f"{run}/z2"]]
     torchrun(3, "load", *(a for c in cases for a in c), "--results", str(results))
     found = json.loads(results.read_text())
     assert [(r["target"], r["mode"], r["saved"], r["live"]) for r in found] == [
@@ -56,8 +75,8 @@ def test_a_job_saved_to_the_store_resumes_at_another_size_and_stage(saved: str, 
     assert not Path("s3:").exists()  # never taken for a local folder
 
 
-def test_a_save_commits_every_object_and_then_latest(saved: str) -> None:
-    ckpt = f"{saved}/z1b"
+def test_a_save_commits_every_object_and_then_latest(run: str) -> None:
+    ckpt = f"{run}/z1b"
     tag = st.read_text(st.join(ckpt, "latest"))
     record = read_commit(st.join(ckpt, tag))
     assert record is not None and record.save_id
@@ -69,28 +88,28 @@ def test_a_save_commits_every_object_and_then_latest(saved: str) -> None:
     assert st.isfile(st.join(ckpt, "zero_to_fp32.py"))  # DeepSpeed's recovery script, sent through the store
 
 
-def test_no_secret_reaches_an_object(saved: str, s3: S3Server) -> None:
-    bucket = saved.split("/")[2]
+def test_no_secret_reaches_an_object(run: str, s3: S3Server) -> None:
+    bucket = run.split("/")[2]
     for rel in st.find(f"s3://{bucket}"):
         data = st.read(f"s3://{bucket}/{rel}")
         assert SECRET.encode() not in data and s3.env["AWS_ACCESS_KEY_ID"].encode() not in data, rel
 
 
-def test_the_ucp_command_reads_and_writes_the_store(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
-    ckpt = f"{saved}/z1b"
+def test_the_ucp_command_reads_and_writes_the_store(run: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = f"{run}/z1b"
     assert cli.main(["inspect", ckpt, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["kind"] == "deepspeed" and summary["source_topology"]["dp"] == 2
     assert cli.main(["verify", ckpt]) == 0
     assert capsys.readouterr().out.startswith("ok:")
-    out = f"{saved}/converted/z1b"
+    out = f"{run}/converted/z1b"
     assert cli.main(["convert", ckpt, "--output", out, "--no-progress"]) == 0
     assert st.isfile(f"{out}/manifest.json")
     assert cli.main(["verify", out]) == 0
     capsys.readouterr()
     assert cli.main(["diff", ckpt, out, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["identical"]
-    assert cli.main(["inspect", f"nosuch://{saved[5:]}"]) == 2
+    assert cli.main(["inspect", f"nosuch://{run[5:]}"]) == 2
     assert "'nosuch://' is not a storage scheme" in capsys.readouterr().err
 
 
@@ -136,9 +155,9 @@ def test_a_check_n_run_chain_on_the_store_resumes_at_another_size(s3: S3Server) 
             assert torch.equal(before[kind][key], after[kind][key]), (kind, key)
 
 
-def test_a_torn_or_damaged_save_on_the_store_is_never_complete(saved: str) -> None:
+def test_a_torn_or_damaged_save_on_the_store_is_never_complete(run: str) -> None:
     """Runs last: it damages the saved tags."""
-    ckpt = f"{saved}/z2"
+    ckpt = f"{run}/z2"
     tag = st.read_text(st.join(ckpt, "latest"))
     tag_dir = st.join(ckpt, tag)
     assert incomplete_reason(ckpt, tag) is None
@@ -155,7 +174,7 @@ def test_a_torn_or_damaged_save_on_the_store_is_never_complete(saved: str) -> No
     st.write(optim, data)
     assert incomplete_reason(ckpt, tag) is None
     # every rank file whole and `latest` naming it, but the save never committed: a restart takes the older tag
-    ckpt = f"{saved}/z1b"
+    ckpt = f"{run}/z1b"
     assert st.read_text(st.join(ckpt, "latest")) == "global_step3" and resume_tag(ckpt) == "global_step3"
     st.delete(st.join(ckpt, "global_step3", COMMIT))
     assert f"no {COMMIT}" in str(incomplete_reason(ckpt, "global_step3"))

@@ -136,3 +136,19 @@ def test_throttling_is_retried_with_a_bound(bucket: str, monkeypatch: pytest.Mon
     with pytest.raises(CheckpointError, match=r"/o: storage request failed while reading it \(SlowDown"):
         st.read(st.join(bucket, "o"))
     assert calls["n"] == st.RETRIES + 1
+
+
+def test_wrong_credentials_name_the_bucket_and_never_the_secret(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import moto.settings
+
+    bucket = s3.bucket()
+    st.write(f"s3://{bucket}/o", b"1")
+    wrong = "wrong-secret-value-4d2e81"
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server checks signatures from now on
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    with caplog.at_level("DEBUG"), pytest.raises(CheckpointError) as caught:
+        st.read(f"s3://{bucket}/o")
+    assert str(caught.value).startswith(f"s3://{bucket}: access denied while reading s3://{bucket}/o")
+    assert wrong not in str(caught.value) + caplog.text and SECRET not in str(caught.value) + caplog.text

@@ -257,6 +257,7 @@ def test_cli_convert_inspect(sources, tmp_path, capsys):
     assert ucp(["convert", str(tmp_path / "nowhere")]) == 2
 
 
+@pytest.mark.slow  # the default run proves it with a real kill: test_resume.py::test_killed_during_save_...
 def test_checkpoint_torn_during_save_is_skipped_on_resume(sources, tmp_path):
     """A newer tag whose rank file was cut short by a kill is skipped even though `latest` names it."""
     ckpt = tmp_path / "ckpt"

@@ -365,12 +365,19 @@ def do_save(args: argparse.Namespace) -> None:
             )
             st.write(st.join(ckpt, "reference.pt"), reference.getvalue())
         dist.barrier()
-        if args.reload:  # the same layout loads what was just saved: ucp's own reader on a store, DeepSpeed's on disk
-            again = build(name, ep=args.ep)
+        # load what was just saved, at the same layout (ucp's own reader on a store, DeepSpeed's on disk) and as the
+        # targets `--reload-as` names (another ZeRO stage at the same size)
+        targets = [name] + [t for pair in args.reload_as for s, t in [pair.split("=")] if s == name]
+        for target in targets if args.reload else []:
+            again = build(target, ep=args.ep)
             _, client = again.load_checkpoint(ckpt)
             diffs = compare(snap, snapshot(again))
             diffs += compare(client_state(engine) | {"sampler_position": snap["counters"][1]}, client, "client_state")
-            reloaded.append({"source": ckpt, "mode": again.ucp_last_load.mode, "diffs": diffs})
+            losses = train(again, CONT)
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, cont))
+            mode = again.ucp_last_load.mode
+            reloaded.append({"source": ckpt, "target": target, "mode": mode, "diffs": diffs, "max_rel_loss": rel})
+            again.destroy()
     if args.reload and dist.get_rank() == 0:
         with open(args.reload, "w") as f:
             json.dump(reloaded, f, indent=1)
@@ -573,6 +580,9 @@ def main() -> None:
     parser.add_argument("--expect-error", action="store_true", help="load damaged checkpoints; record each error")
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
     parser.add_argument("--reload", metavar="RESULTS", help="save: then load each save at the same layout, compare")
+    parser.add_argument(
+        "--reload-as", nargs="*", default=[], metavar="SAVED=TARGET", help="with --reload: also load SAVED as TARGET"
+    )
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
     parser.add_argument(
         "--converted", action="store_true", help='load: reshard through a universal copy ("direct": false)'

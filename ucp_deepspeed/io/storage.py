@@ -136,6 +136,8 @@ class Blob(abc.ABC):
     """One stored object opened for ranged reads."""
 
     path: str
+    concurrency = 1
+    """How many of its requests a reader may have in flight at once."""
 
     @property
     @abc.abstractmethod
@@ -569,6 +571,8 @@ MAX_REQUEST = 8 << 20
 
 
 class _StoreBlob(Blob):
+    concurrency = 16
+
     def __init__(self, store: FsspecStorage, path: str):
         self.path, self._store = path, store
         self._size: int | None = None

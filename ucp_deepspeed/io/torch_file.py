@@ -13,6 +13,7 @@ a save id (`.data/ucp_save_id`, see `stamp`) that binds it to the other files of
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import io
@@ -20,6 +21,7 @@ import math
 import struct
 import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -101,7 +103,7 @@ class _Records:
     """Where each record of a zip archive is, and the CRC-32 pieces of what was read from it."""
 
     def __init__(self, blob: Blob, infos: list[zipfile.ZipInfo], verify: bool = True):
-        self.path, self._blob, self.verify = blob.path, blob, verify
+        self.path, self.blob, self.verify = blob.path, blob, verify
         self.infos = {i.filename: i for i in infos}
         self._offsets: dict[str, int] = {}
         self._pieces: dict[str, list[tuple[int, int, int]]] = {}
@@ -115,23 +117,23 @@ class _Records:
         if info.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(self.path, f"record '{name}' is compressed; expected torch's stored layout")
         if name not in self._offsets:
-            if info.header_offset + _LOCAL_HEADER.size > self._blob.size:
+            if info.header_offset + _LOCAL_HEADER.size > self.blob.size:
                 raise CheckpointError(self.path, f"truncated: the zip header of '{name}' is past the end")
-            header = self._blob.read(info.header_offset, _LOCAL_HEADER.size)
+            header = self.blob.read(info.header_offset, _LOCAL_HEADER.size)
             if header[:4] != b"PK\x03\x04":
                 raise CheckpointError(self.path, f"corrupt zip header for '{name}'")
             fields = _LOCAL_HEADER.unpack(header)
             self._offsets[name] = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
         base, length = self._offsets[name], info.file_size
-        if base + length > self._blob.size:
+        if base + length > self.blob.size:
             raise CheckpointError(
-                self.path, f"truncated: record '{name}' ends at byte {base + length} of {self._blob.size}"
+                self.path, f"truncated: record '{name}' ends at byte {base + length} of {self.blob.size}"
             )
         return base, length
 
     def pread_into(self, views: list[memoryview], offset: int, data: bool = True) -> None:
         """Fill `views`, in order, from the file's bytes at `offset` on (one request, or a few on a store)."""
-        self._blob.readinto(views, offset, data)
+        self.blob.readinto(views, offset, data)
 
     def _pread_from(self, base: int, offset: int, length: int) -> bytes:
         return self.pread(base + offset, length, data=True)
@@ -165,20 +167,25 @@ class _Records:
         read covered."""
         with self._lock:
             todo = {n: list(self._pieces.get(n, ())) for n in (self._pieces if names is None else names)}
-        problems = []
-        for name, pieces in todo.items():
-            info = self.infos[name]
+
+        def one(name: str, pieces: list[tuple[int, int, int]]) -> str | None:
             try:
                 base, length = self.data_range(name)
                 got = combine_pieces(length, pieces, functools.partial(self._pread_from, base))
             except CheckpointError as exc:
-                problems.append(str(exc))
-                continue
-            if got != info.CRC:
-                problems.append(f"{self.path}: record {name} fails its crc32 check")
+                return str(exc)
             with self._lock:
-                self._pieces[name] = [(0, length, got)] if got == info.CRC else []
-        return problems
+                self._pieces[name] = [(0, length, got)] if got == self.infos[name].CRC else []
+            return None if got == self.infos[name].CRC else f"{self.path}: record {name} fails its crc32 check"
+
+        parallel = min(self.blob.concurrency, len(todo))
+        if parallel <= 1:
+            found = [one(name, pieces) for name, pieces in todo.items()]
+        else:  # each record costs a round trip to a store (its zip header, the bytes no read covered): overlap them
+            with ThreadPoolExecutor(parallel, thread_name_prefix="ucp-check") as pool:
+                futures = [pool.submit(contextvars.copy_context().run, one, n, p) for n, p in todo.items()]
+                found = [f.result() for f in futures]
+        return [p for p in found if p is not None]
 
 
 Span = tuple[str, int, int, torch.Tensor]
@@ -193,16 +200,23 @@ store a request costs more than reading 64 KiB more."""
 def _read_spans(records: _Records, spans: list[Span]) -> None:
     """Read spans in file order, each run of spans less than `MERGE_GAP` apart in one request, noting each span for
     the CRC check."""
-    run: list[Span] = []
+    runs: list[list[Span]] = []
     end = 0
     for span in sorted(spans, key=lambda s: s[2]):
-        if run and span[2] - end > MERGE_GAP:
+        if not runs or span[2] - end > MERGE_GAP:
+            runs.append([])
+        end = max(end, span[2] + span[3].nbytes) if runs[-1] else span[2] + span[3].nbytes
+        runs[-1].append(span)
+    parallel = min(records.blob.concurrency, len(runs))
+    if parallel <= 1:
+        for run in runs:
             _read_run(records, run)
-            run = []
-        end = max(end, span[2] + span[3].nbytes) if run else span[2] + span[3].nbytes
-        run.append(span)
-    if run:
-        _read_run(records, run)
+        return
+    # a store answers each request after a round trip: several in flight hide it (a disk's preads need none)
+    with ThreadPoolExecutor(parallel, thread_name_prefix="ucp-read") as pool:
+        done = [pool.submit(contextvars.copy_context().run, _read_run, records, run) for run in runs]
+        for future in done:
+            future.result()
 
 
 def _read_run(records: _Records, run: list[Span]) -> None:
