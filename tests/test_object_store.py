@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, launch_jobs, load_results, torchrun
 from s3server import SECRET, S3Server, s3_server
 
+from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import COMMIT, read_commit
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.io import storage as st
@@ -153,6 +154,36 @@ def test_a_check_n_run_chain_on_the_store_resumes_at_another_size(s3: S3Server) 
         assert sorted(before[kind]) == sorted(after[kind]) and before[kind], kind
         for key in before[kind]:
             assert torch.equal(before[kind][key], after[kind][key]), (kind, key)
+
+
+def test_an_engine_reaches_the_store_through_its_config_and_refuses_an_unserved_scheme(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In this process: `storage_options` alone reach the store (no AWS_ENDPOINT_URL), an async save commits at the
+    next step, the same layout reads it back exactly, and a URL nothing serves is refused before anything is
+    written."""
+    import inprocess
+
+    inprocess.one_rank()
+    bucket = s3.bucket()
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    options = {"storage_options": {"endpoint_url": s3.endpoint}}
+    engine = inprocess.build(1, universal={**options, "async_save": True})
+    inprocess.train(engine, 2)
+    run = f"s3://{bucket}/run"
+    engine.save_checkpoint(run)
+    saved = inprocess.state(engine)
+    assert not st.exists(f"{run}/latest")  # not before every upload is acknowledged and committed
+    engine.wait_for_checkpoint()
+    assert st.read_text(f"{run}/latest") == "global_step2" and read_commit(f"{run}/global_step2") is not None
+    with pytest.raises(CheckpointError, match=r"nosuch://b/run: 'nosuch://' is not a storage scheme"):
+        engine.save_checkpoint("nosuch://b/run")
+    assert not Path("nosuch:").exists()
+    fresh = inprocess.build(1, seed=1, universal=options)
+    fresh.load_checkpoint(run)
+    assert fresh.ucp_last_load.mode == "direct" and inprocess.differences(saved, inprocess.state(fresh)) == []
+    engine.destroy()
+    fresh.destroy()
 
 
 def test_a_torn_or_damaged_save_on_the_store_is_never_complete(run: str) -> None:

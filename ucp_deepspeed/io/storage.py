@@ -163,18 +163,12 @@ class Blob(abc.ABC):
         """Release what the blob holds open."""
 
 
-class _TailFile(io.RawIOBase):
-    """A blob as a file for `zipfile`, its last `TAIL` bytes fetched in one request on first use: the end record,
-    the zip64 locator and, in a rank file, the whole directory, where reading them one by one would cost three
-    round trips to a store."""
-
-    TAIL = 1 << 16
+class BlobFile(io.RawIOBase):
+    """A blob as a seekable read-only file object; `fill` serves a read at a position (one request by default)."""
 
     def __init__(self, blob: Blob):
         super().__init__()
         self._blob, self._pos = blob, 0
-        self._tail_at = max(0, blob.size - self.TAIL)
-        self._tail: bytes | None = None
 
     def readable(self) -> bool:
         return True
@@ -192,17 +186,35 @@ class _TailFile(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         n = max(0, min(len(view), self._blob.size - self._pos))
-        if not n:
-            return 0
-        if self._pos >= self._tail_at:
-            if self._tail is None:
-                self._tail = self._blob.read(self._tail_at, self._blob.size - self._tail_at)
-            at = self._pos - self._tail_at
-            view[:n] = self._tail[at : at + n]
-        else:
-            self._blob.readinto([view[:n]], self._pos, data=False)
-        self._pos += n
+        if n:
+            self.fill(view[:n], self._pos)
+            self._pos += n
         return n
+
+    def fill(self, view: memoryview, pos: int) -> None:
+        """Put the blob's bytes from `pos` into `view`."""
+        self._blob.readinto([view], pos, data=False)
+
+
+class _TailFile(BlobFile):
+    """A blob as a file for `zipfile`, its last `TAIL` bytes fetched in one request on first use: the end record,
+    the zip64 locator and, in a rank file, the whole directory, where reading them one by one would cost three
+    round trips to a store."""
+
+    TAIL = 1 << 16
+
+    def __init__(self, blob: Blob):
+        super().__init__(blob)
+        self._tail_at = max(0, blob.size - self.TAIL)
+        self._tail: bytes | None = None
+
+    def fill(self, view: memoryview, pos: int) -> None:
+        if pos < self._tail_at:
+            super().fill(view, pos)
+            return
+        if self._tail is None:
+            self._tail = self._blob.read(self._tail_at, self._blob.size - self._tail_at)
+        view[:] = self._tail[pos - self._tail_at : pos - self._tail_at + len(view)]
 
 
 def _after(views: list[memoryview], skip: int) -> list[memoryview]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import io
 import math
 import struct
 import threading
@@ -31,7 +30,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.checksum import combine_pieces, crc32
 from ucp_deepspeed.io.safe_pickle import PickledObject, SafeUnpickler, StorageType, TensorType, UnsafePickle
 from ucp_deepspeed.io.stats import record
-from ucp_deepspeed.io.storage import Blob, open_blob
+from ucp_deepspeed.io.storage import Blob, BlobFile, open_blob
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 _CHUNK = 1 << 24
@@ -511,7 +510,7 @@ def save_id_of(path: str) -> str | None:
         blob.close()
 
 
-class VerifyingReader(io.RawIOBase):
+class VerifyingReader(BlobFile):
     """A file object for `torch.load` that checks the CRC-32 of every record torch reads from it.
 
     torch reads each record through `seek` + `readinto`; the bytes are checked as they arrive,
@@ -519,10 +518,8 @@ class VerifyingReader(io.RawIOBase):
     """
 
     def __init__(self, path: str, verify: bool = True):
-        super().__init__()
+        super().__init__(open_blob(path))
         self.path = path
-        self._blob = open_blob(path)
-        self._pos = 0
         try:
             infos = zip_directory(self._blob)
         except CheckpointError:
@@ -544,32 +541,12 @@ class VerifyingReader(io.RawIOBase):
             None,
         )
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = max(0, {0: 0, 1: self._pos, 2: self._blob.size}[whence] + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        pos = self._pos
-        view = memoryview(buffer).cast("B")
-        got = max(0, min(len(view), self._blob.size - pos))
-        if got:
-            view = view[:got]
-            self._blob.readinto([view], pos, data=True)
-            self._pos += got
-            for begin, end, name in self._spans:
-                lo, hi = max(begin, pos), min(end, pos + got)
-                if lo < hi:
-                    self._records.note(name, lo - begin, view[lo - pos : hi - pos])
-        return got
+    def fill(self, view: memoryview, pos: int) -> None:
+        self._blob.readinto([view], pos, data=True)
+        for begin, end, name in self._spans:
+            lo, hi = max(begin, pos), min(end, pos + len(view))
+            if lo < hi:
+                self._records.note(name, lo - begin, view[lo - pos : hi - pos])
 
     def check(self) -> None:
         """Raise if a record torch read fails its CRC-32."""
