@@ -3,6 +3,7 @@
     python benchmarks/bench_object_store.py                # 75M parameters, ZeRO-1 and ZeRO-3, 4 ranks
     python benchmarks/bench_object_store.py --smoke        # tiny sizes on 2 ranks: checks that everything still runs
     python benchmarks/bench_object_store.py --update-docs  # also rewrite the table in docs/benchmarks.md
+    python benchmarks/bench_object_store.py --table        # the table of the last full run (object_store.json)
 
 The store is moto's S3 server on 127.0.0.1 (`s3server.py`), started here; the same jobs run against a local folder
 beside it. Per ZeRO stage and storage, one launch of `--ranks` ranks trains a step and saves twice
@@ -114,12 +115,13 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ucp_bench_object_store"))
     parser.add_argument("--update-docs", action="store_true")
+    parser.add_argument("--table", action="store_true", help="print (and with --update-docs write) the last run's")
     args = parser.parse_args()
     params_m, ranks = (0.5, 2) if args.smoke else (args.params_m, args.ranks)
-    found = run(params_m, ranks, args.work)
+    found = json.loads(RESULTS.read_text()) if args.table else run(params_m, ranks, args.work)
     text = table(found)
     print(text)
-    if not args.smoke:
+    if not args.smoke and not args.table:
         RESULTS.write_text(json.dumps(found, indent=1) + "\n")
     if args.update_docs:
         update_doc("benchmarks.md", "object-store", text + "\n")

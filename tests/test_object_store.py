@@ -186,6 +186,39 @@ def test_an_engine_reaches_the_store_through_its_config_and_refuses_an_unserved_
     fresh.destroy()
 
 
+def test_a_check_n_run_save_that_fails_on_the_store_commits_nothing(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Check-N-Run save whose upload fails after the gathers began: an error naming the object, raised after them
+    (every rank takes part in each), no manifest, `latest` still names the previous save."""
+    import inprocess
+
+    import ucp_deepspeed.checkn_run.live_save as live_save
+
+    inprocess.one_rank()
+    run = f"s3://{s3.bucket()}/chain"
+    engine = inprocess.build(1, adagrad=True, differential={"policy": "incremental"})
+    inprocess.train(engine, 1)
+    engine.save_checkpoint(run)
+    assert st.read_text(f"{run}/latest") == "global_step1"
+    inprocess.train(engine, 1, offset=1)
+    real, calls = live_save.write_tensors, []
+
+    def second_upload_fails(root: str, relpath: str, tensors: dict) -> object:
+        calls.append(relpath)
+        if len(calls) == 2:
+            raise CheckpointError(st.join(root, relpath), "storage request failed while writing it (injected)")
+        return real(root, relpath, tensors)
+
+    monkeypatch.setattr(live_save, "write_tensors", second_upload_fails)
+    with pytest.raises(CheckpointError, match=r"global_step2/params/.*storage request failed while writing it"):
+        engine.save_checkpoint(run)
+    assert len(calls) == 2  # nothing written after the failure
+    assert not st.isfile(f"{run}/global_step2/manifest.json") and st.read_text(f"{run}/latest") == "global_step1"
+    assert resume_tag(run) == "global_step1"
+    engine.destroy()
+
+
 def test_a_torn_or_damaged_save_on_the_store_is_never_complete(run: str) -> None:
     """Runs last: it damages the saved tags."""
     ckpt = f"{run}/z2"

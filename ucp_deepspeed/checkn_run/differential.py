@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
 from ucp_deepspeed.checkn_run.chain import MARKER
 from ucp_deepspeed.checkn_run.live_save import TableSave, check_supported, write_live
@@ -33,7 +32,7 @@ from ucp_deepspeed.checkn_run.tracking import RowTracker, check_optimizer, find_
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.capture import live_params
-from ucp_deepspeed.runtime.collective import barrier
+from ucp_deepspeed.runtime.collective import barrier, on_rank0
 
 
 def new_baseline_pays(history: list[float], fraction: float) -> bool:
@@ -107,12 +106,14 @@ class DifferentialSaver:
             else (self.chain_ids + [save_id] if self.policy == "incremental" else [self.chain_ids[0], save_id])
         )
         out = st.join(save_dir, tag)
-        if dist.get_rank() == 0:
+
+        def start() -> None:
             if st.isdir(out):
                 st.delete(out)
             st.makedirs(out)
             st.write(st.join(out, MARKER), b"")
-        barrier()
+
+        on_rank0(start)  # a failure on rank 0 (a store that went down) fails the save on every rank
         extra = {
             "save_id": save_id,
             "differential": {
@@ -126,9 +127,10 @@ class DifferentialSaver:
             },
         }
         _, nbytes = write_live(engine, out, client_state, tables, extra)
-        if dist.get_rank() == 0 and save_latest:
-            st.write(st.join(save_dir, "latest"), tag.encode())
-        barrier()
+        if save_latest:
+            on_rank0(lambda: st.write(st.join(save_dir, "latest"), tag.encode()))
+        else:
+            barrier()
         self.chain, self.chain_ids = chain, ids
         if kind == "baseline":
             self.since_baseline = {m: torch.zeros_like(f) for m, f in self.since_baseline.items()}

@@ -54,7 +54,7 @@ from ucp_deepspeed.runtime.capture import (
     param_groups,
     topology,
 )
-from ucp_deepspeed.runtime.collective import to_rank0
+from ucp_deepspeed.runtime.collective import all_ok, failure_of, guarded, to_rank0
 from ucp_deepspeed.sources.keys import OPTIMIZER_WRAPPER_KEYS
 
 
@@ -122,9 +122,22 @@ def _dtype(p: torch.Tensor) -> str:
 def write_live(
     engine: Any, out: str, client_state: dict[str, Any], tables: dict[str, TableSave], extra: dict[str, Any]
 ) -> tuple[str | None, int]:
-    """Write `out` from the live engine (collective); returns the manifest path on rank 0 and bytes written."""
+    """Write `out` from the live engine (collective); returns the manifest path on rank 0 and bytes written.
+
+    Rank 0 writes while every rank takes part in each parameter's gather: a write that fails there (a store that went
+    down) stops the writing, not the gathers, and fails the save on every rank after them; nothing is committed."""
     check_supported(engine)
     rank0 = dist.get_rank() == 0
+    failed: list[tuple[str, str]] = []
+
+    def write(relpath: str, tensors: dict[str, torch.Tensor]) -> None:
+        if failed:
+            return
+        try:
+            records.append(write_tensors(out, relpath, tensors))
+        except Exception as exc:  # raised on every rank once the gathers are done
+            failed.append(failure_of(exc))
+
     keys = _state_keys(engine)
     groups = param_groups(engine)
     placed = live_params(engine)
@@ -138,21 +151,32 @@ def write_live(
             with deepspeed.zero.GatheredParameters([p], enabled=compat.is_zero3_param(p)):
                 value = p.detach().cpu().clone()
             if rank0:
-                records.append(write_tensors(out, param_file(name), {VALUE: value}))
+                write(param_file(name), {VALUE: value})
             params[name] = ParamRecord(shape, _dtype(p), 0, False, param_file(name), (VALUE,))
             continue
         state = whole(p, shape)
         spec = tables.get(name)
         file = param_file(name) if spec is None else table_file(name)
         if state is not None:
-            records.append(write_tensors(out, file, state if spec is None else _table_tensors(state, spec)))
+            write(file, state if spec is None else _table_tensors(state, spec))
         table = {} if spec is None else {"table": _table_record(spec, shape[0])}
         params[name] = ParamRecord(shape, _dtype(p), groups[p], True, file, (FP32, *keys), table)
+    all_ok(failed[0] if failed else None)
+    return guarded(lambda: _finish(engine, out, client_state, extra, records, params) if rank0 else (None, 0))
+
+
+def _finish(
+    engine: Any,
+    out: str,
+    client_state: dict[str, Any],
+    extra: dict[str, Any],
+    records: list[FileRecord],
+    params: dict[str, ParamRecord],
+) -> tuple[str, int]:
+    """Rank 0's part after the gathers: buffers, the scheduler and client state, then the manifest, last."""
     to_global = namer(engine)
     buffers = dict(engine.module.named_buffers())
     names = compat.buffer_names(engine)
-    if not rank0:
-        return None, 0
     records.append(write_tensors(out, BUFFERS, {to_global(n): buffers[n].detach().cpu() for n in names}))
     records.append(
         write_object(
