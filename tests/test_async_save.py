@@ -164,7 +164,7 @@ def test_an_upload_to_the_store_runs_behind_training_and_commits_only_when_ackno
         engine.cleanup()
 
 
-def test_a_failed_upload_fails_the_save_at_its_commit_and_commits_nothing():
+def test_a_failed_upload_fails_the_save_at_its_commit_and_commits_nothing(monkeypatch):
     """A save to a store whose upload fails goes on (the other ranks would wait for this one), then fails at the
     commit, naming the object; no commit object is written and `latest` keeps naming the previous save."""
     with s3_server() as s3:
@@ -183,3 +183,14 @@ def test_a_failed_upload_fails_the_save_at_its_commit_and_commits_nothing():
             bound.commit(info)
         assert read_commit(tag_dir) is None and st.read_text(f"{run}/latest") == "global_step1"
         assert not Path("s3:").exists()
+    monkeypatch.setattr(st, "RETRIES", 1)
+    monkeypatch.setattr(st, "BACKOFF", 0.01)
+    with s3_server() as down:  # the store itself goes down mid-save
+        run = f"s3://{down.bucket()}/run"
+        tag_dir = f"{run}/global_step2"
+        guard.pending[tag_dir], guard.save_id = ("save-2", True), "save-2"
+        bound.save(_state(), f"{tag_dir}/mp_rank_00_model_states.pt")
+        down.stop()
+        bound.save(_state(), f"{tag_dir}/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        with pytest.raises(CheckpointError, match=r"global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt: upload"):
+            bound.commit(CheckpointCommitInfo(tag="global_step2", save_dir=run, save_latest=False))
