@@ -33,6 +33,7 @@ import os
 import posixpath
 import random
 import re
+import shutil
 import threading
 import time
 import urllib.parse
@@ -45,25 +46,46 @@ from ucp_deepspeed.io.atomic import atomic_file, atomic_write
 from ucp_deepspeed.io.stats import record
 
 __all__ = [
+    "BACKOFF",
+    "MAX_REQUEST",
+    "RETRIES",
     "Blob",
+    "BlobFile",
+    "FsspecStorage",
+    "LocalStorage",
     "Storage",
     "StorageError",
+    "append_line",
     "basename",
+    "copy",
     "delete",
     "dirname",
     "exists",
+    "find",
+    "glob",
     "is_url",
     "isdir",
     "isfile",
+    "islink",
     "join",
     "listdir",
+    "local_path",
+    "locked",
+    "makedirs",
     "mtime",
     "normalize",
     "open_blob",
     "read",
+    "read_text",
+    "realpath",
+    "scrub",
+    "set_default_options",
+    "size",
+    "stat",
     "storage_of",
     "storage_options",
     "write",
+    "writer",
 ]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -74,7 +96,7 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 
 RETRIES = 5
 """Attempts after the first for a request a store throttled (503 SlowDown) or dropped; backoff doubles from
-`BACKOFF` seconds, with jitter, capped at 8 s: at most about 15 s of waiting per request."""
+`BACKOFF` seconds, jittered down to half, capped at 8 s: at most 7.75 s of waiting per request."""
 BACKOFF = 0.25
 
 
@@ -385,8 +407,6 @@ class LocalStorage(Storage):
         return os.path.getmtime(path)
 
     def delete(self, path: str) -> None:
-        import shutil
-
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         elif os.path.lexists(path):
