@@ -152,3 +152,18 @@ def test_wrong_credentials_name_the_bucket_and_never_the_secret(
         st.read(f"s3://{bucket}/o")
     assert str(caught.value).startswith(f"s3://{bucket}: access denied while reading s3://{bucket}/o")
     assert wrong not in str(caught.value) + caplog.text and SECRET not in str(caught.value) + caplog.text
+
+
+def test_a_secret_a_library_puts_in_its_error_is_scrubbed(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore names no secret in its errors today; if a library ever did, the message still would not."""
+    store = st.storage_of(bucket)
+    assert isinstance(store, st.FsspecStorage)
+    monkeypatch.setattr(store, "options", {"client_kwargs": {"aws_session_token": "tok-0123456789"}})
+
+    def leaky(*_args: object, **_kwargs: object) -> bytes:
+        raise OSError(f"signature mismatch for {SECRET} with token tok-0123456789")
+
+    monkeypatch.setattr(store.fs, "cat_file", leaky)
+    with pytest.raises(CheckpointError) as caught:
+        st.read(st.join(bucket, "o"))
+    assert "signature mismatch for *** with token ***" in str(caught.value)
