@@ -27,6 +27,7 @@ class S3Server:
     endpoint: str
     server: Any = field(repr=False)
     env: dict[str, str] = field(default_factory=dict)
+    _throttled: list[int] = field(default_factory=lambda: [0], repr=False)
 
     def bucket(self, prefix: str = "ucp") -> str:
         """A new, empty bucket's name."""
@@ -39,6 +40,31 @@ class S3Server:
     def stop(self) -> None:
         """Stop serving (what a store that went down looks like to a client)."""
         self.server.stop()
+
+    def throttle(self, requests: int) -> None:
+        """Answer the next `requests` GETs with 503 SlowDown, as S3 does when a prefix gets more than it serves."""
+        self._throttled[0] = requests
+
+
+class _Throttle:
+    """WSGI middleware in front of moto: a GET while `left[0]` is positive gets S3's 503 SlowDown."""
+
+    BODY = (
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+        b"<Message>Please reduce your request rate.</Message></Error>"
+    )
+
+    def __init__(self, app: Any, left: list[int]):
+        self.app, self.left = app, left
+
+    def __call__(self, environ: dict, start_response: Any) -> Any:
+        if self.left[0] > 0 and environ.get("REQUEST_METHOD") == "GET":
+            self.left[0] -= 1
+            start_response(
+                "503 Slow Down", [("Content-Type", "application/xml"), ("Content-Length", str(len(self.BODY)))]
+            )
+            return [self.BODY]
+        return self.app(environ, start_response)
 
 
 @contextmanager
@@ -60,8 +86,10 @@ def s3_server() -> Iterator[S3Server]:
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    found = S3Server(endpoint, server, env)
+    server._server.app = _Throttle(server._server.app, found._throttled)  # moto's werkzeug server, in this process
     try:
-        yield S3Server(endpoint, server, env)
+        yield found
     finally:
         try:
             server.stop()

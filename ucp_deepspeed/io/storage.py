@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import contextvars
+import errno
 import fnmatch
 import hashlib
 import io
@@ -425,7 +426,10 @@ class LocalStorage(Storage):
 
 
 def _retryable(exc: BaseException) -> bool:
-    """A throttled or dropped request, worth sending again (botocore's and aiohttp's names, without importing them)."""
+    """A throttled or dropped request, worth sending again: s3fs turns 503 SlowDown and ServiceUnavailable into EBUSY;
+    botocore's and aiohttp's other names are matched without importing them."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EBUSY, errno.ETIMEDOUT, errno.EAGAIN):
+        return True
     text = f"{type(exc).__name__} {exc}"
     return any(
         mark in text
@@ -439,6 +443,7 @@ def _retryable(exc: BaseException) -> bool:
             "ServerDisconnected",
             "IncompleteRead",
             "ReadTimeout",
+            "reduce your request rate",
         )
     )
 
@@ -457,7 +462,7 @@ class FsspecStorage(Storage):
         kwargs = dict(options)
         if protocol in ("s3", "s3a"):  # `_call` retries, with its own bound and backoff: no retries under it
             config = dict(kwargs.get("config_kwargs") or {})
-            config.setdefault("retries", {"max_attempts": 1})
+            config.setdefault("retries", {"total_max_attempts": 1})
             kwargs["config_kwargs"] = config
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **kwargs)
         if protocol in ("s3", "s3a"):
