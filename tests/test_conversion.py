@@ -31,7 +31,8 @@ def digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("params/*")}
 
 
-@pytest.mark.parametrize("name", ["z2", pytest.param("nvmez3", marks=pytest.mark.slow)])
+# slow: the default run splits a conversion over processes in tests/faults/test_conversion_faults.py (--procs 2)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in ("z2", "nvmez3")])
 def test_conversion_split_over_processes_writes_what_one_process_writes(sources, tmp_path, name):
     if name == "nvmez3" and nvme_unavailable():
         pytest.skip(nvme_unavailable())

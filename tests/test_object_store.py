@@ -32,13 +32,11 @@ def s3() -> Iterator[S3Server]:
 
 @pytest.fixture(scope="module")
 def saved(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    """A ZeRO-1 job (saved at steps 2 and 3) and a ZeRO-2 job on 2 ranks, saved to the store, then each loaded back
-    into fresh engines at the same layout and at another ZeRO stage, in one launch."""
+    """A ZeRO-1 job (saved at steps 2 and 3) and a ZeRO-2 job on 2 ranks, saved to the store, then loaded back into
+    fresh engines, the first at the same layout and the second at ZeRO-1, in one launch."""
     run = f"s3://{s3.bucket()}/run"
     reloaded = tmp_path_factory.mktemp("store") / "reloaded.json"
-    torchrun(
-        2, "save", "--out", run, "--variant", "z1b", "z2", "--reload", str(reloaded), "--reload-as", "z1b=z3", "z2=z1"
-    )
+    torchrun(2, "save", "--out", run, "--variant", "z1b", "z2", "--reload", str(reloaded), "--reload-as", "z2=z1")
     return run, json.loads(reloaded.read_text())
 
 
@@ -51,8 +49,6 @@ def test_a_job_saved_to_the_store_resumes_at_the_same_layout_and_another_stage(s
     run, found = saved
     assert [(r["source"], r["target"], r["mode"]) for r in found] == [
         (f"{run}/z1b", "z1b", "direct"),  # the same layout, read from the store by our reader
-        (f"{run}/z1b", "z3", "resharded"),
-        (f"{run}/z2", "z2", "direct"),
         (f"{run}/z2", "z1", "resharded"),
     ]
     for r in found:

@@ -365,9 +365,9 @@ def do_save(args: argparse.Namespace) -> None:
             )
             st.write(st.join(ckpt, "reference.pt"), reference.getvalue())
         dist.barrier()
-        # load what was just saved, at the same layout (ucp's own reader on a store, DeepSpeed's on disk) and as the
-        # targets `--reload-as` names (another ZeRO stage at the same size)
-        targets = [name] + [t for pair in args.reload_as for s, t in [pair.split("=")] if s == name]
+        # load what was just saved as the targets `--reload-as` names for it (another ZeRO stage at the same size), or
+        # at the same layout (ucp's own reader on a store, DeepSpeed's on disk)
+        targets = [t for pair in args.reload_as for s, t in [pair.split("=")] if s == name] or [name]
         for target in targets if args.reload else []:
             again = build(target, ep=args.ep)
             _, client = again.load_checkpoint(ckpt)
@@ -581,7 +581,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
     parser.add_argument("--reload", metavar="RESULTS", help="save: then load each save at the same layout, compare")
     parser.add_argument(
-        "--reload-as", nargs="*", default=[], metavar="SAVED=TARGET", help="with --reload: also load SAVED as TARGET"
+        "--reload-as", nargs="*", default=[], metavar="SAVED=TARGET", help="with --reload: load SAVED as TARGET instead"
     )
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE variants")
     parser.add_argument(

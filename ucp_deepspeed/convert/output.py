@@ -48,7 +48,7 @@ def claimed(out: str, sources: list[str]) -> Iterator[None]:
     has no locks: there, the manifest written last is what makes the output complete."""
     check_output(out, sources)
     st.makedirs(out)
-    with st.locked(out):
+    with st.locked(out, holder="conversion"):
         yield
 
 

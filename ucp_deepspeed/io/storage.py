@@ -791,9 +791,9 @@ def glob(folder: str, pattern: str) -> list[str]:
 
 
 @contextmanager
-def locked(folder: str) -> Iterator[None]:
-    """Hold an exclusive lock on a local folder while the block runs (a second holder waits); a store has no locks,
-    so there the block runs unguarded and what makes its output complete is an object written last."""
+def locked(folder: str, holder: str = "process") -> Iterator[None]:
+    """Hold an exclusive lock on a local folder while the block runs (a second `holder` waits, saying so); a store has
+    no locks, so there the block runs unguarded and what makes its output complete is an object written last."""
     path = local_path(folder)
     if path is None:
         yield
@@ -806,7 +806,7 @@ def locked(folder: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             logging.getLogger("ucp_deepspeed").warning(
-                "ucp: %s is being written by another process; waiting for it to finish", folder
+                "ucp: %s is being written by another %s; waiting for it to finish", folder, holder
             )
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
