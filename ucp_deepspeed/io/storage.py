@@ -56,6 +56,7 @@ __all__ = [
     "LocalStorage",
     "Storage",
     "StorageError",
+    "Window",
     "append_line",
     "basename",
     "copy",
@@ -186,6 +187,26 @@ class Blob(abc.ABC):
         """Release what the blob holds open."""
 
 
+class Window(Blob):
+    """Bytes `[start, start + length)` of another blob, read as a blob of their own: one item of a file that packs
+    several (a DCP `.distcp` file). Its owner closes the blob underneath."""
+
+    def __init__(self, blob: Blob, start: int, length: int, path: str):
+        if start < 0 or length < 0 or start + length > blob.size:
+            raise CheckpointError(blob.path, f"truncated: an item at bytes {start}..{start + length} is past its end")
+        self._blob, self._start, self._length, self.path = blob, start, length, path
+        self.concurrency = blob.concurrency
+
+    @property
+    def size(self) -> int:
+        return self._length
+
+    def readinto(self, views: list[memoryview], offset: int, data: bool = True) -> None:
+        if offset + sum(len(v) for v in views) > self._length:
+            raise CheckpointError(self.path, "a read runs past the end of the item")
+        self._blob.readinto(views, self._start + offset, data)
+
+
 class BlobFile(io.RawIOBase):
     """A blob as a seekable read-only file object; `fill` serves a read at a position (one request by default)."""
 
@@ -253,7 +274,7 @@ def _after(views: list[memoryview], skip: int) -> list[memoryview]:
 
 class _LocalBlob(Blob):
     def __init__(self, path: str):
-        self.path = path
+        self.path, self._fd = path, -1
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:

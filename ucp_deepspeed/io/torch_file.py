@@ -288,13 +288,15 @@ class IndexedArchive:
 class TorchFile:
     """One `torch.save` zip file: its unpickled object with `LazyTensor` leaves, and checked byte-range reads.
 
+    `path` is a location, or a blob already open (one item of a DCP `.distcp` file, `storage.Window`).
+
     `verify=False` skips the CRC checks of tensor reads, to measure what they cost; the pickle is
     always checked.
     """
 
-    def __init__(self, path: str, verify: bool = True):
-        self.path = str(path)
-        self._blob = open_blob(self.path)
+    def __init__(self, path: str | Blob, verify: bool = True):
+        self._blob = open_blob(path) if isinstance(path, str) else path
+        self.path = self._blob.path
         record(files=1)
         try:
             self.size = self._blob.size
@@ -470,7 +472,7 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-def load_file(path: str) -> Any:
+def load_file(path: str | Blob) -> Any:
     """A whole small torch file (scheduler or client state), unpickled safely, every byte checked."""
     tfile = TorchFile(path)
     try:

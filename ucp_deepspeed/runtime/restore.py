@@ -125,7 +125,9 @@ def _all_problems(ckpt: TensorReader, everyone: list[tuple[list[str], list[str],
     frozen = {n for _, _, part in everyone for n in part}
     skipped = frozen if ckpt.manifest.frozen_excluded else set()  # saved with exclude_frozen_parameters
     missing = sorted(all_names - set(ckpt.params) - skipped)
-    extra = sorted(set(ckpt.params) - all_names)
+    # a foreign format that cannot tell a frozen parameter from a buffer (DCP) lists such a tensor as both
+    untyped = {n for n, rec in ckpt.params.items() if not rec.trainable and n in ckpt.buffers}
+    extra = sorted(set(ckpt.params) - all_names - untyped)
     if missing:
         problems.insert(0, f"parameters not in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if extra:

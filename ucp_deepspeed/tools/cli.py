@@ -24,7 +24,7 @@ from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.hf.export import DTYPES, Overrides, export_hf
 from ucp_deepspeed.hf.import_ import import_hf
 from ucp_deepspeed.hf.models import ARCHS
-from ucp_deepspeed.interop import export_deepspeed
+from ucp_deepspeed.interop import export_dcp, export_deepspeed, import_dcp
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.tools.compare import DiffReport, diff
@@ -344,6 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out")
     p.add_argument("--num-kv-heads", type=int, help="gpt2: fold repeated key/value heads back into this many groups")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser(
+        "import-dcp", help="make a universal checkpoint of a PyTorch DCP folder (dcp.save of a model and optimizer)"
+    )
+    p.add_argument("dcp_dir")
+    p.add_argument("out")
+    p = sub.add_parser("export-dcp", help="write a checkpoint as a PyTorch DCP folder that dcp.load reads at any size")
+    p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
+    p.add_argument("out")
+    p.add_argument("--model-key", default="model", help="top-level key of the model's state dict (default model)")
+    p.add_argument("--optim-key", default="optim", help="top-level key of the optimizer's state dict (default optim)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("diff", help="compare two checkpoints of any topology, state by state")
     p.add_argument("a")
     p.add_argument("b")
@@ -397,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
             print(export_hf(args.ckpt, args.out, overrides, args.dtype, shard, progress=not args.no_progress))
         elif args.command == "import-hf":
             print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
+        elif args.command == "import-dcp":
+            print(import_dcp(args.dcp_dir, args.out))
+        elif args.command == "export-dcp":
+            print(export_dcp(args.ckpt, args.out, args.model_key, args.optim_key, progress=not args.no_progress))
         elif args.command == "diff":
             report = diff(args.a, args.b, args.tag_a, args.tag_b)
             _print_diff(report, args.all, args.json)
