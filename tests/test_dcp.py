@@ -1,6 +1,7 @@
 """PyTorch DCP both ways: an FSDP2 job's `dcp.save` resumes in DeepSpeed, a DeepSpeed checkpoint loads into FSDP2.
 
-One launch of 2 ranks saves both sources (tests/workers/dcp_hub.py); one launch of 3 ranks loads every target: the
+One launch of 2 ranks saves both sources (tests/workers/dcp_hub.py); one launch of 1 rank (3 with `-m slow`) loads
+every target: the
 FSDP2 folder into DeepSpeed ZeRO-1 and ZeRO-3 engines directly (`load_checkpoint` imports it), and the DCP export
 of the DeepSpeed checkpoint into an FSDP2 job with `dcp.load`. Every fp32 weight, Adam moment, step count, frozen
 weight and buffer is compared with `torch.equal`, and the next losses with the saving job's own.
@@ -31,10 +32,16 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_fsdp2_and_deepspeed_move_both_ways_through_dcp(hub, capsys):
+@pytest.fixture(scope="module")
+def exported(hub) -> Path:
     assert ucp(["export-dcp", str(hub / "ds"), str(hub / "exported"), "--no-progress"]) == 0
-    results = hub / "results.json"
-    torchrun(3, "load", "--out", str(hub), "--stage", "1", "3", "--results", str(results), worker=WORKER)
+    return hub / "exported"
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_fsdp2_and_deepspeed_move_both_ways_through_dcp(hub, exported, world):
+    results = hub / f"results{world}.json"
+    torchrun(world, "load", "--out", str(hub), "--stage", "1", "3", "--results", str(results), worker=WORKER)
     cases = json.loads(results.read_text())
     assert [c["case"] for c in cases] == ["fsdp->zero1", "fsdp->zero3", "zero1->fsdp"]
     for case in cases:
