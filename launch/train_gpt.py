@@ -97,9 +97,9 @@ def model_args(args: argparse.Namespace) -> tuple[dict, dict]:
     return transformer, gpt
 
 
-def build(args: argparse.Namespace, keep_last: int | None = None, direct: bool = True) -> deepspeed.DeepSpeedEngine:
-    """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine that keeps the `keep_last` newest
-    checkpoints (all when None) and reshards by reading the saved files in place (`direct`)."""
+def model_and_groups(args: argparse.Namespace) -> tuple[GPTModel, list[dict]]:
+    """This rank's pipeline stage of the model and its optimizer's param groups (decay, no decay), as megatron-core
+    alone would train it."""
     transformer, gpt = model_args(args)
     num_layers = transformer["num_layers"]
     experts = transformer.get("num_moe_experts") or 0
@@ -158,6 +158,13 @@ def build(args: argparse.Namespace, keep_last: int | None = None, direct: bool =
         {"params": decay, "weight_decay": 0.1, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4, "betas": (0.8, 0.95), "name": "no_decay"},
     ]
+    return model, groups
+
+
+def build(args: argparse.Namespace, keep_last: int | None = None, direct: bool = True) -> deepspeed.DeepSpeedEngine:
+    """This rank's pipeline stage of the model, wrapped in a ucp_deepspeed engine that keeps the `keep_last` newest
+    checkpoints (all when None) and reshards by reading the saved files in place (`direct`)."""
+    model, groups = model_and_groups(args)
     if ucp_deepspeed.register_megatron_experts(model):  # experts get their own expert-data-parallel groups
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = torch.optim.AdamW(groups, lr=1e-3)

@@ -464,3 +464,28 @@ def test_megatron_transformer_engine_names():
         torch.nn.Linear(1, 1)
     )
     assert compat.megatron_grouped_experts(experts.SequentialMLP.__new__(experts.SequentialMLP)) is None
+
+
+def test_dcp_writer_is_read_by_dcp_load(tmp_path):
+    """`DcpWriter` builds DCP's metadata from its dataclasses and `filesystem._StorageInfo`: `dcp.load` must read
+    what it writes, a tensor split over chunks and an object alike."""
+    import io
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    def saved(value):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return buf.getvalue()
+
+    weight = torch.arange(12.0).reshape(3, 4)
+    writer = compat.DcpWriter(str(tmp_path / "dcp"))
+    writer.tensor("model.w", ("model", "w"), weight, saved(weight))
+    writer.object("epoch", ("epoch",), saved(7))
+    writer.finish()
+    state = {"model": {"w": torch.zeros(3, 4)}, "epoch": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(state["model"]["w"], weight) and state["epoch"] == 7

@@ -1,4 +1,4 @@
-"""Damaged and hostile foreign checkpoints: PyTorch DCP folders and megatron-core `torch_dist` folders.
+"""Damaged and hostile foreign checkpoints: PyTorch DCP folders and megatron-core `torch_dist` folders (`common.pt`).
 
 Each fault gets one clear error naming the file (and for an item of a `.distcp` file, the item), runs no code,
 leaves the source unchanged and writes no finished output. The folders are real `dcp.save` output of one process,
@@ -8,6 +8,7 @@ so every case runs in this process in well under a second.
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from test_hostile_pickles import armed, payloads, torch_archive  # noqa: F401  (
 from ucp_deepspeed import CheckpointError
 from ucp_deepspeed.compat import DcpWriter
 from ucp_deepspeed.format.universal import MANIFEST
-from ucp_deepspeed.interop import import_dcp
+from ucp_deepspeed.interop import import_dcp, import_megatron
 from ucp_deepspeed.sources.dcp import METADATA, DcpCheckpoint
 from ucp_deepspeed.tools.cli import main as ucp
 
@@ -149,3 +150,39 @@ def _saved(value) -> bytes:
 
 def _archive(tmp_path: Path, data: bytes) -> bytes:
     return torch_archive(tmp_path / "item.pt", data).read_bytes()
+
+
+def _megatron_folder(folder: Path, common: bytes) -> Path:
+    """The DCP folder dressed as megatron-core's torch_dist: `metadata.json` and the given `common.pt`."""
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (folder / "common.pt").write_bytes(common)
+    return folder
+
+
+def test_a_hostile_common_pt_runs_nothing(folder, tmp_path):
+    for n, (label, data) in enumerate(payloads(tmp_path).items()):
+        _megatron_folder(folder, _archive(tmp_path, data))
+        with pytest.raises(CheckpointError) as err:
+            import_megatron(str(folder), str(tmp_path / f"out{n}"))
+        assert err.value.path.endswith("common.pt"), label
+
+
+@pytest.mark.parametrize(
+    "label, common, reason",
+    [
+        ("truncated", lambda: _saved({"iteration": 1})[:-40], "truncated or corrupt"),
+        ("model only", lambda: _saved({"iteration": 1}), "no optimizer param_groups"),
+        (
+            "groups it cannot place",
+            lambda: _saved({"optimizer": {"param_groups": [{"weight_decay": 0.1}] * 3}}),
+            "3 param groups",
+        ),
+    ],
+)
+def test_damaged_megatron_common_pt_is_refused(folder, tmp_path, capsys, label, common, reason):
+    _megatron_folder(folder, common())
+    before = digest(folder)
+    assert ucp(["import-megatron", str(folder), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "common.pt" in err and reason in err and err.count("\n") == 0, (label, err)
+    assert digest(folder) == before and not (tmp_path / "out" / MANIFEST).exists()

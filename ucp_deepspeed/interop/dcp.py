@@ -304,8 +304,8 @@ def export_dcp(
 
 
 def _loaded_folder(engine: Any, load_dir: str) -> str | None:
-    """A DCP folder named directly by a load."""
-    return load_dir if is_dcp_folder(load_dir) else None
+    """A DCP folder named directly by a load (megatron-core's torch_dist folders, DCP too, are `megatron`'s)."""
+    return load_dir if is_dcp_folder(load_dir) and not st.isfile(st.join(load_dir, "metadata.json")) else None
 
 
-register_foreign_format(ForeignFormat("dcp", _loaded_folder, import_dcp))
+register_foreign_format(ForeignFormat("dcp", _loaded_folder, lambda folder, out, _options: import_dcp(folder, out)))

@@ -352,4 +352,6 @@ def _loaded_folder(engine: Any, load_dir: str) -> str | None:
     return None
 
 
-register_foreign_format(ForeignFormat("deepspeed universal", _loaded_folder, import_deepspeed))
+register_foreign_format(
+    ForeignFormat("deepspeed universal", _loaded_folder, lambda folder, out, _options: import_deepspeed(folder, out))
+)

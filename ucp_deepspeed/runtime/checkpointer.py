@@ -462,7 +462,7 @@ class UniversalCheckpointer:
             with claimed(out, [folder]):
                 if not st.isfile(st.join(out, MANIFEST)):
                     log.info("ucp: importing %s folder %s into %s", fmt.name, folder, out)
-                    fmt.import_to(folder, out)
+                    fmt.import_to(folder, out, self.options)
 
         on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
         return out

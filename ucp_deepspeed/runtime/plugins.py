@@ -46,12 +46,13 @@ class ForeignFormat:
     Args:
         name: how `ucp_last_load` and messages name it.
         find: `(engine, load_dir) -> folder | None`: the folder of this format that a load of `load_dir` means.
-        import_to: `(folder, out) -> out`: write `folder` as a universal folder at `out`.
+        import_to: `(folder, out, options) -> out`: write `folder` as a universal folder at `out`; `options` is
+            the loading engine's `UniversalConfig` (its `vocab_size` says which rows are padding).
     """
 
     name: str
     find: Callable[[Any, str], str | None]
-    import_to: Callable[[str, str], str]
+    import_to: Callable[[str, str, Any], str]
 
 
 _SECTIONS: dict[str, Any] = {}

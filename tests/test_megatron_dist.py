@@ -1,0 +1,76 @@
+"""megatron-core's own `dist_checkpointing` (torch_dist) checkpoints resume under DeepSpeed, and export to HF.
+
+One launch of 2 ranks: megatron-core alone trains launch/train_gpt.py's GPT at TP=2 and saves it with
+`dist_checkpointing.save` (model and optimizer `sharded_state_dict`s, Megatron-LM's common entries); then, in the
+same launch, a ucp_deepspeed engine at TP=1 x DP=2 with ZeRO-2 loads that folder directly. Every fp32 weight, Adam
+moment, step and hyperparameter is compared with megatron-core's own (TP shards gathered) with `torch.equal`, and
+the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds a TP=2 -> PP=2 x ZeRO-1 launch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, torchrun
+from launching import each
+
+from ucp_deepspeed.format.universal import UniversalCheckpoint, read_manifest
+from ucp_deepspeed.tools.cli import main as ucp
+
+WORKER = ROOT / "tests" / "workers" / "mcore_dist.py"
+VOCAB = 70  # launch/train_gpt.py's, padded to 80 rows at TP=2
+
+
+def _run(out: Path, target: list[str]) -> dict:
+    results = out / "results.json"
+    save = ["save", "--out", str(out), "--tp", "2"]
+    load = ["load", "--source", str(out), *target, "--results", str(results)]
+    torchrun(2, *each([save, load]), worker=WORKER, timeout=600)
+    return json.loads(results.read_text())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("mcore")
+    return out, _run(out, ["--tp", "1", "--zero", "2"])
+
+
+def _exact(result: dict) -> None:
+    assert result["mode"] == "imported"
+    assert result["diffs"] == [] and result["tensors"] > 100, result
+    assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5), result
+
+
+def test_a_megatron_core_save_resumes_in_deepspeed_at_another_tp_and_stage(saved):
+    _exact(saved[1])
+
+
+@pytest.mark.slow
+def test_a_megatron_core_save_resumes_at_pp2_zero1(tmp_path):
+    _exact(_run(tmp_path, ["--tp", "1", "--pp", "2", "--zero", "1"]))
+
+
+def test_import_megatron_then_export_hf(saved, tmp_path):
+    folder = saved[0] / "ckpt"
+    out = tmp_path / "universal"
+    assert ucp(["import-megatron", str(folder), str(out), "--vocab-size", str(VOCAB)]) == 0
+    manifest = read_manifest(str(out))
+    assert manifest.source.extra["format"] == "megatron torch_dist" and manifest.counters.global_steps == 3
+    assert manifest.model is not None and manifest.model.vocab_size == VOCAB and manifest.model.num_layers == 4
+    assert manifest.params["embedding.word_embeddings.weight"].shape == (VOCAB, 64)
+    assert "decoder.layers.3.self_attention.linear_qkv.weight" in manifest.params
+    assert ucp(["export-hf", str(out), str(tmp_path / "hf"), "--no-progress"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ckpt = UniversalCheckpoint(str(out))
+    embedding = ckpt.read("embedding.word_embeddings.weight", "fp32").reshape(VOCAB, 64)
+    assert torch.equal(model.get_input_embeddings().weight.detach(), embedding)
+
+
+def test_padding_rows_that_hold_weights_are_refused(saved, tmp_path, capsys):
+    assert ucp(["import-megatron", str(saved[0] / "ckpt"), str(tmp_path / "u"), "--vocab-size", "60"]) == 2
+    assert "not vocabulary padding" in capsys.readouterr().err

@@ -1,0 +1,262 @@
+"""megatron-core's own distributed checkpoints (`dist_checkpointing`, the `torch_dist` backend), imported.
+
+    <dir>/metadata.json    {"sharded_backend": "torch_dist", ...}
+    <dir>/.metadata        DCP metadata of every sharded tensor, at its global shape (`sources/dcp.py`)
+    <dir>/__R_T.distcp     the tensors, each rank's chunks
+    <dir>/common.pt        what is not sharded: `iteration`, `args`, the optimizer's `param_groups` (without their
+                           parameters) and `state.common_step`, the LR scheduler, ...
+
+A tensor is stored whole, at the shape a TP=1 model has: the tensor-parallel chunks of a `linear_qkv` (grouped
+query order), a gated `linear_fc1` ([gate; up]) or a vocabulary-parallel embedding sit where a TP=1 weight has them,
+which is the universal format's full tensor. The layers of `decoder.layers` are stacked along a leading dimension
+(and the experts of a layer along the next one); the import cuts them into the per-layer names a megatron-core
+module has under DeepSpeed, with Transformer Engine's fused-norm names mapped to the local spec's as the save path
+does. Adam's moments are `optimizer.state.<state>.<key>`, with the same shapes.
+
+megatron-core does not save which parameters each param group holds. The import places them by megatron-core's
+own default rule (`_get_param_groups`: biases and 1-D weights take no weight decay), which needs one group, or two
+of which one has no weight decay; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ucp_deepspeed import compat
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import (
+    Counters,
+    GroupRecord,
+    Manifest,
+    ParamRecord,
+    SourceRecord,
+    written_by,
+)
+from ucp_deepspeed.format.metadata import FP32, check_name
+from ucp_deepspeed.format.model import ModelSpec
+from ucp_deepspeed.format.paths import check_output
+from ucp_deepspeed.format.topology import Topology
+from ucp_deepspeed.format.universal import (
+    BUFFERS,
+    STATE,
+    FileRecord,
+    encode_value,
+    param_file,
+    write_manifest,
+    write_object,
+    write_tensors,
+)
+from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.torch_file import load_file
+from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
+from ucp_deepspeed.sources.dcp import DcpCheckpoint
+
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+OPTIM = "optimizer.state."
+LAYERS = "decoder.layers."
+EXPERTS = "mlp.experts.experts."
+VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+_RANK_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
+
+
+def is_torch_dist(path: str) -> bool:
+    """Whether `path` is a megatron-core `torch_dist` checkpoint folder."""
+    meta = st.join(path, METADATA_JSON)
+    if not st.isfile(meta):
+        return False
+    try:
+        return json.loads(st.read(meta, 1 << 16)).get("sharded_backend") == "torch_dist"
+    except (ValueError, AttributeError):
+        return False
+
+
+def _pieces(key: str, shape: tuple[int, ...], fused: dict[str, str]) -> list[tuple[str, tuple[int, ...]]]:
+    """The per-layer (and per-expert) names of a stored tensor, with the index of each piece in its leading dims."""
+    if not key.startswith(LAYERS) or key[len(LAYERS) :][:1].isdigit():
+        return [(key, ())]  # not stacked, or saved with per-layer keys already
+    rest = key[len(LAYERS) :]
+    te = next((t for t in fused if rest.startswith(t)), None)
+    if te is not None:
+        rest = fused[te] + rest[len(te) :]
+    if rest.startswith(EXPERTS):
+        leaf = rest[len(EXPERTS) :]
+        return [
+            (f"{LAYERS}{layer}.mlp.experts.local_experts.{e}.{leaf}", (layer, e))
+            for layer in range(shape[0])
+            for e in range(shape[1])
+        ]
+    return [(f"{LAYERS}{layer}.{rest}", (layer,)) for layer in range(shape[0])]
+
+
+def _spec(args: Any, vocab: int) -> ModelSpec | None:
+    """The GPT that Megatron-LM's `args` describe, when they are there."""
+    a = vars(args) if isinstance(args, SimpleNamespace) else args if isinstance(args, dict) else None
+    if not a or "num_layers" not in a or "hidden_size" not in a or "num_attention_heads" not in a:
+        return None
+    heads = int(a["num_attention_heads"])
+    groups = int(a.get("num_query_groups") or heads) if a.get("group_query_attention") else heads
+    return ModelSpec(
+        num_layers=int(a["num_layers"]),
+        hidden_size=int(a["hidden_size"]),
+        ffn_hidden_size=int(a.get("ffn_hidden_size") or 4 * a["hidden_size"]),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=int(a.get("kv_channels") or a["hidden_size"] // heads),
+        vocab_size=vocab,
+        max_sequence_length=int(a.get("max_position_embeddings") or a.get("seq_length") or 1),
+        normalization=str(a.get("normalization") or "LayerNorm"),
+        layernorm_epsilon=float(a.get("norm_epsilon") or 1e-5),
+        activation="silu" if a.get("swiglu") else "gelu",
+        gated_linear_unit=bool(a.get("swiglu")),
+        add_bias_linear=bool(a.get("add_bias_linear", True)),
+        add_qkv_bias=bool(a.get("add_qkv_bias", False)),
+        position_embedding_type=str(a.get("position_embedding_type") or "learned_absolute"),
+        rotary_base=float(a.get("rotary_base") or 10000),
+        tied=not a.get("untie_embeddings_and_output_weights", False),
+        num_moe_experts=int(a.get("num_experts") or 0),
+        moe_router_topk=int(a.get("moe_router_topk") or 0),
+    )
+
+
+def _unpadded(tensors: dict[str, torch.Tensor], vocab: int, path: str, name: str) -> dict[str, torch.Tensor]:
+    """The first `vocab` rows of a vocabulary-parallel tensor and its states; refuses padding that holds weights."""
+    rows = tensors[FP32].shape[0]
+    if vocab > rows:
+        raise CheckpointError(path, f"{name} has {rows} rows, fewer than the vocabulary of {vocab}")
+    if rows > vocab and tensors[FP32][vocab:].abs().max().item() != 0.0:
+        raise CheckpointError(path, f"{name}'s rows past {vocab} hold non-zero weights: not vocabulary padding")
+    return {k: t[:vocab] for k, t in tensors.items()}
+
+
+def _plain(value: Any) -> Any:
+    """`args` and other namespaces as dicts, so `client_state` holds only plain data."""
+    if isinstance(value, SimpleNamespace):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _group_of(groups: list[dict[str, Any]], path: str) -> Any:
+    """megatron-core's default placement: biases and 1-D weights in the group without weight decay."""
+    if len(groups) == 1:
+        return lambda name, shape: 0
+    no_decay = [g for g, h in enumerate(groups) if float(h.get("weight_decay", 0.0)) == 0.0]
+    if len(groups) != 2 or len(no_decay) != 1:
+        raise CheckpointError(
+            path,
+            f"{len(groups)} param groups, which do not list their parameters; only megatron-core's default "
+            "(one group, or one with and one without weight decay) can be placed",
+        )
+    return lambda name, shape: no_decay[0] if name.endswith(".bias") or len(shape) == 1 else 1 - no_decay[0]
+
+
+def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> str:
+    """Write a megatron-core `torch_dist` checkpoint (model and optimizer) as a universal folder; return it.
+
+    Args:
+        folder: the checkpoint folder (`iter_0000100` of a Megatron-LM run), local or a store URL.
+        output: the universal folder to write.
+        vocab_size: the unpadded vocabulary; the embedding's and output layer's rows beyond it are padding
+            (Megatron-LM's `padded_vocab_size`), dropped as a save at another TP size would, after checking that
+            they hold only zeros in the weights. None keeps every row.
+
+    Example:
+        >>> import_megatron("ckpt/iter_0000100", "ckpt/iter_0000100.ucp", vocab_size=50257)
+    """
+    folder = st.normalize(folder)
+    check_output(output, [folder])
+    if not is_torch_dist(folder):
+        raise CheckpointError(st.join(folder, METADATA_JSON), "is not a megatron-core torch_dist checkpoint")
+    common = load_file(st.join(folder, COMMON))
+    if not isinstance(common, dict):
+        raise CheckpointError(st.join(folder, COMMON), "does not hold a dict")
+    optim: dict[str, Any] = common["optimizer"] if isinstance(common.get("optimizer"), dict) else {}
+    hypers = optim.get("param_groups") or []
+    if not isinstance(hypers, list) or not all(isinstance(h, dict) for h in hypers) or not hypers:
+        raise CheckpointError(st.join(folder, COMMON), "holds no optimizer param_groups; a model-only save")
+    step = (optim.get("state") or {}).get("common_step")
+    group_of = _group_of(hypers, st.join(folder, COMMON))
+    ckpt = DcpCheckpoint(folder)
+    try:
+        fused = compat.megatron_fused_norms()
+        states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in ckpt.tensors if k.startswith(OPTIM)})
+        model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.")]
+        records: list[FileRecord] = []
+        params: dict[str, ParamRecord] = {}
+        for key in model_keys:
+            value = ckpt.tensor(key)
+            found = {s: ckpt.tensor(f"{OPTIM}{s}.{key}") for s in states if f"{OPTIM}{s}.{key}" in ckpt.tensors}
+            if set(found) != set(states):
+                raise CheckpointError(ckpt.path, f"{key} lacks optimizer state {sorted(set(states) - set(found))}")
+            for name, index in _pieces(key, tuple(value.shape), fused):
+                try:
+                    check_name(name)
+                except ValueError as exc:
+                    raise CheckpointError(ckpt.path, str(exc)) from None
+                tensors = {FP32: value[index], **{s: t[index] for s, t in found.items()}}
+                if vocab_size and name in VOCAB_PARALLEL:
+                    tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
+                tensors = {k: t.float().clone() for k, t in tensors.items()}
+                shape = tuple(tensors[FP32].shape)
+                records.append(write_tensors(output, param_file(name), tensors))
+                keys = (FP32, *sorted(found))
+                params[name] = ParamRecord(shape, "float32", group_of(name, shape), True, param_file(name), keys)
+        records.append(write_tensors(output, BUFFERS, {}))
+        client = {k: _plain(v) for k, v in common.items() if k != "optimizer"}
+        records.append(
+            write_object(output, STATE, {"lr_scheduler": None, "client_state": client, "optimizer_wrapper": {}})
+        )
+        vocab = params[VOCAB_PARALLEL[0]].shape[0] if VOCAB_PARALLEL[0] in params else 0
+        spec = _spec(common.get("args"), vocab) if vocab else None
+        ranks = {m.group(1) for f in st.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
+        iteration = common.get("iteration")
+        scalars = {"step": encode_value(step)} if isinstance(step, torch.Tensor) else {}
+        manifest = Manifest(
+            created_by=written_by(),
+            source=SourceRecord(
+                folder,
+                None,
+                Topology(dp=max(1, len(ranks)), zero_stage=0, dtype="fp32", optimizer="megatron"),
+                {},
+                extra={"format": "megatron torch_dist"},
+            ),
+            counters=Counters(global_steps=iteration if type(iteration) is int and iteration >= 0 else 0),
+            param_groups=tuple(
+                GroupRecord({k: encode_value(v) for k, v in h.items() if k != "params"}, dict(scalars)) for h in hypers
+            ),
+            params=params,
+            buffers={},
+            extra={
+                **({"model": spec.encode()} if spec is not None else {}),
+                "notes": [
+                    "param groups placed by megatron-core's default rule (biases and 1-D weights without weight "
+                    "decay); the topology's dp counts the saving ranks; common.pt's entries other than the "
+                    "optimizer are client_state"
+                ],
+            },
+        )
+        write_manifest(output, manifest, records)
+        return output
+    finally:
+        ckpt.close()
+
+
+def _loaded_folder(engine: Any, load_dir: str) -> str | None:
+    """A megatron-core torch_dist folder named directly by a load."""
+    return load_dir if is_torch_dist(load_dir) else None
+
+
+register_foreign_format(
+    ForeignFormat(
+        "megatron torch_dist",
+        _loaded_folder,
+        lambda folder, out, options: import_megatron(folder, out, options.vocab_size or None),
+    )
+)
