@@ -4,7 +4,8 @@ One launch of 2 ranks: megatron-core alone trains launch/train_gpt.py's GPT at T
 `dist_checkpointing.save` (model and optimizer `sharded_state_dict`s, Megatron-LM's common entries); then, in the
 same launch, a ucp_deepspeed engine at TP=1 x DP=2 with ZeRO-2 loads that folder directly. Every fp32 weight, Adam
 moment, step and hyperparameter is compared with megatron-core's own (TP shards gathered) with `torch.equal`, and
-the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds a TP=2 -> PP=2 x ZeRO-1 launch.
+the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds a TP=2 -> PP=2 x ZeRO-1 launch and the
+import-megatron -> export-hf -> `from_pretrained` path.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def test_a_megatron_core_save_resumes_at_pp2_zero1(tmp_path):
     _exact(_run(tmp_path, ["--tp", "1", "--pp", "2", "--zero", "1"]))
 
 
+@pytest.mark.slow  # the HF exporter has its own default tests; this one imports transformers for 10 s
 def test_import_megatron_then_export_hf(saved, tmp_path):
     folder = saved[0] / "ckpt"
     out = tmp_path / "universal"
