@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, torchrun
+from conftest import GPT_WORKER, ROOT, torchrun
 from launching import each
 
 from ucp_deepspeed.format.universal import UniversalCheckpoint, read_manifest
@@ -76,3 +76,36 @@ def test_import_megatron_then_export_hf(saved, tmp_path):
 def test_padding_rows_that_hold_weights_are_refused(saved, tmp_path, capsys):
     assert ucp(["import-megatron", str(saved[0] / "ckpt"), str(tmp_path / "u"), "--vocab-size", "60"]) == 2
     assert "not vocabulary padding" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_deepspeed_job_exports_to_torch_dist_that_megatron_core_loads_at_any_tp(tmp_path):
+    """A DeepSpeed job at TP=2 ZeRO-1 -> `ucp export-megatron` -> megatron-core alone, `dist_checkpointing.load` at
+    TP=1 and TP=2 in one launch: every state `torch.equal` to the DeepSpeed job's, and its next losses."""
+    source = tmp_path / "ds"
+    torchrun(2, "save", "--out", str(source), "--tp", "2", "--zero", "1", worker=GPT_WORKER)
+    out = tmp_path / "megatron"
+    assert ucp(["export-megatron", str(source), str(out), "--padded-vocab-size", "80"]) == 0
+    assert (out / "metadata.json").exists() and (out / "common.pt").exists()
+    runs = [
+        ["native-load", "--source", str(out), "--reference", str(source / "reference.pt"), "--tp", str(tp)]
+        + ["--results", str(tmp_path / f"tp{tp}.json")]
+        for tp in (1, 2)
+    ]
+    torchrun(2, *each(runs), worker=WORKER, timeout=600)
+    for tp in (1, 2):
+        result = json.loads((tmp_path / f"tp{tp}.json").read_text())
+        assert result["diffs"] == [] and result["tensors"] > 100, (tp, result)
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5), (tp, result)
+
+
+def test_export_megatron_then_import_is_the_identity(saved, tmp_path):
+    """universal -> torch_dist -> universal gives the same states: the restacking inverts the cut, the padding added
+    for the loading model's vocabulary is dropped again."""
+    first = tmp_path / "a"
+    assert ucp(["import-megatron", str(saved[0] / "ckpt"), str(first), "--vocab-size", str(VOCAB)]) == 0
+    exported = tmp_path / "iter_0000003"
+    assert ucp(["export-megatron", str(first), str(exported), "--padded-vocab-size", "80"]) == 0
+    again = tmp_path / "b"
+    assert ucp(["import-megatron", str(exported), str(again), "--vocab-size", str(VOCAB)]) == 0
+    assert ucp(["diff", str(first), str(again)]) == 0

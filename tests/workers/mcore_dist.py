@@ -10,6 +10,10 @@ load --source DIR --tp T --zero Z --results FILE ...
     LR-scheduler state from the client state, and compares every fp32 weight, Adam moment, step and
     hyperparameter with the reference (`torch.equal`) and its next CONT losses with megatron-core's.
 
+native-load --source DIR --reference REF --tp T --results FILE
+    megatron-core alone loads a torch_dist folder `ucp export-megatron` wrote, compares every state with REF (the
+    DeepSpeed job's, from tests/workers/gpt.py save) and trains CONT steps.
+
 `--each 'ARGS'` adds runs to the same launch (a save, then loads at other layouts of the same world size).
 """
 
@@ -168,19 +172,63 @@ def do_load(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=1)
 
 
+def do_native_load(args: argparse.Namespace) -> None:
+    """megatron-core alone loads an exported torch_dist folder with `dist_checkpointing.load` at this layout, as
+    Megatron-LM resumes (torch Adam's states made first, `common_step` put back), and trains on."""
+    cpu_saving()
+    ref = torch.load(f"{args.reference}", weights_only=False)
+    model, groups = train_gpt.model_and_groups(args)
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    base_lrs = [g["lr"] for g in opt.param_groups]  # the schedule's peaks, as Megatron-LM's args give them
+    for group in opt.param_groups:  # megatron-core's init_state_fn: the states must exist to be loaded into
+        for p in group["params"]:
+            opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+    model_sd, optim_sd = model.sharded_state_dict(), opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys="step")
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, args.source)
+    model.load_state_dict(loaded["model"], strict=False)  # the linears' `_extra_state` hold nothing here
+    optim = loaded["optimizer"]
+    step = optim["state"].pop("common_step")
+    for state in optim["state"].values():
+        state["step"] = step.clone()
+    opt.load_state_dict(optim)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    # Megatron-LM's scheduler is set from the iteration; building one above reset the learning rates to their peaks
+    sched.last_epoch, sched.base_lrs = loaded["iteration"] - 1, base_lrs
+    sched.step()
+    snap = full_state(model, opt)
+    losses = steps(model, opt, sched, loaded["iteration"], CONT)
+    if dist.get_rank() == 0:
+        want = {k: ref["snapshot"][k] for k in ("fp32", "state", "steps")}
+        result = {
+            "diffs": compare(want, {k: snap[k] for k in want}),
+            "tensors": len(snap["fp32"]) + len(snap["state"]),
+            "losses": losses,
+            "reference_losses": ref["continuation"],
+        }
+        with open(args.results, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "native-load"])
     train_gpt.add_arguments(parser)
     parser.add_argument("--out")
     parser.add_argument("--source")
     parser.add_argument("--results")
+    parser.add_argument("--reference", help="native-load: the saving DeepSpeed job's reference.pt")
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
     for run in runs:  # megatron-core's groups are rebuilt for each run: one launch saves and loads
         train_gpt.setup(run)
-        do_save(run) if run.mode == "save" else do_load(run)
+        {"save": do_save, "load": do_load, "native-load": do_native_load}[run.mode](run)
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()

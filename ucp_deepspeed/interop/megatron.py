@@ -253,6 +253,137 @@ def _loaded_folder(engine: Any, load_dir: str) -> str | None:
     return load_dir if is_torch_dist(load_dir) else None
 
 
+def _stacked(manifest: Manifest) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+    """megatron-core's sharded key of every parameter -> (index in its stacked tensor, universal name)."""
+    local_to_te = {local: te for te, local in compat.megatron_fused_norms().items()}
+    out: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for name in manifest.params:
+        found = re.fullmatch(r"decoder\.layers\.([0-9]+)\.(.+)", name, re.S)
+        if found is None:
+            out.setdefault(name, []).append(((), name))
+            continue
+        layer, rest = int(found.group(1)), found.group(2)
+        expert = re.fullmatch(r"mlp\.experts\.local_experts\.([0-9]+)\.(.+)", rest, re.S)
+        if expert is not None:
+            key = f"{LAYERS}{EXPERTS}{expert.group(2)}"
+            out.setdefault(key, []).append(((layer, int(expert.group(1))), name))
+            continue
+        prefix = next((p for p in local_to_te if rest.startswith(p)), None)
+        if prefix is not None:
+            rest = local_to_te[prefix] + rest[len(prefix) :]
+        out.setdefault(f"{LAYERS}{rest}", []).append(((layer,), name))
+    return out
+
+
+def export_megatron(path: str, output: str, padded_vocab_size: int | None = None) -> str:
+    """Write a checkpoint as a megatron-core `torch_dist` folder that `dist_checkpointing.load` reads at any TP/PP.
+
+    Args:
+        path: a universal folder, or a native checkpoint directory (its latest tag is converted first).
+        output: the folder to write; `metadata.json` is written last.
+        padded_vocab_size: rows of the embedding and output layer in the loading model (Megatron-LM's
+            `padded_vocab_size`); the rows past the vocabulary are written as zeros. None writes the vocabulary.
+
+    Example:
+        >>> export_megatron("checkpoints", "megatron/iter_0000100", padded_vocab_size=50304)
+    """
+    from ucp_deepspeed.convert.core import convert
+    from ucp_deepspeed.format.paths import locate
+    from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value
+
+    check_output(output, [locate(path).path])
+    if not st.isfile(st.join(path, MANIFEST)):
+        path = convert(path, progress=False)
+    ckpt = UniversalCheckpoint(path)
+    try:
+        manifest = ckpt.manifest
+        if any(not r.trainable for r in manifest.params.values()) or manifest.buffers:
+            raise CheckpointError(path, "holds frozen parameters or buffers, which a megatron-core GPT does not have")
+        groups = manifest.param_groups
+        writer = compat.DcpWriter(output)
+        try:
+            for key, pieces in _stacked(manifest).items():
+                states = manifest.params[pieces[0][1]].keys
+                for state in states:
+                    full = _stack(ckpt, pieces, state, padded_vocab_size if key in VOCAB_PARALLEL else None)
+                    stored = key if state == FP32 else f"{OPTIM}{state}.{key}"
+                    path_of = ("model", key) if state == FP32 else ("optimizer", "state", state, key)
+                    writer.tensor(stored, path_of, full, _saved(full))
+            for name in _extra_states(_stacked(manifest)):
+                writer.object(name, ("model", name), _saved([None]))
+            common = {
+                **(ckpt.load_state().get("client_state") or {}),
+                "iteration": manifest.counters.global_steps,
+                "checkpoint_version": 3.0,
+                "optimizer": {
+                    "param_groups": [{k: decode_value(v) for k, v in (g.hyperparams or {}).items()} for g in groups],
+                    "state": {"common_step": _common_step(groups)},
+                },
+            }
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        st.write(st.join(output, COMMON), _saved(common))
+        st.write(st.join(output, METADATA_JSON), json.dumps(TORCH_DIST).encode())
+        return output
+    finally:
+        ckpt.close()
+
+
+TORCH_DIST = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+def _extra_states(stacked: dict[str, list[tuple[tuple[int, ...], str]]]) -> list[str]:
+    """The `_extra_state` objects megatron-core's linear layers ask a load for (`<module>._extra_state/shard_<i>_<n>`,
+    one per layer, per expert as `<l>.<e>_<L>.<E>`), which hold nothing outside Transformer Engine's FP8 state."""
+    out = []
+    for key, pieces in stacked.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf != "weight" or not module.rpartition(".")[2].startswith("linear_") or not pieces[0][0]:
+            continue
+        lead = [max(i[d] for i, _ in pieces) + 1 for d in range(len(pieces[0][0]))]
+        for index, _ in pieces:
+            out.append(f"{module}._extra_state/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, lead))}")
+    return out
+
+
+def _saved(value: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _common_step(groups: Any) -> Any:
+    from ucp_deepspeed.format.universal import decode_value
+
+    steps = {float(torch.as_tensor(decode_value(g.scalars["step"]))) for g in groups if "step" in g.scalars}
+    if len(steps) > 1:
+        raise CheckpointError("param groups", f"are at different steps {sorted(steps)}; megatron-core keeps one")
+    return torch.tensor(steps.pop()) if steps else None
+
+
+def _stack(ckpt: Any, pieces: list[tuple[tuple[int, ...], str]], state: str, padded: int | None) -> torch.Tensor:
+    """One stored tensor: the universal tensors of its pieces placed at their layer (and expert) indices."""
+    shape = ckpt.manifest.params[pieces[0][1]].shape
+    lead = tuple(max(i[d] for i, _ in pieces) + 1 for d in range(len(pieces[0][0])))
+    if padded is not None:
+        shape = (padded, *shape[1:])
+    out = torch.zeros((*lead, *shape), dtype=torch.float32)
+    for index, name in pieces:
+        rec = ckpt.manifest.params[name]
+        value = ckpt.read(name, state).reshape(rec.shape)
+        out[index][: rec.shape[0]] = value
+    return out
+
+
 register_foreign_format(
     ForeignFormat(
         "megatron torch_dist",

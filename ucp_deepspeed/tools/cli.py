@@ -24,7 +24,7 @@ from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.hf.export import DTYPES, Overrides, export_hf
 from ucp_deepspeed.hf.import_ import import_hf
 from ucp_deepspeed.hf.models import ARCHS
-from ucp_deepspeed.interop import export_dcp, export_deepspeed, import_dcp, import_megatron
+from ucp_deepspeed.interop import export_dcp, export_deepspeed, export_megatron, import_dcp, import_megatron
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.tools.compare import DiffReport, diff
@@ -355,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("megatron_dir", help="the checkpoint folder, e.g. CKPT/iter_0000100")
     p.add_argument("out")
     p.add_argument("--vocab-size", type=int, help="unpadded vocabulary: drop the embedding's padding rows")
+    p = sub.add_parser(
+        "export-megatron", help="write a checkpoint as megatron-core torch_dist, read by dist_checkpointing.load"
+    )
+    p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
+    p.add_argument("out", help="the folder to write, e.g. CKPT/iter_0000100")
+    p.add_argument("--padded-vocab-size", type=int, help="rows of the loading model's embedding (zeros past the vocab)")
     p = sub.add_parser("export-dcp", help="write a checkpoint as a PyTorch DCP folder that dcp.load reads at any size")
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
@@ -418,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             print(import_dcp(args.dcp_dir, args.out))
         elif args.command == "import-megatron":
             print(import_megatron(args.megatron_dir, args.out, args.vocab_size))
+        elif args.command == "export-megatron":
+            print(export_megatron(args.ckpt, args.out, args.padded_vocab_size))
         elif args.command == "export-dcp":
             print(export_dcp(args.ckpt, args.out, args.model_key, args.optim_key, progress=not args.no_progress))
         elif args.command == "diff":
