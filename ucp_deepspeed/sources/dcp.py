@@ -22,7 +22,7 @@ import torch
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.safe_pickle import PickledObject, SafeUnpickler, UnsafePickle, standin
-from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize
+from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, load_file
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 28
@@ -219,12 +219,14 @@ class DcpCheckpoint:
             )
         return TensorEntry(key, shape, dtype, tuple(chunks))
 
-    def _open(self, key: str, item: Item) -> TorchFile:
+    def _window(self, key: str, item: Item) -> st.Window:
         if item.file not in self._files:
             self._files[item.file] = st.open_blob(st.join(self.folder, item.file))
         blob = self._files[item.file]
-        window = st.Window(blob, item.start, item.length, f"{blob.path} (item {key!r} at byte {item.start})")
-        return TorchFile(window, self.verify)
+        return st.Window(blob, item.start, item.length, f"{blob.path} (item {key!r} at byte {item.start})")
+
+    def _open(self, key: str, item: Item) -> TorchFile:
+        return TorchFile(self._window(key, item), self.verify)
 
     def tensor(self, key: str) -> torch.Tensor:
         """The whole tensor stored under `key`, assembled from its chunks, every byte checked."""
@@ -246,13 +248,7 @@ class DcpCheckpoint:
 
     def object(self, key: str) -> Any:
         """The object stored under `key` (a hyperparameter, a counter, a list of names), unpickled safely."""
-        tfile = self._open(key, self.objects[key])
-        try:
-            value = materialize(tfile.obj)
-            tfile.check_reads()
-            return value
-        finally:
-            tfile.close()
+        return load_file(self._window(key, self.objects[key]))
 
     def close(self) -> None:
         """Release every opened file."""
