@@ -749,7 +749,7 @@ class DcpWriter:
         self._storage: dict[Any, Any] = {}
         self._paths: dict[str, tuple[Any, ...]] = {}
 
-    def _put(self, key: str, path: tuple[Any, ...], data: bytes, offset: Any) -> None:
+    def _put(self, key: str, path: tuple[Any, ...], data: bytes | memoryview, offset: Any) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -760,7 +760,7 @@ class DcpWriter:
         self._offset += len(data)
         self._paths[key] = path
 
-    def tensor(self, key: str, path: tuple[Any, ...], value: Any, item: bytes) -> None:
+    def tensor(self, key: str, path: tuple[Any, ...], value: Any, item: bytes | memoryview) -> None:
         """Add a whole tensor (`item` is its `torch.save` bytes), stored as one chunk."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
@@ -772,7 +772,7 @@ class DcpWriter:
             [ChunkStorageMetadata(offsets=type(value.size())(origin), sizes=value.size())],
         )
 
-    def object(self, key: str, path: tuple[Any, ...], item: bytes) -> None:
+    def object(self, key: str, path: tuple[Any, ...], item: bytes | memoryview) -> None:
         """Add any other value (`item` is its `torch.save` bytes)."""
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import io
 import json
 import math
 import struct
@@ -34,7 +33,7 @@ from ucp_deepspeed.geometry.layout import Layout, split
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.checksum import BLOCK, BlockHasher, block_crcs, crc32
 from ucp_deepspeed.io.stats import record as record_io
-from ucp_deepspeed.io.torch_file import load_file
+from ucp_deepspeed.io.torch_file import load_file, to_bytes
 
 FORMAT = "ucp_deepspeed/universal"
 FORMAT_VERSION = 2  # 2: per-block CRCs; version-1 folders are read with a whole-file check on first use
@@ -132,9 +131,7 @@ def stream_tensors(
 
 def write_object(root: str, relpath: str, obj: Any) -> FileRecord:
     """Write a picklable object (scheduler, client state) with torch.save, atomically."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return write_bytes(root, relpath, buf.getbuffer())
+    return write_bytes(root, relpath, to_bytes(obj))
 
 
 def write_manifest(root: str, manifest: Manifest, records: Iterable[FileRecord]) -> str:

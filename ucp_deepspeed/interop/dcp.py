@@ -13,7 +13,6 @@ model and optimizer sharded any way (FSDP2 at any size, or one process).
 
 from __future__ import annotations
 
-import io
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from ucp_deepspeed.format.universal import (
     write_tensors,
 )
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.torch_file import to_bytes
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources.dcp import DcpCheckpoint, is_dcp_folder
 
@@ -222,12 +222,6 @@ def import_dcp(folder: str, output: str) -> str:
         ckpt.close()
 
 
-def _item(tensor_or_obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(tensor_or_obj, buf)
-    return buf.getvalue()
-
-
 def _entries(ckpt: UniversalCheckpoint, model_key: str, optim_key: str) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """(path in the nested state dict, value) for every entry of the exported checkpoint, one tensor at a time."""
     manifest = ckpt.manifest
@@ -291,9 +285,9 @@ def export_dcp(
                 key = ".".join(str(p) for p in where)
                 if isinstance(value, torch.Tensor):
                     value = value.detach().contiguous().clone()  # a view would save its whole storage
-                    writer.tensor(key, where, value, _item(value))
+                    writer.tensor(key, where, value, to_bytes(value))
                 else:
-                    writer.object(key, where, _item(value))
+                    writer.object(key, where, to_bytes(value))
         except BaseException:
             writer.abort()
             raise

@@ -16,7 +16,6 @@ the manifest lists them under `notes`.
 
 from __future__ import annotations
 
-import io
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,7 +41,7 @@ from ucp_deepspeed.format.universal import (
     write_tensors,
 )
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.torch_file import load_file, plain
+from ucp_deepspeed.io.torch_file import load_file, plain, to_bytes
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS, OPTIMIZER_WRAPPER_KEYS
@@ -54,12 +53,6 @@ PARAM, CAT_DIM, VOCAB_TENSOR, PARAM_N_SUB_PARAMS = "param", "cat_dim", "vocab_te
 LATEST_UNIVERSAL = "latest_universal"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
-
-
-def _save_pt(path: str, obj: Any) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    st.write(path, buf.getbuffer())
 
 
 def _geometry(tensor: FullTensor) -> dict[str, Any]:
@@ -100,10 +93,10 @@ def export_deepspeed(
         def write_param(t: FullTensor) -> None:
             folder = st.join(out, ZERO, t.name)
             for key in keys:
-                _save_pt(st.join(folder, f"{key}.pt"), {PARAM: assemble(src, t, key), **_geometry(t)})
+                st.write(st.join(folder, f"{key}.pt"), to_bytes({PARAM: assemble(src, t, key), **_geometry(t)}))
             step = scalars.get(t.group, {}).get("step") if t.group is not None else None
             if step is not None:
-                _save_pt(st.join(folder, "step.pt"), step)
+                st.write(st.join(folder, "step.pt"), to_bytes(step))
 
         bar = tqdm(total=len(trainable), unit="param", desc="ucp convert --format deepspeed", disable=not progress)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -117,7 +110,7 @@ def export_deepspeed(
             global_state: dict[str, Any] = {"param_groups": hyperparams, "zero_stage": 0, "ds_version": version}
         else:
             global_state = {k: rebuild(v) for k, v in src.optim(0).global_state().items()}
-        _save_pt(st.join(out, ZERO, OPTIMIZER_STATE), global_state)
+        st.write(st.join(out, ZERO, OPTIMIZER_STATE), to_bytes(global_state))
         for rank in src.ranks:  # DeepSpeed reads these; a PipelineModule's layer files keep its buffers for us
             for path in [*rank.model_paths, *rank.layer_paths]:
                 st.copy(path, st.join(out, st.basename(path)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import io
 import math
 import struct
 import threading
@@ -470,6 +471,13 @@ def plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(plain(v) for v in obj)
     return obj
+
+
+def to_bytes(obj: Any) -> memoryview:
+    """`obj` as a `torch.save` archive in memory, for writers that store whole objects (DCP items, `common.pt`)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getbuffer()
 
 
 def load_file(path: str | Blob) -> Any:
