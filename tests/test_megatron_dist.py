@@ -2,7 +2,8 @@
 
 One launch of 2 ranks: megatron-core alone trains launch/train_gpt.py's GPT at TP=2 and saves it with
 `dist_checkpointing.save` (model and optimizer `sharded_state_dict`s, Megatron-LM's common entries); then, in the
-same launch, a ucp_deepspeed engine at TP=1 x DP=2 with ZeRO-2 loads that folder directly. Every fp32 weight, Adam
+same launch, a ucp_deepspeed engine at TP=1 x DP=2 with ZeRO-2 loads that folder directly. The same launch does it
+for the MoE GPT, saved at EP=2 and loaded at EP=1 x DP=2 with ZeRO-1. Every fp32 weight, Adam
 moment, step and hyperparameter is compared with megatron-core's own (TP shards gathered) with `torch.equal`, and
 the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds a TP=2 -> PP=2 x ZeRO-1 launch and the
 import-megatron -> export-hf -> `from_pretrained` path.
@@ -25,18 +26,28 @@ WORKER = ROOT / "tests" / "workers" / "mcore_dist.py"
 VOCAB = 70  # launch/train_gpt.py's, padded to 80 rows at TP=2
 
 
-def _run(out: Path, target: list[str]) -> dict:
-    results = out / "results.json"
-    save = ["save", "--out", str(out), "--tp", "2"]
-    load = ["load", "--source", str(out), *target, "--results", str(results)]
-    torchrun(2, *each([save, load]), worker=WORKER, timeout=600)
-    return json.loads(results.read_text())
+MOE = ["--arch", "llama", "--moe"]  # 4 experts, top-2, in every layer
+
+
+def _run(out: Path, cases: dict[str, tuple[list[str], list[str]]]) -> dict[str, dict]:
+    """One launch: for each case, megatron-core alone saves at its layout (into out/<case>), then DeepSpeed loads
+    that folder at the target layout; every case's results."""
+    runs = []
+    for case, (source, target) in cases.items():
+        runs.append(["save", "--out", str(out / case), *source])
+        runs.append(["load", "--source", str(out / case), *target, "--results", str(out / f"{case}.json")])
+    torchrun(2, *each(runs), worker=WORKER, timeout=600)
+    return {case: json.loads((out / f"{case}.json").read_text()) for case in cases}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("mcore")
-    return out, _run(out, ["--tp", "1", "--zero", "2"])
+    cases = {
+        "dense": (["--tp", "2"], ["--tp", "1", "--zero", "2"]),
+        "moe": ([*MOE, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
+    }
+    return out / "dense", _run(out, cases)
 
 
 def _exact(result: dict) -> None:
@@ -46,12 +57,20 @@ def _exact(result: dict) -> None:
 
 
 def test_a_megatron_core_save_resumes_in_deepspeed_at_another_tp_and_stage(saved):
-    _exact(saved[1])
+    _exact(saved[1]["dense"])
+
+
+def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(saved):
+    """megatron-core at EP=2 (a `ChainedOptimizer`'s dense and expert states, `chained_<i>.` keys) -> DeepSpeed at
+    EP=1 x DP=2 ZeRO-1, its experts in a param group of their own: every expert's states exact."""
+    result = saved[1]["moe"]
+    _exact(result)
+    assert result["tensors"] >= 4 * 4 * 2 * 3, result  # 4 layers x 4 experts x 2 weights x 3 states
 
 
 @pytest.mark.slow
 def test_a_megatron_core_save_resumes_at_pp2_zero1(tmp_path):
-    _exact(_run(tmp_path, ["--tp", "1", "--pp", "2", "--zero", "1"]))
+    _exact(_run(tmp_path, {"pp2": (["--tp", "2"], ["--tp", "1", "--pp", "2", "--zero", "1"])})["pp2"])
 
 
 @pytest.mark.slow  # the HF exporter has its own default tests; this one imports transformers for 10 s
@@ -78,25 +97,34 @@ def test_padding_rows_that_hold_weights_are_refused(saved, tmp_path, capsys):
     assert "not vocabulary padding" in capsys.readouterr().err
 
 
+EXPORTS = {  # the DeepSpeed job's layout -> the layouts megatron-core loads the export at
+    "dense": (["--tp", "2"], [["--tp", "1"], ["--tp", "2"]]),
+    "moe": ([*MOE, "--ep", "2"], [[*MOE, "--ep", "1"], [*MOE, "--ep", "2"]]),
+}
+
+
 @pytest.mark.slow
-def test_a_deepspeed_job_exports_to_torch_dist_that_megatron_core_loads_at_any_tp(tmp_path):
-    """A DeepSpeed job at TP=2 ZeRO-1 -> `ucp export-megatron` -> megatron-core alone, `dist_checkpointing.load` at
-    TP=1 and TP=2 in one launch: every state `torch.equal` to the DeepSpeed job's, and its next losses."""
+@pytest.mark.parametrize("model", sorted(EXPORTS))
+def test_a_deepspeed_job_exports_to_torch_dist_that_megatron_core_loads_at_any_layout(tmp_path, model):
+    """A DeepSpeed job (dense at TP=2, MoE at EP=2; ZeRO-1) -> `ucp export-megatron` -> megatron-core alone,
+    `dist_checkpointing.load` at two layouts in one launch (an MoE model's optimizer as Megatron-LM's
+    `ChainedOptimizer` shards it): every state `torch.equal` to the DeepSpeed job's, and its next losses."""
+    saved_at, loads = EXPORTS[model]
     source = tmp_path / "ds"
-    torchrun(2, "save", "--out", str(source), "--tp", "2", "--zero", "1", worker=GPT_WORKER)
+    torchrun(2, "save", "--out", str(source), *saved_at, "--zero", "1", worker=GPT_WORKER)
     out = tmp_path / "megatron"
     assert ucp(["export-megatron", str(source), str(out), "--padded-vocab-size", "80"]) == 0
     assert (out / "metadata.json").exists() and (out / "common.pt").exists()
     runs = [
-        ["native-load", "--source", str(out), "--reference", str(source / "reference.pt"), "--tp", str(tp)]
-        + ["--results", str(tmp_path / f"tp{tp}.json")]
-        for tp in (1, 2)
+        ["native-load", "--source", str(out), "--reference", str(source / "reference.pt"), *layout]
+        + ["--results", str(tmp_path / f"{i}.json")]
+        for i, layout in enumerate(loads)
     ]
     torchrun(2, *each(runs), worker=WORKER, timeout=600)
-    for tp in (1, 2):
-        result = json.loads((tmp_path / f"tp{tp}.json").read_text())
-        assert result["diffs"] == [] and result["tensors"] > 100, (tp, result)
-        assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5), (tp, result)
+    for i, layout in enumerate(loads):
+        result = json.loads((tmp_path / f"{i}.json").read_text())
+        assert result["diffs"] == [] and result["tensors"] > 100, (layout, result)
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5), (layout, result)
 
 
 def test_export_megatron_then_import_is_the_identity(saved, tmp_path):

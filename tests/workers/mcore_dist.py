@@ -34,6 +34,7 @@ from gpt import snapshot
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from train_gpt import SEQ, VOCAB, lm_loss
 
@@ -54,6 +55,7 @@ def steps(model, opt, sched, first: int, count: int) -> list[float]:
     global gradient norm clipped to 1.0, then the optimizer and the schedule."""
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     position_ids = torch.arange(SEQ).unsqueeze(0)
+    experts = {id(p) for g in opt.param_groups if g["is_expert_parallel"] for p in g["params"]}
     params = [p for g in opt.param_groups for p in g["params"]]
     losses = []
     for step in range(first, first + count):
@@ -63,13 +65,21 @@ def steps(model, opt, sched, first: int, count: int) -> list[float]:
             loss = lm_loss(model(tokens[:, :-1], position_ids, mask), tokens[:, 1:]) / len(micro)
             loss.backward()
             total += loss.detach()
+        # megatron-core's DDP: every gradient scaled by 1/DP, summed over DP (experts over expert-DP: the
+        # all-gather dispatcher already summed their tokens over the expert-parallel ranks)
         for p in params:
-            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
             p.grad /= ps.get_data_parallel_world_size()
-        # megatron-core's clip_grads allocates on CUDA; the same sum, over TP without duplicates, by hand
-        square = sum(p.grad.float().square().sum() for p in params if param_is_not_tensor_parallel_duplicate(p))
-        dist.all_reduce(square, group=ps.get_tensor_model_parallel_group())
-        clip = 1.0 / (square.sqrt().item() + 1e-6)
+            group = ps.get_expert_data_parallel_group() if id(p) in experts else ps.get_data_parallel_group()
+            dist.all_reduce(p.grad, group=group)
+        # megatron-core's clip_grads allocates on CUDA; the same sums by hand: dense over TP without duplicates,
+        # experts over the expert tensor-and-model-parallel ranks, which hold different experts
+        dense = sum(
+            p.grad.square().sum() for p in params if id(p) not in experts and param_is_not_tensor_parallel_duplicate(p)
+        )
+        dist.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
+        expert = sum((p.grad.square().sum() for p in params if id(p) in experts), torch.zeros(()))
+        dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
+        clip = 1.0 / ((dense + expert).sqrt().item() + 1e-6)
         if clip < 1.0:
             for p in params:
                 p.grad.mul_(clip)
@@ -81,11 +91,44 @@ def steps(model, opt, sched, first: int, count: int) -> list[float]:
     return losses
 
 
+def megatron_groups(model, groups: list[dict]) -> list[dict]:
+    """train_gpt's groups as megatron-core's `_get_param_groups` orders them: each weight-decay class, dense
+    parameters before experts, every group marked `is_expert_parallel`."""
+    experts = {id(p) for name, p in model.named_parameters() if ".mlp.experts." in name}
+    out = []
+    for group in groups:
+        for expert in (False, True):
+            params = [p for p in group["params"] if (id(p) in experts) == expert]
+            if params or not expert:
+                out.append({**group, "params": params, "is_expert_parallel": expert})
+    return out
+
+
+def deepspeed_order(opt) -> list[int]:
+    """The groups in the order a DeepSpeed job of the same model keeps them: dense, then experts."""
+    flags = [g["is_expert_parallel"] for g in opt.param_groups]
+    return [g for g, f in enumerate(flags) if not f] + [g for g, f in enumerate(flags) if f]
+
+
+def universal_name(name: str, experts: int) -> str:
+    """A parameter's name with its local expert index made global (experts are numbered per expert-parallel rank)."""
+    head, sep, rest = name.partition(".mlp.experts.local_experts.")
+    if not sep:
+        return name
+    local, _, leaf = rest.partition(".")
+    per_rank = experts // ps.get_expert_model_parallel_world_size()
+    return f"{head}{sep}{ps.get_expert_model_parallel_rank() * per_rank + int(local)}.{leaf}"
+
+
 def full_state(model, opt) -> dict:
-    """The full state in universal names (gpt.py's snapshot form): TP shards gathered, vocabulary padding dropped."""
-    group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    snap: dict = {"fp32": {}, "state": {}, "steps": {}}
+    """The full state in universal names (gpt.py's snapshot form): TP shards gathered, experts by global index,
+    vocabulary padding dropped, the groups in DeepSpeed's order; on rank 0."""
+    position = {g: i for i, g in enumerate(deepspeed_order(opt))}
+    group_of = {id(p): position[g] for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    part: dict = {"fp32": {}, "state": {}}
+    steps: dict = {}
     for name, p in model.named_parameters():
+        name = universal_name(name, model.config.num_moe_experts or 0)
         values = {"fp32": p.detach(), "exp_avg": opt.state[p]["exp_avg"], "exp_avg_sq": opt.state[p]["exp_avg_sq"]}
         for key, local in values.items():
             full = local
@@ -96,27 +139,84 @@ def full_state(model, opt) -> dict:
             if name.endswith("word_embeddings.weight") or name.startswith("output_layer."):
                 full = full[:VOCAB]
             if key == "fp32":
-                snap["fp32"][name] = full.clone()
+                part["fp32"][name] = full.clone()
             else:
-                snap["state"][f"{name}/{key}"] = full.clone()
-        snap["steps"][group_of[id(p)]] = opt.state[p]["step"].clone()
-    snap["hyperparams"] = [{k: v for k, v in g.items() if k not in ("params", "name")} for g in opt.param_groups]
+                part["state"][f"{name}/{key}"] = full.clone()
+        steps[group_of[id(p)]] = opt.state[p]["step"].clone()
+    parts: list = [None] * dist.get_world_size()  # expert-parallel ranks hold different experts
+    dist.all_gather_object(parts, part)
+    snap: dict = {"fp32": {}, "state": {}, "steps": dict(sorted(steps.items()))}
+    for piece in parts:
+        snap["fp32"].update(piece["fp32"])
+        snap["state"].update(piece["state"])
+    snap["hyperparams"] = [
+        {k: v for k, v in opt.param_groups[g].items() if k not in ("params", "name", "is_expert_parallel")}
+        for g in deepspeed_order(opt)
+    ]
     return snap
+
+
+def chain_members(opt: torch.optim.Optimizer) -> list[list[int]]:
+    """The groups of each optimizer megatron-core would build: the dense ones, then (MoE) the expert ones."""
+    flags = [group["is_expert_parallel"] for group in opt.param_groups]
+    return [members for e in (False, True) if (members := [g for g, f in enumerate(flags) if f == e])]
+
+
+def merged_optimizer(opt: torch.optim.Optimizer, loaded: dict) -> dict:
+    """`opt`'s `state_dict` from what `dist_checkpointing.load` returned for `sharded_optimizer`'s layout, each
+    parameter's step put back from its optimizer's `common_step`."""
+    chains = chain_members(opt)
+    parts = [loaded] if len(chains) == 1 else [loaded[c] for c in range(len(chains))]
+    full = opt.state_dict()
+    state: dict = {}
+    groups: list = [None] * len(opt.param_groups)
+    for members, part in zip(chains, parts):
+        step = part["state"].pop("common_step")
+        ids = [pid for g in members for pid in full["param_groups"][g]["params"]]
+        for n, pid in enumerate(ids):
+            state[pid] = {**part["state"][n], "step": step.clone()}
+        for g, group in zip(members, part["param_groups"]):
+            groups[g] = {**group, "params": full["param_groups"][g]["params"]}
+    return {"state": state, "param_groups": groups}
+
+
+def sharded_optimizer(model_sd: dict, opt: torch.optim.Optimizer) -> dict:
+    """The optimizer's `sharded_state_dict` as megatron-core's optimizers give it: an `FP32Optimizer`'s for a dense
+    model (the step kept once, as `common_step`); for an MoE model a `ChainedOptimizer`'s of a dense and an expert
+    `FP32Optimizer` (`{0: ..., 1: ...}`, their tensors' keys prefixed `chained_<i>.`), as Megatron-LM builds it."""
+    full = opt.state_dict()
+    chains = chain_members(opt)
+    out = {}
+    for i, members in enumerate(chains):
+        ids = [pid for g in members for pid in full["param_groups"][g]["params"]]
+        renumber = {pid: n for n, pid in enumerate(ids)}
+        optim_sd = {
+            "state": {renumber[pid]: dict(full["state"][pid]) for pid in ids},
+            "param_groups": [
+                {**full["param_groups"][g], "params": [renumber[pid] for pid in full["param_groups"][g]["params"]]}
+                for g in members
+            ],
+        }
+        params = [p for g in members for p in opt.param_groups[g]["params"]]
+        step = optim_sd["state"][0]["step"]
+        optim_state_to_sharding_state(
+            optim_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys="step"
+        )
+        optim_sd["state"]["common_step"] = step
+        if len(chains) > 1:
+            add_prefix_for_sharding(optim_sd, f"chained_{i}.")
+        out[i] = optim_sd
+    return out if len(chains) > 1 else out[0]
 
 
 def do_save(args: argparse.Namespace) -> None:
     cpu_saving()
     model, groups = train_gpt.model_and_groups(args)
-    opt = torch.optim.AdamW(groups, lr=1e-3)
+    opt = torch.optim.AdamW(megatron_groups(model, groups), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))  # train_gpt's schedule
     steps(model, opt, sched, 0, STEPS)
     ref = full_state(model, opt)
     model_sd = model.sharded_state_dict()
-    optim_sd = opt.state_dict()
-    params = [p for g in opt.param_groups for p in g["params"]]
-    step = next(iter(optim_sd["state"].values()))["step"]
-    optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys="step")
-    optim_sd["state"]["common_step"] = step  # as megatron's FP32Optimizer keeps it
     megatron_args = argparse.Namespace(  # the fields of Megatron-LM's saved args that describe the model
         num_layers=model.config.num_layers,
         hidden_size=model.config.hidden_size,
@@ -132,10 +232,13 @@ def do_save(args: argparse.Namespace) -> None:
         untie_embeddings_and_output_weights=False,
         padded_vocab_size=train_gpt.padded_vocab(args.tp),
         tensor_model_parallel_size=args.tp,
+        expert_model_parallel_size=args.ep,
+        num_experts=model.config.num_moe_experts,
+        moe_router_topk=model.config.moe_router_topk,
     )
     state = {
         "model": model_sd,
-        "optimizer": optim_sd,
+        "optimizer": sharded_optimizer(model_sd, opt),
         "iteration": STEPS,
         "checkpoint_version": 3.0,
         "args": megatron_args,
@@ -152,12 +255,15 @@ def do_load(args: argparse.Namespace) -> None:
     ref = torch.load(f"{args.source}/reference.pt", weights_only=False)
     engine = train_gpt.build(args)
     _, client = engine.load_checkpoint(f"{args.source}/ckpt")
-    engine.lr_scheduler.load_state_dict({**client["opt_param_scheduler"], "lr_lambdas": [None, None]})
+    # Megatron-LM sets its schedule from the iteration (its scheduler is another class); the restored groups hold
+    # the learning rates, the schedule needs only its count
+    engine.lr_scheduler.last_epoch = client["iteration"]
     snap = snapshot(engine)
     counted = engine.global_steps
     losses = train_gpt.train(engine, CONT)
     if dist.get_rank() == 0:
         want = {k: ref["snapshot"][k] for k in ("fp32", "state", "steps", "hyperparams")}
+        snap["hyperparams"] = [{k: v for k, v in h.items() if k != "moe"} for h in snap["hyperparams"]]
         diffs = compare(want, {k: snap[k] for k in want})
         if client.get("iteration") != STEPS or counted != STEPS:
             diffs.append(f"iteration {client.get('iteration')}, global_steps {counted}")
@@ -178,7 +284,7 @@ def do_native_load(args: argparse.Namespace) -> None:
     cpu_saving()
     ref = torch.load(f"{args.reference}", weights_only=False)
     model, groups = train_gpt.model_and_groups(args)
-    opt = torch.optim.AdamW(groups, lr=1e-3)
+    opt = torch.optim.AdamW(megatron_groups(model, groups), lr=1e-3)
     base_lrs = [g["lr"] for g in opt.param_groups]  # the schedule's peaks, as Megatron-LM's args give them
     for group in opt.param_groups:  # megatron-core's init_state_fn: the states must exist to be loaded into
         for p in group["params"]:
@@ -187,16 +293,11 @@ def do_native_load(args: argparse.Namespace) -> None:
                 "exp_avg": torch.zeros_like(p),
                 "exp_avg_sq": torch.zeros_like(p),
             }
-    model_sd, optim_sd = model.sharded_state_dict(), opt.state_dict()
-    params = [p for g in opt.param_groups for p in g["params"]]
-    optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys="step")
-    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, args.source)
+    model_sd = model.sharded_state_dict()
+    sharded = {"model": model_sd, "optimizer": sharded_optimizer(model_sd, opt)}
+    loaded = dist_checkpointing.load(sharded, args.source)
     model.load_state_dict(loaded["model"], strict=False)  # the linears' `_extra_state` hold nothing here
-    optim = loaded["optimizer"]
-    step = optim["state"].pop("common_step")
-    for state in optim["state"].values():
-        state["step"] = step.clone()
-    opt.load_state_dict(optim)
+    opt.load_state_dict(merged_optimizer(opt, loaded["optimizer"]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
     # Megatron-LM's scheduler is set from the iteration; building one above reset the learning rates to their peaks
     sched.last_epoch, sched.base_lrs = loaded["iteration"] - 1, base_lrs

@@ -14,8 +14,10 @@ module has under DeepSpeed, with Transformer Engine's fused-norm names mapped to
 does. Adam's moments are `optimizer.state.<state>.<key>`, with the same shapes.
 
 megatron-core does not save which parameters each param group holds. The import places them by megatron-core's
-own default rule (`_get_param_groups`: biases and 1-D weights take no weight decay), which needs one group, or two
-of which one has no weight decay; anything else is refused.
+own default rule (`_get_param_groups`: biases and 1-D weights take no weight decay; experts, `is_expert_parallel`,
+in groups of their own), which needs, for the dense and for the expert parameters, one group, or two of which one
+has no weight decay; anything else is refused. The expert groups go after the dense ones, where DeepSpeed's
+`split_params_into_different_moe_groups_for_optimizer` puts them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from ucp_deepspeed import compat
+from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import (
     Counters,
@@ -39,12 +42,15 @@ from ucp_deepspeed.format.manifest import (
 )
 from ucp_deepspeed.format.metadata import FP32, check_name
 from ucp_deepspeed.format.model import ModelSpec
-from ucp_deepspeed.format.paths import check_output
+from ucp_deepspeed.format.paths import check_output, locate
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import (
     BUFFERS,
+    MANIFEST,
     STATE,
     FileRecord,
+    UniversalCheckpoint,
+    decode_value,
     encode_value,
     param_file,
     write_manifest,
@@ -52,7 +58,7 @@ from ucp_deepspeed.format.universal import (
     write_tensors,
 )
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.torch_file import load_file
+from ucp_deepspeed.io.torch_file import load_file, to_bytes
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources.dcp import DcpCheckpoint
 
@@ -62,6 +68,7 @@ OPTIM = "optimizer.state."
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+_CHAINED = re.compile(r"chained_[0-9]+\.")
 _RANK_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
 
 
@@ -143,18 +150,82 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _group_of(groups: list[dict[str, Any]], path: str) -> Any:
-    """megatron-core's default placement: biases and 1-D weights in the group without weight decay."""
-    if len(groups) == 1:
-        return lambda name, shape: 0
-    no_decay = [g for g, h in enumerate(groups) if float(h.get("weight_decay", 0.0)) == 0.0]
-    if len(groups) != 2 or len(no_decay) != 1:
-        raise CheckpointError(
-            path,
-            f"{len(groups)} param groups, which do not list their parameters; only megatron-core's default "
-            "(one group, or one with and one without weight decay) can be placed",
-        )
-    return lambda name, shape: no_decay[0] if name.endswith(".bias") or len(shape) == 1 else 1 - no_decay[0]
+def _optimizers(common: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """The optimizer states megatron-core saved: one (`FP32Optimizer`), or a `ChainedOptimizer`'s, its dense then its
+    expert optimizer (`{0: ..., 1: ...}`, as Megatron-LM builds for an MoE model)."""
+    optim = common.get("optimizer")
+    chain: list[Any] = []
+    if isinstance(optim, dict) and "param_groups" in optim:
+        chain = [optim]
+    elif isinstance(optim, dict) and optim and set(optim) == set(range(len(optim))):
+        chain = [optim[i] for i in range(len(optim))]
+    elif isinstance(optim, list):
+        chain = optim
+    if not chain or not all(
+        isinstance(o, dict)
+        and isinstance(o.get("param_groups"), list)
+        and o["param_groups"]
+        and all(isinstance(h, dict) for h in o["param_groups"])
+        for o in chain
+    ):
+        raise CheckpointError(path, "holds no optimizer param_groups; a model-only save")
+    return chain
+
+
+def _optimizer_keys(ckpt: DcpCheckpoint) -> dict[str, str]:
+    """`optimizer.state.<state>.<key>` -> the stored key, which a `ChainedOptimizer` prefixes with `chained_<i>.`."""
+    out: dict[str, str] = {}
+    for key in ckpt.tensors:
+        found = _CHAINED.match(key)
+        plain = key[found.end() :] if found else key
+        if not plain.startswith(OPTIM):
+            continue
+        if plain in out:
+            raise CheckpointError(ckpt.path, f"holds {plain} twice ({out[plain]}, {key})")
+        out[plain] = key
+    return out
+
+
+def _placement(groups: list[dict[str, Any]], path: str) -> tuple[list[int], Any]:
+    """megatron-core's default grouping (`_get_param_groups`), which `torch_dist` does not record by parameter.
+
+    megatron-core keys a group by its weight-decay override (biases and 1-D weights take none) and by whether its
+    parameters are experts (`is_expert_parallel`). Returns the order the universal folder keeps the groups in
+    (DeepSpeed's: the dense groups, then the expert groups `split_params_into_different_moe_groups_for_optimizer`
+    appends) and a function placing a parameter by name and shape at its index in that order; refuses groups this
+    rule cannot tell apart.
+    """
+    experts = [bool(h.get("is_expert_parallel", False)) for h in groups]
+    order = [g for g in range(len(groups)) if not experts[g]] + [g for g in range(len(groups)) if experts[g]]
+    position = {g: i for i, g in enumerate(order)}
+    classes: dict[tuple[bool, bool], int] = {}  # (expert, takes weight decay) -> position
+    for expert in (False, True):
+        mine = [g for g in range(len(groups)) if experts[g] == expert]
+        no_decay = [g for g in mine if float(groups[g].get("weight_decay", 0.0)) == 0.0]
+        if len(mine) == 1:
+            classes[(expert, False)] = classes[(expert, True)] = position[mine[0]]
+        elif len(mine) == 2 and len(no_decay) == 1:
+            classes[(expert, False)] = position[no_decay[0]]
+            classes[(expert, True)] = position[next(g for g in mine if g != no_decay[0])]
+        elif mine:
+            raise CheckpointError(
+                path,
+                f"{len(groups)} param groups, which do not list their parameters; only megatron-core's default "
+                "(for dense and for expert parameters: one group, or one with and one without weight decay) can "
+                "be placed",
+            )
+    if not any(experts):  # experts without groups of their own train with the dense parameters
+        classes.update({(True, decay): g for (_, decay), g in list(classes.items())})
+
+    def group_of(name: str, shape: tuple[int, ...]) -> int:
+        expert = ".mlp.experts." in name
+        decay = not (name.endswith(".bias") or len(shape) == 1)
+        if (expert, decay) not in classes:
+            kind = "expert" if expert else "dense"
+            raise CheckpointError(path, f"no param group holds {kind} parameters such as {name}")
+        return classes[(expert, decay)]
+
+    return order, group_of
 
 
 def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> str:
@@ -177,22 +248,21 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
     common = load_file(st.join(folder, COMMON))
     if not isinstance(common, dict):
         raise CheckpointError(st.join(folder, COMMON), "does not hold a dict")
-    optim: dict[str, Any] = common["optimizer"] if isinstance(common.get("optimizer"), dict) else {}
-    hypers = optim.get("param_groups") or []
-    if not isinstance(hypers, list) or not all(isinstance(h, dict) for h in hypers) or not hypers:
-        raise CheckpointError(st.join(folder, COMMON), "holds no optimizer param_groups; a model-only save")
-    step = (optim.get("state") or {}).get("common_step")
-    group_of = _group_of(hypers, st.join(folder, COMMON))
+    chain = _optimizers(common, st.join(folder, COMMON))
+    hypers = [h for optim in chain for h in optim["param_groups"]]
+    steps = [(optim.get("state") or {}).get("common_step") for optim in chain for _ in optim["param_groups"]]
+    order, group_of = _placement(hypers, st.join(folder, COMMON))
     ckpt = DcpCheckpoint(folder)
     try:
         fused = compat.megatron_fused_norms()
-        states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in ckpt.tensors if k.startswith(OPTIM)})
-        model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.")]
+        stored = _optimizer_keys(ckpt)
+        states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in stored})
+        model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.") and not _CHAINED.match(k)]
         records: list[FileRecord] = []
         params: dict[str, ParamRecord] = {}
         for key in model_keys:
             value = ckpt.tensor(key)
-            found = {s: ckpt.tensor(f"{OPTIM}{s}.{key}") for s in states if f"{OPTIM}{s}.{key}" in ckpt.tensors}
+            found = {s: ckpt.tensor(stored[f"{OPTIM}{s}.{key}"]) for s in states if f"{OPTIM}{s}.{key}" in stored}
             if set(found) != set(states):
                 raise CheckpointError(ckpt.path, f"{key} lacks optimizer state {sorted(set(states) - set(found))}")
             for name, index in _pieces(key, tuple(value.shape), fused):
@@ -217,7 +287,6 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         spec = _spec(common.get("args"), vocab) if vocab else None
         ranks = {m.group(1) for f in st.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
         iteration = common.get("iteration")
-        scalars = {"step": encode_value(step)} if isinstance(step, torch.Tensor) else {}
         manifest = Manifest(
             created_by=written_by(),
             source=SourceRecord(
@@ -229,7 +298,11 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
             ),
             counters=Counters(global_steps=iteration if type(iteration) is int and iteration >= 0 else 0),
             param_groups=tuple(
-                GroupRecord({k: encode_value(v) for k, v in h.items() if k != "params"}, dict(scalars)) for h in hypers
+                GroupRecord(
+                    {k: encode_value(v) for k, v in hypers[g].items() if k != "params"},
+                    {"step": encode_value(steps[g])} if isinstance(steps[g], torch.Tensor) else {},
+                )
+                for g in order
             ),
             params=params,
             buffers={},
@@ -287,10 +360,6 @@ def export_megatron(path: str, output: str, padded_vocab_size: int | None = None
     Example:
         >>> export_megatron("checkpoints", "megatron/iter_0000100", padded_vocab_size=50304)
     """
-    from ucp_deepspeed.convert.core import convert
-    from ucp_deepspeed.format.paths import locate
-    from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value
-
     check_output(output, [locate(path).path])
     if not st.isfile(st.join(path, MANIFEST)):
         path = convert(path, progress=False)
@@ -299,32 +368,39 @@ def export_megatron(path: str, output: str, padded_vocab_size: int | None = None
         manifest = ckpt.manifest
         if any(not r.trainable for r in manifest.params.values()) or manifest.buffers:
             raise CheckpointError(path, "holds frozen parameters or buffers, which a megatron-core GPT does not have")
-        groups = manifest.param_groups
+        chains = _chains(manifest, path)
+        chain_of = {g: c for c, members in enumerate(chains) for g in members}
         writer = compat.DcpWriter(output)
         try:
             for key, pieces in _stacked(manifest).items():
-                states = manifest.params[pieces[0][1]].keys
-                for state in states:
+                record = manifest.params[pieces[0][1]]
+                c = chain_of[record.group or 0]  # every parameter is trainable, checked above
+                prefix = f"chained_{c}." if len(chains) > 1 else ""
+                for state in record.keys:
                     full = _stack(ckpt, pieces, state, padded_vocab_size if key in VOCAB_PARALLEL else None)
-                    stored = key if state == FP32 else f"{OPTIM}{state}.{key}"
-                    path_of = ("model", key) if state == FP32 else ("optimizer", "state", state, key)
-                    writer.tensor(stored, path_of, full, _saved(full))
+                    stored = key if state == FP32 else f"{prefix}{OPTIM}{state}.{key}"
+                    path_of = ("model", key) if state == FP32 else ("optimizer", c, "state", state, key)
+                    writer.tensor(stored, path_of, full, to_bytes(full))
             for name in _extra_states(_stacked(manifest)):
-                writer.object(name, ("model", name), _saved([None]))
+                writer.object(name, ("model", name), to_bytes([None]))
+            optimizers = [
+                {
+                    "param_groups": [_megatron_group(manifest.param_groups[g], c == 1) for g in members],
+                    "state": {"common_step": _common_step([manifest.param_groups[g] for g in members])},
+                }
+                for c, members in enumerate(chains)
+            ]
             common = {
                 **(ckpt.load_state().get("client_state") or {}),
                 "iteration": manifest.counters.global_steps,
                 "checkpoint_version": 3.0,
-                "optimizer": {
-                    "param_groups": [{k: decode_value(v) for k, v in (g.hyperparams or {}).items()} for g in groups],
-                    "state": {"common_step": _common_step(groups)},
-                },
+                "optimizer": optimizers[0] if len(chains) == 1 else dict(enumerate(optimizers)),
             }
             writer.finish()
         except BaseException:
             writer.abort()
             raise
-        st.write(st.join(output, COMMON), _saved(common))
+        st.write(st.join(output, COMMON), to_bytes(common))
         st.write(st.join(output, METADATA_JSON), json.dumps(TORCH_DIST).encode())
         return output
     finally:
@@ -353,17 +429,30 @@ def _extra_states(stacked: dict[str, list[tuple[tuple[int, ...], str]]]) -> list
     return out
 
 
-def _saved(value: Any) -> bytes:
-    import io
+def _chains(manifest: Manifest, path: str) -> list[list[int]]:
+    """The param groups of each optimizer megatron-core builds for the model: one for a dense model; for an MoE model
+    a `ChainedOptimizer`'s dense, then expert groups (a group must hold only one kind)."""
+    kinds: dict[int, set[bool]] = {g: set() for g in range(len(manifest.param_groups))}
+    for name, record in manifest.params.items():
+        if record.group is not None:
+            kinds[record.group].add(".mlp.experts." in name)
+    mixed = [g for g, k in kinds.items() if len(k) > 1]
+    if mixed:
+        raise CheckpointError(
+            path, f"param group {mixed[0]} holds experts and dense parameters; megatron-core keeps them apart"
+        )
+    experts = [g for g, k in kinds.items() if k == {True}]
+    dense = [g for g in kinds if g not in experts]
+    return [dense, experts] if experts else [dense]
 
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
+
+def _megatron_group(record: GroupRecord, expert: bool) -> dict[str, Any]:
+    """A group's hyperparameters as megatron-core's optimizer keeps them (DeepSpeed's `moe` marker left out)."""
+    out = {k: decode_value(v) for k, v in (record.hyperparams or {}).items() if k != "moe"}
+    return {**out, "is_expert_parallel": expert}
 
 
 def _common_step(groups: Any) -> Any:
-    from ucp_deepspeed.format.universal import decode_value
-
     steps = {float(torch.as_tensor(decode_value(g.scalars["step"]))) for g in groups if "step" in g.scalars}
     if len(steps) > 1:
         raise CheckpointError("param groups", f"are at different steps {sorted(steps)}; megatron-core keeps one")
