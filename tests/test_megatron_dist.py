@@ -5,7 +5,8 @@ One launch of 2 ranks: megatron-core alone trains launch/train_gpt.py's GPT at T
 same launch, a ucp_deepspeed engine at TP=1 x DP=2 with ZeRO-2 loads that folder directly. The same launch does it
 for the MoE GPT, saved at EP=2 and loaded at EP=1 x DP=2 with ZeRO-1. Every fp32 weight, Adam
 moment, step and hyperparameter is compared with megatron-core's own (TP shards gathered) with `torch.equal`, and
-the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds a TP=2 -> PP=2 x ZeRO-1 launch and the
+the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds TP=2 -> PP=2 x ZeRO-1 and PP=2 -> TP=2 x
+ZeRO-3 in one launch, DeepSpeed -> `ucp export-megatron` -> megatron-core (dense and MoE), and the
 import-megatron -> export-hf -> `from_pretrained` path.
 """
 
@@ -69,8 +70,15 @@ def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(s
 
 
 @pytest.mark.slow
-def test_a_megatron_core_save_resumes_at_pp2_zero1(tmp_path):
-    _exact(_run(tmp_path, {"pp2": (["--tp", "2"], ["--tp", "1", "--pp", "2", "--zero", "1"])})["pp2"])
+def test_megatron_core_saves_resume_across_the_pipeline(tmp_path):
+    """One launch: a TP=2 save resumes at PP=2 x ZeRO-1; a save megatron-core made at PP=2 (each stage's layers
+    stacked into one tensor at their global indices) resumes at TP=2 x ZeRO-3."""
+    cases = {
+        "tp2-pp2": (["--tp", "2"], ["--tp", "1", "--pp", "2", "--zero", "1"]),
+        "pp2-tp2": (["--pp", "2"], ["--tp", "2", "--zero", "3"]),
+    }
+    for result in _run(tmp_path, cases).values():
+        _exact(result)
 
 
 @pytest.mark.slow  # the HF exporter has its own default tests; this one imports transformers for 10 s

@@ -23,6 +23,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 
 import common  # tests/workers/common.py, next to this script; puts launch/ on sys.path
 import deepspeed
@@ -50,35 +51,69 @@ def cpu_saving() -> None:
     fa.FileSystemWriterAsync.preload_tensors = staticmethod(lambda buckets, non_blocking=True: original(buckets, False))
 
 
+def tied_copy(model):
+    """A last pipeline stage's copy of the tied embedding (megatron-core all-reduces its gradient with the first
+    stage's and counts it once), or None."""
+    if model.share_embeddings_and_output_weights and model.post_process and not model.pre_process:
+        return model.shared_embedding_or_output_weight()
+    return None
+
+
 def steps(model, opt, sched, first: int, count: int) -> list[float]:
-    """Training steps as DeepSpeed's ZeRO-1 takes them: micro-batch losses averaged, DP gradients averaged, the
-    global gradient norm clipped to 1.0, then the optimizer and the schedule."""
+    """Training steps as DeepSpeed's ZeRO-1 takes them: micro-batches through the pipeline stages one at a time,
+    their losses averaged, DP gradients averaged, the global gradient norm clipped to 1.0, then the optimizer and
+    the schedule."""
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     position_ids = torch.arange(SEQ).unsqueeze(0)
+    prev, nxt = train_gpt.stage_ranks()
     experts = {id(p) for g in opt.param_groups if g["is_expert_parallel"] for p in g["params"]}
     params = [p for g in opt.param_groups for p in g["params"]]
+    tied = model.shared_embedding_or_output_weight() if model.pre_process or model.post_process else None
+    copy = tied_copy(model)
     losses = []
     for step in range(first, first + count):
         micro = train_gpt.batch(step)
         total = torch.zeros(())
         for tokens in micro:
-            loss = lm_loss(model(tokens[:, :-1], position_ids, mask), tokens[:, 1:]) / len(micro)
-            loss.backward()
-            total += loss.detach()
+            x = None
+            if prev is not None:
+                x = torch.empty(SEQ, tokens.shape[0], model.config.hidden_size)
+                dist.recv(x, prev)
+                x.requires_grad_()
+                model.set_input_tensor(x)
+            out = model(tokens[:, :-1], position_ids, mask)
+            if nxt is None:
+                loss = lm_loss(out, tokens[:, 1:]) / len(micro)
+                loss.backward()
+                total += loss.detach()
+            else:
+                dist.send(out.detach().contiguous(), nxt)
+                grad = torch.empty_like(out)
+                dist.recv(grad, nxt)
+                out.backward(grad)
+            if x is not None:
+                dist.send(x.grad.contiguous(), prev)
+        if ps.get_pipeline_model_parallel_world_size() > 1 and tied is not None:
+            dist.all_reduce(tied.grad, group=ps.get_embedding_group())  # megatron-core's finalize_model_grads
         # megatron-core's DDP: every gradient scaled by 1/DP, summed over DP (experts over expert-DP: the
         # all-gather dispatcher already summed their tokens over the expert-parallel ranks)
         for p in params:
             p.grad /= ps.get_data_parallel_world_size()
             group = ps.get_expert_data_parallel_group() if id(p) in experts else ps.get_data_parallel_group()
             dist.all_reduce(p.grad, group=group)
-        # megatron-core's clip_grads allocates on CUDA; the same sums by hand: dense over TP without duplicates,
-        # experts over the expert tensor-and-model-parallel ranks, which hold different experts
+        # megatron-core's clip_grads allocates on CUDA; the same sums by hand: dense over TP x PP without duplicates,
+        # experts over the expert tensor, model and pipeline ranks, which hold different experts
         dense = sum(
-            p.grad.square().sum() for p in params if id(p) not in experts and param_is_not_tensor_parallel_duplicate(p)
+            (
+                p.grad.square().sum()
+                for p in params
+                if id(p) not in experts and p is not copy and param_is_not_tensor_parallel_duplicate(p)
+            ),
+            torch.zeros(()),
         )
-        dist.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
+        dist.all_reduce(dense, group=ps.get_model_parallel_group())
         expert = sum((p.grad.square().sum() for p in params if id(p) in experts), torch.zeros(()))
-        dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
+        dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         clip = 1.0 / ((dense + expert).sqrt().item() + 1e-6)
         if clip < 1.0:
             for p in params:
@@ -110,13 +145,17 @@ def deepspeed_order(opt) -> list[int]:
     return [g for g, f in enumerate(flags) if not f] + [g for g, f in enumerate(flags) if f]
 
 
-def universal_name(name: str, experts: int) -> str:
-    """A parameter's name with its local expert index made global (experts are numbered per expert-parallel rank)."""
+def universal_name(model, name: str) -> str:
+    """A parameter's name with its layer and expert indices made global (a pipeline stage numbers its layers from 0,
+    an expert-parallel rank its experts)."""
+    found = re.fullmatch(r"decoder\.layers\.([0-9]+)\.(.+)", name)
+    if found:
+        name = f"decoder.layers.{model.decoder.layers[int(found.group(1))].layer_number - 1}.{found.group(2)}"
     head, sep, rest = name.partition(".mlp.experts.local_experts.")
     if not sep:
         return name
     local, _, leaf = rest.partition(".")
-    per_rank = experts // ps.get_expert_model_parallel_world_size()
+    per_rank = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
     return f"{head}{sep}{ps.get_expert_model_parallel_rank() * per_rank + int(local)}.{leaf}"
 
 
@@ -125,10 +164,12 @@ def full_state(model, opt) -> dict:
     vocabulary padding dropped, the groups in DeepSpeed's order; on rank 0."""
     position = {g: i for i, g in enumerate(deepspeed_order(opt))}
     group_of = {id(p): position[g] for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    part: dict = {"fp32": {}, "state": {}}
-    steps: dict = {}
+    part: dict = {"fp32": {}, "state": {}, "steps": {}}
+    copy = tied_copy(model)
     for name, p in model.named_parameters():
-        name = universal_name(name, model.config.num_moe_experts or 0)
+        if p is copy:  # the tied embedding, saved and compared once
+            continue
+        name = universal_name(model, name)
         values = {"fp32": p.detach(), "exp_avg": opt.state[p]["exp_avg"], "exp_avg_sq": opt.state[p]["exp_avg_sq"]}
         for key, local in values.items():
             full = local
@@ -142,13 +183,14 @@ def full_state(model, opt) -> dict:
                 part["fp32"][name] = full.clone()
             else:
                 part["state"][f"{name}/{key}"] = full.clone()
-        steps[group_of[id(p)]] = opt.state[p]["step"].clone()
-    parts: list = [None] * dist.get_world_size()  # expert-parallel ranks hold different experts
+        part["steps"][group_of[id(p)]] = opt.state[p]["step"].clone()
+    parts: list = [None] * dist.get_world_size()  # pipeline stages and expert-parallel ranks hold different parts
     dist.all_gather_object(parts, part)
-    snap: dict = {"fp32": {}, "state": {}, "steps": dict(sorted(steps.items()))}
+    snap: dict = {"fp32": {}, "state": {}, "steps": {}}
     for piece in parts:
-        snap["fp32"].update(piece["fp32"])
-        snap["state"].update(piece["state"])
+        for key in snap:
+            snap[key].update(piece[key])
+    snap["steps"] = dict(sorted(snap["steps"].items()))
     snap["hyperparams"] = [
         {k: v for k, v in opt.param_groups[g].items() if k not in ("params", "name", "is_expert_parallel")}
         for g in deepspeed_order(opt)
@@ -232,6 +274,7 @@ def do_save(args: argparse.Namespace) -> None:
         untie_embeddings_and_output_weights=False,
         padded_vocab_size=train_gpt.padded_vocab(args.tp),
         tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
         expert_model_parallel_size=args.ep,
         num_experts=model.config.num_moe_experts,
         moe_router_topk=model.config.moe_router_topk,
