@@ -21,6 +21,7 @@ from conftest import GPT_WORKER, ROOT, torchrun
 from launching import each
 
 from ucp_deepspeed.format.universal import UniversalCheckpoint, read_manifest
+from ucp_deepspeed.sources.dcp import DcpCheckpoint
 from ucp_deepspeed.tools.cli import main as ucp
 
 WORKER = ROOT / "tests" / "workers" / "mcore_dist.py"
@@ -145,3 +146,78 @@ def test_export_megatron_then_import_is_the_identity(saved, tmp_path):
     again = tmp_path / "b"
     assert ucp(["import-megatron", str(exported), str(again), "--vocab-size", str(VOCAB)]) == 0
     assert ucp(["diff", str(first), str(again)]) == 0
+
+
+def _rewritten(saved: Path, out: Path, master: str, optimizer, extra: dict | None = None) -> Path:
+    """The real fp32 save rewritten in another megatron layout: bf16 weights with their fp32 copies as
+    `optimizer.state.<master>.<key>`, `extra` tensors added, common.pt's optimizer entry as `optimizer` makes it."""
+    import torch.distributed.checkpoint as dcp
+
+    source = saved / "ckpt"
+    ckpt = DcpCheckpoint(str(source))
+    state = dict(extra or {})
+    for key in ckpt.tensors:
+        value = ckpt.tensor(key)
+        if key.startswith("optimizer."):
+            state[key] = value
+        else:
+            state[key] = value.to(torch.bfloat16)
+            state[f"optimizer.state.{master}.{key}"] = value
+    ckpt.close()
+    dcp.save(state, checkpoint_id=str(out))
+    common = torch.load(source / "common.pt", weights_only=False)
+    common["optimizer"] = optimizer(common["optimizer"])
+    torch.save(common, out / "common.pt")
+    (out / "metadata.json").write_bytes((source / "metadata.json").read_bytes())
+    return out
+
+
+def _distributed(optim: dict) -> dict:
+    """A DistributedOptimizer's common entry: each group keeps the step, there is no `common_step`."""
+    step = int(optim["state"]["common_step"])
+    return {"optimizer": {"param_groups": [{**g, "step": step} for g in optim["param_groups"]]}}
+
+
+def _float16(optim: dict) -> dict:
+    """Float16OptimizerWithFloat16Params' common entry: the torch optimizer's state under `optimizer`."""
+    return {"optimizer": optim, "grad_scaler": None}
+
+
+LAYOUTS = {  # optimizer -> the name of its fp32 copies, its common.pt entry
+    "Float16OptimizerWithFloat16Params": ("fp32_param", _float16),
+    "DistributedOptimizer fully_sharded_model_space": ("fp32_param", _distributed),
+    "DistributedOptimizer fully_reshardable": ("param", _distributed),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_bf16_saves_import_the_fp32_copies(saved, tmp_path, layout):
+    """Megatron-LM's bf16 runs store bf16 weights and their fp32 copies: `Float16OptimizerWithFloat16Params` as
+    `optimizer.state.fp32_param.<key>` (its torch state under `optimizer.optimizer`, `common_step`), the
+    `DistributedOptimizer`'s model-space formats as `fp32_param` or `param` (each group's `step`). These optimizers
+    are CUDA-only, so each folder is the real fp32 save rewritten in that layout (keys as their
+    `sharded_state_dict`s make them); the import takes the fp32 copies, not the rounded weights, and the step."""
+    bf16 = _rewritten(saved[0], tmp_path / "bf16", *LAYOUTS[layout])
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert ucp(["import-megatron", str(saved[0] / "ckpt"), str(a), "--vocab-size", str(VOCAB)]) == 0
+    assert ucp(["import-megatron", str(bf16), str(b), "--vocab-size", str(VOCAB)]) == 0
+    fp32, mixed = UniversalCheckpoint(str(a)), UniversalCheckpoint(str(b))
+    assert mixed.manifest.source.topology.dtype == "bf16"
+    assert [g.scalars for g in mixed.manifest.param_groups] == [g.scalars for g in fp32.manifest.param_groups]
+    assert set(mixed.manifest.params) == set(fp32.manifest.params)
+    for name, record in fp32.manifest.params.items():
+        assert mixed.manifest.params[name].keys == record.keys, name
+        for key in record.keys:
+            assert torch.equal(mixed.read(name, key), fp32.read(name, key)), (name, key)
+
+
+def test_distributed_optimizer_buffers_are_refused(saved, tmp_path, capsys):
+    """The DistributedOptimizer's formats tied to the saving DP layout (`dp_reshardable`: its flat buffers) are
+    refused naming the entry, not imported without their Adam moments."""
+    buffer = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg"
+    master, optimizer = LAYOUTS["DistributedOptimizer fully_sharded_model_space"]
+    folder = _rewritten(saved[0], tmp_path / "flat", master, optimizer, {buffer: torch.zeros(8)})
+    assert ucp(["import-megatron", str(folder), str(tmp_path / "u")]) == 2
+    err = capsys.readouterr().err
+    assert buffer in err and "not a model tensor's optimizer state" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "u" / "manifest.json").exists()

@@ -65,9 +65,13 @@ from ucp_deepspeed.sources.dcp import DcpCheckpoint
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 OPTIM = "optimizer.state."
+# the optimizer's fp32 copy of each weight: Float16OptimizerWithFloat16Params' and the DistributedOptimizer's
+# `fully_sharded_model_space` name it `fp32_param`, its `fully_reshardable` format `param`
+MASTERS = ("fp32_param", "param")
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _CHAINED = re.compile(r"chained_[0-9]+\.")
 _RANK_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
 
@@ -151,16 +155,18 @@ def _plain(value: Any) -> Any:
 
 
 def _optimizers(common: dict[str, Any], path: str) -> list[dict[str, Any]]:
-    """The optimizer states megatron-core saved: one (`FP32Optimizer`), or a `ChainedOptimizer`'s, its dense then its
-    expert optimizer (`{0: ..., 1: ...}`, as Megatron-LM builds for an MoE model)."""
+    """The torch optimizer states megatron-core saved: one (`FP32Optimizer`), or a `ChainedOptimizer`'s, its dense
+    then its expert optimizer (`{0: ..., 1: ...}`, as Megatron-LM builds for an MoE model); a
+    `Float16OptimizerWithFloat16Params` wraps its own under `optimizer`, beside its grad scaler."""
     optim = common.get("optimizer")
     chain: list[Any] = []
-    if isinstance(optim, dict) and "param_groups" in optim:
+    if isinstance(optim, dict) and ("param_groups" in optim or "optimizer" in optim):
         chain = [optim]
     elif isinstance(optim, dict) and optim and set(optim) == set(range(len(optim))):
         chain = [optim[i] for i in range(len(optim))]
     elif isinstance(optim, list):
         chain = optim
+    chain = [o["optimizer"] if isinstance(o, dict) and "param_groups" not in o else o for o in chain]
     if not chain or not all(
         isinstance(o, dict)
         and isinstance(o.get("param_groups"), list)
@@ -172,18 +178,44 @@ def _optimizers(common: dict[str, Any], path: str) -> list[dict[str, Any]]:
     return chain
 
 
-def _optimizer_keys(ckpt: DcpCheckpoint) -> dict[str, str]:
-    """`optimizer.state.<state>.<key>` -> the stored key, which a `ChainedOptimizer` prefixes with `chained_<i>.`."""
+def _optimizer_keys(ckpt: DcpCheckpoint, model_keys: list[str]) -> dict[str, str]:
+    """`optimizer.state.<state>.<key>` -> the stored key, which a `ChainedOptimizer` prefixes with `chained_<i>.`.
+
+    Refuses optimizer entries that are not a model tensor's state: Megatron-LM's `DistributedOptimizer` saves its
+    flat buffers that way (`dp_reshardable`, `dp_zero_gather_scatter`), tied to the saving job's DP layout.
+    """
+    model = set(model_keys)
     out: dict[str, str] = {}
-    for key in ckpt.tensors:
+    for key in [*ckpt.tensors, *ckpt.objects]:
         found = _CHAINED.match(key)
         plain = key[found.end() :] if found else key
-        if not plain.startswith(OPTIM):
+        if not plain.startswith("optimizer."):
             continue
+        of = plain[len(OPTIM) :].partition(".")[2]
+        if not plain.startswith(OPTIM) or of not in model or key not in ckpt.tensors:
+            raise CheckpointError(
+                ckpt.path,
+                f"holds {key}, which is not a model tensor's optimizer state (a DistributedOptimizer's buffers, "
+                "tied to the saving DP layout?); save with --dist-ckpt-optim-fully-reshardable",
+            )
         if plain in out:
             raise CheckpointError(ckpt.path, f"holds {plain} twice ({out[plain]}, {key})")
         out[plain] = key
+    if not out:
+        raise CheckpointError(ckpt.path, "holds no optimizer state tensors (optimizer.state.<state>.<key>)")
     return out
+
+
+def _is_step(value: Any) -> bool:
+    """A saved step count: a scalar tensor (`common_step`) or a number (a DistributedOptimizer's group `step`)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return type(value) in (int, float)
+
+
+def _step_tensor(value: Any) -> torch.Tensor:
+    """A step as torch's Adam keeps it: a float tensor (a DistributedOptimizer's group keeps a number)."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
 
 
 def _placement(groups: list[dict[str, Any]], path: str) -> tuple[list[int], Any]:
@@ -250,34 +282,44 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         raise CheckpointError(st.join(folder, COMMON), "does not hold a dict")
     chain = _optimizers(common, st.join(folder, COMMON))
     hypers = [h for optim in chain for h in optim["param_groups"]]
-    steps = [(optim.get("state") or {}).get("common_step") for optim in chain for _ in optim["param_groups"]]
+    # the step: `common_step` of each optimizer, or (DistributedOptimizer) each group's own
+    steps = [(o.get("state") or {}).get("common_step", h.get("step")) for o in chain for h in o["param_groups"]]
     order, group_of = _placement(hypers, st.join(folder, COMMON))
     ckpt = DcpCheckpoint(folder)
     try:
         fused = compat.megatron_fused_norms()
-        stored = _optimizer_keys(ckpt)
-        states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in stored})
         model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.") and not _CHAINED.match(k)]
+        stored = _optimizer_keys(ckpt, model_keys)
+        states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in stored} - set(MASTERS))
         records: list[FileRecord] = []
         params: dict[str, ParamRecord] = {}
+        dtypes: set[torch.dtype] = set()
         for key in model_keys:
             value = ckpt.tensor(key)
             found = {s: ckpt.tensor(stored[f"{OPTIM}{s}.{key}"]) for s in states if f"{OPTIM}{s}.{key}" in stored}
             if set(found) != set(states):
                 raise CheckpointError(ckpt.path, f"{key} lacks optimizer state {sorted(set(states) - set(found))}")
+            dtypes.add(value.dtype)
+            master = next((stored[f"{OPTIM}{m}.{key}"] for m in MASTERS if f"{OPTIM}{m}.{key}" in stored), None)
+            if master is None and value.dtype in (torch.bfloat16, torch.float16):
+                raise CheckpointError(
+                    ckpt.path, f"{key} is {value.dtype} and has no fp32 copy ({' or '.join(MASTERS)})"
+                )
+            weight = value if master is None else ckpt.tensor(master)
             for name, index in _pieces(key, tuple(value.shape), fused):
                 try:
                     check_name(name)
                 except ValueError as exc:
                     raise CheckpointError(ckpt.path, str(exc)) from None
-                tensors = {FP32: value[index], **{s: t[index] for s, t in found.items()}}
+                tensors = {FP32: weight[index], **{s: t[index] for s, t in found.items()}}
                 if vocab_size and name in VOCAB_PARALLEL:
                     tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
                 tensors = {k: t.float().clone() for k, t in tensors.items()}
                 shape = tuple(tensors[FP32].shape)
                 records.append(write_tensors(output, param_file(name), tensors))
                 keys = (FP32, *sorted(found))
-                params[name] = ParamRecord(shape, "float32", group_of(name, shape), True, param_file(name), keys)
+                dtype = str(value.dtype).removeprefix("torch.")
+                params[name] = ParamRecord(shape, dtype, group_of(name, shape), True, param_file(name), keys)
         records.append(write_tensors(output, BUFFERS, {}))
         client = {k: _plain(v) for k, v in common.items() if k != "optimizer"}
         records.append(
@@ -292,7 +334,12 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
             source=SourceRecord(
                 folder,
                 None,
-                Topology(dp=max(1, len(ranks)), zero_stage=0, dtype="fp32", optimizer="megatron"),
+                Topology(
+                    dp=max(1, len(ranks)),
+                    zero_stage=0,
+                    dtype=next((_DTYPES[d] for d in dtypes if d in _DTYPES), "fp32"),
+                    optimizer="megatron",
+                ),
                 {},
                 extra={"format": "megatron torch_dist"},
             ),
@@ -300,7 +347,7 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
             param_groups=tuple(
                 GroupRecord(
                     {k: encode_value(v) for k, v in hypers[g].items() if k != "params"},
-                    {"step": encode_value(steps[g])} if isinstance(steps[g], torch.Tensor) else {},
+                    {"step": encode_value(_step_tensor(steps[g]))} if _is_step(steps[g]) else {},
                 )
                 for g in order
             ),
