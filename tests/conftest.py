@@ -8,10 +8,12 @@ import glob
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +142,80 @@ def shared_memory_left_by_killed_ranks() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Checkpoints of every source variant, saved once at dp=2 after three training steps."""
+def saved_at_dp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch at dp=2 saves every source variant after three training steps, and before them (so nothing of ucp
+    has touched DeepSpeed in those processes) the plain DeepSpeed checkpoints, under `plain/`."""
     out = tmp_path_factory.mktemp("sources")
-    # every test depends on this launch; one retry keeps a transient launcher failure from failing them all
     variants = SOURCE_VARIANTS + (() if nvme_unavailable() else NVME_VARIANTS)
-    torchrun(SOURCE_DP, "save", "--out", str(out), "--variant", *variants, attempts=2)
-    return {name: out / name for name in variants}
+    plain = ["save", "--plain", "--out", str(out / "plain"), "--variant", *PLAIN_VARIANTS]
+    ucp = ["save", "--out", str(out), "--variant", *variants]
+    # every test depends on this launch; one retry keeps a transient launcher failure from failing them all
+    torchrun(SOURCE_DP, *each([plain, ucp]), attempts=2, timeout=480)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sources(saved_at_dp2: Path) -> dict[str, Path]:
+    """Checkpoints of every source variant, saved through ucp_deepspeed."""
+    return {name: saved_at_dp2 / name for name in SOURCE_VARIANTS + (() if nvme_unavailable() else NVME_VARIANTS)}
+
+
+@pytest.fixture(scope="session")
+def plain_sources(saved_at_dp2: Path) -> Path:
+    """TinyLM (tied embedding, frozen parameter, buffer, client state) saved by plain DeepSpeed at dp=2, `z1`, `z3`."""
+    return saved_at_dp2 / "plain"
+
+
+# The tiny LM's loads at dp=3 beyond test_reshard.py's matrix, in one launch (`dp3_loads`): test_load_paths.py's
+# converted cells (target -> sources) and test_cross_framework.py's plain DeepSpeed checkpoints (target -> plain/...).
+CONVERTED_CASES = {"z2": ("z1", "z3", "bf16z2"), "offz2": ("offz3",), "sgdz1": ("sgdz2",)}
+PLAIN_CASES = {"z1": ("z1", "z3"), "z3": ("z1",)}
+PLAIN_VARIANTS = ("z1", "z3")
+
+
+@dataclass(frozen=True)
+class Dp3Loads:
+    """Results of the shared dp=3 launch (`plain.json`, `converted.json`, `errors.json` in `out`), and the damaged
+    copy of `z1` the error run loaded (a flipped byte in rank 1's optimizer file)."""
+
+    out: Path
+    damaged: Path
+    flipped: Path
+    converted_cases: dict[str, tuple[str, ...]]
+
+
+@pytest.fixture(scope="session")
+def dp3_loads(sources, plain_sources, tmp_path_factory: pytest.TempPathFactory) -> Dp3Loads:
+    """One 3-rank launch for three runs: the plain DeepSpeed checkpoints loaded directly (test_cross_framework.py),
+    the converted path's cells (`--converted`), and the direct path's failures (`--expect-error`: a flipped byte
+    in a rank file, a RuntimeError and a MemoryError injected on rank 1, a slow rank 0; test_load_paths.py)."""
+    out = tmp_path_factory.mktemp("dp3_loads")
+    cases = dict(CONVERTED_CASES)
+    if not nvme_unavailable():
+        cases["nvmez3"] = ("nvmez3",)
+    damaged = out / "z1"
+    shutil.copytree(sources["z1"], damaged, ignore=shutil.ignore_patterns("*.universal"))
+    flipped = damaged / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    healthy = str(sources["z1"])
+
+    def case_args(table: dict[str, tuple[str, ...]], folder: Callable[[str], Path]) -> list[str]:
+        return [a for target, names in table.items() for a in ("--case", target, *(str(folder(n)) for n in names))]
+
+    plain = ["load", *case_args(PLAIN_CASES, lambda n: plain_sources / n), "--results", str(out / "plain.json")]
+    converted = [
+        "load",
+        "--converted",
+        *case_args(cases, lambda n: sources[n]),
+        "--results",
+        str(out / "converted.json"),
+    ]
+    errors = ["load", "--expect-error", "--variant", "z2", "--results", str(out / "errors.json"), "--source"]
+    errors += [str(damaged), f"{healthy}!RuntimeError", f"{healthy}!MemoryError", f"{healthy}!slow"]
+    torchrun(3, *each([plain, converted, errors]), timeout=600)
+    return Dp3Loads(out, damaged, flipped, cases)
 
 
 # Every megatron-core source checkpoint of the suite: name -> (world size, layout arguments).

@@ -23,25 +23,17 @@ from launching import torchrun_command
 from ucp_deepspeed.tools.cli import main as cli_main
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """TinyLM (tied embedding, frozen parameter, buffer, client state) saved by plain DeepSpeed at dp=2."""
-    out = tmp_path_factory.mktemp("plain")
-    torchrun(2, "save", "--plain", "--out", str(out), "--variant", "z1", "z3", attempts=2)
-    return out
-
-
-def test_plain_deepspeed_checkpoint_converts_and_reshards(plain, tmp_path, capsys):
-    """DP 2->3 and ZeRO 1->3 from checkpoints DeepSpeed saved on its own, converted with `ucp convert`."""
+def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loads, capsys):
+    """DP 2->3 and ZeRO 1->3 from checkpoints DeepSpeed saved on its own (in the session's dp=2 source launch),
+    converted with `ucp convert`, and loaded in the session's shared dp=3 launch."""
+    plain = plain_sources
     for name in ("z1", "z3"):
         assert not list((plain / name).glob("*/ucp_meta_*")), "saved through ucp_deepspeed after all"
         assert cli_main(["inspect", str(plain / name)]) == 0
         assert "metadata: rebuilt from DeepSpeed's files" in capsys.readouterr().out
         assert cli_main(["convert", str(plain / name), "--no-progress"]) == 0
         assert cli_main(["verify", str(plain / name / "global_step3.universal")]) == 0
-    cases = ("--case", "z1", str(plain / "z1"), str(plain / "z3"), "--case", "z3", str(plain / "z1"))
-    torchrun(3, "load", *cases, "--results", str(tmp_path / "results.json"))  # both targets in one launch
-    results = load_results(tmp_path / "results.json")
+    results = load_results(dp3_loads.out / "plain.json")
     assert [(r["saved"], r["live"]) for r in results] == [
         ("zero1 dp=2 fp32", "zero1 dp=3 fp32"),
         ("zero3 dp=2 fp32", "zero1 dp=3 fp32"),

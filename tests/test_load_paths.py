@@ -6,19 +6,13 @@ and the next losses match the uninterrupted run."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 from conftest import GPT_WORKER, launch_jobs, load_results, nvme_unavailable, torchrun
 
-TINY_CASES = {  # target -> sources, all loaded at dp=3 in one launch
-    "z2": ("z1", "z3", "bf16z2"),
-    "offz2": ("offz3",),
-    "sgdz1": ("sgdz2",),
-}
-TINY_CASES_SLOW = {"z2": ("z2", "z0"), "offz2": ("offz2", "fusedz1")}
+TINY_CASES_SLOW = {"z2": ("z2", "z0"), "offz2": ("offz2", "fusedz1")}  # the default cells: conftest.CONVERTED_CASES
 
 
 def copies(folders: Iterable[Path]) -> set[Path]:
@@ -26,16 +20,7 @@ def copies(folders: Iterable[Path]) -> set[Path]:
     return {p for folder in folders for p in Path(folder).glob("*.universal")}
 
 
-@pytest.mark.parametrize(
-    "slow", [pytest.param(False, id="stages"), pytest.param(True, id="more", marks=pytest.mark.slow)]
-)
-def test_converted_reshard_of_zero_stages_offload_and_nvme(sources, tmp_path, slow):
-    cases = dict(TINY_CASES_SLOW if slow else TINY_CASES)
-    if not nvme_unavailable():
-        cases["nvmez3"] = ("widez1",) if slow else ("nvmez3",)
-    args = [a for target, names in cases.items() for a in ("--case", target, *(str(sources[n]) for n in names))]
-    torchrun(3, "load", "--converted", *args, "--results", str(tmp_path / "r.json"))
-    results = load_results(tmp_path / "r.json")
+def _check_converted(results: list[dict], cases: dict[str, tuple[str, ...]], sources) -> None:
     assert len(results) == sum(len(v) for v in cases.values())
     for r in results:
         label = f"{r['source']} -> {r['target']} dp=3 converted"
@@ -45,6 +30,21 @@ def test_converted_reshard_of_zero_stages_offload_and_nvme(sources, tmp_path, sl
         assert r["max_rel_loss"] <= rtol, label
     for names in cases.values():  # the restore read a universal copy, kept next to each source
         assert all(copies([sources[n]]) for n in names), names
+
+
+def test_converted_reshard_of_zero_stages_offload_and_nvme(dp3_loads, sources):
+    """The cells of conftest.CONVERTED_CASES, run in the session's shared dp=3 launch (`dp3_loads`)."""
+    _check_converted(load_results(dp3_loads.out / "converted.json"), dp3_loads.converted_cases, sources)
+
+
+@pytest.mark.slow
+def test_converted_reshard_of_more_cells(sources, tmp_path):
+    cases = dict(TINY_CASES_SLOW)
+    if not nvme_unavailable():
+        cases["nvmez3"] = ("widez1",)
+    args = [a for target, names in cases.items() for a in ("--case", target, *(str(sources[n]) for n in names))]
+    torchrun(3, "load", "--converted", *args, "--results", str(tmp_path / "r.json"))
+    _check_converted(load_results(tmp_path / "r.json"), cases, sources)
 
 
 @pytest.mark.slow
@@ -67,24 +67,17 @@ def test_converted_reshard_of_megatron_tp_pp_and_experts(megatron_sources, tmp_p
         assert r["max_rel_loss"] <= 1e-5, (name, r)
 
 
-def test_direct_reshard_checks_every_byte_it_read(sources, tmp_path):
+def test_direct_reshard_checks_every_byte_it_read(dp3_loads):
     """A flipped byte in a rank file that one of the 3 ranks reads: every rank reads its share, the reads are
     checked before anything is written, and every rank raises the CRC error with its engine as it was.
 
     The same launch checks the two other ways one rank can fail the others: a RuntimeError or a MemoryError on
     rank 1 halfway through staging its share is raised, named, on every rank, with every engine as it was; and rank
     0 taking longer over the tag's metadata (4 s) than the training group's timeout (1 s) does not fail the load,
-    since the other ranks wait for it on the checkpointer's own group."""
-    src = tmp_path / "z1"
-    shutil.copytree(sources["z1"], src, ignore=shutil.ignore_patterns("*.universal"))
-    optim = src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    data = bytearray(optim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    optim.write_bytes(bytes(data))
-    healthy = str(sources["z1"])
-    out = tmp_path / "errors.json"
-    cases = [str(src), f"{healthy}!RuntimeError", f"{healthy}!MemoryError", f"{healthy}!slow"]
-    torchrun(3, "load", "--expect-error", "--variant", "z2", "--results", str(out), "--source", *cases)
+    since the other ranks wait for it on the checkpointer's own group. (The session's shared dp=3 launch,
+    `conftest.dp3_loads`.)"""
+    src, optim = dp3_loads.damaged, dp3_loads.flipped
+    out = dp3_loads.out / "errors.json"
     damaged, *injected, slow = load_results(out)
     errors = set(damaged["errors"])
     assert len(errors) == 1 and None not in errors, errors

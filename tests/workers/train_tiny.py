@@ -10,7 +10,8 @@ Used by launch/demo.sh and by the end-to-end tests (one torchrun launch per layo
     load --expect-error --source DIR[#TAG] ...: load each (damaged or hostile) checkpoint and record
           the error every rank raised (they must agree), or null if it loaded
 
-One launch handles several checkpoints, because each launch pays for importing DeepSpeed.
+One launch handles several checkpoints, because each launch pays for importing DeepSpeed; `--each 'ARGS'` adds
+more runs (another mode or flags) to the same launch.
 """
 
 from __future__ import annotations
@@ -587,11 +588,13 @@ def main() -> None:
     parser.add_argument(
         "--converted", action="store_true", help='load: reshard through a universal copy ("direct": false)'
     )
-    args = parser.parse_args()
-    DIRECT[0] = not args.converted
+    common.add_each(parser)
+    runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
-    do_save(args) if args.mode == "save" else do_load(args)
-    dist.barrier()
+    for args in runs:  # a plain DeepSpeed save runs first in its launch: nothing of ucp has touched DeepSpeed yet
+        DIRECT[0] = not args.converted
+        do_save(args) if args.mode == "save" else do_load(args)
+        dist.barrier()
     dist.destroy_process_group()
     for swap_dir in SWAP_DIRS:
         shutil.rmtree(swap_dir, ignore_errors=True)
