@@ -107,7 +107,7 @@ def test_padding_rows_that_hold_weights_are_refused(saved, tmp_path, capsys):
 
 
 EXPORTS = {  # the DeepSpeed job's layout -> the layouts megatron-core loads the export at
-    "dense": (["--tp", "2"], [["--tp", "1"], ["--tp", "2"]]),
+    "dense": (["--tp", "2"], [["--tp", "1"], ["--tp", "2"], ["--pp", "2"]]),
     "moe": ([*MOE, "--ep", "2"], [[*MOE, "--ep", "1"], [*MOE, "--ep", "2"]]),
 }
 
@@ -116,8 +116,9 @@ EXPORTS = {  # the DeepSpeed job's layout -> the layouts megatron-core loads the
 @pytest.mark.parametrize("model", sorted(EXPORTS))
 def test_a_deepspeed_job_exports_to_torch_dist_that_megatron_core_loads_at_any_layout(tmp_path, model):
     """A DeepSpeed job (dense at TP=2, MoE at EP=2; ZeRO-1) -> `ucp export-megatron` -> megatron-core alone,
-    `dist_checkpointing.load` at two layouts in one launch (an MoE model's optimizer as Megatron-LM's
-    `ChainedOptimizer` shards it): every state `torch.equal` to the DeepSpeed job's, and its next losses."""
+    `dist_checkpointing.load` at TP=1, TP=2 and PP=2 (MoE: EP=1 and EP=2) in one launch (an MoE model's optimizer
+    as Megatron-LM's `ChainedOptimizer` shards it): every state `torch.equal` to the DeepSpeed job's, and its next
+    losses."""
     saved_at, loads = EXPORTS[model]
     source = tmp_path / "ds"
     torchrun(2, "save", "--out", str(source), *saved_at, "--zero", "1", worker=GPT_WORKER)
