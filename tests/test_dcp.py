@@ -1,7 +1,7 @@
 """PyTorch DCP both ways: an FSDP2 job's `dcp.save` resumes in DeepSpeed, a DeepSpeed checkpoint loads into FSDP2.
 
-One launch of 2 ranks saves both sources (tests/workers/dcp_hub.py); one launch of 1 rank (3 with `-m slow`) loads
-every target: the
+One launch of 2 ranks saves both sources (tests/workers/dcp_hub.py); the test process itself, as one rank (a launch of
+3 with `-m slow`), loads every target: the
 FSDP2 folder into DeepSpeed ZeRO-1 and ZeRO-3 engines directly (`load_checkpoint` imports it), and the DCP export
 of the DeepSpeed checkpoint into an FSDP2 job with `dcp.load`. Every fp32 weight, Adam moment, step count, frozen
 weight and buffer is compared with `torch.equal`, and the next losses with the saving job's own.
@@ -9,6 +9,7 @@ weight and buffer is compared with `torch.equal`, and the next losses with the s
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -41,7 +42,14 @@ def exported(hub) -> Path:
 @pytest.mark.parametrize("world", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_fsdp2_and_deepspeed_move_both_ways_through_dcp(hub, exported, world):
     results = hub / f"results{world}.json"
-    torchrun(world, "load", "--out", str(hub), "--stage", "1", "3", "--results", str(results), worker=WORKER)
+    if world == 1:  # one rank needs no launch: the worker's load runs in this process, on its one-rank group
+        import dcp_hub  # tests/workers/dcp_hub.py
+        from inprocess import one_rank
+
+        one_rank()
+        dcp_hub.do_load(argparse.Namespace(out=str(hub), stage=[1, 3], results=str(results)))
+    else:
+        torchrun(world, "load", "--out", str(hub), "--stage", "1", "3", "--results", str(results), worker=WORKER)
     cases = json.loads(results.read_text())
     assert [c["case"] for c in cases] == ["fsdp->zero1", "fsdp->zero3", "zero1->fsdp"]
     for case in cases:
