@@ -218,6 +218,11 @@ def _step_tensor(value: Any) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
 
 
+def _is_expert(name: str) -> bool:
+    """Whether a parameter (by its universal name) belongs to an MoE layer's experts."""
+    return ".mlp.experts." in name
+
+
 def _placement(groups: list[dict[str, Any]], path: str) -> tuple[list[int], Any]:
     """megatron-core's default grouping (`_get_param_groups`), which `torch_dist` does not record by parameter.
 
@@ -250,7 +255,7 @@ def _placement(groups: list[dict[str, Any]], path: str) -> tuple[list[int], Any]
         classes.update({(True, decay): g for (_, decay), g in list(classes.items())})
 
     def group_of(name: str, shape: tuple[int, ...]) -> int:
-        expert = ".mlp.experts." in name
+        expert = _is_expert(name)
         decay = not (name.endswith(".bias") or len(shape) == 1)
         if (expert, decay) not in classes:
             kind = "expert" if expert else "dense"
@@ -482,7 +487,7 @@ def _chains(manifest: Manifest, path: str) -> list[list[int]]:
     kinds: dict[int, set[bool]] = {g: set() for g in range(len(manifest.param_groups))}
     for name, record in manifest.params.items():
         if record.group is not None:
-            kinds[record.group].add(".mlp.experts." in name)
+            kinds[record.group].add(_is_expert(name))
     mixed = [g for g, k in kinds.items() if len(k) > 1]
     if mixed:
         raise CheckpointError(
