@@ -3,11 +3,12 @@
 One launch of 2 ranks: megatron-core alone trains launch/train_gpt.py's GPT at TP=2 and saves it with
 `dist_checkpointing.save` (model and optimizer `sharded_state_dict`s, Megatron-LM's common entries); then, in the
 same launch, a ucp_deepspeed engine at TP=1 x DP=2 with ZeRO-2 loads that folder directly. The same launch does it
-for the MoE GPT, saved at EP=2 and loaded at EP=1 x DP=2 with ZeRO-1. Every fp32 weight, Adam
-moment, step and hyperparameter is compared with megatron-core's own (TP shards gathered) with `torch.equal`, and
-the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds TP=2 -> PP=2 x ZeRO-1 and PP=2 -> TP=2 x
-ZeRO-3 in one launch, DeepSpeed -> `ucp export-megatron` -> megatron-core (dense and MoE), and the
-import-megatron -> export-hf -> `from_pretrained` path.
+for the MoE GPT, saved at EP=2 and loaded at EP=1 x DP=2 with ZeRO-1, and for the GPT trained at DP=2 by
+megatron-core's DDP and `DistributedOptimizer`, saved `fully_reshardable` and loaded at TP=2 with ZeRO-1. Every fp32
+weight, Adam moment, step and hyperparameter is compared with megatron-core's own (TP shards gathered) with
+`torch.equal`, and the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds TP=2 -> PP=2 x ZeRO-1
+and PP=2 -> TP=2 x ZeRO-3 in one launch, DeepSpeed -> `ucp export-megatron` -> megatron-core (dense and MoE), and
+the import-megatron -> export-hf -> `from_pretrained` path.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     cases = {
         "dense": (["--tp", "2"], ["--tp", "1", "--zero", "2"]),
         "moe": ([*MOE, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
+        "distributed": (["--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
     }
     return out / "dense", _run(out, cases)
 
@@ -68,6 +70,23 @@ def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(s
     result = saved[1]["moe"]
     _exact(result)
     assert result["tensors"] >= 4 * 4 * 2 * 3, result  # 4 layers x 4 experts x 2 weights x 3 states
+
+
+def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_tp(saved):
+    """megatron-core's `DistributedOptimizer` at DP=2 (each rank's shard of every state gathered into whole
+    tensors by its `fully_reshardable` save: `optimizer.state.param.<key>`, each group's `step` in common.pt) ->
+    DeepSpeed at TP=2 ZeRO-1: every fp32 weight and Adam moment exact, the next losses megatron-core's."""
+    _exact(saved[1]["distributed"])
+
+
+def test_the_distributed_optimizers_default_format_is_refused(saved, tmp_path, capsys):
+    """The same job's `dp_reshardable` save (Megatron-LM's default: flat per-bucket buffers, whose layout only the
+    saving job's DDP knows) is refused in one line naming the format and the flag that saves a readable one."""
+    folder = saved[0].parent / "distributed" / "dp_reshardable"
+    assert ucp(["import-megatron", str(folder), str(tmp_path / "u")]) == 2
+    err = capsys.readouterr().err
+    assert "'dp_reshardable'" in err and "--dist-ckpt-optim-fully-reshardable" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "u").exists()
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
 """megatron-core's own checkpoints (`dist_checkpointing`, torch_dist) into DeepSpeed: launch/train_gpt.py's GPT.
 
-save --out DIR --tp T [--arch gpt|llama]
+save --out DIR --tp T [--arch gpt|llama] [--distributed-optimizer]
     megatron-core alone trains the GPT STEPS steps (torch AdamW with train_gpt's groups, its LR schedule and
     gradient clipping, DP gradients averaged as DeepSpeed does) and saves it with `dist_checkpointing.save`,
     model and optimizer `sharded_state_dict`s and Megatron-LM's common entries, into DIR/ckpt. Rank 0 writes
     DIR/reference.pt: the full state in universal names, gathered over TP, and the losses of CONT more steps.
+    With --distributed-optimizer the model is wrapped in megatron-core's DDP and trained by its
+    `DistributedOptimizer` (the same AdamW, groups and clipping, each DP rank holding a shard), saved
+    `fully_reshardable`, and again `dp_reshardable` (Megatron-LM's default) into DIR/dp_reshardable.
 load --source DIR --tp T --zero Z --results FILE ...
     a ucp_deepspeed engine at this layout loads DIR/ckpt directly (imported on the way), takes megatron's
     LR-scheduler state from the client state, and compares every fp32 weight, Adam moment, step and
@@ -20,10 +23,12 @@ native-load --source DIR --reference REF --tp T --results FILE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import re
+from collections.abc import Callable, Iterator
 
 import common  # tests/workers/common.py, next to this script; puts launch/ on sys.path
 import deepspeed
@@ -36,6 +41,8 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, _get_megatron_optimizer_based_on_param_groups
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from train_gpt import SEQ, VOCAB, lm_loss
 
@@ -59,12 +66,22 @@ def tied_copy(model):
     return None
 
 
+def attention_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal mask and position ids train_gpt's model takes."""
+    return torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ), torch.arange(SEQ).unsqueeze(0)
+
+
+def mean_loss(total: torch.Tensor) -> float:
+    """A step's loss over the job: the last stage's DP and TP ranks each hold the mean of their rows."""
+    dist.all_reduce(total)
+    return total.item() / (ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size())
+
+
 def steps(model, opt, sched, first: int, count: int) -> list[float]:
     """Training steps as DeepSpeed's ZeRO-1 takes them: micro-batches through the pipeline stages one at a time,
     their losses averaged, DP gradients averaged, the global gradient norm clipped to 1.0, then the optimizer and
     the schedule."""
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
-    position_ids = torch.arange(SEQ).unsqueeze(0)
+    mask, position_ids = attention_inputs()
     prev, nxt = train_gpt.stage_ranks()
     experts = {id(p) for g in opt.param_groups if g["is_expert_parallel"] for p in g["params"]}
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -121,9 +138,39 @@ def steps(model, opt, sched, first: int, count: int) -> list[float]:
         opt.step()
         sched.step()
         opt.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / (ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()))
+        losses.append(mean_loss(total))
     return losses
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """megatron-core's `DistributedOptimizer` on the CPU. It names the CUDA device and CUDA tensor types literally
+    (`torch.tensor(..., device='cuda')` for its scale and clipping buffers, `param.type() == 'torch.cuda.FloatTensor'`,
+    `.cuda()` before its gathers); here they mean the CPU. gloo has the reduce-scatter and all-gather it uses."""
+    factories = {name: getattr(torch, name) for name in ("tensor", "zeros", "empty", "ones")}
+    tensor_type, tensor_cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def on_cpu(factory: Callable) -> Callable:
+        def made(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return made
+
+    def type_name(self, *args, **kwargs):
+        name = tensor_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    for name, factory in factories.items():
+        setattr(torch, name, on_cpu(factory))
+    torch.Tensor.type, torch.Tensor.cuda = type_name, lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        for name, factory in factories.items():
+            setattr(torch, name, factory)
+        torch.Tensor.type, torch.Tensor.cuda = tensor_type, tensor_cuda
 
 
 def megatron_groups(model, groups: list[dict]) -> list[dict]:
@@ -139,9 +186,9 @@ def megatron_groups(model, groups: list[dict]) -> list[dict]:
     return out
 
 
-def deepspeed_order(opt) -> list[int]:
+def deepspeed_order(groups: list[dict]) -> list[int]:
     """The groups in the order a DeepSpeed job of the same model keeps them: dense, then experts."""
-    flags = [g["is_expert_parallel"] for g in opt.param_groups]
+    flags = [g["is_expert_parallel"] for g in groups]
     return [g for g, f in enumerate(flags) if not f] + [g for g, f in enumerate(flags) if f]
 
 
@@ -159,18 +206,20 @@ def universal_name(model, name: str) -> str:
     return f"{head}{sep}{ps.get_expert_model_parallel_rank() * per_rank + int(local)}.{leaf}"
 
 
-def full_state(model, opt) -> dict:
+def full_state(model, groups: list[dict], state_of: Callable[[torch.Tensor], dict]) -> dict:
     """The full state in universal names (gpt.py's snapshot form): TP shards gathered, experts by global index,
-    vocabulary padding dropped, the groups in DeepSpeed's order; on rank 0."""
-    position = {g: i for i, g in enumerate(deepspeed_order(opt))}
-    group_of = {id(p): position[g] for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    vocabulary padding dropped, the groups in DeepSpeed's order; on rank 0. `groups` are the optimizer's groups
+    over the model's parameters, `state_of(p)` p's whole AdamW state."""
+    position = {g: i for i, g in enumerate(deepspeed_order(groups))}
+    group_of = {id(p): position[g] for g, group in enumerate(groups) for p in group["params"]}
     part: dict = {"fp32": {}, "state": {}, "steps": {}}
     copy = tied_copy(model)
     for name, p in model.named_parameters():
         if p is copy:  # the tied embedding, saved and compared once
             continue
         name = universal_name(model, name)
-        values = {"fp32": p.detach(), "exp_avg": opt.state[p]["exp_avg"], "exp_avg_sq": opt.state[p]["exp_avg_sq"]}
+        state = state_of(p)
+        values = {"fp32": p.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
         for key, local in values.items():
             full = local
             if getattr(p, "tensor_model_parallel", False):
@@ -183,7 +232,7 @@ def full_state(model, opt) -> dict:
                 part["fp32"][name] = full.clone()
             else:
                 part["state"][f"{name}/{key}"] = full.clone()
-        part["steps"][group_of[id(p)]] = opt.state[p]["step"].clone()
+        part["steps"][group_of[id(p)]] = state["step"].clone()
     parts: list = [None] * dist.get_world_size()  # pipeline stages and expert-parallel ranks hold different parts
     dist.all_gather_object(parts, part)
     snap: dict = {"fp32": {}, "state": {}, "steps": {}}
@@ -192,8 +241,8 @@ def full_state(model, opt) -> dict:
             snap[key].update(piece[key])
     snap["steps"] = dict(sorted(snap["steps"].items()))
     snap["hyperparams"] = [
-        {k: v for k, v in opt.param_groups[g].items() if k not in ("params", "name", "is_expert_parallel")}
-        for g in deepspeed_order(opt)
+        {k: v for k, v in groups[g].items() if k not in ("params", "name", "is_expert_parallel")}
+        for g in deepspeed_order(groups)
     ]
     return snap
 
@@ -251,45 +300,141 @@ def sharded_optimizer(model_sd: dict, opt: torch.optim.Optimizer) -> dict:
     return out if len(chains) > 1 else out[0]
 
 
+class Trainer:
+    """megatron-core training the model with torch AdamW, as its `FP32Optimizer` (a `ChainedOptimizer` of a dense and
+    an expert one for MoE) keeps it; one save."""
+
+    saves = (("ckpt", None),)
+
+    def __init__(self, model, groups: list[dict]) -> None:
+        self.model = model
+        self.torch = torch.optim.AdamW(megatron_groups(model, groups), lr=1e-3)
+
+    def steps(self, sched, first: int, count: int) -> list[float]:
+        return steps(self.model, self.torch, sched, first, count)
+
+    def full_state(self) -> dict:
+        return full_state(self.model, self.torch.param_groups, lambda p: self.torch.state[p])
+
+    def sharded(self, model_sd: dict, sharding: str | None) -> dict:
+        return sharded_optimizer(model_sd, self.torch)
+
+
+class DistributedTrainer:
+    """megatron-core's DDP and `DistributedOptimizer` (the same AdamW, groups and clipping; each DP rank updates its
+    shard), built as Megatron-LM builds them. Saved `fully_reshardable` (`--dist-ckpt-optim-fully-reshardable`) and
+    `dp_reshardable` (Megatron-LM's default); dense models."""
+
+    saves = (("ckpt", "fully_reshardable"), ("dp_reshardable", "dp_reshardable"))
+
+    def __init__(self, model, groups: list[dict]) -> None:
+        groups = megatron_groups(model, groups)
+        self.members = [list(g["params"]) for g in groups]  # the optimizer puts its shards in their place
+        self.model = model
+        self.ddp = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model
+        )
+        dp = ps.get_data_parallel_group(with_context_parallel=True)
+        self.opt = _get_megatron_optimizer_based_on_param_groups(
+            OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True, clip_grad=1.0),
+            [self.ddp],
+            groups,
+            per_model_buffers={0: self.ddp.buffers},
+            model_parallel_group=ps.get_model_parallel_group(),
+            data_parallel_group=dp,
+            data_parallel_group_gloo=ps.get_data_parallel_group_gloo(with_context_parallel=True),
+            data_parallel_group_idx=ps.get_model_parallel_group().rank(),
+            intra_dist_opt_group=dp,
+        )
+        self.torch = self.opt.optimizer
+
+    def steps(self, sched, first: int, count: int) -> list[float]:
+        """DDP scales each gradient by 1/DP and reduce-scatters it into the owning rank's shard; the optimizer's
+        step takes the norm over every shard, clips, updates its shard and all-gathers the parameters."""
+        mask, position_ids = attention_inputs()
+        losses = []
+        for step in range(first, first + count):
+            self.ddp.zero_grad_buffer()
+            self.opt.zero_grad()
+            micro = train_gpt.batch(step)
+            total = torch.zeros(())
+            for tokens in micro:
+                loss = lm_loss(self.ddp(tokens[:, :-1], position_ids, mask), tokens[:, 1:]) / len(micro)
+                loss.backward()
+                total += loss.detach()
+            self.ddp.finish_grad_sync()
+            self.opt.step()
+            sched.step()
+            losses.append(mean_loss(total))
+        return losses
+
+    def state_of(self, p: torch.Tensor) -> dict:
+        """p's whole AdamW state: each DP rank fills the range its shard holds, a sum over DP joins the ranges (the
+        other ranks add zeros), the step is the owners'."""
+        whole = {k: torch.zeros(p.numel()) for k in ("exp_avg", "exp_avg_sq")}
+        step = torch.zeros(())
+        if p in self.opt.model_param_group_index_map:
+            where = self.opt._get_model_param_range_map(p)["param"]
+            shard = self.opt._get_main_param_and_optimizer_states(p)
+            for key, value in whole.items():
+                value[where.start : where.end] = shard[key]
+            step = shard["step"].clone()
+        group = ps.get_data_parallel_group()
+        for value in whole.values():
+            dist.all_reduce(value, group=group)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
+        return {**{k: v.view_as(p) for k, v in whole.items()}, "step": step}
+
+    def full_state(self) -> dict:
+        groups = [{**g, "params": m} for g, m in zip(self.torch.param_groups, self.members)]
+        return full_state(self.model, groups, self.state_of)
+
+    def sharded(self, model_sd: dict, sharding: str | None) -> dict:
+        return self.opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": sharding})
+
+
 def do_save(args: argparse.Namespace) -> None:
     cpu_saving()
     model, groups = train_gpt.model_and_groups(args)
-    opt = torch.optim.AdamW(megatron_groups(model, groups), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))  # train_gpt's schedule
-    steps(model, opt, sched, 0, STEPS)
-    ref = full_state(model, opt)
-    model_sd = model.sharded_state_dict()
-    megatron_args = argparse.Namespace(  # the fields of Megatron-LM's saved args that describe the model
-        num_layers=model.config.num_layers,
-        hidden_size=model.config.hidden_size,
-        ffn_hidden_size=model.config.ffn_hidden_size,
-        num_attention_heads=model.config.num_attention_heads,
-        group_query_attention=True,
-        num_query_groups=model.config.num_query_groups,
-        max_position_embeddings=SEQ,
-        normalization=model.config.normalization,
-        swiglu=model.config.gated_linear_unit,
-        add_bias_linear=model.config.add_bias_linear,
-        position_embedding_type=model.position_embedding_type,
-        untie_embeddings_and_output_weights=False,
-        padded_vocab_size=train_gpt.padded_vocab(args.tp),
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        expert_model_parallel_size=args.ep,
-        num_experts=model.config.num_moe_experts,
-        moe_router_topk=model.config.moe_router_topk,
-    )
-    state = {
-        "model": model_sd,
-        "optimizer": sharded_optimizer(model_sd, opt),
-        "iteration": STEPS,
-        "checkpoint_version": 3.0,
-        "args": megatron_args,
-        "opt_param_scheduler": sched.state_dict(),
-    }
-    os.makedirs(f"{args.out}/ckpt", exist_ok=True)  # megatron-core saves into an existing, empty folder
-    dist_checkpointing.save(state, f"{args.out}/ckpt")
-    cont = steps(model, opt, sched, STEPS, CONT)
+    with cuda_as_cpu() if args.distributed_optimizer else contextlib.nullcontext():
+        trainer = (DistributedTrainer if args.distributed_optimizer else Trainer)(model, groups)
+        sched = torch.optim.lr_scheduler.LambdaLR(trainer.torch, lambda s: 1.0 / (1.0 + 0.1 * s))  # train_gpt's
+        trainer.steps(sched, 0, STEPS)
+        ref = trainer.full_state()
+        megatron_args = argparse.Namespace(  # the fields of Megatron-LM's saved args that describe the model
+            num_layers=model.config.num_layers,
+            hidden_size=model.config.hidden_size,
+            ffn_hidden_size=model.config.ffn_hidden_size,
+            num_attention_heads=model.config.num_attention_heads,
+            group_query_attention=True,
+            num_query_groups=model.config.num_query_groups,
+            max_position_embeddings=SEQ,
+            normalization=model.config.normalization,
+            swiglu=model.config.gated_linear_unit,
+            add_bias_linear=model.config.add_bias_linear,
+            position_embedding_type=model.position_embedding_type,
+            untie_embeddings_and_output_weights=False,
+            padded_vocab_size=train_gpt.padded_vocab(args.tp),
+            tensor_model_parallel_size=args.tp,
+            pipeline_model_parallel_size=args.pp,
+            expert_model_parallel_size=args.ep,
+            num_experts=model.config.num_moe_experts,
+            moe_router_topk=model.config.moe_router_topk,
+            use_distributed_optimizer=args.distributed_optimizer,
+        )
+        for folder, sharding in trainer.saves:
+            model_sd = model.sharded_state_dict()
+            state = {
+                "model": model_sd,
+                "optimizer": trainer.sharded(model_sd, sharding),
+                "iteration": STEPS,
+                "checkpoint_version": 3.0,
+                "args": megatron_args,
+                "opt_param_scheduler": sched.state_dict(),
+            }
+            os.makedirs(f"{args.out}/{folder}", exist_ok=True)  # megatron-core saves into an existing, empty folder
+            dist_checkpointing.save(state, f"{args.out}/{folder}")
+        cont = trainer.steps(sched, STEPS, CONT)
     if dist.get_rank() == 0:
         torch.save({"snapshot": ref, "continuation": cont}, f"{args.out}/reference.pt")
 
@@ -345,7 +490,7 @@ def do_native_load(args: argparse.Namespace) -> None:
     # Megatron-LM's scheduler is set from the iteration; building one above reset the learning rates to their peaks
     sched.last_epoch, sched.base_lrs = loaded["iteration"] - 1, base_lrs
     sched.step()
-    snap = full_state(model, opt)
+    snap = full_state(model, opt.param_groups, lambda p: opt.state[p])
     losses = steps(model, opt, sched, loaded["iteration"], CONT)
     if dist.get_rank() == 0:
         want = {k: ref["snapshot"][k] for k in ("fp32", "state", "steps")}
@@ -367,6 +512,9 @@ def main() -> None:
     parser.add_argument("--source")
     parser.add_argument("--results")
     parser.add_argument("--reference", help="native-load: the saving DeepSpeed job's reference.pt")
+    parser.add_argument(
+        "--distributed-optimizer", action="store_true", help="save: train with megatron-core's DistributedOptimizer"
+    )
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")

@@ -68,6 +68,8 @@ OPTIM = "optimizer.state."
 # the optimizer's fp32 copy of each weight: Float16OptimizerWithFloat16Params' and the DistributedOptimizer's
 # `fully_sharded_model_space` name it `fp32_param`, its `fully_reshardable` format `param`
 MASTERS = ("fp32_param", "param")
+# the DistributedOptimizer formats that store each parameter's state whole (the others store its flat buffers)
+RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -166,6 +168,14 @@ def _optimizers(common: dict[str, Any], path: str) -> list[dict[str, Any]]:
         chain = [optim[i] for i in range(len(optim))]
     elif isinstance(optim, list):
         chain = optim
+    for o in chain if chain else [optim]:
+        sharding = o.get("param_state_sharding_type") if isinstance(o, dict) else None
+        if sharding is not None and sharding not in RESHARDABLE:
+            raise CheckpointError(
+                path,
+                f"holds a DistributedOptimizer state saved {sharding!r}, in flat buffers tied to the saving DP "
+                "layout; save with --dist-ckpt-optim-fully-reshardable",
+            )
     chain = [o["optimizer"] if isinstance(o, dict) and "param_groups" not in o else o for o in chain]
     if not chain or not all(
         isinstance(o, dict)
