@@ -166,7 +166,7 @@ def plain_sources(saved_at_dp2: Path) -> Path:
     return saved_at_dp2 / "plain"
 
 
-# The tiny LM's loads at dp=3 beyond test_reshard.py's matrix, in one launch (`dp3_loads`): test_load_paths.py's
+# The tiny LM's loads at dp=3, in one launch (`dp3_loads`): test_reshard.py's default dp=3 cells, test_load_paths.py's
 # converted cells (target -> sources) and test_cross_framework.py's plain DeepSpeed checkpoints (target -> plain/...).
 CONVERTED_CASES = {"z2": ("z1", "z3", "bf16z2"), "offz2": ("offz3",), "sgdz1": ("sgdz2",)}
 PLAIN_CASES = {"z1": ("z1", "z3"), "z3": ("z1",)}
@@ -175,8 +175,8 @@ PLAIN_VARIANTS = ("z1", "z3")
 
 @dataclass(frozen=True)
 class Dp3Loads:
-    """Results of the shared dp=3 launch (`plain.json`, `converted.json`, `errors.json` in `out`), and the damaged
-    copy of `z1` the error run loaded (a flipped byte in rank 1's optimizer file)."""
+    """Results of the shared dp=3 launch (`reshard.json`, `plain.json`, `converted.json`, `errors.json` in `out`),
+    and the damaged copy of `z1` the error run loaded (a flipped byte in rank 1's optimizer file)."""
 
     out: Path
     damaged: Path
@@ -186,9 +186,12 @@ class Dp3Loads:
 
 @pytest.fixture(scope="session")
 def dp3_loads(sources, plain_sources, tmp_path_factory: pytest.TempPathFactory) -> Dp3Loads:
-    """One 3-rank launch for three runs: the plain DeepSpeed checkpoints loaded directly (test_cross_framework.py),
-    the converted path's cells (`--converted`), and the direct path's failures (`--expect-error`: a flipped byte
-    in a rank file, a RuntimeError and a MemoryError injected on rank 1, a slow rank 0; test_load_paths.py)."""
+    """One 3-rank launch for four runs: test_reshard.py's default dp=3 cells, the plain DeepSpeed checkpoints loaded
+    directly (test_cross_framework.py), the converted path's cells (`--converted`), and the direct path's failures
+    (`--expect-error`: a flipped byte in a rank file, a RuntimeError and a MemoryError injected on rank 1, a slow
+    rank 0; test_load_paths.py)."""
+    from test_reshard import case_args as reshard_cells  # the matrix stays in its module; its launch is shared
+
     out = tmp_path_factory.mktemp("dp3_loads")
     cases = dict(CONVERTED_CASES)
     if not nvme_unavailable():
@@ -214,7 +217,8 @@ def dp3_loads(sources, plain_sources, tmp_path_factory: pytest.TempPathFactory) 
     ]
     errors = ["load", "--expect-error", "--variant", "z2", "--results", str(out / "errors.json"), "--source"]
     errors += [str(damaged), f"{healthy}!RuntimeError", f"{healthy}!MemoryError", f"{healthy}!slow"]
-    torchrun(3, *each([plain, converted, errors]), timeout=600)
+    reshard = ["load", *reshard_cells(3, False, sources), "--results", str(out / "reshard.json")]
+    torchrun(3, *each([reshard, plain, converted, errors]), timeout=600)
     return Dp3Loads(out, damaged, flipped, cases)
 
 

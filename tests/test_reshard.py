@@ -1,7 +1,8 @@
 """End-to-end reshard matrix: save at dp=2, load at other DP sizes and ZeRO stages, compare exactly.
 
-All targets of one world size load in one torchrun launch (slow cases in a launch of their own), each
-target loading its source checkpoints in turn; each test reads its target's results. Every
+All targets of one world size load in one torchrun launch (slow cases in a launch of their own; the default dp=3
+cells in the session's shared dp=3 launch, `conftest.dp3_loads`), each target loading its source checkpoints in turn;
+each test reads its target's results. Every
 fp32 master weight, Adam moment, step, per-group hyperparameter, low-precision module weight,
 buffer, frozen parameter, scheduler state, counter and client_state entry must be torch.equal to
 what was gathered before saving; the next losses must match the uninterrupted run.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -108,25 +110,29 @@ def all_sources(sources, tmp_path_factory) -> dict[str, Path]:
     return {**sources, "fp16z2": fp16_shaped(sources["bf16z2"], tmp_path_factory.mktemp("fp16") / "fp16z2")}
 
 
+def case_args(dp: int, slow: bool, sources: Mapping[str, Path]) -> list[str]:
+    """The `--case TARGET SOURCE...` arguments of every cell of one world size, slow or default."""
+    group = [
+        p.values
+        for p in CASES
+        if p.values[1] == dp
+        and any(m.name == "slow" for m in p.marks) == slow
+        and not (nvme_unavailable() and any(m.name == "nvme" for m in p.marks))
+    ]
+    return [arg for target, _, names in group for arg in ("--case", target, *(str(sources[n]) for n in names))]
+
+
 @pytest.fixture(scope="module")
-def launched(all_sources, tmp_path_factory):
+def launched(all_sources, tmp_path_factory, request):
     """results(dp, slow) -> every result of the one launch that loads all targets of that world size."""
     done: dict[tuple[int, bool], list[dict]] = {}
 
     def results(dp: int, slow: bool) -> list[dict]:
+        if (dp, slow) == (3, False):  # loaded with the session's other dp=3 runs
+            return load_results(request.getfixturevalue("dp3_loads").out / "reshard.json")
         if (dp, slow) not in done:
-            group = [
-                p.values
-                for p in CASES
-                if p.values[1] == dp
-                and any(m.name == "slow" for m in p.marks) == slow
-                and not (nvme_unavailable() and any(m.name == "nvme" for m in p.marks))
-            ]
             out = tmp_path_factory.mktemp(f"reshard_dp{dp}") / "results.json"
-            cases = [
-                arg for target, _, names in group for arg in ("--case", target, *(str(all_sources[n]) for n in names))
-            ]
-            torchrun(dp, "load", *cases, "--results", str(out))
+            torchrun(dp, "load", *case_args(dp, slow, all_sources), "--results", str(out))
             done[dp, slow] = load_results(out)
         return done[dp, slow]
 
