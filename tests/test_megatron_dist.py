@@ -32,14 +32,14 @@ VOCAB = 70  # launch/train_gpt.py's, padded to 80 rows at TP=2
 MOE = ["--arch", "llama", "--moe"]  # 4 experts, top-2, in every layer
 
 
-def _run(out: Path, cases: dict[str, tuple[list[str], list[str]]]) -> dict[str, dict]:
-    """One launch: for each case, megatron-core alone saves at its layout (into out/<case>), then DeepSpeed loads
-    that folder at the target layout; every case's results."""
+def _run(out: Path, cases: dict[str, tuple[list[str], list[str]]], world: int = 2) -> dict[str, dict]:
+    """One launch of `world` ranks: for each case, megatron-core alone saves at its layout (into out/<case>), then
+    DeepSpeed loads that folder at the target layout; every case's results."""
     runs = []
     for case, (source, target) in cases.items():
         runs.append(["save", "--out", str(out / case), *source])
         runs.append(["load", "--source", str(out / case), *target, "--results", str(out / f"{case}.json")])
-    torchrun(2, *each(runs), worker=WORKER, timeout=600)
+    torchrun(world, *each(runs), worker=WORKER, timeout=600)
     return {case: json.loads((out / f"{case}.json").read_text()) for case in cases}
 
 
@@ -99,6 +99,16 @@ def test_megatron_core_saves_resume_across_the_pipeline(tmp_path):
     }
     for result in _run(tmp_path, cases).values():
         _exact(result)
+
+
+@pytest.mark.slow
+def test_a_moe_save_at_pp2_and_ep2_together_resumes_at_dp4(tmp_path):
+    """4 ranks: megatron-core's MoE GPT at PP=2 x EP=2 (each stage's layers, each EP rank's experts, stacked at
+    their global indices in one save) -> DeepSpeed at DP=4, EP=1, ZeRO-2: every state exact, the next losses."""
+    cases = {"pp2-ep2": ([*MOE, "--pp", "2", "--ep", "2"], [*MOE, "--ep", "1", "--zero", "2"])}
+    result = _run(tmp_path, cases, world=4)["pp2-ep2"]
+    _exact(result)
+    assert result["tensors"] >= 4 * 4 * 2 * 3, result
 
 
 @pytest.mark.slow  # the HF exporter has its own default tests; this one imports transformers for 10 s
