@@ -50,6 +50,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         "dense": (["--tp", "2"], ["--tp", "1", "--zero", "2"]),
         "moe": ([*MOE, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
         "distributed": (["--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
+        "moe-distributed": ([*MOE, "--ep", "2", "--distributed-optimizer"], [*MOE, "--ep", "1", "--zero", "1"]),
     }
     return out / "dense", _run(out, cases)
 
@@ -72,17 +73,21 @@ def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(s
     assert result["tensors"] >= 4 * 4 * 2 * 3, result  # 4 layers x 4 experts x 2 weights x 3 states
 
 
-def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_tp(saved):
-    """megatron-core's `DistributedOptimizer` at DP=2 (each rank's shard of every state gathered into whole
-    tensors by its `fully_reshardable` save: `optimizer.state.param.<key>`, each group's `step` in common.pt) ->
-    DeepSpeed at TP=2 ZeRO-1: every fp32 weight and Adam moment exact, the next losses megatron-core's."""
-    _exact(saved[1]["distributed"])
+@pytest.mark.parametrize("case", ["distributed", "moe-distributed"])
+def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_layout(saved, case):
+    """megatron-core's `DistributedOptimizer` (each rank's shard of every state gathered into whole tensors by its
+    `fully_reshardable` save: `optimizer.state.param.<key>`, each group's `step` in common.pt): a dense GPT at DP=2
+    -> DeepSpeed at TP=2 ZeRO-1; an MoE GPT at EP=2, a `ChainedOptimizer` of a dense and an expert
+    `DistributedOptimizer` saved with Megatron-LM's `chained_optim_avoid_prefix` (no `chained_<i>.` keys) ->
+    DeepSpeed at EP=1 ZeRO-1. Every fp32 weight and Adam moment exact, the next losses megatron-core's."""
+    _exact(saved[1][case])
 
 
-def test_the_distributed_optimizers_default_format_is_refused(saved, tmp_path, capsys):
-    """The same job's `dp_reshardable` save (Megatron-LM's default: flat per-bucket buffers, whose layout only the
-    saving job's DDP knows) is refused in one line naming the format and the flag that saves a readable one."""
-    folder = saved[0].parent / "distributed" / "dp_reshardable"
+@pytest.mark.parametrize("case", ["distributed", "moe-distributed"])
+def test_the_distributed_optimizers_default_format_is_refused(saved, tmp_path, capsys, case):
+    """The same jobs' `dp_reshardable` saves (Megatron-LM's default: flat per-bucket buffers, whose layout only the
+    saving job's DDP knows) are refused in one line naming the format and the flag that saves a readable one."""
+    folder = saved[0].parent / case / "dp_reshardable"
     assert ucp(["import-megatron", str(folder), str(tmp_path / "u")]) == 2
     err = capsys.readouterr().err
     assert "'dp_reshardable'" in err and "--dist-ckpt-optim-fully-reshardable" in err and err.count("\n") == 1, err

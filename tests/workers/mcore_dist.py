@@ -42,7 +42,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, _get_megatron_optimizer_based_on_param_groups
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, _get_megatron_optimizer_based_on_param_groups
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from train_gpt import SEQ, VOCAB, lm_loss
 
@@ -300,6 +300,11 @@ def sharded_optimizer(model_sd: dict, opt: torch.optim.Optimizer) -> dict:
     return out if len(chains) > 1 else out[0]
 
 
+def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """train_gpt's learning-rate schedule."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+
+
 class Trainer:
     """megatron-core training the model with torch AdamW, as its `FP32Optimizer` (a `ChainedOptimizer` of a dense and
     an expert one for MoE) keeps it; one save."""
@@ -309,9 +314,10 @@ class Trainer:
     def __init__(self, model, groups: list[dict]) -> None:
         self.model = model
         self.torch = torch.optim.AdamW(megatron_groups(model, groups), lr=1e-3)
+        self.schedules = [schedule(self.torch)]
 
-    def steps(self, sched, first: int, count: int) -> list[float]:
-        return steps(self.model, self.torch, sched, first, count)
+    def steps(self, first: int, count: int) -> list[float]:
+        return steps(self.model, self.torch, self.schedules[0], first, count)
 
     def full_state(self) -> dict:
         return full_state(self.model, self.torch.param_groups, lambda p: self.torch.state[p])
@@ -321,34 +327,61 @@ class Trainer:
 
 
 class DistributedTrainer:
-    """megatron-core's DDP and `DistributedOptimizer` (the same AdamW, groups and clipping; each DP rank updates its
-    shard), built as Megatron-LM builds them. Saved `fully_reshardable` (`--dist-ckpt-optim-fully-reshardable`) and
-    `dp_reshardable` (Megatron-LM's default); dense models."""
+    """megatron-core's DDP and `DistributedOptimizer`s (the same AdamW, groups and clipping; each DP rank updates its
+    shard), built as Megatron-LM's `get_megatron_optimizer` builds them: one for the dense groups over the DP group,
+    and for MoE one for the expert groups over the expert-DP group, chained. Saved `fully_reshardable`
+    (`--dist-ckpt-optim-fully-reshardable`) and `dp_reshardable` (Megatron-LM's default), with the metadata
+    Megatron-LM passes (a `ChainedOptimizer` then prefixes only the `dp_reshardable` keys)."""
 
     saves = (("ckpt", "fully_reshardable"), ("dp_reshardable", "dp_reshardable"))
 
     def __init__(self, model, groups: list[dict]) -> None:
-        groups = megatron_groups(model, groups)
-        self.members = [list(g["params"]) for g in groups]  # the optimizer puts its shards in their place
+        self.groups = megatron_groups(model, groups)
+        self.members = [list(g["params"]) for g in self.groups]  # each optimizer puts its shards in their place
         self.model = model
         self.ddp = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model
         )
-        dp = ps.get_data_parallel_group(with_context_parallel=True)
-        self.opt = _get_megatron_optimizer_based_on_param_groups(
-            OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True, clip_grad=1.0),
-            [self.ddp],
-            groups,
-            per_model_buffers={0: self.ddp.buffers},
-            model_parallel_group=ps.get_model_parallel_group(),
-            data_parallel_group=dp,
-            data_parallel_group_gloo=ps.get_data_parallel_group_gloo(with_context_parallel=True),
-            data_parallel_group_idx=ps.get_model_parallel_group().rank(),
-            intra_dist_opt_group=dp,
-        )
-        self.torch = self.opt.optimizer
+        self.experts = {id(p) for g in self.groups if g["is_expert_parallel"] for p in g["params"]}
+        # (the optimizer's groups, its buffers, its DP group and gloo twin, its model-parallel group)
+        parts = [
+            (
+                [g for g in self.groups if not g["is_expert_parallel"]],
+                self.ddp.buffers,
+                ps.get_data_parallel_group(with_context_parallel=True),
+                ps.get_data_parallel_group_gloo(with_context_parallel=True),
+                ps.get_model_parallel_group(),
+            )
+        ]
+        if self.experts:
+            parts.append(
+                (
+                    [g for g in self.groups if g["is_expert_parallel"]],
+                    self.ddp.expert_parallel_buffers,
+                    ps.get_expert_data_parallel_group(),
+                    ps.get_expert_data_parallel_group_gloo(),
+                    ps.get_expert_tensor_model_pipeline_parallel_group(),
+                )
+            )
+        config = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True, clip_grad=1.0)
+        self.parts = [
+            _get_megatron_optimizer_based_on_param_groups(
+                config,
+                [self.ddp],
+                mine,
+                per_model_buffers={0: buffers},
+                model_parallel_group=model_parallel,
+                data_parallel_group=dp,
+                data_parallel_group_gloo=dp_gloo,
+                data_parallel_group_idx=model_parallel.rank(),
+                intra_dist_opt_group=ps.get_intra_distributed_optimizer_instance_group(),
+            )
+            for mine, buffers, dp, dp_gloo, model_parallel in parts
+        ]
+        self.opt = ChainedOptimizer(self.parts)
+        self.schedules = [schedule(part.optimizer) for part in self.parts]
 
-    def steps(self, sched, first: int, count: int) -> list[float]:
+    def steps(self, first: int, count: int) -> list[float]:
         """DDP scales each gradient by 1/DP and reduce-scatters it into the owning rank's shard; the optimizer's
         step takes the norm over every shard, clips, updates its shard and all-gathers the parameters."""
         mask, position_ids = attention_inputs()
@@ -364,33 +397,43 @@ class DistributedTrainer:
                 total += loss.detach()
             self.ddp.finish_grad_sync()
             self.opt.step()
-            sched.step()
+            for each in self.schedules:
+                each.step()
             losses.append(mean_loss(total))
         return losses
 
     def state_of(self, p: torch.Tensor) -> dict:
-        """p's whole AdamW state: each DP rank fills the range its shard holds, a sum over DP joins the ranges (the
-        other ranks add zeros), the step is the owners'."""
+        """p's whole AdamW state: each rank of its optimizer's DP group fills the range its shard holds, a sum over
+        that group joins the ranges (the other ranks add zeros), the step is the owners'."""
+        expert = id(p) in self.experts
+        part = self.parts[1 if expert else 0]
         whole = {k: torch.zeros(p.numel()) for k in ("exp_avg", "exp_avg_sq")}
         step = torch.zeros(())
-        if p in self.opt.model_param_group_index_map:
-            where = self.opt._get_model_param_range_map(p)["param"]
-            shard = self.opt._get_main_param_and_optimizer_states(p)
+        if p in part.model_param_group_index_map:
+            where = part._get_model_param_range_map(p)["param"]
+            shard = part._get_main_param_and_optimizer_states(p)
             for key, value in whole.items():
                 value[where.start : where.end] = shard[key]
             step = shard["step"].clone()
-        group = ps.get_data_parallel_group()
+        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
         for value in whole.values():
             dist.all_reduce(value, group=group)
         dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
         return {**{k: v.view_as(p) for k, v in whole.items()}, "step": step}
 
     def full_state(self) -> dict:
-        groups = [{**g, "params": m} for g, m in zip(self.torch.param_groups, self.members)]
+        """The full state, each group's hyperparameters as its optimizer holds them now (dense, then expert)."""
+        flags = [g["is_expert_parallel"] for g in self.groups]
+        order = [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
+        live = [g for part in self.parts for g in part.optimizer.param_groups]
+        groups: list = [None] * len(order)
+        for i, group in zip(order, live):
+            groups[i] = {**group, "params": self.members[i]}
         return full_state(self.model, groups, self.state_of)
 
     def sharded(self, model_sd: dict, sharding: str | None) -> dict:
-        return self.opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": sharding})
+        metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False}
+        return self.opt.sharded_state_dict(model_sd, metadata={**metadata, "chained_optim_avoid_prefix": True})
 
 
 def do_save(args: argparse.Namespace) -> None:
@@ -398,8 +441,7 @@ def do_save(args: argparse.Namespace) -> None:
     model, groups = train_gpt.model_and_groups(args)
     with cuda_as_cpu() if args.distributed_optimizer else contextlib.nullcontext():
         trainer = (DistributedTrainer if args.distributed_optimizer else Trainer)(model, groups)
-        sched = torch.optim.lr_scheduler.LambdaLR(trainer.torch, lambda s: 1.0 / (1.0 + 0.1 * s))  # train_gpt's
-        trainer.steps(sched, 0, STEPS)
+        trainer.steps(0, STEPS)
         ref = trainer.full_state()
         megatron_args = argparse.Namespace(  # the fields of Megatron-LM's saved args that describe the model
             num_layers=model.config.num_layers,
@@ -430,11 +472,11 @@ def do_save(args: argparse.Namespace) -> None:
                 "iteration": STEPS,
                 "checkpoint_version": 3.0,
                 "args": megatron_args,
-                "opt_param_scheduler": sched.state_dict(),
+                "opt_param_scheduler": trainer.schedules[0].state_dict(),
             }
             os.makedirs(f"{args.out}/{folder}", exist_ok=True)  # megatron-core saves into an existing, empty folder
             dist_checkpointing.save(state, f"{args.out}/{folder}")
-        cont = trainer.steps(sched, STEPS, CONT)
+        cont = trainer.steps(STEPS, CONT)
     if dist.get_rank() == 0:
         torch.save({"snapshot": ref, "continuation": cont}, f"{args.out}/reference.pt")
 
@@ -486,7 +528,7 @@ def do_native_load(args: argparse.Namespace) -> None:
     loaded = dist_checkpointing.load(sharded, args.source)
     model.load_state_dict(loaded["model"], strict=False)  # the linears' `_extra_state` hold nothing here
     opt.load_state_dict(merged_optimizer(opt, loaded["optimizer"]))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    sched = schedule(opt)
     # Megatron-LM's scheduler is set from the iteration; building one above reset the learning rates to their peaks
     sched.last_epoch, sched.base_lrs = loaded["iteration"] - 1, base_lrs
     sched.step()
