@@ -51,6 +51,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         "moe": ([*MOE, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
         "distributed": (["--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
         "moe-distributed": ([*MOE, "--ep", "2", "--distributed-optimizer"], [*MOE, "--ep", "1", "--zero", "1"]),
+        # at EP=1 megatron-core trains experts in the dense groups; DeepSpeed's MoE keeps them apart
+        "moe-ep1": ([*MOE, "--ep", "1"], [*MOE, "--ep", "2", "--zero", "1"]),
     }
     return out / "dense", _run(out, cases)
 
@@ -65,10 +67,14 @@ def test_a_megatron_core_save_resumes_in_deepspeed_at_another_tp_and_stage(saved
     _exact(saved[1]["dense"])
 
 
-def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(saved):
+@pytest.mark.parametrize("case", ["moe", "moe-ep1"])
+def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(saved, case):
     """megatron-core at EP=2 (a `ChainedOptimizer`'s dense and expert states, `chained_<i>.` keys) -> DeepSpeed at
-    EP=1 x DP=2 ZeRO-1, its experts in a param group of their own: every expert's states exact."""
-    result = saved[1]["moe"]
+    EP=1 x DP=2 ZeRO-1, its experts in a param group of their own; megatron-core at EP=1 (one optimizer, the experts
+    in the dense groups, as it marks experts only under expert parallelism) -> DeepSpeed at EP=2, its experts in
+    groups split from the dense ones: every expert's states exact, the steps and hyperparameters of the group each
+    came from."""
+    result = saved[1][case]
     _exact(result)
     assert result["tensors"] >= 4 * 4 * 2 * 3, result  # 4 layers x 4 experts x 2 weights x 3 states
 
@@ -146,24 +152,30 @@ EXPORTS = {  # the DeepSpeed job's layout -> the layouts megatron-core loads the
 }
 
 
+def _ep(layout: list[str]) -> list[str]:
+    """export-megatron's arguments for a loading job at this layout: its expert-parallel size, for MoE."""
+    return ["--expert-model-parallel-size", layout[layout.index("--ep") + 1]] if "--ep" in layout else []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(EXPORTS))
 def test_a_deepspeed_job_exports_to_torch_dist_that_megatron_core_loads_at_any_layout(tmp_path, model):
     """A DeepSpeed job (dense at TP=2, MoE at EP=2; ZeRO-1) -> `ucp export-megatron` -> megatron-core alone,
-    `dist_checkpointing.load` at TP=1, TP=2 and PP=2 (MoE: EP=1 and EP=2) in one launch (an MoE model's optimizer
-    as Megatron-LM's `ChainedOptimizer` shards it): every state `torch.equal` to the DeepSpeed job's, and its next
-    losses."""
+    `dist_checkpointing.load` at TP=1, TP=2 and PP=2 (MoE: EP=1, the experts exported into the dense groups as
+    megatron-core trains them there, and EP=2, as Megatron-LM's `ChainedOptimizer` shards it) in one launch: every
+    state `torch.equal` to the DeepSpeed job's, and its next losses."""
     saved_at, loads = EXPORTS[model]
     source = tmp_path / "ds"
     torchrun(2, "save", "--out", str(source), *saved_at, "--zero", "1", worker=GPT_WORKER)
-    out = tmp_path / "megatron"
-    assert ucp(["export-megatron", str(source), str(out), "--padded-vocab-size", "80"]) == 0
-    assert (out / "metadata.json").exists() and (out / "common.pt").exists()
-    runs = [
-        ["native-load", "--source", str(out), "--reference", str(source / "reference.pt"), *layout]
-        + ["--results", str(tmp_path / f"{i}.json")]
-        for i, layout in enumerate(loads)
-    ]
+    runs = []
+    for i, layout in enumerate(loads):
+        out = tmp_path / f"megatron{i}"
+        assert ucp(["export-megatron", str(source), str(out), "--padded-vocab-size", "80", *_ep(layout)]) == 0
+        assert (out / "metadata.json").exists() and (out / "common.pt").exists()
+        runs.append(
+            ["native-load", "--source", str(out), "--reference", str(source / "reference.pt"), *layout]
+            + ["--results", str(tmp_path / f"{i}.json")]
+        )
     torchrun(2, *each(runs), worker=WORKER, timeout=600)
     for i, layout in enumerate(loads):
         result = json.loads((tmp_path / f"{i}.json").read_text())
@@ -181,6 +193,30 @@ def test_export_megatron_then_import_is_the_identity(saved, tmp_path):
     again = tmp_path / "b"
     assert ucp(["import-megatron", str(exported), str(again), "--vocab-size", str(VOCAB)]) == 0
     assert ucp(["diff", str(first), str(again)]) == 0
+
+
+def test_experts_export_into_the_dense_groups_for_a_job_without_expert_parallelism(saved, tmp_path, capsys):
+    """`export-megatron --expert-model-parallel-size 1` writes one optimizer whose dense groups hold the experts (as
+    megatron-core builds it at EP=1); importing that gives the expert groups back, split from the dense ones as
+    DeepSpeed's MoE keeps them: the same universal checkpoint. A group without a dense twin is refused."""
+    first = tmp_path / "a"
+    assert ucp(["import-megatron", str(saved[0].parent / "moe" / "ckpt"), str(first), "--vocab-size", str(VOCAB)]) == 0
+    assert [g.hyperparams["is_expert_parallel"] for g in read_manifest(str(first)).param_groups] == [0, 0, 1]
+    exported = tmp_path / "ep1"
+    args = ["--padded-vocab-size", "80", "--expert-model-parallel-size", "1"]
+    assert ucp(["export-megatron", str(first), str(exported), *args]) == 0
+    optimizer = torch.load(exported / "common.pt", weights_only=False)["optimizer"]
+    assert [g["is_expert_parallel"] for g in optimizer["param_groups"]] == [False, False]
+    assert not any(k.startswith("chained_") for k in DcpCheckpoint(str(exported)).tensors)
+    again = tmp_path / "b"
+    assert ucp(["import-megatron", str(exported), str(again), "--vocab-size", str(VOCAB)]) == 0
+    assert ucp(["diff", str(first), str(again)]) == 0
+    manifest = json.loads((first / "manifest.json").read_text())
+    manifest["param_groups"][2]["hyperparams"]["lr"] = 0.5
+    (first / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert ucp(["export-megatron", str(first), str(tmp_path / "refused"), *args]) == 2
+    assert "expert param group 2 matches no dense group" in capsys.readouterr().err
 
 
 def _rewritten(saved: Path, out: Path, master: str, optimizer, extra: dict | None = None) -> Path:

@@ -175,8 +175,9 @@ def cuda_as_cpu() -> Iterator[None]:
 
 def megatron_groups(model, groups: list[dict]) -> list[dict]:
     """train_gpt's groups as megatron-core's `_get_param_groups` orders them: each weight-decay class, dense
-    parameters before experts, every group marked `is_expert_parallel`."""
-    experts = {id(p) for name, p in model.named_parameters() if ".mlp.experts." in name}
+    parameters before experts, every group marked `is_expert_parallel`. Experts are what megatron-core marks
+    `allreduce=False`: only under expert parallelism (EP > 1); at EP=1 they train in the dense groups."""
+    experts = {id(p) for p in model.parameters() if not getattr(p, "allreduce", True)}
     out = []
     for group in groups:
         for expert in (False, True):
@@ -186,10 +187,21 @@ def megatron_groups(model, groups: list[dict]) -> list[dict]:
     return out
 
 
-def deepspeed_order(groups: list[dict]) -> list[int]:
-    """The groups in the order a DeepSpeed job of the same model keeps them: dense, then experts."""
-    flags = [g["is_expert_parallel"] for g in groups]
-    return [g for g, f in enumerate(flags) if not f] + [g for g, f in enumerate(flags) if f]
+def deepspeed_groups(model, groups: list[dict]) -> list[tuple[int, list[int]]]:
+    """The groups as a DeepSpeed MoE job of the same model keeps them (`split_params_into_different_moe_groups_for_
+    optimizer`): the dense groups, then the experts in groups of their own (megatron-core's expert groups, or at EP=1
+    the experts of each dense group); each as (the megatron group it comes from, its parameters' ids)."""
+    experts = {id(p) for name, p in model.named_parameters() if ".mlp.experts." in name}
+    dense, moe = [], []
+    for g, group in enumerate(groups):
+        ids = [id(p) for p in group["params"]]
+        if group["is_expert_parallel"]:
+            moe.append((g, ids))
+            continue
+        dense.append((g, [i for i in ids if i not in experts]))
+        if split := [i for i in ids if i in experts]:
+            moe.append((g, split))
+    return dense + moe
 
 
 def universal_name(model, name: str) -> str:
@@ -210,8 +222,8 @@ def full_state(model, groups: list[dict], state_of: Callable[[torch.Tensor], dic
     """The full state in universal names (gpt.py's snapshot form): TP shards gathered, experts by global index,
     vocabulary padding dropped, the groups in DeepSpeed's order; on rank 0. `groups` are the optimizer's groups
     over the model's parameters, `state_of(p)` p's whole AdamW state."""
-    position = {g: i for i, g in enumerate(deepspeed_order(groups))}
-    group_of = {id(p): position[g] for g, group in enumerate(groups) for p in group["params"]}
+    slots = deepspeed_groups(model, groups)
+    group_of = {pid: i for i, (_, ids) in enumerate(slots) for pid in ids}
     part: dict = {"fp32": {}, "state": {}, "steps": {}}
     copy = tied_copy(model)
     for name, p in model.named_parameters():
@@ -241,8 +253,7 @@ def full_state(model, groups: list[dict], state_of: Callable[[torch.Tensor], dic
             snap[key].update(piece[key])
     snap["steps"] = dict(sorted(snap["steps"].items()))
     snap["hyperparams"] = [
-        {k: v for k, v in groups[g].items() if k not in ("params", "name", "is_expert_parallel")}
-        for g in deepspeed_order(groups)
+        {k: v for k, v in groups[g].items() if k not in ("params", "name", "is_expert_parallel")} for g, _ in slots
     ]
     return snap
 

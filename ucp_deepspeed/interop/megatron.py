@@ -233,27 +233,34 @@ def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _placement(groups: list[dict[str, Any]], path: str) -> tuple[list[int], Any]:
+def _decays(name: str, shape: tuple[int, ...]) -> bool:
+    """megatron-core's default weight-decay rule: biases and 1-D weights take none."""
+    return not (name.endswith(".bias") or len(shape) == 1)
+
+
+def _placement(
+    groups: list[dict[str, Any]], present: set[tuple[bool, bool]], path: str
+) -> tuple[list[tuple[int, bool]], Any]:
     """megatron-core's default grouping (`_get_param_groups`), which `torch_dist` does not record by parameter.
 
-    megatron-core keys a group by its weight-decay override (biases and 1-D weights take none) and by whether its
-    parameters are experts (`is_expert_parallel`). Returns the order the universal folder keeps the groups in
-    (DeepSpeed's: the dense groups, then the expert groups `split_params_into_different_moe_groups_for_optimizer`
-    appends) and a function placing a parameter by name and shape at its index in that order; refuses groups this
-    rule cannot tell apart.
+    megatron-core keys a group by its weight-decay override and by whether its parameters are experts
+    (`is_expert_parallel`, which it sets only under expert parallelism: at EP=1 experts train in the dense groups).
+    The universal folder keeps DeepSpeed's order: the dense groups, then the expert groups that
+    `split_params_into_different_moe_groups_for_optimizer` appends, which a DeepSpeed MoE job always has; an EP=1
+    save's experts get such groups, each a copy of the group they trained in. `present` holds the (expert, decays)
+    classes of the saved parameters. Returns each universal group as (the saved group it comes from, whether it is
+    such a copy) and a function placing a parameter by name and shape; refuses groups this rule cannot tell apart.
     """
     experts = [bool(h.get("is_expert_parallel", False)) for h in groups]
-    order = [g for g in range(len(groups)) if not experts[g]] + [g for g in range(len(groups)) if experts[g]]
-    position = {g: i for i, g in enumerate(order)}
-    classes: dict[tuple[bool, bool], int] = {}  # (expert, takes weight decay) -> position
+    classes: dict[tuple[bool, bool], int] = {}  # (expert, takes weight decay) -> saved group
     for expert in (False, True):
         mine = [g for g in range(len(groups)) if experts[g] == expert]
         no_decay = [g for g in mine if float(groups[g].get("weight_decay", 0.0)) == 0.0]
         if len(mine) == 1:
-            classes[(expert, False)] = classes[(expert, True)] = position[mine[0]]
+            classes[(expert, False)] = classes[(expert, True)] = mine[0]
         elif len(mine) == 2 and len(no_decay) == 1:
-            classes[(expert, False)] = position[no_decay[0]]
-            classes[(expert, True)] = position[next(g for g in mine if g != no_decay[0])]
+            classes[(expert, False)] = no_decay[0]
+            classes[(expert, True)] = next(g for g in mine if g != no_decay[0])
         elif mine:
             raise CheckpointError(
                 path,
@@ -261,18 +268,25 @@ def _placement(groups: list[dict[str, Any]], path: str) -> tuple[list[int], Any]
                 "(for dense and for expert parameters: one group, or one with and one without weight decay) can "
                 "be placed",
             )
-    if not any(experts):  # experts without groups of their own train with the dense parameters
+    split = not any(experts)
+    if split:
         classes.update({(True, decay): g for (_, decay), g in list(classes.items())})
+    slots = [(g, False) for g in range(len(groups)) if not experts[g]]
+    if split:
+        used = {classes[c] for c in present if c[0] and c in classes}
+        slots += [(g, True) for g in range(len(groups)) if g in used]
+    else:
+        slots += [(g, False) for g in range(len(groups)) if experts[g]]
+    position = {slot: i for i, slot in enumerate(slots)}
 
     def group_of(name: str, shape: tuple[int, ...]) -> int:
         expert = _is_expert(name)
-        decay = not (name.endswith(".bias") or len(shape) == 1)
-        if (expert, decay) not in classes:
+        if (expert, _decays(name, shape)) not in classes:
             kind = "expert" if expert else "dense"
             raise CheckpointError(path, f"no param group holds {kind} parameters such as {name}")
-        return classes[(expert, decay)]
+        return position[(classes[(expert, _decays(name, shape))], expert and split)]
 
-    return order, group_of
+    return slots, group_of
 
 
 def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> str:
@@ -299,11 +313,16 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
     hypers = [h for optim in chain for h in optim["param_groups"]]
     # the step: `common_step` of each optimizer, or (DistributedOptimizer) each group's own
     steps = [(o.get("state") or {}).get("common_step", h.get("step")) for o in chain for h in o["param_groups"]]
-    order, group_of = _placement(hypers, st.join(folder, COMMON))
     ckpt = DcpCheckpoint(folder)
     try:
         fused = compat.megatron_fused_norms()
         model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.") and not _CHAINED.match(k)]
+        present = {
+            (_is_expert(name), _decays(name, ckpt.tensors[key].shape[len(index) :]))
+            for key in model_keys
+            for name, index in _pieces(key, ckpt.tensors[key].shape, fused)
+        }
+        slots, group_of = _placement(hypers, present, st.join(folder, COMMON))
         stored = _optimizer_keys(ckpt, model_keys)
         states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in stored} - set(MASTERS))
         records: list[FileRecord] = []
@@ -361,10 +380,13 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
             counters=Counters(global_steps=iteration if type(iteration) is int and iteration >= 0 else 0),
             param_groups=tuple(
                 GroupRecord(
-                    {k: encode_value(v) for k, v in hypers[g].items() if k != "params"},
+                    {
+                        **{k: encode_value(v) for k, v in hypers[g].items() if k != "params"},
+                        **({"is_expert_parallel": True} if copy else {}),
+                    },
                     {"step": encode_value(_step_tensor(steps[g]))} if _is_step(steps[g]) else {},
                 )
-                for g in order
+                for g, copy in slots
             ),
             params=params,
             buffers={},
@@ -410,7 +432,9 @@ def _stacked(manifest: Manifest) -> dict[str, list[tuple[tuple[int, ...], str]]]
     return out
 
 
-def export_megatron(path: str, output: str, padded_vocab_size: int | None = None) -> str:
+def export_megatron(
+    path: str, output: str, padded_vocab_size: int | None = None, expert_model_parallel_size: int | None = None
+) -> str:
     """Write a checkpoint as a megatron-core `torch_dist` folder that `dist_checkpointing.load` reads at any TP/PP.
 
     Args:
@@ -418,6 +442,9 @@ def export_megatron(path: str, output: str, padded_vocab_size: int | None = None
         output: the folder to write; `metadata.json` is written last.
         padded_vocab_size: rows of the embedding and output layer in the loading model (Megatron-LM's
             `padded_vocab_size`); the rows past the vocabulary are written as zeros. None writes the vocabulary.
+        expert_model_parallel_size: the loading job's, for an MoE model. megatron-core gives experts an optimizer
+            of their own only under expert parallelism; at 1 the expert groups are written into the dense groups
+            they match (the same hyperparameters and step). None writes them apart, for EP > 1.
 
     Example:
         >>> export_megatron("checkpoints", "megatron/iter_0000100", padded_vocab_size=50304)
@@ -431,7 +458,11 @@ def export_megatron(path: str, output: str, padded_vocab_size: int | None = None
         if any(not r.trainable for r in manifest.params.values()) or manifest.buffers:
             raise CheckpointError(path, "holds frozen parameters or buffers, which a megatron-core GPT does not have")
         chains = _chains(manifest, path)
-        chain_of = {g: c for c, members in enumerate(chains) for g in members}
+        merged = expert_model_parallel_size == 1 and len(chains) > 1
+        if merged:
+            _check_dense_twins(manifest, chains, path)
+        chain_of = {g: 0 if merged else c for c, members in enumerate(chains) for g in members}
+        chains = chains[:1] if merged else chains
         writer = compat.DcpWriter(output)
         try:
             for key, pieces in _stacked(manifest).items():
@@ -506,6 +537,25 @@ def _chains(manifest: Manifest, path: str) -> list[list[int]]:
     experts = [g for g, k in kinds.items() if k == {True}]
     dense = [g for g in kinds if g not in experts]
     return [dense, experts] if experts else [dense]
+
+
+def _check_dense_twins(manifest: Manifest, chains: list[list[int]], path: str) -> None:
+    """Refuse to write experts into the dense groups unless each expert group has a dense group with the same
+    hyperparameters and step (DeepSpeed's MoE split copies them from the group the experts came from)."""
+
+    def settings(g: int) -> tuple[dict[str, Any], Any]:
+        record = manifest.param_groups[g]
+        kept = {k: v for k, v in (record.hyperparams or {}).items() if k not in ("moe", "name", "is_expert_parallel")}
+        return kept, record.scalars.get("step")
+
+    dense = [settings(g) for g in chains[0]]
+    for g in chains[1]:
+        if settings(g) not in dense:
+            raise CheckpointError(
+                path,
+                f"expert param group {g} matches no dense group in hyperparameters and step; megatron-core at "
+                "expert-parallel size 1 trains experts in the dense groups",
+            )
 
 
 def _megatron_group(record: GroupRecord, expert: bool) -> dict[str, Any]:

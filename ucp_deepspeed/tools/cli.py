@@ -361,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out", help="the folder to write, e.g. CKPT/iter_0000100")
     p.add_argument("--padded-vocab-size", type=int, help="rows of the loading model's embedding (zeros past the vocab)")
+    p.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        help="the loading job's (MoE): at 1 the experts are written into the dense param groups, as megatron-core "
+        "trains them without expert parallelism",
+    )
     p = sub.add_parser("export-dcp", help="write a checkpoint as a PyTorch DCP folder that dcp.load reads at any size")
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
@@ -425,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "import-megatron":
             print(import_megatron(args.megatron_dir, args.out, args.vocab_size))
         elif args.command == "export-megatron":
-            print(export_megatron(args.ckpt, args.out, args.padded_vocab_size))
+            print(export_megatron(args.ckpt, args.out, args.padded_vocab_size, args.expert_model_parallel_size))
         elif args.command == "export-dcp":
             print(export_dcp(args.ckpt, args.out, args.model_key, args.optim_key, progress=not args.no_progress))
         elif args.command == "diff":
