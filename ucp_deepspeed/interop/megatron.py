@@ -168,7 +168,7 @@ def _optimizers(common: dict[str, Any], path: str) -> list[dict[str, Any]]:
         chain = [optim[i] for i in range(len(optim))]
     elif isinstance(optim, list):
         chain = optim
-    for o in chain if chain else [optim]:
+    for o in chain if chain else [optim]:  # each optimizer's entry names its DistributedOptimizer format
         sharding = o.get("param_state_sharding_type") if isinstance(o, dict) else None
         if sharding is not None and sharding not in RESHARDABLE:
             raise CheckpointError(
@@ -280,11 +280,12 @@ def _placement(
     position = {slot: i for i, slot in enumerate(slots)}
 
     def group_of(name: str, shape: tuple[int, ...]) -> int:
-        expert = _is_expert(name)
-        if (expert, _decays(name, shape)) not in classes:
-            kind = "expert" if expert else "dense"
-            raise CheckpointError(path, f"no param group holds {kind} parameters such as {name}")
-        return position[(classes[(expert, _decays(name, shape))], expert and split)]
+        kind = (_is_expert(name), _decays(name, shape))
+        if kind not in classes:
+            raise CheckpointError(
+                path, f"no param group holds {'expert' if kind[0] else 'dense'} parameters such as {name}"
+            )
+        return position[(classes[kind], kind[0] and split)]
 
     return slots, group_of
 
