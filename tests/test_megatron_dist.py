@@ -49,7 +49,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     cases = {
         "dense": (["--tp", "2"], ["--tp", "1", "--zero", "2"]),
         "moe": ([*MOE, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
-        "distributed": (["--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
+        "distributed": (["--distributed-optimizer", "--bf16"], ["--tp", "2", "--zero", "1"]),
         "moe-distributed": ([*MOE, "--ep", "2", "--distributed-optimizer"], [*MOE, "--ep", "1", "--zero", "1"]),
         # at EP=1 megatron-core trains experts in the dense groups; DeepSpeed's MoE keeps them apart
         "moe-ep1": ([*MOE, "--ep", "1"], [*MOE, "--ep", "2", "--zero", "1"]),
@@ -57,10 +57,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return out / "dense", _run(out, cases)
 
 
-def _exact(result: dict) -> None:
+def _exact(result: dict, rtol: float = 1e-5) -> None:
     assert result["mode"] == "imported"
     assert result["diffs"] == [] and result["tensors"] > 100, result
-    assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5), result
+    assert result["losses"] == pytest.approx(result["reference_losses"], rel=rtol), result
 
 
 def test_a_megatron_core_save_resumes_in_deepspeed_at_another_tp_and_stage(saved):
@@ -83,10 +83,12 @@ def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(s
 def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_layout(saved, case):
     """megatron-core's `DistributedOptimizer` (each rank's shard of every state gathered into whole tensors by its
     `fully_reshardable` save: `optimizer.state.param.<key>`, each group's `step` in common.pt): a dense GPT at DP=2
-    -> DeepSpeed at TP=2 ZeRO-1; an MoE GPT at EP=2, a `ChainedOptimizer` of a dense and an expert
+    in bf16 (megatron-core's `Float16Module`; the optimizer's fp32 copies are the fp32 weights) -> DeepSpeed at
+    TP=2 ZeRO-1 in fp32; an MoE GPT at EP=2 in fp32, a `ChainedOptimizer` of a dense and an expert
     `DistributedOptimizer` saved with Megatron-LM's `chained_optim_avoid_prefix` (no `chained_<i>.` keys) ->
-    DeepSpeed at EP=1 ZeRO-1. Every fp32 weight and Adam moment exact, the next losses megatron-core's."""
-    _exact(saved[1][case])
+    DeepSpeed at EP=1 ZeRO-1. Every fp32 weight and Adam moment exact, the next losses megatron-core's (bf16 against
+    fp32: within 1e-3)."""
+    _exact(saved[1][case], rtol=1e-3 if case == "distributed" else 1e-5)
 
 
 @pytest.mark.parametrize("case", ["distributed", "moe-distributed"])
@@ -254,10 +256,9 @@ def _float16(optim: dict) -> dict:
     return {"optimizer": optim, "grad_scaler": None}
 
 
-LAYOUTS = {  # optimizer -> the name of its fp32 copies, its common.pt entry
+LAYOUTS = {  # optimizer -> the name of its fp32 copies, its common.pt entry (a real bf16 fully_reshardable save: above)
     "Float16OptimizerWithFloat16Params": ("fp32_param", _float16),
     "DistributedOptimizer fully_sharded_model_space": ("fp32_param", _distributed),
-    "DistributedOptimizer fully_reshardable": ("param", _distributed),
 }
 
 
@@ -265,8 +266,8 @@ LAYOUTS = {  # optimizer -> the name of its fp32 copies, its common.pt entry
 def test_bf16_saves_import_the_fp32_copies(saved, tmp_path, layout):
     """Megatron-LM's bf16 runs store bf16 weights and their fp32 copies: `Float16OptimizerWithFloat16Params` as
     `optimizer.state.fp32_param.<key>` (its torch state under `optimizer.optimizer`, `common_step`), the
-    `DistributedOptimizer`'s model-space formats as `fp32_param` or `param` (each group's `step`). These optimizers
-    are CUDA-only, so each folder is the real fp32 save rewritten in that layout (keys as their
+    `DistributedOptimizer`'s deprecated `fully_sharded_model_space` as `fp32_param` (each group's `step`; megatron-core
+    0.16 no longer saves it). Each folder is the real fp32 save rewritten in that layout (keys as their
     `sharded_state_dict`s make them); the import takes the fp32 copies, not the rounded weights, and the step."""
     bf16 = _rewritten(saved[0], tmp_path / "bf16", *LAYOUTS[layout])
     a, b = tmp_path / "a", tmp_path / "b"

@@ -1,13 +1,14 @@
 """megatron-core's own checkpoints (`dist_checkpointing`, torch_dist) into DeepSpeed: launch/train_gpt.py's GPT.
 
-save --out DIR --tp T [--arch gpt|llama] [--distributed-optimizer]
+save --out DIR --tp T [--arch gpt|llama] [--distributed-optimizer [--bf16]]
     megatron-core alone trains the GPT STEPS steps (torch AdamW with train_gpt's groups, its LR schedule and
     gradient clipping, DP gradients averaged as DeepSpeed does) and saves it with `dist_checkpointing.save`,
     model and optimizer `sharded_state_dict`s and Megatron-LM's common entries, into DIR/ckpt. Rank 0 writes
     DIR/reference.pt: the full state in universal names, gathered over TP, and the losses of CONT more steps.
     With --distributed-optimizer the model is wrapped in megatron-core's DDP and trained by its
     `DistributedOptimizer` (the same AdamW, groups and clipping, each DP rank holding a shard), saved
-    `fully_reshardable`, and again `dp_reshardable` (Megatron-LM's default) into DIR/dp_reshardable.
+    `fully_reshardable`, and again `dp_reshardable` (Megatron-LM's default) into DIR/dp_reshardable. With --bf16 the
+    weights are bf16 (megatron-core's Float16Module) and the optimizer keeps their fp32 copies, the reference's weights.
 load --source DIR --tp T --zero Z --results FILE ...
     a ucp_deepspeed engine at this layout loads DIR/ckpt directly (imported on the way), takes megatron's
     LR-scheduler state from the client state, and compares every fp32 weight, Adam moment, step and
@@ -44,6 +45,7 @@ from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, _get_megatron_optimizer_based_on_param_groups
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import Float16Module
 from train_gpt import SEQ, VOCAB, lm_loss
 
 STEPS = 3
@@ -231,7 +233,8 @@ def full_state(model, groups: list[dict], state_of: Callable[[torch.Tensor], dic
             continue
         name = universal_name(model, name)
         state = state_of(p)
-        values = {"fp32": p.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        weight = state.get("param", p.detach())  # an optimizer's fp32 copy, where it keeps one
+        values = {"fp32": weight, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
         for key, local in values.items():
             full = local
             if getattr(p, "tensor_model_parallel", False):
@@ -346,12 +349,17 @@ class DistributedTrainer:
 
     saves = (("ckpt", "fully_reshardable"), ("dp_reshardable", "dp_reshardable"))
 
-    def __init__(self, model, groups: list[dict]) -> None:
+    def __init__(self, model, groups: list[dict], bf16: bool = False) -> None:
         self.groups = megatron_groups(model, groups)
         self.members = [list(g["params"]) for g in self.groups]  # each optimizer puts its shards in their place
         self.model = model
+        if bf16:  # as Megatron-LM's --bf16: the weights in bf16 (the same parameters), fp32 copies in the optimizer
+            model.config.bf16, model.config.params_dtype = True, torch.bfloat16
+            model = Float16Module(model.config, model)
         self.ddp = DistributedDataParallel(
-            model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model
+            self.model.config,
+            DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=bf16),
+            model,
         )
         self.experts = {id(p) for g in self.groups if g["is_expert_parallel"] for p in g["params"]}
         # (the optimizer's groups, its buffers, its DP group and gloo twin, its model-parallel group)
@@ -374,7 +382,14 @@ class DistributedTrainer:
                     ps.get_expert_tensor_model_pipeline_parallel_group(),
                 )
             )
-        config = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True, clip_grad=1.0)
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
         self.parts = [
             _get_megatron_optimizer_based_on_param_groups(
                 config,
@@ -414,11 +429,11 @@ class DistributedTrainer:
         return losses
 
     def state_of(self, p: torch.Tensor) -> dict:
-        """p's whole AdamW state: each rank of its optimizer's DP group fills the range its shard holds, a sum over
-        that group joins the ranges (the other ranks add zeros), the step is the owners'."""
+        """p's whole fp32 copy and AdamW state: each rank of its optimizer's DP group fills the range its shard
+        holds, a sum over that group joins the ranges (the other ranks add zeros), the step is the owners'."""
         expert = id(p) in self.experts
         part = self.parts[1 if expert else 0]
-        whole = {k: torch.zeros(p.numel()) for k in ("exp_avg", "exp_avg_sq")}
+        whole = {k: torch.zeros(p.numel()) for k in ("param", "exp_avg", "exp_avg_sq")}
         step = torch.zeros(())
         if p in part.model_param_group_index_map:
             where = part._get_model_param_range_map(p)["param"]
@@ -451,7 +466,7 @@ def do_save(args: argparse.Namespace) -> None:
     cpu_saving()
     model, groups = train_gpt.model_and_groups(args)
     with cuda_as_cpu() if args.distributed_optimizer else contextlib.nullcontext():
-        trainer = (DistributedTrainer if args.distributed_optimizer else Trainer)(model, groups)
+        trainer = DistributedTrainer(model, groups, args.bf16) if args.distributed_optimizer else Trainer(model, groups)
         trainer.steps(0, STEPS)
         ref = trainer.full_state()
         megatron_args = argparse.Namespace(  # the fields of Megatron-LM's saved args that describe the model
@@ -474,6 +489,7 @@ def do_save(args: argparse.Namespace) -> None:
             num_experts=model.config.num_moe_experts,
             moe_router_topk=model.config.moe_router_topk,
             use_distributed_optimizer=args.distributed_optimizer,
+            bf16=args.bf16,
         )
         for folder, sharding in trainer.saves:
             model_sd = model.sharded_state_dict()
@@ -568,6 +584,7 @@ def main() -> None:
     parser.add_argument(
         "--distributed-optimizer", action="store_true", help="save: train with megatron-core's DistributedOptimizer"
     )
+    parser.add_argument("--bf16", action="store_true", help="save, with --distributed-optimizer: bf16 weights")
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
