@@ -1,14 +1,16 @@
 """megatron-core's own `dist_checkpointing` (torch_dist) checkpoints resume under DeepSpeed, and export to HF.
 
-One launch of 2 ranks: megatron-core alone trains launch/train_gpt.py's GPT at TP=2 and saves it with
-`dist_checkpointing.save` (model and optimizer `sharded_state_dict`s, Megatron-LM's common entries); then, in the
-same launch, a ucp_deepspeed engine at TP=1 x DP=2 with ZeRO-2 loads that folder directly. The same launch does it
-for the MoE GPT, saved at EP=2 and loaded at EP=1 x DP=2 with ZeRO-1, and for the GPT trained at DP=2 by
-megatron-core's DDP and `DistributedOptimizer`, saved `fully_reshardable` and loaded at TP=2 with ZeRO-1. Every fp32
-weight, Adam moment, step and hyperparameter is compared with megatron-core's own (TP shards gathered) with
-`torch.equal`, and the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds TP=2 -> PP=2 x ZeRO-1
-and PP=2 -> TP=2 x ZeRO-3 in one launch, DeepSpeed -> `ucp export-megatron` -> megatron-core (dense and MoE), and
-the import-megatron -> export-hf -> `from_pretrained` path.
+One launch of 2 ranks: megatron-core alone trains launch/train_gpt.py's GPT with its own DDP and optimizers, built
+as Megatron-LM builds them, and saves it with `dist_checkpointing.save` (model and optimizer `sharded_state_dict`s,
+Megatron-LM's metadata and common entries); then, in the same launch, a ucp_deepspeed engine at another layout and
+ZeRO stage loads each folder directly. The cases: the GPT at TP=2 (`FP32Optimizer`), the same in bf16
+(`Float16OptimizerWithFloat16Params`), the MoE GPT at EP=2 (a `ChainedOptimizer`) and at EP=1 (experts in the dense
+groups), and the `DistributedOptimizer` (bf16 GPT, fp32 MoE) at DP=2. Every fp32 weight, Adam moment, step and
+hyperparameter is compared with megatron-core's own (TP shards gathered, DP shards joined) with `torch.equal`, and
+the next 3 losses with megatron-core's uninterrupted run. `-m slow` adds TP=2 -> PP=2 x ZeRO-1 and PP=2 -> TP=2 x
+ZeRO-3 in one launch (torch AdamW sharded as `FP32Optimizer` shards it, through pipeline stages), PP=2 x EP=2 at 4
+ranks, DeepSpeed -> `ucp export-megatron` -> megatron-core (dense and MoE), and the import-megatron -> export-hf ->
+`from_pretrained` path.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ def _run(out: Path, cases: dict[str, tuple[list[str], list[str]]], world: int = 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("mcore")
+    mcore = ["--megatron-optimizer"]  # megatron-core's own FP32Optimizer / Float16OptimizerWithFloat16Params
     cases = {
-        "dense": (["--tp", "2"], ["--tp", "1", "--zero", "2"]),
-        "moe": ([*MOE, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
+        "dense": ([*mcore, "--tp", "2"], ["--tp", "1", "--zero", "2"]),
+        "float16": ([*mcore, "--bf16", "--tp", "2"], ["--pp", "2", "--zero", "1"]),
+        "moe": ([*MOE, *mcore, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
         "distributed": (["--distributed-optimizer", "--bf16"], ["--tp", "2", "--zero", "1"]),
         "moe-distributed": ([*MOE, "--ep", "2", "--distributed-optimizer"], [*MOE, "--ep", "1", "--zero", "1"]),
         # at EP=1 megatron-core trains experts in the dense groups; DeepSpeed's MoE keeps them apart
-        "moe-ep1": ([*MOE, "--ep", "1"], [*MOE, "--ep", "2", "--zero", "1"]),
+        "moe-ep1": ([*MOE, *mcore, "--ep", "1"], [*MOE, "--ep", "2", "--zero", "1"]),
     }
     return out / "dense", _run(out, cases)
 
@@ -65,6 +69,13 @@ def _exact(result: dict, rtol: float = 1e-5) -> None:
 
 def test_a_megatron_core_save_resumes_in_deepspeed_at_another_tp_and_stage(saved):
     _exact(saved[1]["dense"])
+
+
+def test_a_bf16_save_resumes_from_its_fp32_copies_at_another_layout(saved):
+    """megatron-core in bf16 at TP=2 (`Float16Module`, `Float16OptimizerWithFloat16Params`: bf16 weights and their
+    fp32 copies as `optimizer.state.fp32_param.<key>`) -> DeepSpeed at PP=2 ZeRO-1 in fp32: every fp32 copy and
+    Adam moment exact, the next losses within 1e-3 of the bf16 run."""
+    _exact(saved[1]["float16"], rtol=1e-3)
 
 
 @pytest.mark.parametrize("case", ["moe", "moe-ep1"])
@@ -251,24 +262,17 @@ def _distributed(optim: dict) -> dict:
     return {"optimizer": {"param_groups": [{**g, "step": step} for g in optim["param_groups"]]}}
 
 
-def _float16(optim: dict) -> dict:
-    """Float16OptimizerWithFloat16Params' common entry: the torch optimizer's state under `optimizer`."""
-    return {"optimizer": optim, "grad_scaler": None}
-
-
-LAYOUTS = {  # optimizer -> the name of its fp32 copies, its common.pt entry (a real bf16 fully_reshardable save: above)
-    "Float16OptimizerWithFloat16Params": ("fp32_param", _float16),
+LAYOUTS = {  # optimizer -> the name of its fp32 copies, its common.pt entry (the other bf16 layouts: real saves, above)
     "DistributedOptimizer fully_sharded_model_space": ("fp32_param", _distributed),
 }
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_bf16_saves_import_the_fp32_copies(saved, tmp_path, layout):
-    """Megatron-LM's bf16 runs store bf16 weights and their fp32 copies: `Float16OptimizerWithFloat16Params` as
-    `optimizer.state.fp32_param.<key>` (its torch state under `optimizer.optimizer`, `common_step`), the
-    `DistributedOptimizer`'s deprecated `fully_sharded_model_space` as `fp32_param` (each group's `step`; megatron-core
-    0.16 no longer saves it). Each folder is the real fp32 save rewritten in that layout (keys as their
-    `sharded_state_dict`s make them); the import takes the fp32 copies, not the rounded weights, and the step."""
+    """The `DistributedOptimizer`'s deprecated `fully_sharded_model_space` stores bf16 weights' fp32 copies as
+    `optimizer.state.fp32_param.<key>` and each group's `step`; megatron-core 0.16 no longer saves it, so the folder
+    is the real fp32 save rewritten in that layout (keys as its `sharded_state_dict` made them): the import takes
+    the fp32 copies, not the rounded weights, and the step."""
     bf16 = _rewritten(saved[0], tmp_path / "bf16", *LAYOUTS[layout])
     a, b = tmp_path / "a", tmp_path / "b"
     assert ucp(["import-megatron", str(saved[0] / "ckpt"), str(a), "--vocab-size", str(VOCAB)]) == 0

@@ -340,16 +340,22 @@ class Trainer:
         return sharded_optimizer(model_sd, self.torch)
 
 
-class DistributedTrainer:
-    """megatron-core's DDP and `DistributedOptimizer`s (the same AdamW, groups and clipping; each DP rank updates its
-    shard), built as Megatron-LM's `get_megatron_optimizer` builds them: one for the dense groups over the DP group,
-    and for MoE one for the expert groups over the expert-DP group, chained. Saved `fully_reshardable`
-    (`--dist-ckpt-optim-fully-reshardable`) and `dp_reshardable` (Megatron-LM's default), with the metadata
-    Megatron-LM passes (a `ChainedOptimizer` then prefixes only the `dp_reshardable` keys)."""
+class MegatronTrainer:
+    """megatron-core's DDP and optimizers (the same AdamW, groups and clipping), built as Megatron-LM's
+    `get_megatron_optimizer` builds them: one for the dense groups over the DP group, and for MoE one for the expert
+    groups over the expert-DP group, chained. `distributed`: `DistributedOptimizer`s, each DP rank updating its
+    shard, saved `fully_reshardable` (`--dist-ckpt-optim-fully-reshardable`) and `dp_reshardable` (Megatron-LM's
+    default); else `Float16OptimizerWithFloat16Params` (bf16) or `FP32Optimizer`, saved once. Saved with the metadata
+    Megatron-LM passes (a `ChainedOptimizer` then prefixes only the keys of a format that is not fully
+    reshardable)."""
 
-    saves = (("ckpt", "fully_reshardable"), ("dp_reshardable", "dp_reshardable"))
-
-    def __init__(self, model, groups: list[dict], bf16: bool = False) -> None:
+    def __init__(self, model, groups: list[dict], distributed: bool, bf16: bool) -> None:
+        self.distributed = distributed
+        self.saves = (
+            (("ckpt", "fully_reshardable"), ("dp_reshardable", "dp_reshardable"))
+            if distributed
+            else (("ckpt", "dp_reshardable"),)  # Megatron-LM names its default format whatever the optimizer
+        )
         self.groups = megatron_groups(model, groups)
         self.members = [list(g["params"]) for g in self.groups]  # each optimizer puts its shards in their place
         self.model = model
@@ -358,7 +364,7 @@ class DistributedTrainer:
             model = Float16Module(model.config, model)
         self.ddp = DistributedDataParallel(
             self.model.config,
-            DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=bf16),
+            DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=bf16),
             model,
         )
         self.experts = {id(p) for g in self.groups if g["is_expert_parallel"] for p in g["params"]}
@@ -385,7 +391,7 @@ class DistributedTrainer:
         config = OptimizerConfig(
             optimizer="adam",
             lr=1e-3,
-            use_distributed_optimizer=True,
+            use_distributed_optimizer=distributed,
             clip_grad=1.0,
             bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -405,11 +411,19 @@ class DistributedTrainer:
             for mine, buffers, dp, dp_gloo, model_parallel in parts
         ]
         self.opt = ChainedOptimizer(self.parts)
+        # a Float16OptimizerWithFloat16Params' fp32 copy of each bf16 parameter
+        self.copies = {}
+        for part in self.parts:
+            for params, copies in zip(
+                getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])
+            ):
+                self.copies.update({id(p): copy for p, copy in zip(params, copies)})
         self.schedules = [schedule(part.optimizer) for part in self.parts]
 
     def steps(self, first: int, count: int) -> list[float]:
-        """DDP scales each gradient by 1/DP and reduce-scatters it into the owning rank's shard; the optimizer's
-        step takes the norm over every shard, clips, updates its shard and all-gathers the parameters."""
+        """DDP scales each gradient by 1/DP and all-reduces it (for a DistributedOptimizer: reduce-scatters it into
+        the owning rank's shard); the optimizer's step takes the norm, clips, updates the parameters (its shard, then
+        all-gathers them)."""
         mask, position_ids = attention_inputs()
         losses = []
         for step in range(first, first + count):
@@ -433,6 +447,9 @@ class DistributedTrainer:
         holds, a sum over that group joins the ranges (the other ranks add zeros), the step is the owners'."""
         expert = id(p) in self.experts
         part = self.parts[1 if expert else 0]
+        if not self.distributed:  # every rank holds the whole state
+            main = self.copies.get(id(p), p)
+            return {"param": main.detach(), **part.optimizer.state[main]}
         whole = {k: torch.zeros(p.numel()) for k in ("param", "exp_avg", "exp_avg_sq")}
         step = torch.zeros(())
         if p in part.model_param_group_index_map:
@@ -465,8 +482,13 @@ class DistributedTrainer:
 def do_save(args: argparse.Namespace) -> None:
     cpu_saving()
     model, groups = train_gpt.model_and_groups(args)
-    with cuda_as_cpu() if args.distributed_optimizer else contextlib.nullcontext():
-        trainer = DistributedTrainer(model, groups, args.bf16) if args.distributed_optimizer else Trainer(model, groups)
+    megatron = args.distributed_optimizer or args.megatron_optimizer
+    with cuda_as_cpu() if megatron else contextlib.nullcontext():
+        trainer = (
+            MegatronTrainer(model, groups, args.distributed_optimizer, args.bf16)
+            if megatron
+            else Trainer(model, groups)
+        )
         trainer.steps(0, STEPS)
         ref = trainer.full_state()
         megatron_args = argparse.Namespace(  # the fields of Megatron-LM's saved args that describe the model
@@ -584,7 +606,12 @@ def main() -> None:
     parser.add_argument(
         "--distributed-optimizer", action="store_true", help="save: train with megatron-core's DistributedOptimizer"
     )
-    parser.add_argument("--bf16", action="store_true", help="save, with --distributed-optimizer: bf16 weights")
+    parser.add_argument(
+        "--megatron-optimizer",
+        action="store_true",
+        help="save: train with megatron-core's FP32Optimizer or (bf16) Float16OptimizerWithFloat16Params",
+    )
+    parser.add_argument("--bf16", action="store_true", help="save, with megatron-core's optimizers: bf16 weights")
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
