@@ -320,8 +320,9 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
 
 
 class Trainer:
-    """megatron-core training the model with torch AdamW, as its `FP32Optimizer` (a `ChainedOptimizer` of a dense and
-    an expert one for MoE) keeps it; one save."""
+    """megatron-core's model trained with torch AdamW and saved as its `FP32Optimizer` (a `ChainedOptimizer` of a
+    dense and an expert one for MoE) shards it, through pipeline stages this worker runs by hand (`steps`); one
+    save. The other sources use megatron-core's own DDP and optimizers (`MegatronTrainer`)."""
 
     saves = (("ckpt", None),)
 
