@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,11 @@ def popen_payload(target: Path) -> bytes:
     return b"\x80\x02cdeepspeed.launcher.runner\nsubprocess.Popen\n" + args + b"R."
 
 
+def case_args(cells: Iterable[tuple[str, Iterable[str]]], folder: Callable[[str], Path]) -> list[str]:
+    """A load launch's `--case TARGET SOURCE...` arguments: each target with the checkpoints it loads in turn."""
+    return [a for target, names in cells for a in ("--case", target, *(str(folder(n)) for n in names))]
+
+
 def load_results(path: Path) -> list[dict]:
     with open(path) as f:
         return json.load(f)
@@ -190,7 +195,7 @@ def dp3_loads(sources, plain_sources, tmp_path_factory: pytest.TempPathFactory) 
     directly (test_cross_framework.py), the converted path's cells (`--converted`), and the direct path's failures
     (`--expect-error`: a flipped byte in a rank file, a RuntimeError and a MemoryError injected on rank 1, a slow
     rank 0; test_load_paths.py)."""
-    from test_reshard import case_args as reshard_cells  # the matrix stays in its module; its launch is shared
+    from test_reshard import cells as reshard_cells  # the matrix stays in its module; its launch is shared
 
     out = tmp_path_factory.mktemp("dp3_loads")
     cases = dict(CONVERTED_CASES)
@@ -204,20 +209,17 @@ def dp3_loads(sources, plain_sources, tmp_path_factory: pytest.TempPathFactory) 
     flipped.write_bytes(bytes(data))
     healthy = str(sources["z1"])
 
-    def case_args(table: dict[str, tuple[str, ...]], folder: Callable[[str], Path]) -> list[str]:
-        return [a for target, names in table.items() for a in ("--case", target, *(str(folder(n)) for n in names))]
-
-    plain = ["load", *case_args(PLAIN_CASES, lambda n: plain_sources / n), "--results", str(out / "plain.json")]
+    plain = ["load", *case_args(PLAIN_CASES.items(), lambda n: plain_sources / n), "--results", str(out / "plain.json")]
     converted = [
         "load",
         "--converted",
-        *case_args(cases, lambda n: sources[n]),
+        *case_args(cases.items(), lambda n: sources[n]),
         "--results",
         str(out / "converted.json"),
     ]
     errors = ["load", "--expect-error", "--variant", "z2", "--results", str(out / "errors.json"), "--source"]
     errors += [str(damaged), f"{healthy}!RuntimeError", f"{healthy}!MemoryError", f"{healthy}!slow"]
-    reshard = ["load", *reshard_cells(3, False, sources), "--results", str(out / "reshard.json")]
+    reshard = ["load", *case_args(reshard_cells(3, False), sources.__getitem__), "--results", str(out / "reshard.json")]
     torchrun(3, *each([reshard, plain, converted, errors]), timeout=600)
     return Dp3Loads(out, damaged, flipped, cases)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from conftest import GPT_WORKER, launch_jobs, load_results, nvme_unavailable, torchrun
+from conftest import GPT_WORKER, case_args, launch_jobs, load_results, nvme_unavailable, torchrun
 
 TINY_CASES_SLOW = {"z2": ("z2", "z0"), "offz2": ("offz2", "fusedz1")}  # the default cells: conftest.CONVERTED_CASES
 
@@ -42,7 +42,7 @@ def test_converted_reshard_of_more_cells(sources, tmp_path):
     cases = dict(TINY_CASES_SLOW)
     if not nvme_unavailable():
         cases["nvmez3"] = ("widez1",)
-    args = [a for target, names in cases.items() for a in ("--case", target, *(str(sources[n]) for n in names))]
+    args = case_args(cases.items(), lambda n: sources[n])
     torchrun(3, "load", "--converted", *args, "--results", str(tmp_path / "r.json"))
     _check_converted(load_results(tmp_path / "r.json"), cases, sources)
 

@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, ds_to_universal, load_results, torch_env, torchrun
+from conftest import ROOT, case_args, ds_to_universal, load_results, torch_env, torchrun
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import read_meta
@@ -109,8 +109,8 @@ class Pipes:
                     )
             targets: dict[str, list[str]] = {}
             for _, target, source, _ in cases:
-                targets.setdefault(target, []).append(str(self.root / source))
-            args = [arg for target, srcs in targets.items() for arg in ("--case", target, *srcs)]
+                targets.setdefault(target, []).append(source)
+            args = case_args(targets.items(), lambda source: self.root / source)
             results = self.root / f"loads{world}{'slow' if is_slow else ''}.json"
             torchrun(world, "load", "--results", str(results), *args, worker=WORKER, timeout=900)
             for r in load_results(results):

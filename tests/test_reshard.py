@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_results, nvme_unavailable, torchrun
+from conftest import case_args, load_results, nvme_unavailable, torchrun
 
 from ucp_deepspeed import UniversalCheckpoint
 from ucp_deepspeed.convert import convert
@@ -110,16 +109,15 @@ def all_sources(sources, tmp_path_factory) -> dict[str, Path]:
     return {**sources, "fp16z2": fp16_shaped(sources["bf16z2"], tmp_path_factory.mktemp("fp16") / "fp16z2")}
 
 
-def case_args(dp: int, slow: bool, sources: Mapping[str, Path]) -> list[str]:
-    """The `--case TARGET SOURCE...` arguments of every cell of one world size, slow or default."""
-    group = [
-        p.values
+def cells(dp: int, slow: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """Every cell of one world size, slow or default: (target, the sources it loads)."""
+    return [
+        (p.values[0], p.values[2])
         for p in CASES
         if p.values[1] == dp
         and any(m.name == "slow" for m in p.marks) == slow
         and not (nvme_unavailable() and any(m.name == "nvme" for m in p.marks))
     ]
-    return [arg for target, _, names in group for arg in ("--case", target, *(str(sources[n]) for n in names))]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +130,7 @@ def launched(all_sources, tmp_path_factory, request):
             return load_results(request.getfixturevalue("dp3_loads").out / "reshard.json")
         if (dp, slow) not in done:
             out = tmp_path_factory.mktemp(f"reshard_dp{dp}") / "results.json"
-            torchrun(dp, "load", *case_args(dp, slow, all_sources), "--results", str(out))
+            torchrun(dp, "load", *case_args(cells(dp, slow), lambda n: all_sources[n]), "--results", str(out))
             done[dp, slow] = load_results(out)
         return done[dp, slow]
 
