@@ -203,10 +203,11 @@ def _read_spans(records: _Records, spans: list[Span]) -> None:
     runs: list[list[Span]] = []
     end = 0
     for span in sorted(spans, key=lambda s: s[2]):
-        if not runs or span[2] - end > MERGE_GAP:
+        # one scatter list cannot fill two targets from the same bytes: an overlapping span starts a run of its own
+        if not runs or span[2] - end > MERGE_GAP or span[2] < end:
             runs.append([])
-        end = max(end, span[2] + span[3].nbytes) if runs[-1] else span[2] + span[3].nbytes
         runs[-1].append(span)
+        end = span[2] + span[3].nbytes
     parallel = min(records.blob.concurrency, len(runs))
     if parallel <= 1:
         for run in runs:
@@ -219,19 +220,38 @@ def _read_spans(records: _Records, spans: list[Span]) -> None:
             future.result()
 
 
+def _bytes_of(out: torch.Tensor) -> memoryview:
+    return out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """Room for bytes read only to be passed over (or checked): not zero-filled, since the read overwrites it."""
+    return torch.empty(nbytes, dtype=torch.uint8).numpy().data
+
+
 def _read_run(records: _Records, run: list[Span]) -> None:
-    """One request for a run of spans: straight into their targets when they follow one another without a gap,
-    else into one buffer that is then copied out."""
-    views = [out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"") for *_, out in run]
-    first = run[0][2]
-    if all(a[2] + len(v) == b[2] for a, v, b in zip(run, views, run[1:])):
-        records.pread_into(views, first)
-    else:
-        buffer = bytearray(max(s[2] + len(v) for s, v in zip(run, views)) - first)
-        records.pread_into([memoryview(buffer)], first)
-        for (_, _, at, _), view in zip(run, views):
-            view[:] = buffer[at - first : at - first + len(view)]
-    for (name, begin, _, _), view in zip(run, views):
+    """One request for a run of non-overlapping spans in file order, straight into their targets: the bytes between
+    two spans (a zip record header, or elements nobody asked for) land in scratch views of the same scatter list. A
+    gap inside one record is noted for the CRC check too, so that the check need not read it again."""
+    views: list[memoryview] = []
+    notes: list[tuple[str, int, memoryview]] = []
+    previous: Span | None = None
+    for span in run:
+        name, begin, at, out = span
+        if previous is not None:
+            p_name, p_begin, p_at, p_out = previous
+            gap = at - (p_at + p_out.nbytes)
+            if gap:
+                scratch = _scratch(gap)
+                views.append(scratch)
+                if p_name == name and p_at - p_begin == at - begin:  # both spans in the same record: data between
+                    notes.append((name, p_begin + p_out.nbytes, scratch))
+        view = _bytes_of(out)
+        views.append(view)
+        notes.append((name, begin, view))
+        previous = span
+    records.pread_into(views, run[0][2])
+    for name, begin, view in notes:
         records.note(name, begin, view)
 
 

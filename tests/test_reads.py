@@ -1,0 +1,99 @@
+"""Merged reads of a torch archive go straight into their targets: one scatter list per run of spans, the bytes
+between spans in scratch views, nothing read twice for the CRC check, and a read that lands where it should."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io import stats
+from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.torch_file import TorchFile
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = {"a": torch.arange(10_000, dtype=torch.float32), "b": torch.arange(30_000, dtype=torch.float32) * 2}
+    path = tmp_path / "f.pt"
+    torch.save(tensors, path)
+    return path, tensors
+
+
+def _span(tfile: TorchFile, key: str, start: int, out: torch.Tensor) -> tuple[str, int, int, torch.Tensor]:
+    lazy = tfile.obj[key]
+    return (*tfile.storage_span(lazy.key, lazy.dtype, lazy.storage_offset + start, out.numel()), out)
+
+
+def test_a_run_with_gaps_is_read_in_one_request_straight_into_its_targets(archive, monkeypatch):
+    """Two ranges of one record with elements between them, and a range of the next record past its zip header:
+    one request whose scatter list holds the targets themselves, no buffer that is then copied out."""
+    path, tensors = archive
+    tfile = TorchFile(str(path))
+    outs = [torch.empty(1000), torch.empty(2000), torch.empty(500)]
+    spans = [_span(tfile, "a", 100, outs[0]), _span(tfile, "a", 1500, outs[1]), _span(tfile, "b", 0, outs[2])]
+    sent: list[list[int]] = []
+    original = st._LocalBlob.readinto
+
+    def readinto(self, views, offset, data=True):
+        sent.append([_address(v) for v in views])
+        original(self, views, offset, data)
+
+    monkeypatch.setattr(st._LocalBlob, "readinto", readinto)
+    with stats.counting() as counted:
+        tfile.read_spans(spans)
+    assert counted.requests == 1 and len(sent) == 1
+    assert all(out.data_ptr() in sent[0] for out in outs), "a target was filled through another buffer"
+    assert torch.equal(outs[0], tensors["a"][100:1100]) and torch.equal(outs[1], tensors["a"][1500:3500])
+    assert torch.equal(outs[2], tensors["b"][:500])
+    tfile.close()
+
+
+def test_the_gap_inside_a_record_counts_for_its_crc_check(archive):
+    """The elements between two ranges of one record were read anyway: the CRC check reads only what no read
+    covered (the rest of each record), not the gap again."""
+    path, _ = archive
+    tfile = TorchFile(str(path))
+    a, b = torch.empty(1000), torch.empty(2000)
+    tfile.read_spans([_span(tfile, "a", 0, a), _span(tfile, "a", 1500, b)])
+    with stats.counting() as counted:
+        tfile.check_reads()
+    # record a: elements 3500..10000 are all that is left of it; the 500 elements of the gap are not read again
+    assert counted.data_bytes + counted.metadata_bytes == (10_000 - 3500) * 4
+    tfile.close()
+
+
+def test_overlapping_spans_each_get_their_bytes(archive):
+    path, tensors = archive
+    tfile = TorchFile(str(path))
+    first, second = torch.empty(1000), torch.empty(1000)
+    tfile.read_spans([_span(tfile, "a", 0, first), _span(tfile, "a", 500, second)])
+    assert torch.equal(first, tensors["a"][:1000]) and torch.equal(second, tensors["a"][500:1500])
+    tfile.check_reads()
+    tfile.close()
+
+
+def test_a_damaged_gap_fails_the_check_without_a_second_read(archive):
+    """A flipped byte in the elements between two read ranges is found by the record's CRC-32, from the bytes the
+    merged read already brought in."""
+    path, _ = archive
+    data = bytearray(path.read_bytes())
+    tfile = TorchFile(str(path))
+    lazy = tfile.obj["a"]
+    _, _, at = tfile.storage_span(lazy.key, lazy.dtype, 1200, 1)
+    tfile.close()
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    tfile = TorchFile(str(path))
+    tfile.read_spans([_span(tfile, "a", 0, torch.empty(1000)), _span(tfile, "a", 1500, torch.empty(8500))])
+    with stats.counting() as counted, pytest.raises(CheckpointError, match="fails its crc32 check"):
+        tfile.check_reads()
+    assert counted.data_bytes + counted.metadata_bytes == 0
+    tfile.close()
