@@ -177,7 +177,9 @@ def projection(rows: list[dict[str, Any]]) -> dict[str, float]:
     shard = p["params"] / (p["tp"] * p["pp"])  # parameters of one TP x PP share
     ranks = p["resume_dp"] * p["tp"] * p["pp"]
     optimizer_bytes = 12 * shard / p["resume_dp"]  # fp32 master + 2 moments of its ZeRO-1 partition
-    refresh_bytes = 4 * shard  # ZeRO-1/2 rebuild the rank's low-precision weights from the fp32 masters today
+    # ZeRO-1/2 on gloo or with "refresh": "read" rebuild the rank's low-precision weights from the fp32 masters of the
+    # part of its share other ranks own (its own partition is in memory)
+    refresh_bytes = 4 * shard * (1 - 1 / p["resume_dp"])
     files = -(-p["dp"] // p["resume_dp"]) + 1  # source partitions a target partition overlaps, per group
     requests = 3 * p["groups"] * files + p["groups"] * p["dp"]  # merged runs, plus the refresh's one per file
     shared = next(r for r in reversed(rows) if r["scenario"].startswith("shrink") and r["index"])
@@ -252,7 +254,7 @@ def projection_table(proj: dict[str, float]) -> str:
         f"({int(proj['ranks'])} GPUs), {p['bandwidth_gb_s']:g} GB/s per GPU:\n\n"
         "| per resuming rank | value |\n|---|---|\n"
         f"| optimizer share read (fp32 + 2 moments) | {proj['optimizer_gb']:.1f} GB, {proj['optimizer_s']:.1f} s |\n"
-        f"| low-precision refresh read (fp32 of its TP x PP share) | {proj['refresh_gb']:.1f} GB, "
+        f"| low-precision refresh read (fp32 of its TP x PP share that other ranks own) | {proj['refresh_gb']:.1f} GB, "
         f"{proj['refresh_s']:.1f} s |\n"
         f"| files opened | {proj['files']:g} |\n"
         f"| read requests (merged) | {proj['requests']:g} |\n"

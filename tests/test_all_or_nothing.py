@@ -169,3 +169,21 @@ def test_a_reshard_that_would_drop_fp8_state_is_refused_by_name(saved, tmp_path,
         engine, str(ckpt), TAG3, r"mp_rank_00_model_states.pt: head._extra_state holds Transformer Engine FP8 state"
     )
     assert not list(ckpt.glob("*.universal"))
+
+
+def test_staging_that_is_not_zero_filled_leaves_no_stale_bytes(saved, monkeypatch):
+    """Staging buffers are allocated without zero-filling (the reads overwrite them): what no parameter owns, the
+    alignment padding of a flat partition, must still come out as zeros, never as whatever the memory held."""
+    from ucp_deepspeed import compat
+    from ucp_deepspeed.runtime import restore
+
+    monkeypatch.setattr(restore, "_host_like", lambda flat: torch.full(flat.shape, float("nan"), dtype=flat.dtype))
+    engine = build(2, seed=1)
+    train(engine, 3)
+    engine.load_checkpoint(str(saved), tag=TAG3)
+    assert engine.ucp_last_load.mode == "resharded"
+    groups = compat.zero12_groups(engine.optimizer)
+    owned = sum(f[2] for g in groups for p in g.params if (f := compat.zero12_fragment(p)) is not None)
+    assert sum(g.fp32.numel() for g in groups) > owned, "no padding: this test could not fail"
+    states = [s for s in compat.base_optimizer(engine).state.values()]
+    assert states and all(torch.isfinite(v).all() for s in states for v in s.values() if torch.is_tensor(v))

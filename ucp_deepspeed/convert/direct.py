@@ -27,6 +27,7 @@ from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import VALUE, ParamSlot
 from ucp_deepspeed.format.universal import TensorReader, torch_dtype
 from ucp_deepspeed.geometry.layout import Layout
+from ucp_deepspeed.io.stats import record as record_io
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.native import RankFiles
 
@@ -59,6 +60,7 @@ class DirectCheckpoint(TensorReader):
             if self._merged is not None and self._merged[:2] == (name, key):
                 return self._merged[2]
         merged = assemble(self.src, self._tensor(name), key)
+        record_io(copied=merged.nbytes if len(self._tensor(name).shards) > 1 else 0)
         with self._lock:
             self._merged = (name, key, merged)
         return merged

@@ -454,6 +454,7 @@ class TensorReader(abc.ABC):
         """Fill `out` with elements [start, start+out.numel()) of a state of a full tensor; inside `batch` a reader
         may fill it only when the block ends."""
         out.copy_(self.read(name, key, start, out.numel()))
+        record_io(copied=out.nbytes)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -494,8 +495,12 @@ class TensorReader(abc.ABC):
             out[kept:].zero_()
             return out
         local = split(layout, local_shape, rank, tp, lambda d, s, n: self.read_slice(name, key, d, s, n), dtype)
+        record_io(copied=local.nbytes)
         part = local.reshape(-1)[start : start + numel]
-        return part if out is None else out.copy_(part)
+        if out is None:
+            return part
+        record_io(copied=out.nbytes)
+        return out.copy_(part)
 
 
 class FolderReader(TensorReader):

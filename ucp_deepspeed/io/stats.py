@@ -1,4 +1,5 @@
-"""What a load costs in storage operations, counted where they happen: files opened, requests, metadata and data bytes.
+"""What a load costs in storage operations, counted where they happen: files opened, requests, metadata and data bytes,
+and the tensor bytes copied in memory after they were read.
 
 At a thousand ranks what decides a resume's time is not one rank's arithmetic but how many files every rank opens,
 how many requests it sends and how much metadata it reads before the first tensor byte. The readers in `io` report
@@ -31,6 +32,9 @@ class ReadStats:
     write_requests: int = 0
     """Whole objects written through `io.storage` (one PUT each on a store)."""
     bytes_written: int = 0
+    copied_bytes: int = 0
+    """Tensor bytes copied in memory after they were read: out of a store's response, merged from tensor-parallel
+    shards, into the engine's own tensors at the commit, and into the low-precision weights."""
 
     def add(self, other: ReadStats) -> None:
         """Add `other`'s counts to these."""
@@ -59,7 +63,13 @@ _lock = threading.Lock()
 
 
 def record(
-    files: int = 0, requests: int = 0, metadata: int = 0, data: int = 0, writes: int = 0, written: int = 0
+    files: int = 0,
+    requests: int = 0,
+    metadata: int = 0,
+    data: int = 0,
+    writes: int = 0,
+    written: int = 0,
+    copied: int = 0,
 ) -> None:
     """Report operations to the enclosing `counting` block, if any (cheap when none is open); worker threads started
     in a copy of its context (`contextvars.copy_context`) count into it too."""
@@ -72,3 +82,4 @@ def record(
             stats.data_bytes += data
             stats.write_requests += writes
             stats.bytes_written += written
+            stats.copied_bytes += copied

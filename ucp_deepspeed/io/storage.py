@@ -647,7 +647,7 @@ class _StoreBlob(Blob):
         while done < total:
             want = min(MAX_REQUEST, total - done)
             got = self._store.cat_range(self.path, offset + done, offset + done + want)
-            record(requests=1, **{"data" if data else "metadata": len(got)})
+            record(requests=1, copied=len(got) if data else 0, **{"data" if data else "metadata": len(got)})
             if len(got) < want:
                 raise CheckpointError(
                     _shown(self.path), f"truncated: the object ends before byte {offset + done + want}"

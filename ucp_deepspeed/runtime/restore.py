@@ -23,6 +23,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, GroupRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, decode_value
+from ucp_deepspeed.io.stats import record as record_io
 from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.runtime import rng
 from ucp_deepspeed.runtime.capture import (
@@ -266,7 +267,16 @@ def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any, where:
 def _own(value: torch.Tensor) -> torch.Tensor:
     """`value`, or a copy when it is a view into a larger tensor (a reader's cached whole parameter), so that what a
     restore holds until its commit is no more than what it read."""
-    return value if value.untyped_storage().nbytes() <= value.nbytes * 2 else value.clone()
+    if value.untyped_storage().nbytes() <= value.nbytes * 2:
+        return value
+    record_io(copied=value.nbytes)
+    return value.clone()
+
+
+def _copy(dest: torch.Tensor, value: torch.Tensor) -> None:
+    """`dest.copy_(value)`, counted in `io.stats` (a load's memory traffic is measured, not assumed)."""
+    dest.copy_(value)
+    record_io(copied=value.nbytes)
 
 
 @dataclass
@@ -292,8 +302,21 @@ class Staged:
 
 def _host_like(flat: torch.Tensor) -> torch.Tensor:
     """A staging buffer for a state of `flat` in host memory: the device holds only the engine's own state, which
-    the commit overwrites in place, so a restore needs no device memory beyond it."""
-    return torch.zeros(flat.shape, dtype=flat.dtype, device="cpu")
+    the commit overwrites in place, so a restore needs no device memory beyond it. Not zero-filled: the reads fill
+    it, and `_zero_uncovered` zeroes only the padding no parameter owns."""
+    return torch.empty(flat.shape, dtype=flat.dtype, device="cpu")
+
+
+def _zero_uncovered(bufs: dict[str, torch.Tensor], covered: list[tuple[int, int]]) -> None:
+    """Zero what no (start, numel) range of `covered` fills in each staging buffer: the alignment padding of a flat
+    partition, whose optimizer state a fresh optimizer holds as zeros."""
+    for buf in bufs.values():
+        flat, at = buf.view(-1), 0
+        for start, numel in sorted(covered):
+            if start > at:
+                flat[at:start].zero_()
+            at = max(at, start + numel)
+        flat[at:].zero_()
 
 
 def _state_install(
@@ -314,7 +337,13 @@ def _state_install(
         }
         state.clear()
         state.update(scalars)
-        state.update({k: kept[k].copy_(buf) if k in kept else buf.to(key.device) for k, buf in bufs.items()})
+        for k, buf in bufs.items():
+            if k in kept:
+                _copy(kept[k], buf)
+                state[k] = kept[k]
+            else:  # a fresh engine's state: the staged buffer itself on the CPU, moved once to a device
+                state[k] = buf.to(key.device)
+                record_io(copied=0 if state[k] is buf else buf.nbytes)
 
     return install
 
@@ -353,6 +382,7 @@ def _stage_zero12(
     keys = smap.keys if smap is not None else {}
     for i, group in enumerate(groups):
         bufs = {k: _host_like(group.fp32) for k in keys}
+        covered = []
         with ckpt.batch():  # a partition's fragments of one source file are read in one request per run
             for lp in group.params:
                 fragment = compat.zero12_fragment(lp)
@@ -362,6 +392,8 @@ def _stage_zero12(
                 out.copies.append((hp.data, read(lp, FP32, start, numel, torch.empty(numel, dtype=torch.float32))))
                 for k, saved in keys.items():
                     read(lp, saved, start, numel, bufs[k].narrow(0, hp_start, numel))
+                covered.append((hp_start, numel))
+        _zero_uncovered(bufs, covered)
         if smap is not None:
             out.installs.append(_state_install(opt.optimizer, i, group.fp32, ckpt, smap, bufs))
     if smap is not None:
@@ -370,24 +402,45 @@ def _stage_zero12(
         return  # after the commit, on every rank at once (`restore`)
 
     def refresh() -> None:
-        # Each rank reads its whole low-precision weights, as DeepSpeed's native load reads the full model-states
+        # Each rank rebuilds its whole low-precision weights, as DeepSpeed's native load reads the full model-states
         # file, instead of update_lp_params' all-gather of every partition (on gloo that all-gather was 2.3 s of a
-        # 3.1 s restore at 300M parameters). copy_ rounds exactly as it does. The reads of up to REFRESH_CHUNK bytes
-        # of parameters go out as one batch: neighbouring parameters are one request, not a round trip each.
+        # 3.1 s restore at 300M parameters). Its own fragment of each parameter comes from the fp32 partition just
+        # committed; only the other ranks' fragments are read (bytes they read and checked). copy_ rounds exactly as
+        # update_lp_params does. The reads of up to REFRESH_CHUNK bytes of parameters go out as one batch:
+        # neighbouring parameters are one request, not a round trip each.
         for group in groups:
-            chunk: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+            chunk: list[tuple[torch.nn.Parameter, torch.Tensor, list[tuple[int, int]], Any]] = []
+            held = 0
             for index, lp in enumerate(group.params):
-                chunk.append((lp, torch.empty(lp.numel(), dtype=torch.float32)))
-                if sum(b.nbytes for _, b in chunk) < REFRESH_CHUNK and index + 1 < len(group.params):
+                fragment = compat.zero12_fragment(lp)
+                others = _others(lp.numel(), fragment)
+                buf = torch.empty(lp.numel() if others else 0, dtype=torch.float32)
+                chunk.append((lp, buf, others, fragment))
+                held += sum(count for _, count in others) * 4
+                if held < REFRESH_CHUNK and index + 1 < len(group.params):
                     continue
                 with ckpt.batch():
-                    for param, buf in chunk:
-                        read(param, FP32, 0, param.numel(), buf)
-                for param, buf in chunk:
-                    param.data.copy_(buf.view(param.shape))
-                chunk = []
+                    for param, buf, others, _ in chunk:
+                        for first, count in others:
+                            read(param, FP32, first, count, buf.narrow(0, first, count))
+                for param, buf, others, fragment in chunk:
+                    dest = param.data.view(-1)
+                    for first, count in others:
+                        _copy(dest.narrow(0, first, count), buf.narrow(0, first, count))
+                    if fragment is not None:
+                        _copy(dest.narrow(0, fragment[0], fragment[2]), fragment[3].view(-1))
+                chunk, held = [], 0
 
     out.refresh.append(refresh)
+
+
+def _others(numel: int, fragment: tuple[int, int, int, Any] | None) -> list[tuple[int, int]]:
+    """The (first, count) element ranges of a parameter of `numel` elements outside the fragment this rank owns
+    (`compat.zero12_fragment`)."""
+    if fragment is None:
+        return [(0, numel)] if numel else []
+    first, count = fragment[0], fragment[2]
+    return [(a, b - a) for a, b in ((0, first), (first + count, numel)) if b > a]
 
 
 REFRESH_CHUNK = 64 << 20
@@ -440,6 +493,7 @@ def _stage_subgroup(
 ) -> None:
     flat = sub.fp32
     bufs = {k: _host_like(flat) for k in keys}
+    covered = []
     with ckpt.batch():
         for p in sub.params:
             _, offset, partition, start = compat.zero3_position(opt, p)
@@ -448,9 +502,11 @@ def _stage_subgroup(
             out.copies.append((flat.data.narrow(0, offset, numel), read(p, FP32, start, numel, value)))
             for k, saved in keys.items():
                 read(p, saved, start, numel, bufs[k].narrow(0, offset, numel))
+            covered.append((offset, numel))
+    _zero_uncovered(bufs, covered)
     if smap is not None:
         out.installs.append(_state_install(opt.optimizer, sub.group, flat, ckpt, smap, bufs))
-    out.installs.append(lambda: sub.lp.data.copy_(flat.data))
+    out.installs.append(lambda: _copy(sub.lp.data, flat.data))
 
 
 def _stage_zero3(
@@ -589,7 +645,7 @@ def stage(
 def commit(staged: Staged) -> None:
     """Write what `stage` read into the engine: copies, then installs, then the refresh."""
     for dest, value in staged.copies:
-        dest.copy_(value)
+        _copy(dest, value)
     staged.copies.clear()  # the values read are in the engine now: free them before the refresh reads again
     for install in staged.installs:
         install()
