@@ -335,69 +335,85 @@ def main() -> None:
         action="append",
         default=[],
         metavar="'ARGS'",
-        help="load: one more timed load in the same launch, given as its own quoted arguments (a fresh engine)",
+        help="save or load: one more in the same launch, given as its own quoted arguments (a fresh engine)",
     )
     args = parser.parse_args()
-    loads = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
-    if args.each and any(run.mode != "load" or run.tp != args.tp or (run.each and run is not args) for run in loads):
-        parser.error("--each adds loads at the first run's --tp, and cannot nest")
+    runs = [args] + [parser.parse_args(shlex.split(more)) for more in args.each]
+    if args.each and any(
+        run.mode != args.mode or run.mode not in ("save", "load") or run.tp != args.tp or (run.each and run is not args)
+        for run in runs
+    ):
+        parser.error("--each adds saves or loads like the first run's, at its --tp, and cannot nest")
     deepspeed.init_distributed(dist_backend="gloo")
     if args.tp > 1:
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    result: dict = {}
-    if args.mode in ("save", "async", "stall"):
-        engine = build(args)
-        step = training_step(engine, args.params_m)
-        step()
-    if args.mode == "async":
-        trial = os.path.join(args.out, "trial")
-        result["step_s"] = min(timed(step) for _ in range(2))
-        sync_s = []
-        for _ in range(2):
-            sync_s.append(timed(lambda: engine.save_checkpoint(trial)))
-            if dist.get_rank() == 0:
-                shutil.rmtree(trial)
-        result["sync_save_s"] = min(sync_s)
-        result["sync_save_fsync_s"] = timed(lambda: (engine.save_checkpoint(trial), os.sync()))
-        if dist.get_rank() == 0:
-            shutil.rmtree(trial)
-        rebind(engine, AsyncCheckpointEngine(engine._config))
-        result["async_stall_s"] = timed(lambda: engine.save_checkpoint(trial))
-        result["step_while_writing_s"] = timed(step)
-        result["async_rest_s"] = timed(engine.wait_for_checkpoint)
-        result["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(trial) for f in fs)
-    elif args.mode == "stall":
-        result.update(stalls(engine, step, args.out))
-    elif args.mode == "save":
-        trial = os.path.join(args.out, "trial")
-        plain_s, ucp_s = [], []
-        for _ in range(args.repeat):  # alternate into fresh folders; keep the best of each
-            plain_s.append(timed(lambda: deepspeed.DeepSpeedEngine.save_checkpoint(engine, trial)))
-            if dist.get_rank() == 0:
-                shutil.rmtree(trial)
-            ucp_s.append(timed(lambda: engine.save_checkpoint(trial)))
-            if dist.get_rank() == 0:
-                shutil.rmtree(trial)
-        result["plain_save_s"], result["ucp_save_s"] = min(plain_s), min(ucp_s)
-        engine.save_checkpoint(args.out)
-        experts = EXPERTS if args.ep else 1
-        layers, hidden, vocab = shape_for(args.params_m, experts)
-        gates = EXPERTS * hidden if args.ep else 0
-        result["params"] = vocab * hidden + layers * (experts * (8 * hidden * hidden + 5 * hidden) + gates) + 2 * hidden
-    else:
-        results = []
-        for run in loads:
+    results = []
+    for run in runs:
+        if run.mode == "load":
             results.append(load(run))
-            gc.collect()  # one engine's state at a time, at any size
-        if dist.get_rank() == 0:
-            for one in results:
-                print("RESULT " + json.dumps(one), flush=True)
-    if args.mode != "load" and dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
+        elif run.mode == "save":
+            results.append(save(run))
+        else:
+            engine = build(run)
+            step = training_step(engine, run.params_m)
+            step()
+            results.append(async_save(engine, step, run.out) if run.mode == "async" else stalls(engine, step, run.out))
+        gc.collect()  # one engine's state at a time, at any size
+    if dist.get_rank() == 0:
+        for one in results:
+            print("RESULT " + json.dumps(one), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def save(args: argparse.Namespace) -> dict:
+    """One training step, then the kept save into `--out`, after `--repeat` timed plain and ucp saves of each kind
+    (into fresh folders, alternating; the best of each)."""
+    engine = build(args)
+    training_step(engine, args.params_m)()
+    trial = os.path.join(args.out, "trial")
+    plain_s, ucp_s = [], []
+    for _ in range(args.repeat):
+        plain_s.append(timed(lambda: deepspeed.DeepSpeedEngine.save_checkpoint(engine, trial)))
+        if dist.get_rank() == 0:
+            shutil.rmtree(trial)
+        ucp_s.append(timed(lambda: engine.save_checkpoint(trial)))
+        if dist.get_rank() == 0:
+            shutil.rmtree(trial)
+    engine.save_checkpoint(args.out)
+    experts = EXPERTS if args.ep else 1
+    layers, hidden, vocab = shape_for(args.params_m, experts)
+    gates = EXPERTS * hidden if args.ep else 0
+    engine.destroy()
+    return {
+        "plain_save_s": min(plain_s, default=0.0),
+        "ucp_save_s": min(ucp_s, default=0.0),
+        "params": vocab * hidden + layers * (experts * (8 * hidden * hidden + 5 * hidden) + gates) + 2 * hidden,
+    }
+
+
+def async_save(engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str) -> dict:
+    """How long a synchronous save stalls training, with and without syncing it, against an asynchronous one; and a
+    training step while the asynchronous one writes."""
+    trial = os.path.join(out, "trial")
+    result = {"step_s": min(timed(step) for _ in range(2))}
+    sync_s = []
+    for _ in range(2):
+        sync_s.append(timed(lambda: engine.save_checkpoint(trial)))
+        if dist.get_rank() == 0:
+            shutil.rmtree(trial)
+    result["sync_save_s"] = min(sync_s)
+    result["sync_save_fsync_s"] = timed(lambda: (engine.save_checkpoint(trial), os.sync()))
+    if dist.get_rank() == 0:
+        shutil.rmtree(trial)
+    rebind(engine, AsyncCheckpointEngine(engine._config))
+    result["async_stall_s"] = timed(lambda: engine.save_checkpoint(trial))
+    result["step_while_writing_s"] = timed(step)
+    result["async_rest_s"] = timed(engine.wait_for_checkpoint)
+    result["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(trial) for f in fs)
+    return result
 
 
 def stalls(engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str) -> dict:
@@ -447,7 +463,9 @@ def load(args: argparse.Namespace) -> dict:
     }
     result.update(written=written, read=read, from_disk=summed(usage.from_disk)[0])
     # what every rank asked of storage: requests (ranged GETs on a store, preads on disk) and bytes fetched
-    result["requests"], result["fetched"] = summed(counted.requests, counted.data_bytes + counted.metadata_bytes)
+    result["requests"], result["fetched"], result["copied"] = summed(
+        counted.requests, counted.data_bytes + counted.metadata_bytes, counted.copied_bytes
+    )
     result["max_rank_requests"] = max(gathered_ints(counted.requests))
     if mode is None:
         result["kind"] = engine.ucp_last_load.kind

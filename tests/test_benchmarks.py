@@ -17,10 +17,11 @@ from conftest import ROOT, torch_env
 PROGRESS = re.compile(r"^(== |source |  resume at |  resume |  convert )")
 
 
-def run_benchmark(script: str, *args: str, capsys: pytest.CaptureFixture) -> str:
-    """Run a benchmark script; echo its progress lines as they come (a smoke run takes minutes, and pytest
-    alone would show one dot); fail with the output's tail if it fails or runs past 15 minutes."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args]
+def run_benchmark(script: str, *args: str, capsys: pytest.CaptureFixture, smoke: bool = True) -> str:
+    """Run a benchmark script (`--smoke`, its tiny sizes, unless `smoke` is false); echo its progress lines as they
+    come (a run takes minutes, and pytest alone would show one dot); fail with the output's tail if it fails or runs
+    past 15 minutes."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *(["--smoke"] if smoke else []), *args]
     lines: list[str] = []
     with subprocess.Popen(cmd, env=torch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         watchdog = threading.Timer(900, proc.kill)
@@ -87,6 +88,16 @@ def test_resume_benchmark_smoke(tmp_path, capsys):
         for r in mine:
             if r[2] == "ours, direct":
                 assert r[9].endswith("kB") and r[11] == "0.0 kB", r  # log lines at most; no checkpoint bytes
+
+
+@pytest.mark.bench
+def test_a_direct_reshard_is_not_slower_than_the_native_load(tmp_path, capsys):
+    """A direct reshard of 80M parameters to DP 1 (at the same ZeRO stage and at the other one) against DeepSpeed's
+    own load of a checkpoint saved at that layout, medians of fresh launches: a time-to-resume regression fails
+    here (the script exits non-zero above 1.5x), not in a user's job."""
+    output = run_benchmark("bench_ratio.py", "--work", str(tmp_path), capsys=capsys, smoke=False)
+    ratios = re.findall(r"\*\*(\d+\.\d+)x\*\*", output)
+    assert len(ratios) == 4 and "PASS every direct reshard" in output, output[-3000:]
 
 
 @pytest.mark.bench
