@@ -2,7 +2,7 @@
 another layout that saves at once, so that `ucp diff` can compare every state of the two checkpoints.
 
     tiny --zero Z --out DIR [--init SRC]   a small torch LM under DeepSpeed
-    gpt --tp T --out DIR [--init SRC]      a megatron-core GPT (local spec) at tensor-parallel size T, ZeRO-1
+    gpt --tp T --zero Z --out DIR [--init SRC]   a megatron-core GPT (local spec) at tensor-parallel size T
 
 With `--init`, the job loads SRC (any layout), checks that the load resharded, and saves at once into DIR,
 before any step. Prints one line per check. Needs CUDA; it stands on its own (no test code).
@@ -109,7 +109,7 @@ def run_gpt(args: argparse.Namespace) -> None:
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     dp = ps.get_data_parallel_world_size()
-    universal = config(1, dp)
+    universal = config(args.zero, dp)
     universal["checkpoint"]["universal"]["vocab_size"] = VOCAB
     engine, *_ = ucp_deepspeed.initialize(model=model, optimizer=opt, config=universal)
     device = get_accelerator().current_device_name()
