@@ -6,7 +6,8 @@
 
 Each source is an fp32 AdamW checkpoint saved by `--ranks` ranks after one training step. It is resumed at its
 own layout by DeepSpeed's load (through ours: the floor every resharded row is held to), and at half the DP size
-and at the other ZeRO stage (1 <-> 3) three ways:
+and at the other ZeRO stage (1 <-> 3) three ways. The same model is also saved at half the DP size and loaded
+there by DeepSpeed's load: the native load at the DP target's layout, beside the source's own.
 
 - ours, direct: `"direct": true`, each rank reads its element ranges straight from the rank files;
 - ours, converted: `ucp convert`, then the load reads the universal copy;
@@ -183,13 +184,46 @@ def run(args: argparse.Namespace, report: dict) -> None:
                 reads += sorted(p for p in (ckpt / copy).rglob("*") if p.is_file()) if copy else []
                 loads.append(Load(name, target, row, world, load_job(size_m, stage_to, ckpt, row), reads))
         report["convert_settings"] = [f"{p}/{w}" for p, w in settings]
+        reference = save_reference(args, zero, size_m, work, report) if args.ranks > 1 else None
+        if reference is not None:
+            loads.append(reference)
         if not args.smoke:
             run_loads(report, loads)
             loads.clear()
             save_report(report)
             if not args.keep:  # the next, larger source needs the disk
                 shutil.rmtree(ckpt)
+                if reference is not None:
+                    shutil.rmtree(work / reference.source)
     run_loads(report, loads, shared=args.smoke)
+
+
+def save_reference(args: argparse.Namespace, zero: int, size_m: float, work: Path, report: dict) -> Load | None:
+    """The same model saved at the DP target's layout (half the ranks), and its native load: what a direct reshard to
+    that layout is held to. None when the machine cannot save it (recorded)."""
+    ranks = args.ranks // 2
+    name = f"z{zero}-dp{ranks}-{size_m:g}M"
+    ckpt = work / name
+    shutil.rmtree(ckpt, ignore_errors=True)
+    print(f"== saving {name} (the DP target's own layout)", flush=True)
+    save = ["save", "--params-m", str(size_m), "--zero", str(zero), "--out", str(ckpt), "--repeat", "0"]
+    try:
+        (saved,) = torchrun(ranks, save)
+    except RuntimeError as exc:
+        report.setdefault("failed", {})[name] = reason(str(exc))
+        return None
+    files = sorted(f for f in (ckpt / TAG).iterdir() if f.is_file())
+    report["sources"][name] = {
+        "zero": zero,
+        "params": saved["params"],
+        "save_s": saved["ucp_save_s"],
+        "plain_save_s": saved["plain_save_s"],
+        "disk": disk_bandwidth(work, files),
+        "convert": {},
+        "loads": {},
+        "reference": True,
+    }
+    return Load(name, "same", "native", ranks, load_job(size_m, zero, ckpt, "native"), files)
 
 
 def run_loads(report: dict, loads: list[Load], shared: bool = False) -> None:
@@ -263,11 +297,13 @@ def ordered(report: dict) -> list[tuple[str, dict]]:
 
 
 def native_at(report: dict, name: str, target: str) -> float | None:
-    """DeepSpeed's load at a target's layout, when another source was saved in it: at the other ZeRO stage and the
-    same size, that source's own same-layout load."""
-    if not target.startswith("zero"):
-        return None
-    other = report["sources"].get(f"z{target.removeprefix('zero')}-{name.split('-', 1)[1]}")
+    """DeepSpeed's load at a target's layout, when a source was saved in it: at the other ZeRO stage and the same
+    size, that source's own same-layout load; at half the DP size, the reference saved there (`save_reference`)."""
+    zero, dp, size = name.split("-")
+    if target.startswith("zero"):
+        other = report["sources"].get(f"z{target.removeprefix('zero')}-{dp}-{size}")
+    else:
+        other = report["sources"].get(f"{zero}-{target}-{size}")
     return other["loads"].get("same", {}).get("native", {}).get("load_s") if other else None
 
 
@@ -329,6 +365,8 @@ def targets_table(report: dict) -> str:
         "|" + "---|" * 6,
     ]
     for name, entry in ordered(report):
+        if entry.get("reference"):
+            continue  # saved only to be loaded at its own layout: no conversions, no reshards
         native = entry["loads"].get("same", {}).get("native", {}).get("load_s")
         direct = []
         for target, rows in entry["loads"].items():
@@ -365,7 +403,7 @@ def plot(report: dict, path: Path) -> None:
     nan = float("nan")
     dp_half = f"dp{report['ranks'] // 2}"
     for zero, style in ((1, "-"), (3, "--")):
-        entries = [e for _, e in ordered(report) if e["zero"] == zero]
+        entries = [e for _, e in ordered(report) if e["zero"] == zero and not e.get("reference")]
         if not entries:
             continue
         sizes = [e["params"] for e in entries]
