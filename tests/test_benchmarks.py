@@ -96,7 +96,7 @@ def test_a_direct_reshard_is_not_slower_than_the_native_load(tmp_path, capsys):
     own load of a checkpoint saved at that layout, medians of fresh launches: a time-to-resume regression fails
     here (the script exits non-zero above 1.5x), not in a user's job."""
     output = run_benchmark("bench_ratio.py", "--work", str(tmp_path), capsys=capsys, smoke=False)
-    ratios = re.findall(r"\*\*(\d+\.\d+)x\*\*", output)
+    ratios = re.findall(r"\*\*(\d+\.\d+)x\*\* \((\d+\.\d+)x\)", output)
     assert len(ratios) == 4 and "PASS every direct reshard" in output, output[-3000:]
 
 
