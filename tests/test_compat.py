@@ -489,3 +489,27 @@ def test_dcp_writer_is_read_by_dcp_load(tmp_path):
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
         dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
     assert torch.equal(state["model"]["w"], weight) and state["epoch"] == 7
+
+
+def test_autotp_meta_and_model_mark():
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    solo = dist.new_group([0])
+    column, row = LinearLayer(torch.nn.Linear(8, 6), solo), LinearAllreduce(torch.nn.Linear(8, 6), solo)
+    meta = compat.autotp_meta(column.weight)
+    assert meta is not None and meta["partition_dim"] == 0 and list(meta["partition_sizes"]) == [6]
+    assert list(meta["logical_shape"]) == [6, 8] and not meta["replicated"]
+    assert compat.autotp_meta(row.weight)["partition_dim"] == 1
+    assert compat.autotp_meta(row.bias)["replicated"]
+    assert compat.autotp_meta(torch.nn.Linear(2, 2).weight) is None
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    # the engine marks the model once AutoTP has partitioned it; a run at autotp_size > 1 needs two ranks
+    assert 'setattr(model, "ds_autotp_parsed", True)' in inspect.getsource(DeepSpeedEngine)
+    net = torch.nn.Linear(2, 2)
+    assert not compat.is_autotp_model(net)
+    net.ds_autotp_parsed = True
+    assert compat.is_autotp_model(net)

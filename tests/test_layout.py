@@ -108,8 +108,47 @@ def test_layout_constructor_rejects_nonsense():
         Layout("shard")
     with pytest.raises(ValueError, match="only apply to split"):
         Layout("replicated", parts=(2, 2))
-    with pytest.raises(ValueError, match="either fused"):
+    with pytest.raises(ValueError, match="at most one of"):
         Layout("split", parts=(2, 2), vocab=3)
+    with pytest.raises(ValueError, match="one length per rank"):
+        Layout("split", shards=((2, 1), (1,)))
+
+
+@pytest.mark.parametrize(
+    "layout,full_shape",
+    [
+        (Layout("split", 0, shards=((6, 4, 4),)), (14, 3)),  # 7 heads of 2 rows over 3 ranks: 3, 2, 2 heads
+        (Layout("split", 1, shards=((3, 2),)), (4, 5)),
+        (Layout("split", 0, shards=((4, 2), (2, 2), (2, 2))), (14, 2)),  # fused q|k|v, q split unevenly
+    ],
+)
+def test_uneven_splits_merge_back_and_each_rank_holds_its_lengths(layout, full_shape):
+    """AutoTP gives whole heads or grains to the first ranks: each rank's share has its own length, and the
+    ranks' shares merge back into the full tensor."""
+    tp = len(layout.shards[0])
+    full = torch.randn(full_shape)
+    shards = []
+    for rank in range(tp):
+        local = list(full_shape)
+        local[layout.dim] = layout.local_length(rank)
+        shards.append(split(layout, tuple(local), rank, tp, lambda d, s, n: full.narrow(d, s, n)))
+    assert [s.shape[layout.dim] for s in shards] == [layout.local_length(r) for r in range(tp)]
+    assert layout.full_shape(tuple(shards[-1].shape), tp) == full_shape
+    assert torch.equal(merge(layout, shards), full)
+    assert Layout.from_json(layout.to_json()) == layout
+    with pytest.raises(ValueError, match="tensor-parallel rank 0 holds"):
+        merge(layout, [shards[1], *shards[1:]])
+    with pytest.raises(ValueError, match="uneven split over"):
+        layout.full_shape(tuple(shards[0].shape), tp + 1)
+
+
+def test_an_uneven_fused_split_takes_each_ranks_run_of_every_part():
+    full = torch.arange(14).view(14, 1).float()  # q rows 0..5, k rows 6..9, v rows 10..13
+    layout = Layout("split", 0, shards=((4, 2), (2, 2), (2, 2)))
+    rank0 = split(layout, (8, 1), 0, 2, lambda d, s, n: full.narrow(d, s, n))
+    rank1 = split(layout, (6, 1), 1, 2, lambda d, s, n: full.narrow(d, s, n))
+    assert rank0.flatten().tolist() == [0, 1, 2, 3, 6, 7, 10, 11]
+    assert rank1.flatten().tolist() == [4, 5, 8, 9, 12, 13]
 
 
 class Plain(torch.nn.Module):

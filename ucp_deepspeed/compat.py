@@ -532,6 +532,24 @@ def scalar_device(group: dict[str, Any], flat: Any) -> Any:
     return flat.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
 
 
+# --- DeepSpeed AutoTP: how its layers cut a Hugging Face model's parameters --------------------------------
+
+
+def autotp_meta(p: Any) -> dict[str, Any] | None:
+    """The restore metadata DeepSpeed's AutoTP attaches to a parameter it partitioned or marked
+    (`ds_autotp_universal_checkpoint_meta`: partition dim and sizes, fused sub-parameters, replication); None for
+    a parameter AutoTP left untouched (which every tensor-parallel rank holds whole)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    meta = getattr(p, DS_AUTOTP_UC_META, None)
+    return dict(meta) if isinstance(meta, dict) else None
+
+
+def is_autotp_model(module: Any) -> bool:
+    """Whether DeepSpeed's AutoTP partitioned this module for training (it marks the model when done)."""
+    return bool(getattr(module, "ds_autotp_parsed", False))
+
+
 # --- megatron-core modules and their tensor-parallel attributes ---------------------------------------
 
 

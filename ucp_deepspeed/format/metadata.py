@@ -191,7 +191,7 @@ def _tensor_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if "ranks" in raw:
         out["ranks"] = tuple(raw["ranks"])
     if "layout" in raw:
-        out["layout"] = Layout(**{**raw["layout"], "parts": tuple(raw["layout"].get("parts", ()))})
+        out["layout"] = Layout.from_json(raw["layout"])
     return out
 
 

@@ -11,6 +11,9 @@ spirit of DeepSpeed's affine shard descriptions rather than name lists:
                     own and a rank holds its chunk of every part, concatenated
     split + vocab   the split tensor is padded along `dim` to a multiple of tp; the full tensor
                     keeps only the first `vocab` entries, and padding is re-created as zeros
+    split + shards  an uneven split: for each part along `dim` (one when nothing is fused), the
+                    length each rank holds, in rank order (DeepSpeed's AutoTP gives whole heads or
+                    grains to the first ranks); a rank holds its run of every part, concatenated
 
 Everything reduces to `pieces`: (offset in the full tensor, offset in the local tensor, length)
 along `dim`. Merging and splitting are the same copy in opposite directions.
@@ -43,16 +46,28 @@ class Layout:
     dim: int = 0
     parts: tuple[int, ...] = ()
     vocab: int = 0
+    shards: tuple[tuple[int, ...], ...] = ()
+    """Per part, each rank's length along `dim`: an uneven split, valid at `len(shards[0])` ranks only."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown layout {self.kind!r}; expected one of {', '.join(KINDS)}")
-        if self.kind != "split" and (self.parts or self.vocab):
-            raise ValueError(f"'parts' and 'vocab' only apply to split layouts, not {self.kind!r}")
-        if self.parts and self.vocab:
-            raise ValueError("a layout has either fused 'parts' or a padded 'vocab', not both")
+        if self.kind != "split" and (self.parts or self.vocab or self.shards):
+            raise ValueError(f"'parts', 'vocab' and 'shards' only apply to split layouts, not {self.kind!r}")
+        if sum(map(bool, (self.parts, self.vocab, self.shards))) > 1:
+            raise ValueError("a layout has at most one of fused 'parts', a padded 'vocab' and uneven 'shards'")
         if any(p <= 0 for p in self.parts) or self.vocab < 0 or self.dim < 0:
             raise ValueError(f"invalid layout {self}")
+        if self.shards and (
+            len({len(widths) for widths in self.shards}) != 1
+            or any(w < 0 for widths in self.shards for w in widths)
+            or any(sum(widths) == 0 for widths in self.shards)
+        ):
+            raise ValueError(f"invalid layout {self}: every part needs one length per rank, and some length")
+
+    def local_length(self, rank: int) -> int:
+        """Length along `dim` that rank `rank` holds, for an uneven split (`shards`)."""
+        return sum(widths[rank] for widths in self.shards)
 
     @property
     def is_split(self) -> bool:
@@ -65,6 +80,15 @@ class Layout:
             return
         if self.dim >= len(local_shape):
             raise ValueError(f"split dim {self.dim} but the tensor has shape {tuple(local_shape)}")
+        if self.shards:
+            if len(self.shards[0]) != tp:
+                raise ValueError(f"an uneven split over {len(self.shards[0])} ranks, used at {tp}")
+            if local_shape[self.dim] not in {self.local_length(r) for r in range(tp)}:
+                raise ValueError(
+                    f"no rank of the uneven split {[list(w) for w in self.shards]} holds {local_shape[self.dim]} "
+                    f"along dim {self.dim}"
+                )
+            return
         padded = local_shape[self.dim] * tp
         if self.parts:
             if sum(self.parts) != padded:
@@ -82,7 +106,9 @@ class Layout:
         """Shape of the full tensor, without vocab padding."""
         self.check(local_shape, tp)
         shape = list(local_shape)
-        if self.is_split:
+        if self.shards:
+            shape[self.dim] = sum(sum(widths) for widths in self.shards)
+        elif self.is_split:
             shape[self.dim] = self.vocab or local_shape[self.dim] * tp
         return tuple(shape)
 
@@ -96,6 +122,12 @@ class Layout:
             return [Piece(0, 0, local_len)]
         out = []
         local, base = 0, 0
+        if self.shards:
+            for widths in self.shards:
+                if widths[rank]:
+                    out.append(Piece(base + sum(widths[:rank]), local, widths[rank]))
+                local, base = local + widths[rank], base + sum(widths)
+            return out
         for size in self.parts or (local_len * tp,):
             chunk = size // tp
             start = base + rank * chunk
@@ -114,6 +146,8 @@ class Layout:
             out["parts"] = list(self.parts)
         if self.vocab:
             out["vocab"] = self.vocab
+        if self.shards:
+            out["shards"] = [list(widths) for widths in self.shards]
         return out
 
     @classmethod
@@ -124,6 +158,7 @@ class Layout:
             dim=int(raw.get("dim", 0)),
             parts=tuple(int(p) for p in raw.get("parts", ())),
             vocab=int(raw.get("vocab", 0)),
+            shards=tuple(tuple(int(w) for w in widths) for widths in raw.get("shards", ())),
         )
 
 
@@ -144,9 +179,14 @@ def merge(layout: Layout, shards: Sequence[torch.Tensor], name: str = "") -> tor
         return torch.stack([s.double() for s in shards]).mean(0).to(shards[0].dtype)
     full = torch.zeros(layout.full_shape(local_shape, tp), dtype=shards[0].dtype)
     for rank, shard in enumerate(shards):
-        if tuple(shard.shape) != local_shape:
-            raise ValueError(f"{name}: tensor-parallel rank {rank} holds {tuple(shard.shape)}, rank 0 {local_shape}")
-        for piece in layout.pieces(local_shape, rank, tp):
+        expected = list(local_shape)
+        if layout.shards:
+            expected[layout.dim] = layout.local_length(rank)
+        if list(shard.shape) != expected:
+            raise ValueError(
+                f"{name}: tensor-parallel rank {rank} holds {tuple(shard.shape)}, expected {tuple(expected)}"
+            )
+        for piece in layout.pieces(tuple(shard.shape), rank, tp):
             _narrow(full, layout.dim, piece.full_start, piece.length).copy_(
                 _narrow(shard, layout.dim, piece.local_start, piece.length)
             )

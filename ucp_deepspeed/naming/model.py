@@ -10,6 +10,10 @@ Two sources, in this order:
    `partition_stride` (a stride of s is s fused parts, e.g. SwiGLU's gate|up), and
    `is_embedding_or_output_parameter` for the vocab padding. Parameters of megatron-core modules
    without the attributes are replicated, as megatron-core itself assumes.
+3. DeepSpeed AutoTP's restore metadata, on a Hugging Face model that AutoTP partitioned: the
+   partition dim, each rank's size (uneven where AutoTP gives whole heads or grains to the first
+   ranks), fused sub-parameters and their per-rank widths. A parameter AutoTP left untouched is
+   replicated, as AutoTP itself treats it; one it marks unsupported is refused with its reason.
 
 A parameter that is tensor-parallel (tp > 1) and matches neither is an error: we never guess.
 Global names undo megatron-core's per-stage layer numbering (`decoder.layers.0` on stage 1 is
@@ -53,6 +57,46 @@ def _megatron_layout(p: torch.Tensor, tp: int, vocab_size: int) -> Layout:
     if stride > 1:
         return Layout("split", dim, parts=(local_len * tp // stride,) * stride)
     return Layout("split", dim)
+
+
+def autotp_layout(name: str, meta: dict | None, local_shape: Sequence[int], tp: int) -> Layout:
+    """The layout DeepSpeed's AutoTP cut a parameter with, from its restore metadata (`compat.autotp_meta`).
+
+    ValueError, naming the parameter, for a split AutoTP marks unsupported, records without sizes, scales (a
+    pre-divided bias), or records with a logical shape its sizes do not add up to.
+    """
+    if meta is None:
+        return REPLICATED
+    conversion = meta.get("conversion") or {}
+    if conversion.get("unsupported_reason"):
+        reason = conversion["unsupported_reason"]
+        raise ValueError(f"{name}: DeepSpeed's AutoTP cannot describe how it split this ({reason})")
+    if meta.get("replicated") or meta.get("partition_dim") is None:
+        return REPLICATED
+    dim = int(meta["partition_dim"])
+    widths = meta.get("sub_param_shard_widths") or ([meta["partition_sizes"]] if meta.get("partition_sizes") else None)
+    if not widths:
+        raise ValueError(f"{name}: AutoTP split it along dim {dim} without recording each rank's size")
+    shards = tuple(tuple(int(w) for w in part) for part in widths)
+    if any(len(part) != tp for part in shards):
+        raise ValueError(f"{name}: AutoTP recorded sizes for {len(shards[0])} ranks at tensor-parallel size {tp}")
+    if all(len(set(part)) == 1 for part in shards):
+        layout = Layout("split", dim, parts=tuple(sum(part) for part in shards) if len(shards) > 1 else ())
+    else:
+        layout = Layout("split", dim, shards=shards)
+    full = layout.full_shape(local_shape, tp)
+    logical = tuple(int(n) for n in meta.get("logical_shape") or full)
+    if full != logical:
+        raise ValueError(f"{name}: AutoTP records the full shape {list(logical)}, its split sizes give {list(full)}")
+    scaled = [
+        piece.get("scale")
+        for rank in ((conversion.get("affine_map") or {}).get("ranks") or {}).values()
+        for piece in rank.get("pieces", ())
+        if piece.get("scale", 1.0) != 1.0
+    ]
+    if scaled:
+        raise ValueError(f"{name}: AutoTP holds it scaled by {scaled[0]} on some rank, which a layout cannot undo")
+    return layout
 
 
 def _global_prefixes(module: torch.nn.Module) -> list[tuple[str, str]]:
@@ -186,11 +230,14 @@ def param_infos(
     to_global = global_namer(module, ep_ranks, rename)
     tied = _tied_output(module)
     in_megatron = _in_megatron(module)
+    autotp = compat.is_autotp_model(module)
     infos, unknown = {}, []
     for name, p in params:
         layout = next((r.layout for r in rules if r.matches(name)), None)
         if layout is None and in_megatron(name):
             layout = _megatron_layout(p, tp, vocab_size)
+        if layout is None and autotp:
+            layout = autotp_layout(name, compat.autotp_meta(p), compat.full_shape(p), tp)
         if layout is None:
             if tp > 1:
                 unknown.append(name)
