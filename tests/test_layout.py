@@ -177,6 +177,8 @@ def test_rules_place_every_parameter_first_match_wins():
     assert infos["proj.weight"].layout == Layout("split", 1)
     assert infos["norm.weight"].layout == Layout()
     assert all(i.name == n and not i.alias for n, i in infos.items())
+    (uneven,) = parse_rules([{"match": "qkv.weight", "layout": "split", "dim": 0, "shards": [[6, 2], [3, 1]]}])
+    assert uneven.layout == Layout("split", 0, shards=((6, 2), (3, 1)))
 
 
 def test_unmatched_parameters_of_a_tensor_parallel_model_are_an_error():

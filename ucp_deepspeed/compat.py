@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -533,6 +535,14 @@ def scalar_device(group: dict[str, Any], flat: Any) -> Any:
 
 
 # --- DeepSpeed AutoTP: how its layers cut a Hugging Face model's parameters --------------------------------
+
+
+def hf_model_config(module: Any) -> dict[str, Any] | None:
+    """The `config.json` contents of a `transformers` model (what `save_pretrained` writes), None for other modules."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        return None
+    return json.loads(module.config.to_json_string(use_diff=False))
 
 
 def autotp_meta(p: Any) -> dict[str, Any] | None:

@@ -45,19 +45,22 @@ from ucp_deepspeed.format.universal import (
 from ucp_deepspeed.geometry.layout import dropped_padding, merge
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
-from ucp_deepspeed.sources.plan import FullTensor
+from ucp_deepspeed.sources.plan import FullTensor, Shard, refuse_drift
 
 log = logging.getLogger("ucp_deepspeed")
 
 
+def _read_shard(src: NativeCheckpoint, shard: Shard, state: str) -> torch.Tensor:
+    files = src.ranks[shard.mp_rank]
+    return files.read_param(shard.item, state) if isinstance(shard.item, ParamSlot) else files.read_extra(shard.item)
+
+
 def assemble(src: NativeCheckpoint, tensor: FullTensor, state: str = VALUE) -> torch.Tensor:
-    """One state of a full tensor, merged from its tensor-parallel shards."""
-    shards = [
-        src.ranks[s.mp_rank].read_param(s.item, state)
-        if isinstance(s.item, ParamSlot)
-        else src.ranks[s.mp_rank].read_extra(s.item)
-        for s in tensor.shards
-    ]
+    """One state of a full tensor, merged from its tensor-parallel shards; a replicated one is compared with its
+    other ranks' copies."""
+    shards = [_read_shard(src, s, state) for s in tensor.shards]
+    for replica in tensor.replicas:
+        refuse_drift(src.tag_dir, tensor, state, replica, shards[0], _read_shard(src, replica, state))
     if not tensor.layout.is_split and len(shards) == 1:
         return shards[0]
     lost = dropped_padding(tensor.layout, shards)

@@ -4,11 +4,12 @@
 parameter and buffer tables, element ranges of each state, buffers, the training state), straight from
 DeepSpeed's rank files. A range of a parameter that no tensor-parallel split cuts is read from the ZeRO
 fragments that overlap it, and only their overlapping part; a split parameter is merged whole first (the
-last one merged is kept, since a restore reads each parameter's states one after another).
-Every read is recorded for the CRC check of the source archives (`NativeCheckpoint.check_reads`). Inside `batch`, ranges
-are read once the block ends, sorted by archive and offset, each run of adjacent bytes in one request: a rank that
-restores a partition made of many parameters' fragments in one source file sends one request per run, not one per
-parameter.
+last one merged is kept, since a restore reads each parameter's states one after another). A replicated
+parameter's range is read from each tensor-parallel rank's copy as well, and a copy that differs is refused.
+Every read is recorded for the CRC check of the source archives (`NativeCheckpoint.check_reads`). Inside
+`batch`, ranges are read once the block ends, sorted by archive and offset, each run of adjacent bytes in one
+request: a rank that restores a partition made of many parameters' fragments in one source file sends one
+request per run, not one per parameter.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ucp_deepspeed.geometry.layout import Layout
 from ucp_deepspeed.io.stats import record as record_io
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.native import RankFiles
+from ucp_deepspeed.sources.plan import FullTensor, refuse_drift
 
 
 class DirectCheckpoint(TensorReader):
@@ -78,7 +80,12 @@ class DirectCheckpoint(TensorReader):
         numel = math.prod(self._tensor(name).shape) - start if numel is None else numel
         found = self._in_place(name, key)
         if found is not None:
-            return found[0].read_param_range(found[1], key, start, numel)
+            out = found[0].read_param_range(found[1], key, start, numel)
+            tensor = self._tensor(name)
+            for replica in tensor.replicas:
+                got = self.src.ranks[replica.mp_rank].read_param_range(replica.item, key, start, numel)
+                refuse_drift(self.root, tensor, key, replica, out, got)
+            return out
         return self._whole(name, key).reshape(-1)[start : start + numel]
 
     def read_into(self, name: str, key: str, start: int, out: torch.Tensor) -> None:
@@ -87,7 +94,7 @@ class DirectCheckpoint(TensorReader):
         if found is None or out.dtype != torch.float32 or not out.is_contiguous():
             super().read_into(name, key, start, out)
             return
-        self._fill(*found, key, start, out)
+        self._fill(*found, key, start, out, self._tensor(name))
 
     def read_local(
         self,
@@ -121,14 +128,40 @@ class DirectCheckpoint(TensorReader):
         self._fill(self.src.ranks[shard.mp_rank], shard.item, key, start, out)
         return out
 
-    def _fill(self, files: RankFiles, slot: ParamSlot, key: str, start: int, out: torch.Tensor) -> None:
-        """Read a range of one rank's share of a parameter into `out`: now, or at the end of the enclosing `batch`."""
+    def _fill(
+        self,
+        files: RankFiles,
+        slot: ParamSlot,
+        key: str,
+        start: int,
+        out: torch.Tensor,
+        tensor: FullTensor | None = None,
+    ) -> None:
+        """Read a range of one rank's share of a parameter into `out`: now, or at the end of the enclosing `batch`; the
+        same range of each of `tensor`'s replicas is read too, and compared with it once read."""
         pending = getattr(self._batch, "pending", None)
-        for tfile, spans in files.param_range_spans(slot, key, start, out).items():
-            if pending is None:
-                tfile.read_spans(spans)
-            else:
-                pending.setdefault(tfile, []).extend(spans)
+        reads = [(files, slot, out)]
+        checks = []
+        for replica in tensor.replicas if tensor is not None else ():
+            copy = torch.empty_like(out)
+            if not isinstance(replica.item, ParamSlot):
+                raise CheckpointError(self.root, f"'{replica.item.name}' is a parameter on tensor-parallel rank 0 only")
+            reads.append((self.src.ranks[replica.mp_rank], replica.item, copy))
+            checks.append((tensor, key, replica, out, copy))
+        for rank_files, rank_slot, into in reads:
+            for tfile, spans in rank_files.param_range_spans(rank_slot, key, start, into).items():
+                if pending is None:
+                    tfile.read_spans(spans)
+                else:
+                    pending.setdefault(tfile, []).extend(spans)
+        if pending is None:
+            self._check(checks)
+        else:
+            self._batch.checks.extend(checks)
+
+    def _check(self, checks: list) -> None:
+        for tensor, key, replica, want, got in checks:
+            refuse_drift(self.root, tensor, key, replica, want, got)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -136,14 +169,15 @@ class DirectCheckpoint(TensorReader):
         if getattr(self._batch, "pending", None) is not None:  # nested: the outer block reads
             yield
             return
-        self._batch.pending = {}
+        self._batch.pending, self._batch.checks = {}, []
         try:
             yield
-            pending = self._batch.pending
+            pending, checks = self._batch.pending, self._batch.checks
         finally:
-            self._batch.pending = None
+            self._batch.pending = self._batch.checks = None
         for tfile, spans in pending.items():
             tfile.read_spans(spans)
+        self._check(checks)
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """Entries [start, start+length) along `dim` of a state of a full tensor."""

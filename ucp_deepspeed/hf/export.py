@@ -1,4 +1,6 @@
-"""Export a megatron-core GPT's universal checkpoint as a Hugging Face `transformers` model folder.
+"""Export a universal checkpoint as a Hugging Face `transformers` model folder: a megatron-core GPT's, or a
+`transformers` model's trained under its own names (AutoTP, Ulysses, HF Trainer: `own_names`, from its recorded
+config).
 
 The universal format already holds whole tensors under megatron-core's global names, with vocab
 padding removed, so an export is the architecture's name table (`hf/names.py`) read from
@@ -32,7 +34,7 @@ from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.paths import check_output, locate
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, stream_tensors
-from ucp_deepspeed.hf.models import ARCHS, arch_for, config_of, with_heads
+from ucp_deepspeed.hf.models import ARCHS, _transformers, arch_for, config_of, with_heads
 from ucp_deepspeed.hf.names import Heads, Link, hf_shapes, links, to_hf
 from ucp_deepspeed.io import storage as st
 
@@ -75,7 +77,10 @@ def _inferred(ckpt: UniversalCheckpoint, o: Overrides) -> ModelSpec:
     needed = ("embedding.word_embeddings.weight", f"{mlp}linear_fc1.weight", f"{mlp}linear_fc2.weight")
     if not layers or any(n not in params for n in needed):
         raise CheckpointError(
-            ckpt.root, f"is not a megatron-core GPT: it lacks {[n for n in needed if n not in params]}"
+            ckpt.root,
+            f"is not a megatron-core GPT (it lacks {[n for n in needed if n not in params]}) and records no "
+            "transformers config; a transformers model trained under its own names (AutoTP, Ulysses, HF Trainer) "
+            "exports with --hf-config CONFIG_JSON, the config.json of the model it started from",
         )
     position = params.get("embedding.position_embeddings.weight")
     flags = {
@@ -164,6 +169,43 @@ def entries(arch: str, read: Callable[[str], torch.Tensor], ckpt: UniversalCheck
     return out
 
 
+def own_names(
+    ckpt: UniversalCheckpoint, hf_config: dict[str, Any], read: Callable[[str], torch.Tensor], dtype: str
+) -> tuple[dict[str, Any], list[Entry]]:
+    """The config and tensors of a `transformers` model trained under its own names (DeepSpeed's AutoTP, Ulysses, an
+    HF Trainer job): every tensor of the model its recorded config builds, under the same name and shape.
+
+    A checkpoint tensor the model has no place for, or a model tensor the checkpoint lacks (other than a tied copy,
+    which `from_pretrained` ties again), is refused by name.
+    """
+    transformers = _transformers()
+    config = transformers.AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    tied = {n for n in expected if n not in dict(model.named_parameters()) and n not in dict(model.named_buffers())}
+    extra = sorted(set(ckpt.params) - set(expected))
+    if extra:
+        raise CheckpointError(
+            ckpt.root, f"{extra[:6]} have no place in {type(model).__name__}; exporting would drop them"
+        )
+    out = []
+    for name, shape in expected.items():
+        record = ckpt.params.get(name)
+        if record is None and (name in tied or name in ckpt.manifest.tied):
+            continue
+        if record is None and name in ckpt.buffers:
+            out.append(Entry(name, shape, functools.partial(ckpt.read_buffer, name)))
+            continue
+        if record is None:
+            raise CheckpointError(ckpt.root, f"{type(model).__name__} needs {name}, which this checkpoint lacks")
+        if tuple(record.shape) != shape:
+            raise CheckpointError(ckpt.root, f"{name} has shape {record.shape}; {type(model).__name__} says {shape}")
+        out.append(Entry(name, shape, functools.partial(read, name)))
+    config.dtype = dtype
+    return config.to_diff_dict(), out
+
+
 def plan_shards(entries: list[Entry], shard_bytes: int, itemsize: int = 4) -> list[list[Entry]]:
     """Consecutive entries grouped into files of at most `shard_bytes` (a larger tensor gets its own)."""
     shards: list[list[Entry]] = [[]]
@@ -185,6 +227,7 @@ def export_hf(
     dtype: str = "fp32",
     shard_bytes: int = 5 * 2**30,
     progress: bool = True,
+    hf_config: dict[str, Any] | None = None,
 ) -> str:
     """Write a `transformers` model folder from a universal (or native, converted first) checkpoint.
 
@@ -195,6 +238,8 @@ def export_hf(
             recorded one.
         dtype: `fp32` (the master weights exactly), `bf16` or `fp16`.
         shard_bytes: the largest shard, as the Hub's `max_shard_size`.
+        hf_config: the `config.json` of a `transformers` model trained under its own names, for a checkpoint that
+            recorded none (plain DeepSpeed's); it replaces a recorded one.
     Returns:
         `out`.
     Example:
@@ -209,10 +254,7 @@ def export_hf(
     if not st.isfile(st.join(path, MANIFEST)):
         path = convert(path, progress=progress)
     ckpt = UniversalCheckpoint(path)
-    spec = model_of(ckpt, overrides)
-    hf_config = ckpt.manifest.hf_config
-    arch = overrides.arch or arch_for(spec, hf_config)
-    config = config_of(spec, arch, hf_config, str(DTYPES[dtype]).removeprefix("torch."), ckpt.root)
+    hf_config = hf_config or ckpt.manifest.hf_config
     torch_dtype = DTYPES[dtype]
     size = torch_dtype.itemsize
 
@@ -222,7 +264,13 @@ def export_hf(
         key = FP32 if FP32 in record.keys else VALUE
         return ckpt.read(name, key).reshape(record.shape).to(torch.float32)
 
-    tensors = entries(arch, read, ckpt, spec)
+    if ckpt.manifest.model is None and hf_config is not None and not overrides.arch:
+        config, tensors = own_names(ckpt, hf_config, read, str(torch_dtype).removeprefix("torch."))
+    else:
+        spec = model_of(ckpt, overrides)
+        arch = overrides.arch or arch_for(spec, hf_config)
+        config = config_of(spec, arch, hf_config, str(torch_dtype).removeprefix("torch."), ckpt.root)
+        tensors = entries(arch, read, ckpt, spec)
     shards = plan_shards(tensors, shard_bytes, size)
     st.makedirs(out)
     weight_map, total = {}, 0

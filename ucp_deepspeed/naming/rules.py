@@ -1,7 +1,8 @@
 """The layout language: rules that say how a tensor-parallel parameter is split, for models we cannot introspect.
 
 A rule is a JSON object: `{"match": REGEX, "layout": "replicated" | "average" | "split", "dim": D,
-"parts": [sizes...], "vocab": V}`. The first rule whose regex matches the whole parameter name wins.
+"parts": [sizes...], "vocab": V, "shards": [[each rank's length] per part]}`. The first rule whose regex matches
+the whole parameter name wins.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def parse_rules(raw: Sequence[dict] | str | None) -> tuple[Rule, ...]:
     rules = []
     for i, item in enumerate(raw):
         try:
-            unknown = set(item) - {"match", "layout", "dim", "parts", "vocab"}
+            unknown = set(item) - {"match", "layout", "dim", "parts", "vocab", "shards"}
             if unknown:
                 raise ValueError(f"unknown keys {sorted(unknown)}")
             re.compile(item["match"])
             layout = Layout.from_json(
-                {"kind": item["layout"], **{k: item[k] for k in ("dim", "parts", "vocab") if k in item}}
+                {"kind": item["layout"], **{k: item[k] for k in ("dim", "parts", "vocab", "shards") if k in item}}
             )
         except (KeyError, ValueError, TypeError, re.error) as exc:
             raise ValueError(f"layout rule {i} {item!r}: {exc}") from None

@@ -376,9 +376,11 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: di
             owner_of[id(p)] = name
     tied.update({s.local: s.name for s in slots if s.alias})
     mp = model_parallel(engine)
+    spec = model_spec(engine)
     return SaveMeta(
-        model=model_spec(engine),
-        hf_config=hf_config,
+        model=spec,
+        # a Hugging Face model trained under its own names (AutoTP, Ulysses, HF Trainer) exports with its config
+        hf_config=hf_config if hf_config is not None or spec is not None else compat.hf_model_config(module),
         optimizer=optimizer_record(engine),
         topology=topology(engine),
         params=tuple(slots),

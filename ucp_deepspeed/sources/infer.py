@@ -8,11 +8,11 @@ gives every rank ceil(numel / dp) elements of each parameter. Both are checked a
 (DeepSpeed's `param_slice_mappings`, flat sizes) so a different packing fails loudly instead of
 loading wrong values.
 
-What the files do not say is how a tensor-parallel rank's slice was cut from the full tensor, so a
-TP-split checkpoint needs layout rules. A DeepSpeed `PipelineModule` names its parameters by global
-layer index and keeps its layers' buffers and frozen weights in per-layer files
-(`layer_XX[-model_YY]-model_states.pt`), which are read here; other pipeline stages (numbering their
-layers locally) and expert parallelism are refused.
+How a tensor-parallel rank's slice was cut from the full tensor is recorded only by DeepSpeed's
+AutoTP (`sources.autotp`); any other TP-split checkpoint needs layout rules. A DeepSpeed
+`PipelineModule` names its parameters by global layer index and keeps its layers' buffers and frozen
+weights in per-layer files (`layer_XX[-model_YY]-model_states.pt`), which are read here; other
+pipeline stages (numbering their layers locally) and expert parallelism are refused.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import saved_numel
-from ucp_deepspeed.geometry.layout import REPLICATED
+from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.naming.rules import Rule
+from ucp_deepspeed.sources.autotp import autotp_layouts, is_autotp_record
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
@@ -95,7 +96,31 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
             f"{len(paths)} model-parallel ranks' files for tensor-parallel size {tp}: "
             "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata",
         )
-    return [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered) for r in range(tp * pp)]
+    autotp = _autotp_layouts(paths, tp) if tp > 1 and pp == 1 else {}
+    return [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered, autotp) for r in range(tp * pp)]
+
+
+def _autotp_layouts(paths: dict[int, str], tp: int) -> dict[str, Layout]:
+    """Layouts from the record DeepSpeed's AutoTP writes (`sources.autotp`), with every tensor-parallel rank's shapes;
+    empty for a checkpoint without one."""
+    shapes: list[dict[str, tuple[int, ...]]] = []
+    info: dict[str, Any] = {}
+    for rank in range(tp):
+        states = ModelStatesFile(paths[rank])
+        try:
+            if rank == 0:
+                record = states.entry("universal_checkpoint_info")
+                if not is_autotp_record(record):
+                    return {}
+                info = record
+            local = {n: tuple(s) for group in states.entry("param_shapes") or [] for n, s in group.items()}
+            local |= {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
+            for name, tensor in states.module_tensors().items():  # ZeRO-1/2 keep frozen parameters in the module
+                local.setdefault(name, tuple(tensor.shape))
+            shapes.append(local)
+        finally:
+            states.close()
+    return autotp_layouts(info, shapes, paths[0])
 
 
 def _layer_extras(
@@ -141,9 +166,17 @@ def _layer_extras(
 
 
 def _infer_rank(
-    tag_dir: str, model_path: str, mp_rank: int, tp: int, rules: Sequence[Rule], pp: int, layered: bool
+    tag_dir: str,
+    model_path: str,
+    mp_rank: int,
+    tp: int,
+    rules: Sequence[Rule],
+    pp: int,
+    layered: bool,
+    autotp: dict[str, Layout],
 ) -> SaveMeta:
-    """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files."""
+    """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files;
+    `autotp`: layouts AutoTP recorded, which rules override."""
     states = ModelStatesFile(model_path)
     try:
         ds_config = states.entry("ds_config") or {}
@@ -192,7 +225,7 @@ def _infer_rank(
         if stage == 3
         else [n for n in module if n not in set(trainable) | set(shared) | set(buffers)]
     )
-    layouts = _layouts(trainable + frozen, tp, rules, model_path)
+    layouts = _layouts(trainable + frozen, tp, rules, model_path, autotp)
     optim_path = st.join(tag_dir, f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
     if not st.isfile(optim_path):
         raise CheckpointError(optim_path, "optimizer file of data-parallel rank 0 is missing")
@@ -252,13 +285,16 @@ def _infer_rank(
     )
 
 
-def _layouts(names: list[str], tp: int, rules: Sequence[Rule], path: str) -> dict[str, Any]:
-    """Each parameter's tensor-parallel layout: replicated at TP=1, from the rules otherwise; never guessed."""
+def _layouts(
+    names: list[str], tp: int, rules: Sequence[Rule], path: str, recorded: dict[str, Layout] | None = None
+) -> dict[str, Any]:
+    """Each parameter's tensor-parallel layout: replicated at TP=1, from the rules or AutoTP's record otherwise;
+    never guessed."""
     if tp == 1:
         return {n: REPLICATED for n in names}
     out, unknown = {}, []
     for name in names:
-        layout = next((r.layout for r in rules if r.matches(name)), None)
+        layout = next((r.layout for r in rules if r.matches(name)), (recorded or {}).get(name))
         if layout is None:
             unknown.append(name)
         else:

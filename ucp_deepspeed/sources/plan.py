@@ -2,8 +2,10 @@
 
 Each model-parallel rank describes only what it holds. A full tensor is assembled from one shard
 per tensor-parallel rank of the pipeline stage that owns it (split or averaged layouts), or from
-tensor-parallel rank 0 alone (replicated). A pipeline stage's copy of a tied weight (`alias`) is
-read only if the owner's copy is absent.
+tensor-parallel rank 0 (replicated). The other ranks' copies of a replicated tensor are kept as
+`replicas`, which readers compare with it: a checkpoint whose replicas drifted apart is refused,
+never resolved by picking one. A pipeline stage's copy of a tied weight (`alias`) is read only if
+the owner's copy is absent.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class FullTensor:
     layout: Layout
     group: int | None
     shards: tuple[Shard, ...]
+    replicas: tuple[Shard, ...] = ()
+    """The other tensor-parallel ranks' copies of a replicated tensor: each must equal `shards[0]`."""
 
     @property
     def nbytes(self) -> int:
@@ -66,22 +70,41 @@ def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
                 f"'{name}' is held by tensor-parallel ranks {sorted(by_tp)} of stage {stages[0]}, expected 0..{tp - 1}",
             )
         item = first[1]
-        for _, other in by_tp.values():
-            if (other.layout, tuple(other.shape)) != (item.layout, tuple(item.shape)):
+        for tp_rank, (_, other) in by_tp.items():
+            # an uneven split (AutoTP's) gives each rank its own length along the split dim
+            expected = list(item.shape)
+            if item.layout.shards:
+                expected[item.layout.dim] = item.layout.local_length(tp_rank)
+            if (other.layout, list(other.shape)) != (item.layout, expected):
                 raise CheckpointError(
                     where,
                     f"'{name}': tensor-parallel ranks disagree on its layout or shape "
-                    f"({item.layout}, {item.shape} vs {other.layout}, {other.shape})",
+                    f"({item.layout}, {item.shape} vs rank {tp_rank}'s {other.layout}, {other.shape})",
                 )
-        shards = (
-            (Shard(first[0], item),) if item.layout.kind == "replicated" else tuple(Shard(*by_tp[r]) for r in range(tp))
-        )
+        replicated = item.layout.kind == "replicated"
+        shards = (Shard(first[0], item),) if replicated else tuple(Shard(*by_tp[r]) for r in range(tp))
+        replicas = tuple(Shard(*by_tp[r]) for r in sorted(by_tp) if r) if replicated else ()
         try:
             shape = item.layout.full_shape(item.shape, tp)
         except ValueError as exc:
             raise CheckpointError(where, f"'{name}': {exc}") from None
         if isinstance(item, ParamSlot):
-            out.append(FullTensor(name, "param", shape, "float32", item.layout, item.group, shards))
+            out.append(FullTensor(name, "param", shape, "float32", item.layout, item.group, shards, replicas))
         else:
-            out.append(FullTensor(name, item.kind, shape, item.dtype, item.layout, None, shards))
+            out.append(FullTensor(name, item.kind, shape, item.dtype, item.layout, None, shards, replicas))
     return out
+
+
+def refuse_drift(
+    where: str, tensor: FullTensor, state: str, replica: Shard, want: torch.Tensor, got: torch.Tensor
+) -> None:
+    """Refuse a replicated tensor whose copy on another tensor-parallel rank (`got`) differs from rank 0's (`want`):
+    no copy is the right one to resume from."""
+    if torch.equal(want.reshape(-1), got.reshape(-1)):
+        return
+    diff = (want.double() - got.double()).abs().max().item() if want.shape == got.shape else math.nan
+    raise CheckpointError(
+        where,
+        f"'{tensor.name}' ({state}) is replicated over tensor parallelism, but model-parallel rank {replica.mp_rank}'s "
+        f"copy differs from rank 0's (max |diff| {diff:.3g}): the ranks drifted apart during training",
+    )

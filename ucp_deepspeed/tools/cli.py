@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("path")
     p.add_argument("--tag", help="tag of a native or Check-N-Run checkpoint (default: the one in 'latest')")
-    p = sub.add_parser("export-hf", help="write a megatron-core GPT checkpoint as a Hugging Face transformers folder")
+    p = sub.add_parser(
+        "export-hf", help="write a megatron-core GPT's or a transformers model's checkpoint as a transformers folder"
+    )
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
     over = p.add_argument_group(
@@ -336,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     over.add_argument("--max-positions", type=int, help="RoPE models: context length (default 4096)")
     over.add_argument("--experts-per-token", type=int, help="mixtral: router top-k (default 2)")
     over.add_argument("--activation", choices=ACTIVATIONS, help="default: the architecture's own")
+    p.add_argument(
+        "--hf-config",
+        metavar="CONFIG_JSON",
+        help="a transformers model trained under its own names (AutoTP, Ulysses, HF Trainer) and saved without "
+        "ucp_deepspeed: the config.json of the model it started from",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights' dtype (default fp32, exact)")
     p.add_argument("--shard-size", type=float, default=5120, help="MB per safetensors shard (default 5120, the Hub's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -423,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.activation,
             )
             shard = int(args.shard_size * 2**20)
-            print(export_hf(args.ckpt, args.out, overrides, args.dtype, shard, progress=not args.no_progress))
+            hf_config = json.loads(st.read(args.hf_config)) if args.hf_config else None
+            print(
+                export_hf(args.ckpt, args.out, overrides, args.dtype, shard, not args.no_progress, hf_config=hf_config)
+            )
         elif args.command == "import-hf":
             print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
         elif args.command == "import-dcp":

@@ -1,0 +1,248 @@
+"""Train a tiny Hugging Face Llama that DeepSpeed parallelizes itself (AutoTP), save, and resume at another layout.
+
+    save --out DIR --variant NAME ...: train STEPS steps, snapshot every state, save, continue CONT steps;
+         rank 0 writes DIR/NAME/reference.pt (the snapshot, the continuation losses). `--plain`: plain DeepSpeed
+         saves it, with no ucp_deepspeed at all; `--drift PARAM`: tensor-parallel rank 1 changes its copy of a
+         replicated parameter just before saving.
+    load --case TARGET SOURCE ...: build TARGET at this launch's size, load each SOURCE, compare every state with
+         its reference using torch.equal, continue CONT steps; rank 0 writes one JSON result per case to --results.
+         `--refuse`: every load must fail on every rank and leave the engine as it was
+
+A variant is `tp<T>z<S>` (AutoTP size T, ZeRO stage S) or `z<S>` (no AutoTP); the rest of the launch's ranks are
+data-parallel. The model is sized so that AutoTP splits unevenly at T=2: 6 heads in 3 key-value groups give
+q/o (32, 16) and k/v (16, 8), an intermediate size of 99 gives (50, 49). Full tensors in the snapshot are merged
+from the tensor-parallel ranks with DeepSpeed's own affine maps (`deepspeed.checkpoint.affine`), not ours, so the
+comparison does not share the code under test; replicated tensors are compared across the ranks as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import re
+
+import common  # tests/workers/common.py, next to this script
+import deepspeed
+import torch
+import torch.distributed as dist
+from compare import compare  # tests/workers/compare.py, next to this script
+from deepspeed.checkpoint.affine import SCALE_POWER_BY_STATE, ParamAffineMap
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import ucp_deepspeed
+from ucp_deepspeed.io import storage as st
+
+CONFIG = {
+    "vocab_size": 128,
+    "hidden_size": 48,
+    "intermediate_size": 99,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+GLOBAL_BATCH, SEQ, STEPS, CONT = 8, 12, 3, 3
+STATES = ("exp_avg", "exp_avg_sq")
+AUTOTP = [1]  # the AutoTP size of the engines this process has built
+
+
+def parse(variant: str) -> tuple[int, int]:
+    """(AutoTP size, ZeRO stage) of a variant name."""
+    m = re.fullmatch(r"(?:tp(\d+))?z(\d)", variant)
+    if m is None:
+        raise SystemExit(f"unknown variant {variant!r}: expected tp<T>z<S> or z<S>")
+    return int(m.group(1) or 1), int(m.group(2))
+
+
+def model() -> LlamaForCausalLM:
+    """The same model on every rank and in every run: built from a config with a fixed seed, nothing downloaded."""
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="eager"))
+
+
+def build(variant: str, plain: bool = False) -> deepspeed.DeepSpeedEngine:
+    """The engine of a variant: through ucp_deepspeed with universal checkpointing, or `plain` DeepSpeed."""
+    tp, stage = parse(variant)
+    if tp != AUTOTP[0] and AUTOTP[0] > 1:
+        # DeepSpeed keeps the first AutoTP engine's model-parallel groups for the whole process (`groups.mpu`)
+        raise SystemExit(f"{variant}: build engines without AutoTP first in a launch, then one AutoTP size")
+    AUTOTP[0] = tp
+    net = model()
+    config = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dist.get_world_size() // tp),
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
+        "checkpoint": {"universal": {"enabled": True, "progress": False}},
+    }
+    if tp > 1:
+        config["tensor_parallel"] = {"autotp_size": tp}
+    init = ucp_deepspeed.initialize
+    if plain:
+        del config["checkpoint"]
+        init = deepspeed.initialize
+    engine, *_ = init(model=net, model_parameters=net.parameters(), config=config)
+    return engine
+
+
+def ranks(engine: deepspeed.DeepSpeedEngine) -> tuple[int, int, int]:
+    """(tensor-parallel rank, data-parallel rank, data-parallel size) of this process in the engine."""
+    if engine.mpu is None:
+        return 0, dist.get_rank(), dist.get_world_size()
+    return (
+        engine.mpu.get_tensor_model_parallel_rank(),
+        engine.mpu.get_data_parallel_rank(),
+        engine.mpu.get_data_parallel_world_size(),
+    )
+
+
+def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
+    """`steps` steps on the same global batches whatever the layout; the mean loss of each."""
+    _, dp_rank, dp = ranks(engine)
+    losses = []
+    for _ in range(steps):
+        g = torch.Generator().manual_seed(1000 + engine.global_steps)
+        tokens = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, SEQ), generator=g)
+        rows = tokens[dp_rank * GLOBAL_BATCH // dp : (dp_rank + 1) * GLOBAL_BATCH // dp]
+        loss = engine(input_ids=rows, labels=rows).loss
+        engine.backward(loss)
+        engine.step()
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        losses.append(reduced.item() / dist.get_world_size())
+    return losses
+
+
+def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
+    """Every state, each tensor whole: this rank's shares gathered over data parallelism by DeepSpeed, then merged
+    over tensor parallelism with the affine maps DeepSpeed recorded for the model."""
+    tp_rank, _, _ = ranks(engine)
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-1/2 link the states to the parameters lazily
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    local: dict = {"fp32": {}, "lp": {}, **{key: {} for key in STATES}}
+    for name, p in engine.module.named_parameters():
+        local["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+        for key in STATES:
+            local[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        for name, p in engine.module.named_parameters():
+            local["lp"][name] = p.detach().cpu().clone()
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, (tp_rank, local))
+    by_tp = {r: s for r, s in reversed(shares)}  # one data-parallel rank's copy per tensor-parallel rank
+    maps = (getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) or {}).get("affine_map", {}).get("params", {})
+    snap: dict = {kind: {} for kind in local}
+    replicas = []
+    for kind in local:
+        power = SCALE_POWER_BY_STATE.get(kind, 1)
+        for name in local[kind]:
+            shards = {r: by_tp[r][kind][name] for r in sorted(by_tp)}
+            entry = maps.get(f"^{re.escape(name)}$")
+            affine = ParamAffineMap.from_dict(entry) if entry is not None and len(shards) > 1 else None
+            whole = affine is None or all(
+                len(p.locations) == len(shards) for pieces in affine.pieces_by_rank.values() for p in pieces
+            )
+            differ = [f"{kind}/{name}@tp{r}" for r in shards if whole and not torch.equal(shards[r], shards[0])]
+            replicas += differ
+            snap[kind][name] = shards[0] if whole else affine.rebuild(shards, power)
+    base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    steps = {float(s["step"]) for s in base.state.values() if "step" in s}
+    snap["steps"] = sorted(steps)
+    snap["hyperparams"] = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in base.param_groups]
+    snap["counters"] = [engine.global_steps, engine.global_samples]
+    snap["replicas_differ"] = replicas
+    return snap
+
+
+def do_save(args: argparse.Namespace) -> None:
+    for name in args.variant:
+        engine = build(name, plain=args.plain)
+        ckpt = st.join(args.out, name)
+        train(engine, STEPS)
+        snap = snapshot(engine)
+        for drifted in args.drift:  # tensor-parallel rank 1's copy of a replicated parameter drifts from rank 0's
+            p = dict(engine.module.named_parameters())[drifted]
+            if ranks(engine)[0] == 1:
+                safe_set_full_fp32_param(p, safe_get_full_fp32_param(p) + 1e-3)
+        engine.save_checkpoint(ckpt)
+        cont = train(engine, CONT)
+        if dist.get_rank() == 0:
+            buffer = io.BytesIO()
+            torch.save({"snapshot": snap, "continuation": cont, "config": CONFIG}, buffer)
+            st.write(st.join(ckpt, "reference.pt"), buffer.getvalue())
+            print(f"[{name} world={dist.get_world_size()}] saved to {ckpt}; continuation {cont}", flush=True)
+        dist.barrier()
+
+
+def do_load(args: argparse.Namespace) -> None:
+    results = []
+    for target, source in ((case[0], src) for case in args.case for src in case[1:]):
+        ref = torch.load(io.BytesIO(st.read(st.join(source, "reference.pt"))), weights_only=False)
+        engine = build(target)
+        if args.refuse:  # a load that must be refused, on every rank, leaving the engine (one step in) as it was
+            train(engine, 1)
+            before = snapshot(engine)
+            try:
+                engine.load_checkpoint(source)
+                error = None
+            except Exception as exc:
+                error = str(exc)
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            untouched = compare(before, snapshot(engine)) == []
+            results.append({"source": source, "target": target, "errors": errors, "untouched": untouched})
+            continue
+        engine.load_checkpoint(source)
+        snap = snapshot(engine)
+        diffs = compare(ref["snapshot"], snap)
+        losses = train(engine, CONT)
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["continuation"]))
+        results.append(
+            {
+                "source": source,
+                "target": target,
+                "world": dist.get_world_size(),
+                "how": engine.ucp_last_load.how(),
+                "diffs": diffs,
+                "tensors": sum(len(snap[k]) for k in ("fp32", "lp", *STATES)),
+                "losses": losses,
+                "reference_losses": ref["continuation"],
+                "max_rel_loss": rel if math.isfinite(rel) else 1e9,
+            }
+        )
+        if dist.get_rank() == 0:
+            print(f"[{target} world={dist.get_world_size()}] from {source}: {len(diffs)} differences", flush=True)
+    if dist.get_rank() == 0:
+        with open(args.results, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--variant", nargs="+", default=[])
+    parser.add_argument("--out")
+    parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
+    parser.add_argument("--case", nargs="+", action="append", default=[], metavar="TARGET SOURCE")
+    parser.add_argument("--drift", nargs="*", default=[], metavar="PARAM", help="save: rank 1's replica drifts")
+    parser.add_argument("--refuse", action="store_true", help="load: each case must be refused")
+    parser.add_argument("--results")
+    common.add_each(parser)
+    runs = common.runs(parser)
+    deepspeed.init_distributed(dist_backend="gloo")
+    for args in runs:
+        do_save(args) if args.mode == "save" else do_load(args)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.main_then_exit(main)
