@@ -513,3 +513,12 @@ def test_autotp_meta_and_model_mark():
     assert not compat.is_autotp_model(net)
     net.ds_autotp_parsed = True
     assert compat.is_autotp_model(net)
+
+
+def test_hf_model_config():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2)
+    recorded = compat.hf_model_config(LlamaForCausalLM(config))
+    assert recorded["model_type"] == "llama" and recorded["hidden_size"] == 8 and recorded["vocab_size"] == 16
+    assert compat.hf_model_config(torch.nn.Linear(2, 2)) is None

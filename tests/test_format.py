@@ -115,3 +115,11 @@ def test_malformed_manifest_is_refused_naming_the_file(tmp_path, damage, reason)
     with pytest.raises(CheckpointError) as info:
         UniversalCheckpoint(str(tmp_path))
     assert str(path) in str(info.value) and reason in str(info.value), str(info.value)
+
+
+def test_topology_records_a_sequence_parallel_size_only_when_there_is_one():
+    plain = Topology(dp=3, zero_stage=1, dtype="fp32")
+    ulysses = Topology(dp=3, zero_stage=1, dtype="fp32", sp=3)
+    assert "sp" not in plain.encode() and Topology.decode(plain.encode()) == plain
+    assert Topology.decode(ulysses.encode()) == ulysses and ulysses.describe() == "zero1 dp=3 sp=3 fp32"
+    assert not plain.same_layout(ulysses)  # DeepSpeed's own load does not read files named before its #8226

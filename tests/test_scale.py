@@ -77,10 +77,12 @@ def files_holding(synthetic: Synthetic, spec: SynthSpec, target: Target) -> list
     for _, runs in plan(params_for(spec, target), target):
         files = set()
         for run in runs:
-            key = (run.name, run.tp_rank if layouts[run.name].is_split else 0)  # a replica is read from TP rank 0
-            mp, slot = slots[key]
-            for frag in fragments_in(slot, spec.zero_stage, spec.dp, run.start, run.start + run.numel):
-                files.add((mp, frag.rank))
+            # a replicated parameter's range is read from every tensor-parallel rank's copy, which must agree
+            held_by = [run.tp_rank] if layouts[run.name].is_split else range(spec.tp)
+            for tp_rank in held_by:
+                mp, slot = slots[(run.name, tp_rank)]
+                for frag in fragments_in(slot, spec.zero_stage, spec.dp, run.start, run.start + run.numel):
+                    files.add((mp, frag.rank))
         out.append(files)
     return out
 

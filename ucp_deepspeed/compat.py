@@ -133,6 +133,38 @@ def is_unpartitioned(engine: Any) -> bool:
     return isinstance(engine.optimizer, torch.optim.Optimizer)
 
 
+def is_ulysses_mpu(mpu: Any) -> bool:
+    """Whether an engine's `mpu` is DeepSpeed's Ulysses sequence-parallel state (`parallel_state_sp`), whose
+    "model parallel" getters alias the sequence-parallel group although every rank holds the whole model."""
+    return hasattr(mpu, "get_sequence_parallel_world_size") and not hasattr(mpu, "get_tensor_model_parallel_rank")
+
+
+def sequence_parallel_size(engine: Any) -> int:
+    """The engine's Ulysses sequence-parallel size (1 without)."""
+    return int(getattr(engine, "sequence_parallel_size", 1) or 1)
+
+
+def ulysses_outside_zero(engine: Any) -> bool:
+    """Whether a Ulysses engine's sequence-parallel ranks fall outside its ZeRO group, as when DeepSpeed 0.19.8 builds
+    them from the config's device mesh (`sequence_parallel_size` and `data_parallel_size`): ZeRO then partitions, and
+    sums gradients, over the mesh's data-parallel dimension alone."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if sequence_parallel_size(engine) == 1:
+        return False
+    sequence = set(dist.get_process_group_ranks(groups._get_sequence_parallel_group()))
+    return not sequence <= set(dist.get_process_group_ranks(engine.seq_data_parallel_group))
+
+
+def zero_world_size(engine: Any) -> int:
+    """How many ranks ZeRO partitions over: under Ulysses the sequence x data-parallel ranks (DeepSpeed then leaves
+    `dp_world_size` None), else the data-parallel ones."""
+    if sequence_parallel_size(engine) > 1:
+        return int(engine.seq_dp_world_size)
+    return int(engine.dp_world_size)
+
+
 def data_parallel_rank(engine: Any) -> int:
     """This rank's index in its data-parallel group (a pipeline stage's replicas; not the global rank)."""
     import torch.distributed as dist

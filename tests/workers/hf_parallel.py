@@ -7,6 +7,8 @@
     load --case TARGET SOURCE ...: build TARGET at this launch's size, load each SOURCE, compare every state with
          its reference using torch.equal, continue CONT steps; rank 0 writes one JSON result per case to --results.
          `--refuse`: every load must fail on every rank and leave the engine as it was
+    refused --variant NAME ... --results FILE: building NAME through ucp_deepspeed must fail; built by plain
+         DeepSpeed and stepped once, do its ranks' copies of the model drift apart?
 
 A variant is `tp<T>z<S>` (AutoTP size T, ZeRO stage S) or `z<S>` (no AutoTP); the rest of the launch's ranks are
 data-parallel. The model is sized so that AutoTP splits unevenly at T=2: 6 heads in 3 key-value groups give
@@ -46,35 +48,53 @@ CONFIG = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
-GLOBAL_BATCH, SEQ, STEPS, CONT = 8, 12, 3, 3
+GLOBAL_BATCH, SEQ, STEPS, CONT = 12, 12, 3, 3
 STATES = ("exp_avg", "exp_avg_sq")
-AUTOTP = [1]  # the AutoTP size of the engines this process has built
+BUILT = [(1, 1, False)]  # the AutoTP and Ulysses sizes (and Ulysses' route) of the engines this process has built
 
 
-def parse(variant: str) -> tuple[int, int]:
-    """(AutoTP size, ZeRO stage) of a variant name."""
-    m = re.fullmatch(r"(?:tp(\d+))?z(\d)", variant)
+def parse(variant: str) -> tuple[int, int, int, bool]:
+    """(AutoTP size, Ulysses sequence-parallel size, ZeRO stage, whether DeepSpeed builds the Ulysses groups from the
+    config's device mesh: `msp<P>`) of a variant name."""
+    m = re.fullmatch(r"(?:tp(\d+))?(?:(m?)sp(\d+))?z(\d)", variant)
     if m is None:
-        raise SystemExit(f"unknown variant {variant!r}: expected tp<T>z<S> or z<S>")
-    return int(m.group(1) or 1), int(m.group(2))
+        raise SystemExit(f"unknown variant {variant!r}: expected [tp<T>][[m]sp<P>]z<S>")
+    return int(m.group(1) or 1), int(m.group(3) or 1), int(m.group(4)), m.group(2) == "m"
 
 
 def model() -> LlamaForCausalLM:
-    """The same model on every rank and in every run: built from a config with a fixed seed, nothing downloaded."""
+    """The same model on every rank and in every run: built from a config with a fixed seed, nothing downloaded.
+    Ulysses wraps a core attention that takes no mask (sdpa), so every variant uses that one."""
     torch.manual_seed(1234)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="eager"))
+    return LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
 
 
 def build(variant: str, plain: bool = False) -> deepspeed.DeepSpeedEngine:
     """The engine of a variant: through ucp_deepspeed with universal checkpointing, or `plain` DeepSpeed."""
-    tp, stage = parse(variant)
-    if tp != AUTOTP[0] and AUTOTP[0] > 1:
-        # DeepSpeed keeps the first AutoTP engine's model-parallel groups for the whole process (`groups.mpu`)
-        raise SystemExit(f"{variant}: build engines without AutoTP first in a launch, then one AutoTP size")
-    AUTOTP[0] = tp
+    tp, sp, stage, mesh = parse(variant)
+    if (tp, sp, mesh) != BUILT[0] and BUILT[0] != (1, 1, False):
+        # DeepSpeed keeps the first AutoTP or Ulysses engine's groups for the whole process (`groups.mpu`), and
+        # Ulysses replaces transformers' sdpa attention process-wide
+        raise SystemExit(f"{variant}: build engines without AutoTP or Ulysses first in a launch, then one layout")
+    BUILT[0] = (tp, sp, mesh)
     net = model()
+    mpu = None
+    if sp > 1:  # what Accelerate's ParallelismConfig(sp_backend="deepspeed") and ALST's recipe call
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+            mpu = parallel_state_sp  # the groups and the attention of this launch's first Ulysses engine
+        else:
+            mpu = UlyssesSPAttentionHF.register_with_transformers(
+                net, "sdpa", sp, GLOBAL_BATCH * tp * sp // dist.get_world_size(), SEQ, seq_length_is_variable=False
+            )
+    mesh_keys = {"sequence_parallel_size": sp, "data_parallel_size": dist.get_world_size() // sp} if mesh else {}
+    if mesh:  # DeepSpeed builds the same groups as a device mesh; the attention keeps Ulysses' own
+        mpu = None
     config = {
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dist.get_world_size() // tp),
+        **mesh_keys,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH * tp * sp // dist.get_world_size(),
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
@@ -86,30 +106,59 @@ def build(variant: str, plain: bool = False) -> deepspeed.DeepSpeedEngine:
     if plain:
         del config["checkpoint"]
         init = deepspeed.initialize
-    engine, *_ = init(model=net, model_parameters=net.parameters(), config=config)
+    engine, *_ = init(model=net, model_parameters=net.parameters(), config=config, mpu=mpu)
     return engine
 
 
-def ranks(engine: deepspeed.DeepSpeedEngine) -> tuple[int, int, int]:
-    """(tensor-parallel rank, data-parallel rank, data-parallel size) of this process in the engine."""
-    if engine.mpu is None:
-        return 0, dist.get_rank(), dist.get_world_size()
+def ranks(engine: deepspeed.DeepSpeedEngine) -> tuple[int, int, int, int, int]:
+    """(tensor-parallel rank, sequence-parallel rank and size, data-parallel rank and size) of this process."""
+    mpu = engine.mpu
+    if engine.sequence_parallel_size > 1:  # an mpu or the config's mesh: the groups Ulysses' attention uses
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp as ulysses
+
+        sp, sp_rank = ulysses.get_sequence_parallel_world_size(), ulysses.get_sequence_parallel_rank()
+        return 0, sp_rank, sp, dist.get_rank() // sp, dist.get_world_size() // sp
+    if mpu is None:
+        return 0, 0, 1, dist.get_rank(), dist.get_world_size()
     return (
-        engine.mpu.get_tensor_model_parallel_rank(),
-        engine.mpu.get_data_parallel_rank(),
-        engine.mpu.get_data_parallel_world_size(),
+        mpu.get_tensor_model_parallel_rank(),
+        0,
+        1,
+        mpu.get_data_parallel_rank(),
+        mpu.get_data_parallel_world_size(),
     )
+
+
+def step_loss(engine: deepspeed.DeepSpeedEngine, rows: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss over `rows`; under Ulysses each rank runs its slice of every sequence, with the labels
+    shifted before slicing, and the slices' losses are averaged by their token counts (DeepSpeed's ALST recipe)."""
+    _, sp_rank, sp, _, _ = ranks(engine)
+    shift = torch.cat([rows[:, 1:], torch.full_like(rows[:, :1], -100)], dim=1)
+    width = SEQ // sp
+    cut = slice(sp_rank * width, (sp_rank + 1) * width)
+    positions = torch.arange(SEQ).expand_as(rows)
+    logits = engine(input_ids=rows[:, cut], position_ids=positions[:, cut]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift[:, cut].reshape(-1))
+    if sp == 1:
+        return loss
+    from torch.distributed.nn.functional import all_gather
+
+    counts = [(shift[:, r * width : (r + 1) * width] != -100).sum() for r in range(sp)]
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as ulysses
+
+    losses = all_gather(loss, group=ulysses.get_sequence_parallel_group())
+    return sum(part * n for part, n in zip(losses, counts)) / sum(counts)
 
 
 def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
     """`steps` steps on the same global batches whatever the layout; the mean loss of each."""
-    _, dp_rank, dp = ranks(engine)
+    _, _, _, dp_rank, dp = ranks(engine)
     losses = []
     for _ in range(steps):
         g = torch.Generator().manual_seed(1000 + engine.global_steps)
         tokens = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, SEQ), generator=g)
         rows = tokens[dp_rank * GLOBAL_BATCH // dp : (dp_rank + 1) * GLOBAL_BATCH // dp]
-        loss = engine(input_ids=rows, labels=rows).loss
+        loss = step_loss(engine, rows)
         engine.backward(loss)
         engine.step()
         reduced = loss.detach().clone()
@@ -121,7 +170,7 @@ def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
 def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     """Every state, each tensor whole: this rank's shares gathered over data parallelism by DeepSpeed, then merged
     over tensor parallelism with the affine maps DeepSpeed recorded for the model."""
-    tp_rank, _, _ = ranks(engine)
+    tp_rank = ranks(engine)[0]
     opt = engine.optimizer
     if hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-1/2 link the states to the parameters lazily
         opt._hp_optimizer_states_linked = False
@@ -182,6 +231,27 @@ def do_save(args: argparse.Namespace) -> None:
         dist.barrier()
 
 
+def do_refused(args: argparse.Namespace) -> None:
+    """Each variant must be refused when built through ucp_deepspeed; built by plain DeepSpeed, is it sound? One
+    JSON entry per variant: the error, and whether the ranks' copies of the (replicated) model differ after a step."""
+    out = []
+    for name in args.variant:
+        try:
+            build(name)
+            error = None
+        except NotImplementedError as exc:
+            error = str(exc)
+        engine = build(name, plain=True)
+        train(engine, 1)
+        weight = safe_get_full_fp32_param(engine.module.model.norm.weight).detach().cpu()
+        copies: list = [None] * dist.get_world_size()
+        dist.all_gather_object(copies, weight)
+        out.append({"variant": name, "error": error, "drifted": any(not torch.equal(c, copies[0]) for c in copies)})
+    if dist.get_rank() == 0:
+        with open(args.results, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def do_load(args: argparse.Namespace) -> None:
     results = []
     for target, source in ((case[0], src) for case in args.case for src in case[1:]):
@@ -227,7 +297,7 @@ def do_load(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "refused"])
     parser.add_argument("--variant", nargs="+", default=[])
     parser.add_argument("--out")
     parser.add_argument("--plain", action="store_true", help="save with plain DeepSpeed: no ucp metadata")
@@ -239,7 +309,7 @@ def main() -> None:
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
     for args in runs:
-        do_save(args) if args.mode == "save" else do_load(args)
+        {"save": do_save, "load": do_load, "refused": do_refused}[args.mode](args)
         dist.barrier()
     dist.destroy_process_group()
 

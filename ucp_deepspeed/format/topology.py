@@ -18,6 +18,9 @@ class Topology:
     pp: int = 1
     ep: int = 1
     optimizer: str = ""
+    sp: int = 1
+    """Ulysses sequence-parallel size: every rank holds the whole model, and ZeRO's `dp` partitions span the
+    sequence x data-parallel ranks."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -37,23 +40,29 @@ class Topology:
     def describe(self) -> str:
         """Short human-readable form, e.g. `zero2 dp=4 fp32`."""
         parts = [f"zero{self.zero_stage}", f"dp={self.dp}"]
-        parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v != 1]
+        parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("sp", self.sp)) if v != 1]
         return " ".join(parts + [self.dtype])
 
     def same_layout(self, other: Topology) -> bool:
         """True when DeepSpeed's native loader can read a checkpoint of `other` directly."""
-        return (self.dp, self.tp, self.pp, self.ep, self.zero_stage, self.optimizer) == (
+        # DeepSpeed before #8226 named a Ulysses rank's files by its sequence-parallel rank, which its loader no longer
+        # reads: a change of sequence-parallel size goes through ucp_deepspeed's reader, which knows both schemes
+        return (self.dp, self.tp, self.pp, self.ep, self.sp, self.zero_stage, self.optimizer) == (
             other.dp,
             other.tp,
             other.pp,
             other.ep,
+            other.sp,
             other.zero_stage,
             other.optimizer,
         )
 
     def encode(self) -> dict[str, Any]:
-        """The JSON form."""
-        return asdict(self)
+        """The JSON form; `sp` only when set, so that what a job without Ulysses writes reads as before."""
+        out = asdict(self)
+        if self.sp == 1:
+            del out["sp"]
+        return out
 
     @classmethod
     def decode(cls, raw: Any) -> Topology:

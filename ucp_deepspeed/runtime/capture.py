@@ -50,9 +50,10 @@ class ModelParallel:
 
 
 def model_parallel(engine: Any) -> ModelParallel:
-    """Tensor/pipeline coordinates of an engine: 1x1 without an mpu; an old-style mpu's model parallel is TP."""
+    """Tensor/pipeline coordinates of an engine: 1x1 without an mpu or with a Ulysses one (sequence parallelism
+    splits activations, not weights); an old-style mpu's model parallel is TP."""
     mpu = getattr(engine, "mpu", None)
-    if mpu is None:
+    if mpu is None or compat.is_ulysses_mpu(mpu):
         return ModelParallel()
     if hasattr(mpu, "get_tensor_model_parallel_world_size"):
         tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
@@ -90,7 +91,8 @@ def topology(engine: Any) -> Topology:
     mp = model_parallel(engine)
     ep = max((size for size, _ in expert_groups(engine).values()), default=1)
     return Topology(
-        dp=engine.dp_world_size,
+        dp=compat.zero_world_size(engine),
+        sp=compat.sequence_parallel_size(engine),
         zero_stage=int(engine.zero_optimization_stage()),
         dtype=engine_dtype(engine),
         tp=mp.tp,
@@ -281,6 +283,14 @@ def param_groups(engine: Any) -> dict[Any, int]:
 def unsupported(engine: Any) -> str | None:
     """Why universal checkpointing cannot describe or restore this engine's training state, or None when it can."""
     stage = int(engine.zero_optimization_stage())
+    if compat.ulysses_outside_zero(engine):
+        return (
+            "Ulysses sequence parallelism built from the config's sequence_parallel_size and data_parallel_size: "
+            "DeepSpeed 0.19.8 then partitions ZeRO and sums gradients over the data-parallel ranks alone, so the "
+            "sequence-parallel ranks drift apart and all write the same checkpoint files; pass the Ulysses mpu "
+            "(UlyssesSPAttentionHF.register_with_transformers, or deepspeed.runtime.sequence_parallel."
+            "parallel_state_sp) instead"
+        )
     if compat.nvme_param_offload(engine):
         return (
             "universal checkpointing does not support ZeRO-3 with offload_param.device nvme: parameters swapped "

@@ -64,7 +64,7 @@ from ucp_deepspeed.runtime.plugins import ForeignFormat, foreign_formats, make_s
 from ucp_deepspeed.runtime.restore import restore
 from ucp_deepspeed.runtime.shared_convert import convert_across_ranks
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags, resolve_tag
-from ucp_deepspeed.sources.native import tag_metas
+from ucp_deepspeed.sources.native import named_by_sp_rank, tag_metas
 from ucp_deepspeed.sources.tags import incomplete_reason, prune, resume_tag
 
 log = logging.getLogger("ucp_deepspeed")
@@ -342,6 +342,8 @@ class UniversalCheckpointer:
         # DeepSpeed's own load of a ZeRO-3 NVMe checkpoint leaves the swapped optimizer states and the sub-groups kept
         # in memory at their fresh values (measured: 13 of 16 tensors wrong); ours reads the swap files
         swapped = compat.nvme_offload(engine) or st.isdir(st.join(path, OFFLOADED))
+        # DeepSpeed's own load looks for a Ulysses rank's files under the names it gives them now, not as before #8226
+        renamed = saved.sp > 1 and from_rank0(guarded(lambda: named_by_sp_rank(path, saved) if rank0 else None))
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours. Every
         # rank answers (a stage may hold MoE layers or fail alone): the collective runs everywhere or nowhere
         if (
@@ -349,6 +351,7 @@ class UniversalCheckpointer:
             and not st.is_url(load_dir)  # DeepSpeed's own load reads local paths only; ours reads a store by range
             and same_kernel
             and not swapped
+            and not renamed
             and everywhere(guarded(lambda: not megatron_moe_layers(engine.module) and same_stage(engine, metas)))
         ):
             if not checked:

@@ -11,6 +11,7 @@ from typing import Any
 import deepspeed
 from deepspeed.pipe import PipelineModule
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.runtime.capture import unsupported
 from ucp_deepspeed.runtime.checkpointer import LoadReport, UniversalCheckpointer, checkpointer_of
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
@@ -42,6 +43,14 @@ def initialize(
         raw, args.deepspeed_config = args.deepspeed_config, None  # DeepSpeed refuses a config given twice
     ds_config, options = split_config(load_config(raw), default_universal)
     mpu = kwargs.get("mpu")
+    autotp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 0)
+    ulysses = compat.is_ulysses_mpu(mpu) or int(ds_config.get("sequence_parallel_size") or 1) > 1
+    if options.enabled and autotp > 1 and ulysses:
+        raise NotImplementedError(
+            "AutoTP (tensor_parallel.autotp_size) together with Ulysses sequence parallelism: DeepSpeed 0.19.8 "
+            "replaces the sequence-parallel mpu with AutoTP's groups, so ZeRO would partition without the "
+            "sequence-parallel ranks; train with one of the two"
+        )
     piped = isinstance(kwargs.get("model"), PipelineModule)  # its grid is its mpu; DeepSpeed wants none
     if not piped and (
         (mpu is None and megatron_initialized())

@@ -71,11 +71,17 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
     first = ModelStatesFile(paths[min(paths)])
     try:
         dims = first.entry("checkpoint_parallel_dimensions") or {}
-        tp = int(dims.get("tp_degree", first.entry("mp_world_size", 1)))
+        mp_world = int(first.entry("mp_world_size", 1))
+        tp = int(dims.get("tp_degree", mp_world))
         pp = int(dims.get("pp_degree", 1))
         layered = first.layers_apart()
     finally:
         first.close()
+    sp = 1
+    if tp > 1 and mp_world == 1 and pp == 1:
+        # Ulysses: DeepSpeed records its sequence-parallel size as tp_degree (its mpu's "model parallel" getters
+        # alias the sequence-parallel group) while every rank holds the whole model, as mp_world_size says
+        sp, tp = tp, 1
     if pp > 1 and not layered:
         raise CheckpointError(
             tag_dir,
@@ -97,7 +103,8 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
             "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata",
         )
     autotp = _autotp_layouts(paths, tp) if tp > 1 and pp == 1 else {}
-    return [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered, autotp) for r in range(tp * pp)]
+    metas = [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered, autotp) for r in range(tp * pp)]
+    return [dataclasses.replace(m, topology=dataclasses.replace(m.topology, sp=sp)) for m in metas]
 
 
 def _autotp_layouts(paths: dict[int, str], tp: int) -> dict[str, Layout]:

@@ -21,6 +21,7 @@ from ucp_deepspeed.format.metadata import (
 )
 from ucp_deepspeed.format.paths import read_latest
 from ucp_deepspeed.format.swap import SWAP_RECORD, read_swap_records
+from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import fragments_in
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.swap_file import SwapTensor
@@ -57,8 +58,10 @@ class RankPaths(Sequence[str]):
     """The path of each data-parallel rank's file of one kind, made when asked for: a resuming rank of a 1024-rank
     job names only the files it opens."""
 
-    def __init__(self, tag_dir: str, pattern: str, count: int):
-        self.tag_dir, self.pattern, self.size = tag_dir, pattern, count
+    def __init__(self, tag_dir: str, pattern: str, count: int, sp_named: int = 0):
+        """`pattern` names data-parallel rank `{dp}` of model-parallel rank `{mp}`; `sp_named`: the sequence-parallel
+        size of a Ulysses checkpoint DeepSpeed named by each rank's sequence-parallel rank (before its #8226)."""
+        self.tag_dir, self.pattern, self.size, self.sp_named = tag_dir, pattern, count, sp_named
 
     def __len__(self) -> int:
         return self.size
@@ -72,7 +75,17 @@ class RankPaths(Sequence[str]):
             return [self[i] for i in range(*index.indices(self.size))]
         if not -self.size <= index < self.size:
             raise IndexError(index)
-        return st.join(self.tag_dir, self.pattern.format(index % self.size))
+        dp = index % self.size
+        return st.join(self.tag_dir, self.pattern.format(dp=dp, mp=dp % self.sp_named if self.sp_named else 0))
+
+
+def named_by_sp_rank(tag_dir: str, topo: Topology) -> bool:
+    """Whether a Ulysses checkpoint names data-parallel rank 1's files by its sequence-parallel rank (DeepSpeed before
+    #8226: `zero_pp_rank_1_mp_rank_01_...`) rather than model-parallel rank 0, as DeepSpeed does now."""
+    if topo.sp == 1 or topo.dp == 1:
+        return False
+    name = f"{'bf16_' if topo.dtype == 'bf16' else ''}zero_pp_rank_1_mp_rank_{{:02d}}_optim_states.pt"
+    return not st.isfile(st.join(tag_dir, name.format(0))) and st.isfile(st.join(tag_dir, name.format(1)))
 
 
 class RankFiles:
@@ -82,11 +95,13 @@ class RankFiles:
         self.tag_dir, self.mp_rank, self.meta, self.verify = tag_dir, mp_rank, meta, verify
         topo = meta.topology
         prefix = "bf16_" if topo.dtype == "bf16" else ""
+        sp_named = topo.sp if named_by_sp_rank(tag_dir, topo) else 0
+        mp = "{mp:02d}" if sp_named else f"{mp_rank:02d}"
         self.optim_paths = RankPaths(
-            tag_dir, f"{prefix}zero_pp_rank_{{}}_mp_rank_{mp_rank:02d}_optim_states.pt", topo.dp
+            tag_dir, f"{prefix}zero_pp_rank_{{dp}}_mp_rank_{mp}_optim_states.pt", topo.dp, sp_named
         )
         self.model_paths: Sequence[str] = (
-            RankPaths(tag_dir, f"zero_pp_rank_{{}}_mp_rank_{mp_rank:02d}_model_states.pt", topo.dp)
+            RankPaths(tag_dir, f"zero_pp_rank_{{dp}}_mp_rank_{mp}_model_states.pt", topo.dp, sp_named)
             if topo.zero_stage == 3
             else [st.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
         )
