@@ -1,6 +1,6 @@
 """An unmodified Hugging Face Trainer (or Accelerate) job on DeepSpeed, with ucp_deepspeed installed.
 
-    train --out DIR --zero Z --steps N --save-steps K [--resume CHECKPOINT] [--no-install]
+    train --out DIR --zero Z --steps N --save-steps K [--resume CHECKPOINT] [--arch llama --sp P] [--no-install]
     accelerate --out DIR --zero Z --steps N --save-at K [--resume STATE_DIR]
 
 The script is an ordinary Trainer script except for `ucp_deepspeed.install()` at the top (and the
@@ -36,13 +36,27 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     follow = torch.rand(SAMPLES, SEQ, generator=g) < 0.8
     for t in range(1, SEQ):
         tokens[:, t] = torch.where(follow[:, t], successor[tokens[:, t - 1]], tokens[:, t])
-    return [{"input_ids": row, "labels": row.clone()} for row in tokens]
+    # position ids: Ulysses keeps each token's global position through its sequence sharding
+    return [{"input_ids": row, "labels": row.clone(), "position_ids": torch.arange(SEQ)} for row in tokens]
 
 
-def model() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def model(arch: str = "gpt2") -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1234)
+    if arch == "llama":  # Ulysses needs key-value head counts, which GPT-2's config does not name
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
+                attn_implementation="sdpa",
+            )
+        )
     config = GPT2Config(
         vocab_size=VOCAB,
         n_positions=SEQ,
@@ -133,9 +147,20 @@ def do_train(args: argparse.Namespace) -> None:
             if args.resume and not os.path.exists(os.path.join(args.out, "rng_resumed.pt")):
                 save_probe(args.out, "rng_resumed.pt", torch.random.get_rng_state())  # what the Trainer restored
 
+    extra = {}
+    if args.sp > 1:  # ALST: Accelerate registers Ulysses attention, shards each sequence and passes the mpu
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        sequences = DeepSpeedSequenceParallelConfig(
+            sp_seq_length=SEQ, sp_seq_length_is_variable=False, sp_attn_implementation="sdpa"
+        )
+        extra["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=args.sp, sp_handler=sequences)
     targs = TrainingArguments(
+        **extra,
         output_dir=args.out,
-        per_device_train_batch_size=GLOBAL_BATCH // (world * args.grad_accum),
+        # the sequence-parallel ranks of a group share one sample: the data-parallel size is world / sp
+        per_device_train_batch_size=GLOBAL_BATCH // (world // args.sp * args.grad_accum),
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps,
         save_strategy="steps",
@@ -153,7 +178,7 @@ def do_train(args: argparse.Namespace) -> None:
         save_only_model=False,
         accelerator_config={"use_configured_state": configure_cpu_state()},
     )
-    trainer = Trainer(model=model(), args=targs, train_dataset=dataset(), callbacks=[Probe()])
+    trainer = Trainer(model=model(args.arch), args=targs, train_dataset=dataset(), callbacks=[Probe()])
     trainer.train(resume_from_checkpoint=args.resume)
     import torch.distributed as dist
 
@@ -251,6 +276,8 @@ def main() -> None:
         default=1,
         help="train: gradient accumulation steps; the per-device batch shrinks to keep the global batch",
     )
+    parser.add_argument("--sp", type=int, default=1, help="train: Ulysses sequence-parallel size (ALST)")
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="train: the tiny model's kind")
     parser.add_argument("--no-install", action="store_true", help="leave ucp_deepspeed out (plain DeepSpeed)")
     args = parser.parse_args()
     if not args.no_install:

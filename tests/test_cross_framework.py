@@ -60,10 +60,13 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
     out = tmp_path_factory.mktemp("trainer")
 
     def launch(kind: str) -> None:
-        module = "ucp_deepspeed.run" if kind == "installed" else None
-        _hf(2, "train", "--out", str(out / kind), "--zero", "2", "--no-install", module=module)
+        module = "ucp_deepspeed.run" if kind != "plain" else None
+        # ALST: a Llama under Ulysses at SP 2 (one sample per step per rank: under sequence parallelism transformers'
+        # loss views a shard of a larger batch's shifted labels, which is not contiguous, and fails)
+        alst = ["--arch", "llama", "--sp", "2", "--grad-accum", "6"] if kind == "alst" else []
+        _hf(2, "train", "--out", str(out / kind), "--zero", "2", "--no-install", *alst, module=module)
 
-    return OnDemand(out, ["installed", "plain"], lambda kind: kind, launch)
+    return OnDemand(out, ["installed", "plain", "alst"], lambda kind: kind, launch)
 
 
 def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
@@ -118,6 +121,27 @@ def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, 
     # for rng_state.pth and would restore nothing
     saved_rng = torch.load(checkpoint / "rng_state_0.pth", weights_only=False)["cpu"]
     assert torch.equal(torch.load(tmp_path / "rng_resumed.pt", weights_only=False), saved_rng)
+
+
+def test_alst_trainer_resumes_at_another_sequence_and_data_parallel_size(trainer_runs, tmp_path):
+    """A Trainer job with `ParallelismConfig(sp_backend="deepspeed", sp_size=2)` (Accelerate registers Ulysses and
+    shards every sequence) saved at SP 2 x DP 1 resumes at SP 1 x DP 2 with the same global batch."""
+    source = trainer_runs["alst"]
+    resume = ["--resume", str(source / "checkpoint-4"), "--arch", "llama", "--grad-accum", "3"]
+    _hf(2, "train", "--out", str(tmp_path), "--zero", "2", *resume)
+    _check_resume(source, tmp_path, "zero2 dp=2 sp=2 fp32", "zero2 dp=2 fp32")
+
+
+@pytest.mark.slow
+def test_a_trainer_cannot_resume_into_ulysses_even_without_ucp(trainer_runs, tmp_path):
+    """Resuming *into* an ALST Trainer job fails in the Trainer itself (accelerate 1.15's `skip_first_batches` reads
+    `dataset` from DeepSpeed's `UlyssesSPDataLoaderAdapter`, which has none), with plain DeepSpeed at the saved
+    layout too. When this test fails, the Trainer learned to: add the SP-on resumes to the matrix."""
+    cmd = torchrun_command(2, HF_WORKER, "train", "--out", str(tmp_path), "--zero", "2", "--no-install")
+    cmd += ["--resume", str(trainer_runs["alst"] / "checkpoint-4"), "--arch", "llama", "--sp", "2", "--grad-accum", "6"]
+    proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "'UlyssesSPDataLoaderAdapter' object has no attribute 'dataset'" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
