@@ -44,6 +44,7 @@ SAVES = {
     ),
     "w3": (3, [("ucp", ("z1", "sp3z1", "sp3z3"), ()), ("plain", ("sp3z2",), ("--plain",))]),
     "w4": (4, [("ucp", ("tp2z2",), ())]),
+    "w6": (6, [("ucp", ("sp3z2",), ())]),
 }
 
 
@@ -132,6 +133,14 @@ def test_ulysses_from_the_config_mesh_is_refused_by_name(tmp_path):
 @pytest.mark.slow
 def test_autotp_by_dp_resumes_at_another_dp_size(autotp_sources, tmp_path):
     _, loaded = load(autotp_sources, tmp_path, 3, [("z2", ("w4/ucp/tp2z2",)), ("z3", ("w4/ucp/tp2z2",))])
+    check(loaded, 2)
+
+
+@pytest.mark.slow
+def test_ulysses_by_dp_resumes_at_another_dp_size(autotp_sources, tmp_path):
+    """Ulysses 3 x DP 2 (6 ranks, ZeRO partitions over all 6) resumed at DP 3 and at Ulysses 3 x DP 1."""
+    cases = [("z1", ("w6/ucp/sp3z2",)), ("sp3z3", ("w6/ucp/sp3z2",))]
+    _, loaded = load(autotp_sources, tmp_path, 3, cases)
     check(loaded, 2)
 
 

@@ -130,8 +130,12 @@ def ranks(engine: deepspeed.DeepSpeedEngine) -> tuple[int, int, int, int, int]:
 
 
 def step_loss(engine: deepspeed.DeepSpeedEngine, rows: torch.Tensor) -> torch.Tensor:
-    """The mean next-token loss over `rows`; under Ulysses each rank runs its slice of every sequence, with the labels
-    shifted before slicing, and the slices' losses are averaged by their token counts (DeepSpeed's ALST recipe)."""
+    """The mean next-token loss over `rows`. Under Ulysses each rank runs its slice of every sequence, with the labels
+    shifted before slicing; DeepSpeed's ALST recipe all-gathers the slices' losses and averages them by token count.
+    Here each rank scales its own by sp x its share of the tokens instead: the gradient that recipe's backward
+    gives each rank, and the same mean once averaged over the ranks, without a differentiable all-gather (whose
+    backward on gloo names a sequence-parallel group's source ranks by global rank, and fails outside the first
+    group)."""
     _, sp_rank, sp, _, _ = ranks(engine)
     shift = torch.cat([rows[:, 1:], torch.full_like(rows[:, :1], -100)], dim=1)
     width = SEQ // sp
@@ -141,13 +145,8 @@ def step_loss(engine: deepspeed.DeepSpeedEngine, rows: torch.Tensor) -> torch.Te
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift[:, cut].reshape(-1))
     if sp == 1:
         return loss
-    from torch.distributed.nn.functional import all_gather
-
-    counts = [(shift[:, r * width : (r + 1) * width] != -100).sum() for r in range(sp)]
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp as ulysses
-
-    losses = all_gather(loss, group=ulysses.get_sequence_parallel_group())
-    return sum(part * n for part, n in zip(losses, counts)) / sum(counts)
+    counts = [int((shift[:, r * width : (r + 1) * width] != -100).sum()) for r in range(sp)]
+    return loss * (sp * counts[sp_rank] / sum(counts))
 
 
 def train(engine: deepspeed.DeepSpeedEngine, steps: int) -> list[float]:
