@@ -522,3 +522,19 @@ def test_hf_model_config():
     recorded = compat.hf_model_config(LlamaForCausalLM(config))
     assert recorded["model_type"] == "llama" and recorded["hidden_size"] == 8 and recorded["vocab_size"] == 16
     assert compat.hf_model_config(torch.nn.Linear(2, 2)) is None
+
+
+def test_ulysses_mpu_and_partition_count(zero12, zero3):
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+
+    from ucp_deepspeed.runtime.mpu import MegatronMpu
+
+    assert compat.is_ulysses_mpu(parallel_state_sp)
+    assert not compat.is_ulysses_mpu(MegatronMpu.__new__(MegatronMpu)) and not compat.is_ulysses_mpu(None)
+    for engine in (zero12, zero3):
+        assert compat.sequence_parallel_size(engine) == 1 and not compat.ulysses_outside_zero(engine)
+        assert compat.zero_world_size(engine) == engine.dp_world_size == 1
+    # what the Ulysses checks reach into: the engine's sequence-data-parallel group and DeepSpeed's sequence group
+    assert zero12.seq_dp_world_size == 1 and zero12.seq_data_parallel_group is not None
+    assert callable(groups._get_sequence_parallel_group)
