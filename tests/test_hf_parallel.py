@@ -24,7 +24,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
-from ucp_deepspeed.sources.autotp import autotp_layouts
+from ucp_deepspeed.sources.autotp import autotp_layouts, is_autotp_record
 
 WORKER = ROOT / "tests" / "workers" / "hf_parallel.py"
 # Another AutoTP size sums the same products in another order (measured up to 1e-7); DeepSpeed's ZeRO-1/2 under Ulysses
@@ -130,6 +130,29 @@ def test_ulysses_from_the_config_mesh_is_refused_by_name(tmp_path):
     assert r["drifted"], "plain DeepSpeed's ranks stayed equal: the refusal's reason no longer holds"
 
 
+def test_ulysses_saves_of_every_deepspeed_naming_convert_to_the_saved_tensors(autotp_sources, tmp_path):
+    """Plain DeepSpeed's Ulysses 3 save as named now, as named before #8226, and as DeepSpeed 0.19.4 wrote it (old
+    names and no `checkpoint_parallel_dimensions`: the file names are the only trace of sequence parallelism)."""
+    ref = torch.load(autotp_sources["w3/plain/sp3z2"] / "reference.pt", weights_only=False)["snapshot"]
+    oldest = tmp_path / "v0.19.4"
+    shutil.copytree(autotp_sources["w3/prefix/sp3z2"], oldest)
+    model_states = oldest / "global_step3" / "mp_rank_00_model_states.pt"
+    states = torch.load(model_states, weights_only=False)
+    del states["checkpoint_parallel_dimensions"]
+    torch.save(states, model_states)
+    for name, source in (
+        ("now", autotp_sources["w3/plain/sp3z2"]),
+        ("before-8226", autotp_sources["w3/prefix/sp3z2"]),
+        ("0.19.4", oldest),
+    ):
+        universal = UniversalCheckpoint(convert(str(source), output=str(tmp_path / name), progress=False))
+        assert universal.manifest.source.topology.describe() == "zero2 dp=3 sp=3 fp32", name
+        for param, record in universal.params.items():
+            for key in (FP32, "exp_avg"):
+                got = universal.read(param, key).reshape(record.shape)
+                assert torch.equal(got, ref["fp32" if key == FP32 else key][param]), (name, param, key)
+
+
 @pytest.mark.slow
 def test_autotp_by_dp_resumes_at_another_dp_size(autotp_sources, tmp_path):
     _, loaded = load(autotp_sources, tmp_path, 3, [("z2", ("w4/ucp/tp2z2",)), ("z3", ("w4/ucp/tp2z2",))])
@@ -155,6 +178,19 @@ def test_plain_autotp_checkpoint_converts_to_the_saved_full_tensors(autotp_sourc
             assert torch.equal(got, ref[state][name]), f"{name}/{key}"
     with pytest.raises(CheckpointError, match=r"'model.norm.weight' \(fp32\) is replicated"):
         convert(str(autotp_sources["w2/drift/tp2z1"]), output=str(tmp_path / "drifted"), progress=False)
+    # the same save as DeepSpeed 0.19.5 recorded it (version 0.3: categories only, split sizes from the shapes)
+    older = tmp_path / "v0.3"
+    shutil.copytree(source, older)
+    for path in (older / "global_step3").glob("mp_rank_*_model_states.pt"):
+        states = torch.load(path, weights_only=False)
+        info = states["universal_checkpoint_info"]
+        for key in ("affine_map", "autotp_unsupported_parameter_patterns", "sub_param_shard_widths"):
+            info.pop(key, None)
+        info["universal_checkpoint_version"] = 0.3
+        torch.save(states, path)
+    again = UniversalCheckpoint(convert(str(older), output=str(tmp_path / "universal-0.3"), progress=False))
+    for name, record in again.params.items():
+        assert torch.equal(again.read(name, FP32).reshape(record.shape), ref["fp32"][name]), name
 
 
 def test_an_autotp_checkpoint_exports_to_the_model_from_pretrained_loads(autotp_sources, tmp_path):
@@ -198,13 +234,14 @@ def pattern(name: str) -> str:
 
 
 def record(version: float, **extra) -> dict:
+    """A record as DeepSpeed wrote it at `version` (the unsupported patterns came with 0.4)."""
     return {
         "universal_checkpoint_version": version,
         "parameter_with_row_parallelism_patterns": [pattern(OUT)],
         "tp_replicated_parameter_patterns": [pattern(NORM)],
         "vocabulary_parameter_patterns": [pattern(HEAD)],
         "parameter_with_sub_params": [],
-        "autotp_unsupported_parameter_patterns": {},
+        **({"autotp_unsupported_parameter_patterns": {}} if version >= 0.4 else {}),
         "original_vocab_size": 125,
         **extra,
     }
@@ -246,6 +283,45 @@ def test_a_record_of_every_version_gives_each_rank_its_run():
         autotp_layouts(record(0.3, parameter_with_sub_params=[fused]), [{QKV: (35, 8)}, {QKV: (34, 8)}], "f")
     with pytest.raises(CheckpointError, match="version 0.5"):
         autotp_layouts(record(0.5), shapes, "f")
+
+
+def test_records_before_0_4_are_recognized_by_the_saving_config():
+    autotp = {"tensor_parallel": {"autotp_size": 2}}
+    assert is_autotp_record(record(0.2), autotp) and is_autotp_record(record(0.4), {})
+    assert not is_autotp_record(record(0.3), {})  # Megatron-DeepSpeed writes the same categories
+
+
+def test_a_rank_with_no_heads_and_a_scalar_are_placed():
+    # more ranks than key-value heads: AutoTP gives the last rank none of o_proj's columns; an untouched scalar
+    shapes = [{OUT: (48, 48), "model.scale": ()}, {OUT: (48, 0), "model.scale": ()}]
+    logical = [48, 48]
+    columns = {
+        "logical_shape": logical,
+        "ranks": {
+            "0": {
+                "shard_shape": [48, 48],
+                "pieces": [{"shape": [48, 48], "source": [0, [48, 1]], "dest": [0, [48, 1]]}],
+            },
+            "1": {"shard_shape": [48, 0], "pieces": [{"shape": [48, 0], "source": [48, [48, 1]], "dest": [0, [0, 1]]}]},
+        },
+    }
+    scalar = {
+        "logical_shape": [],
+        "ranks": {r: {"shard_shape": [], "pieces": [{"shape": [], "source": [0, []], "dest": [0, []]}]} for r in "01"},
+    }
+    info = record(0.4, tp_replicated_parameter_patterns=[pattern("model.scale")])
+    info["affine_map"] = {"version": 1, "params": {pattern(OUT): columns, pattern("model.scale"): scalar}}
+    layouts = autotp_layouts(info, shapes, "f")
+    assert layouts[OUT] == Layout("split", 1, shards=((48, 0),)) and layouts["model.scale"] == REPLICATED
+
+
+def test_a_live_parameter_held_scaled_is_refused_even_when_replicated():
+    from ucp_deepspeed.naming.model import autotp_layout
+
+    bias = {"replicated": True, "conversion": {"affine_map": {"ranks": {"1": {"pieces": [{"scale": 0.5}]}}}}}
+    with pytest.raises(ValueError, match="dense.bias: AutoTP holds it scaled by 0.5"):
+        autotp_layout("dense.bias", bias, (8,), 2)
+    assert autotp_layout("norm.weight", {"replicated": True}, (8,), 2) == REPLICATED
 
 
 def test_what_deepspeed_refuses_or_a_map_contradicts_is_refused_by_name():

@@ -33,6 +33,9 @@ from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.native import RankFiles
 from ucp_deepspeed.sources.plan import FullTensor, refuse_drift
 
+REPLICA_CHUNK = 4 * 2**20
+"""Elements of a replica compared at a time (16 MiB of fp32)."""
+
 
 class DirectCheckpoint(TensorReader):
     """The universal view of a native tag, read on demand from its rank files."""
@@ -81,10 +84,7 @@ class DirectCheckpoint(TensorReader):
         found = self._in_place(name, key)
         if found is not None:
             out = found[0].read_param_range(found[1], key, start, numel)
-            tensor = self._tensor(name)
-            for replica in tensor.replicas:
-                got = self.src.ranks[replica.mp_rank].read_param_range(replica.item, key, start, numel)
-                refuse_drift(self.root, tensor, key, replica, out, got)
+            self._check([(self._tensor(name), key, start, out)])
             return out
         return self._whole(name, key).reshape(-1)[start : start + numel]
 
@@ -137,31 +137,32 @@ class DirectCheckpoint(TensorReader):
         out: torch.Tensor,
         tensor: FullTensor | None = None,
     ) -> None:
-        """Read a range of one rank's share of a parameter into `out`: now, or at the end of the enclosing `batch`; the
-        same range of each of `tensor`'s replicas is read too, and compared with it once read."""
+        """Read a range of one rank's share of a parameter into `out`: now, or at the end of the enclosing `batch`;
+        then the same range of each of `tensor`'s replicas is compared with it."""
         pending = getattr(self._batch, "pending", None)
-        reads = [(files, slot, out)]
-        checks = []
-        for replica in tensor.replicas if tensor is not None else ():
-            copy = torch.empty_like(out)
-            if not isinstance(replica.item, ParamSlot):
-                raise CheckpointError(self.root, f"'{replica.item.name}' is a parameter on tensor-parallel rank 0 only")
-            reads.append((self.src.ranks[replica.mp_rank], replica.item, copy))
-            checks.append((tensor, key, replica, out, copy))
-        for rank_files, rank_slot, into in reads:
-            for tfile, spans in rank_files.param_range_spans(rank_slot, key, start, into).items():
-                if pending is None:
-                    tfile.read_spans(spans)
-                else:
-                    pending.setdefault(tfile, []).extend(spans)
+        for tfile, spans in files.param_range_spans(slot, key, start, out).items():
+            if pending is None:
+                tfile.read_spans(spans)
+            else:
+                pending.setdefault(tfile, []).extend(spans)
+        checks = [(tensor, key, start, out)] if tensor is not None and tensor.replicas else []
         if pending is None:
             self._check(checks)
         else:
             self._batch.checks.extend(checks)
 
-    def _check(self, checks: list) -> None:
-        for tensor, key, replica, want, got in checks:
-            refuse_drift(self.root, tensor, key, replica, want, got)
+    def _check(self, checks: list[tuple[FullTensor, str, int, torch.Tensor]]) -> None:
+        """Compare each read range (`out`, starting at element `start`) with every replica's copy of it, a bounded
+        chunk at a time: a batch may hold a whole partition of replicated tensors, which copies would double."""
+        for tensor, key, start, out in checks:
+            for replica in tensor.replicas:
+                if not isinstance(replica.item, ParamSlot):
+                    raise CheckpointError(self.root, f"'{tensor.name}' is a parameter on tensor-parallel rank 0 only")
+                files = self.src.ranks[replica.mp_rank]
+                for at in range(0, out.numel(), REPLICA_CHUNK):
+                    want = out.reshape(-1)[at : at + REPLICA_CHUNK]
+                    got = files.read_param_range(replica.item, key, start + at, want.numel())
+                    refuse_drift(self.root, tensor, key, replica, want, got)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

@@ -290,14 +290,15 @@ def import_deepspeed(folder: str, output: str) -> str:
             )
         )
         hyper = optim_state.get("param_groups") or []
-        dims = model.entry("checkpoint_parallel_dimensions") or {}
         try:
+            tp, pp, sp = model.parallel_sizes()
             saved = Topology(
                 dp=int(model.entry("dp_world_size", 1)),
                 zero_stage=int(optim_state.get("zero_stage", 0)),
                 dtype="fp32",
-                tp=int(dims.get("tp_degree", model.entry("mp_world_size", 1))),
-                pp=int(dims.get("pp_degree", 1)),
+                tp=tp,
+                pp=pp,
+                sp=sp,
                 optimizer="deepspeed_universal",
             )
         except (TypeError, ValueError):

@@ -71,6 +71,14 @@ def autotp_layout(name: str, meta: dict | None, local_shape: Sequence[int], tp: 
     if conversion.get("unsupported_reason"):
         reason = conversion["unsupported_reason"]
         raise ValueError(f"{name}: DeepSpeed's AutoTP cannot describe how it split this ({reason})")
+    scaled = [
+        piece.get("scale")
+        for rank in ((conversion.get("affine_map") or {}).get("ranks") or {}).values()
+        for piece in rank.get("pieces", ())
+        if piece.get("scale", 1.0) != 1.0
+    ]
+    if scaled:  # a row-parallel bias held pre-divided by the tensor-parallel size, replicated or not
+        raise ValueError(f"{name}: AutoTP holds it scaled by {scaled[0]} on some rank, which a layout cannot undo")
     if meta.get("replicated") or meta.get("partition_dim") is None:
         return REPLICATED
     dim = int(meta["partition_dim"])
@@ -88,14 +96,6 @@ def autotp_layout(name: str, meta: dict | None, local_shape: Sequence[int], tp: 
     logical = tuple(int(n) for n in meta.get("logical_shape") or full)
     if full != logical:
         raise ValueError(f"{name}: AutoTP records the full shape {list(logical)}, its split sizes give {list(full)}")
-    scaled = [
-        piece.get("scale")
-        for rank in ((conversion.get("affine_map") or {}).get("ranks") or {}).values()
-        for piece in rank.get("pieces", ())
-        if piece.get("scale", 1.0) != 1.0
-    ]
-    if scaled:
-        raise ValueError(f"{name}: AutoTP holds it scaled by {scaled[0]} on some rank, which a layout cannot undo")
     return layout
 
 

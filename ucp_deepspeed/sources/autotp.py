@@ -29,9 +29,13 @@ KNOWN_VERSION = 0.4
 AFFINE_VERSION = 1
 
 
-def is_autotp_record(info: Any) -> bool:
-    """Whether a model-states file's `universal_checkpoint_info` is AutoTP's (Megatron-DeepSpeed writes one too)."""
-    return isinstance(info, dict) and ("autotp_unsupported_parameter_patterns" in info or "affine_map" in info)
+def is_autotp_record(info: Any, ds_config: Mapping[str, Any]) -> bool:
+    """Whether a model-states file's `universal_checkpoint_info` is AutoTP's (Megatron-DeepSpeed writes one too): the
+    saving job's config asked for AutoTP (records before 0.4 carry no key of AutoTP's own), or the record has one."""
+    autotp = int(((ds_config or {}).get("tensor_parallel") or {}).get("autotp_size") or 0) > 1
+    return isinstance(info, dict) and (
+        autotp or "autotp_unsupported_parameter_patterns" in info or "affine_map" in info
+    )
 
 
 def _matches(patterns: Sequence[str], name: str) -> str | None:
@@ -198,6 +202,11 @@ def _check_affine(name: str, layout: Layout, local: list[Shape], entry: Mapping[
                     path, f"'{name}': rank {rank} holds it scaled by {piece['scale']}, which a layout cannot undo"
                 )
             shape = [int(d) for d in piece["shape"]]
+            if not logical or not shard:  # a scalar: one element, held whole
+                mapped.append((0, 0, 1))
+                continue
+            if math.prod(shape) == 0:  # a rank beyond the head count holds nothing of this part
+                continue
             at_full, at_shard = _unravel(int(src), logical), _unravel(int(dst), shard)
             plain = (
                 list(src_strides) == _strides(logical)
@@ -208,12 +217,12 @@ def _check_affine(name: str, layout: Layout, local: list[Shape], entry: Mapping[
                     if i != dim
                 )
             )
-            if not plain or not shape:
+            if not plain:
                 raise CheckpointError(
                     path, f"'{name}': rank {rank}'s affine piece {piece} is not a run along dim {dim}"
                 )
             mapped.append((at_full[dim], at_shard[dim], shape[dim]))
-        ours = [(p.full_start, p.local_start, p.length) for p in layout.pieces(local[rank], rank, tp)]
+        ours = [(p.full_start, p.local_start, p.length) for p in layout.pieces(local[rank], rank, tp) if p.length]
         if _runs(mapped) != _runs(ours):
             raise CheckpointError(
                 path,

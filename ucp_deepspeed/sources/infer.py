@@ -70,18 +70,10 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
         raise CheckpointError(tag_dir, "no DeepSpeed model-states file (mp_rank_XX_model_states.pt)")
     first = ModelStatesFile(paths[min(paths)])
     try:
-        dims = first.entry("checkpoint_parallel_dimensions") or {}
-        mp_world = int(first.entry("mp_world_size", 1))
-        tp = int(dims.get("tp_degree", mp_world))
-        pp = int(dims.get("pp_degree", 1))
+        tp, pp, sp = first.parallel_sizes()
         layered = first.layers_apart()
     finally:
         first.close()
-    sp = 1
-    if tp > 1 and mp_world == 1 and pp == 1:
-        # Ulysses: DeepSpeed records its sequence-parallel size as tp_degree (its mpu's "model parallel" getters
-        # alias the sequence-parallel group) while every rank holds the whole model, as mp_world_size says
-        sp, tp = tp, 1
     if pp > 1 and not layered:
         raise CheckpointError(
             tag_dir,
@@ -117,13 +109,16 @@ def _autotp_layouts(paths: dict[int, str], tp: int) -> dict[str, Layout]:
         try:
             if rank == 0:
                 record = states.entry("universal_checkpoint_info")
-                if not is_autotp_record(record):
+                if not is_autotp_record(record, states.entry("ds_config") or {}):
                     return {}
                 info = record
             local = {n: tuple(s) for group in states.entry("param_shapes") or [] for n, s in group.items()}
             local |= {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
-            for name, tensor in states.module_tensors().items():  # ZeRO-1/2 keep frozen parameters in the module
-                local.setdefault(name, tuple(tensor.shape))
+            # ZeRO-1/2 keep frozen parameters in the module, beside buffers and tied copies, which have no layout
+            others = set(states.entry("buffer_names") or []) | set(states.entry("shared_params") or {})
+            for name, tensor in states.module_tensors().items():
+                if name not in others:
+                    local.setdefault(name, tuple(tensor.shape))
             shapes.append(local)
         finally:
             states.close()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import Counters
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import LazyTensor, TorchFile, materialize, plain
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+_MODEL_STATES = re.compile(r"(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt")
+_OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_\d+_mp_rank_(\d+)_optim_states\.pt")
 
 
 class ModelStatesFile:
@@ -98,6 +102,27 @@ class ModelStatesFile:
         if not isinstance(tensor, LazyTensor):
             raise CheckpointError(self.path, f"no ZeRO-3 fragment of frozen parameter '{name}'")
         return tensor
+
+    def parallel_sizes(self) -> tuple[int, int, int]:
+        """(tensor-parallel, pipeline, Ulysses sequence-parallel) sizes of the saving job, from DeepSpeed's record.
+
+        DeepSpeed records a Ulysses job's sequence-parallel size as `tp_degree` in `checkpoint_parallel_dimensions`
+        (its mpu's "model parallel" getters alias the sequence-parallel group) while `mp_world_size` says 1: every
+        rank holds the whole model. Before it recorded the dimensions (0.19.5), such a job named each rank's optimizer
+        file by its sequence-parallel rank (`zero_pp_rank_{d}_mp_rank_{d % sp}`) beside one model-parallel rank's
+        model states, which is then the only trace of it.
+        """
+        dims = self.entry("checkpoint_parallel_dimensions") or {}
+        mp_world = int(self.entry("mp_world_size", 1))
+        tp, pp, sp = int(dims.get("tp_degree", mp_world)), int(dims.get("pp_degree", 1)), 1
+        if tp > 1 and mp_world == 1 and pp == 1:
+            sp, tp = tp, 1
+        elif not dims and mp_world == 1:
+            names = st.listdir(st.dirname(self.path))
+            models = {m.group(1) for n in names if (m := _MODEL_STATES.fullmatch(n))}
+            if models == {"00"}:  # pipeline stages, which also number files past 0, write model states of their own
+                sp = 1 + max((int(m.group(1)) for n in names if (m := _OPTIM_STATES.fullmatch(n))), default=0)
+        return tp, pp, sp
 
     def entry(self, key: str, default: Any = None) -> Any:
         """A top-level entry, materialised (for small bookkeeping such as `param_shapes`)."""
