@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable
 
 import deepspeed
@@ -390,8 +389,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # A C++ thread (gloo or DeepSpeed's shm op) occasionally aborts interpreter teardown with
-    # "terminate called without an active exception" after all work is done and written; skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

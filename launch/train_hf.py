@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
@@ -286,10 +285,12 @@ def main() -> None:
         ucp_deepspeed.install()
     os.makedirs(args.out, exist_ok=True)
     {"train": do_train, "accelerate": do_accelerate}[args.mode](args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # join gloo's threads before the interpreter tears down the objects they use
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see launch/train_gpt.py: a C++ thread can abort interpreter teardown after all work is done
