@@ -59,21 +59,27 @@ def _cpu_info() -> str:
     return json.dumps(cpuinfo.get_cpu_info())
 
 
-def torch_env() -> dict[str, str]:
-    """Environment for every launch (`launching.env`), with the CPU probe measured once."""
-    out = env(ROOT / "tests" / "site")
+def torch_env(*paths: Path) -> dict[str, str]:
+    """Environment for every launch (`launching.env`, `paths` first on PYTHONPATH), with the CPU probe measured once."""
+    out = env(*paths, ROOT / "tests" / "site")
     out["UCP_TEST_CPU_INFO"] = _cpu_info()
     return out
 
 
 def torchrun(
-    nproc: int, *args: str, timeout: int = 300, attempts: int = 1, worker: Path = WORKER, module: str | None = None
+    nproc: int,
+    *args: str,
+    timeout: int = 300,
+    attempts: int = 1,
+    worker: Path = WORKER,
+    module: str | None = None,
+    paths: tuple[Path, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """Run a test worker (tests/workers/) under `torchrun --standalone` (through `-m module` if given); fail the test
-    with the output tail on error."""
+    """Run a test worker (tests/workers/) under `torchrun --standalone` (through `-m module` if given, with `paths`
+    first on PYTHONPATH); fail the test with the output tail on error."""
     cmd = torchrun_command(nproc, *(["-m", module] if module else []), worker, *args)
     for attempt in range(1, attempts + 1):
-        proc = subprocess.run(cmd, env=torch_env(), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=torch_env(*paths), capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:
             return proc
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])

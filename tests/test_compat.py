@@ -538,3 +538,31 @@ def test_ulysses_mpu_and_partition_count(zero12, zero3):
     # what the Ulysses checks reach into: the engine's sequence-data-parallel group and DeepSpeed's sequence group
     assert zero12.seq_dp_world_size == 1 and zero12.seq_data_parallel_group is not None
     assert callable(groups._get_sequence_parallel_group)
+
+
+def test_autoep_stack_and_groups():
+    """AutoEP's per-parameter placement (read by `autoep_stack`) and the layer attributes `autoep_groups` reads. Its
+    engines need transformers 5.22.2 (tests/test_hf_autoep.py launches them); here, the names they rely on."""
+    import inspect
+
+    from deepspeed.checkpoint.constants import (
+        AUTOEP_EXPERT_PLACEMENT,
+        AUTOEP_PARAM_EP_RANK,
+        AUTOEP_PARAM_LOCAL_EXPERTS,
+        DS_AUTOEP_UC_META,
+    )
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    source = inspect.getsource(AutoEPMoELayer)
+    for needle in ("self.ep_size = ", "self.ep_group_name = ", "DS_AUTOEP_UC_META", "AUTOEP_PARAM_LOCAL_EXPERTS"):
+        assert needle in source, needle
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    assert compat.autoep_stack(p) is None
+    placement = {"version": 1, "num_experts": 4, "ep_size": 2, "ranks": [{"rank": 1, "experts": [2, 3]}]}
+    setattr(
+        p,
+        DS_AUTOEP_UC_META,
+        {AUTOEP_EXPERT_PLACEMENT: placement, AUTOEP_PARAM_EP_RANK: 1, AUTOEP_PARAM_LOCAL_EXPERTS: [2, 3]},
+    )
+    assert compat.autoep_stack(p) == compat.ExpertStack(ep_size=2, ep_rank=1, experts=(2, 3))
+    assert compat.autoep_groups(torch.nn.Linear(2, 2)) == {}

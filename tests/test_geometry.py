@@ -110,3 +110,12 @@ def test_a_range_visits_only_the_fragments_it_overlaps(numel, offset, dp, zero, 
     for rank in {0, dp - 1, data.draw(st.integers(0, dp - 1))}:
         mine = [f for f in whole if f.rank == rank]
         assert [f for f in [rank_fragment(slot, zero, dp, rank)] if f is not None] == mine
+
+
+def test_zero3_partitions_over_an_expert_data_parallel_group():
+    """AutoEP at ZeRO-3 partitions an expert stack over its expert-data-parallel group: partition k is in the file of
+    `ranks[k]`, and the other ranks' files hold none of it."""
+    slot = ParamSlot("w1", shape=(10,), group=1, flat=1, offset=3, partition=5, ranks=(1, 3))
+    assert fragments(slot, 3, 4) == [Fragment(1, 3, 0, 5), Fragment(3, 3, 5, 5)]
+    assert rank_fragment(slot, 3, 4, 3) == Fragment(3, 3, 5, 5)
+    assert rank_fragment(slot, 3, 4, 0) is None and rank_fragment(slot, 3, 4, 2) is None

@@ -251,3 +251,23 @@ def test_grouped_gemm_experts_are_named_as_sequential_ones():
     fused.weight1 = torch.nn.Parameter(torch.zeros(4, 8))
     with pytest.raises(ValueError, match="layers.0.mlp.experts: megatron-core's GroupedMLP keeps all local experts"):
         global_namer(moe(fused))
+
+
+def test_a_split_over_expert_parallel_ranks_round_trips_and_places_experts():
+    """AutoEP's expert stacks: dim 0 over the expert-parallel ranks, written with `over` and read back; the same
+    geometry as a tensor-parallel split, so merge and split serve both."""
+    from ucp_deepspeed import compat
+    from ucp_deepspeed.geometry.layout import Axis
+    from ucp_deepspeed.naming.model import autoep_layout
+
+    layout = autoep_layout("w1", compat.ExpertStack(ep_size=2, ep_rank=1, experts=(2, 3)), (2, 5, 4))
+    assert layout == Layout("split", 0, over=Axis.EXPERT) and layout.to_json()["over"] == "ep"
+    assert Layout.from_json(layout.to_json()) == layout and "over" not in Layout("split", 0).to_json()
+    full = torch.arange(4 * 5 * 4.0).reshape(4, 5, 4)
+    stacks = [full[:2], full[2:]]
+    assert torch.equal(merge(layout, stacks), full)
+    assert torch.equal(split(layout, (2, 5, 4), 1, 2, lambda d, s, n: full.narrow(d, s, n)), full[2:])
+    with pytest.raises(ValueError, match="places experts \\[0, 2\\] on expert-parallel rank 0"):
+        autoep_layout("w1", compat.ExpertStack(ep_size=2, ep_rank=0, experts=(0, 2)), (2, 5, 4))
+    with pytest.raises(ValueError, match="only a split layout"):
+        Layout("replicated", over=Axis.EXPERT)

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.safe_pickle import DEEPSPEED_CLASSES, PickledObject, user_allowed
@@ -590,6 +590,41 @@ def autotp_meta(p: Any) -> dict[str, Any] | None:
 def is_autotp_model(module: Any) -> bool:
     """Whether DeepSpeed's AutoTP partitioned this module for training (it marks the model when done)."""
     return bool(getattr(module, "ds_autotp_parsed", False))
+
+
+class ExpertStack(NamedTuple):
+    """Where one AutoEP expert parameter's stack of experts sits: this rank's run of the layer's experts."""
+
+    ep_size: int
+    ep_rank: int
+    experts: tuple[int, ...]
+
+
+def autoep_stack(p: Any) -> ExpertStack | None:
+    """The expert placement DeepSpeed's AutoEP attaches to each stacked expert parameter it built
+    (`ds_autoep_uc_meta`: its placement descriptor, expert-parallel rank and local experts); None for others."""
+    from deepspeed.checkpoint.constants import (
+        AUTOEP_EXPERT_PLACEMENT,
+        AUTOEP_PARAM_EP_RANK,
+        AUTOEP_PARAM_LOCAL_EXPERTS,
+        DS_AUTOEP_UC_META,
+    )
+
+    meta = getattr(p, DS_AUTOEP_UC_META, None)
+    if not isinstance(meta, dict):
+        return None
+    return ExpertStack(
+        int(meta[AUTOEP_EXPERT_PLACEMENT]["ep_size"]),
+        int(meta[AUTOEP_PARAM_EP_RANK]),
+        tuple(int(e) for e in meta[AUTOEP_PARAM_LOCAL_EXPERTS]),
+    )
+
+
+def autoep_groups(module: Any) -> dict[str, int]:
+    """The expert-parallel group name (`ep_size_<E>`) of each of DeepSpeed's AutoEP layers in a module, and its size."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return {m.ep_group_name: int(m.ep_size) for m in module.modules() if isinstance(m, AutoEPMoELayer)}
 
 
 # --- megatron-core modules and their tensor-parallel attributes ---------------------------------------

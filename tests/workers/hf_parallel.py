@@ -10,11 +10,14 @@
     refused --variant NAME ... --results FILE: building NAME through ucp_deepspeed must fail; built by plain
          DeepSpeed and stepped once, do its ranks' copies of the model drift apart?
 
-A variant is `tp<T>z<S>` (AutoTP size T, ZeRO stage S) or `z<S>` (no AutoTP); the rest of the launch's ranks are
-data-parallel. The model is sized so that AutoTP splits unevenly at T=2: 6 heads in 3 key-value groups give
-q/o (32, 16) and k/v (16, 8), an intermediate size of 99 gives (50, 49). Full tensors in the snapshot are merged
-from the tensor-parallel ranks with DeepSpeed's own affine maps (`deepspeed.checkpoint.affine`), not ours, so the
-comparison does not share the code under test; replicated tensors are compared across the ranks as well.
+A variant is `[tp<T>][[m]sp<P>][ep<E>]z<S>`: AutoTP size T, Ulysses size P (`m`: built from the config's mesh),
+AutoEP size E, ZeRO stage S; the rest of the launch's ranks are data-parallel. `--arch mixtral` or `qwen3moe` trains
+a tiny MoE model instead of the Llama (AutoEP needs one); its experts are snapshot by global id, under AutoEP's
+names whether or not AutoEP built the model. The Llama is sized so that AutoTP splits unevenly at T=2: 6 heads in
+3 key-value groups give q/o (32, 16) and k/v (16, 8), an intermediate size of 99 gives (50, 49). Full tensors in
+the snapshot are merged from the tensor-parallel ranks with DeepSpeed's own affine maps
+(`deepspeed.checkpoint.affine`), not ours, so the comparison does not share the code under test; replicated tensors
+are compared across the ranks as well.
 """
 
 from __future__ import annotations
@@ -29,16 +32,16 @@ import common  # tests/workers/common.py, next to this script
 import deepspeed
 import torch
 import torch.distributed as dist
+import transformers
 from compare import compare  # tests/workers/compare.py, next to this script
 from deepspeed.checkpoint.affine import SCALE_POWER_BY_STATE, ParamAffineMap
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.constants import DS_AUTOEP_UC_META, UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import ucp_deepspeed
 from ucp_deepspeed.io import storage as st
 
-CONFIG = {
+CONFIG: dict = {
     "vocab_size": 128,
     "hidden_size": 48,
     "intermediate_size": 99,
@@ -48,30 +51,44 @@ CONFIG = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
+# AutoEP's models: 4 experts, 2 per token, so that AutoEP can place them 4, 2 or 1 to a rank; sized like the Llama
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "moe_intermediate_size": 40, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
+}
+ARCH = ["llama"]  # set by --arch
 GLOBAL_BATCH, SEQ, STEPS, CONT = 12, 12, 3, 3
 STATES = ("exp_avg", "exp_avg_sq")
 BUILT = [(1, 1, False)]  # the AutoTP and Ulysses sizes (and Ulysses' route) of the engines this process has built
 
 
-def parse(variant: str) -> tuple[int, int, int, bool]:
+def parse(variant: str) -> tuple[int, int, int, bool, int]:
     """(AutoTP size, Ulysses sequence-parallel size, ZeRO stage, whether DeepSpeed builds the Ulysses groups from the
-    config's device mesh: `msp<P>`) of a variant name."""
-    m = re.fullmatch(r"(?:tp(\d+))?(?:(m?)sp(\d+))?z(\d)", variant)
+    config's device mesh: `msp<P>`, AutoEP size, 0 for none) of a variant name."""
+    m = re.fullmatch(r"(?:tp(\d+))?(?:(m?)sp(\d+))?(?:ep(\d+))?z(\d)", variant)
     if m is None:
-        raise SystemExit(f"unknown variant {variant!r}: expected [tp<T>][[m]sp<P>]z<S>")
-    return int(m.group(1) or 1), int(m.group(3) or 1), int(m.group(4)), m.group(2) == "m"
+        raise SystemExit(f"unknown variant {variant!r}: expected [tp<T>][[m]sp<P>][ep<E>]z<S>")
+    return int(m.group(1) or 1), int(m.group(3) or 1), int(m.group(5)), m.group(2) == "m", int(m.group(4) or 0)
 
 
-def model() -> LlamaForCausalLM:
+def model() -> torch.nn.Module:
     """The same model on every rank and in every run: built from a config with a fixed seed, nothing downloaded.
     Ulysses wraps a core attention that takes no mask (sdpa), so every variant uses that one."""
     torch.manual_seed(1234)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
+    if ARCH[0] == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation="sdpa"))
+    config, cls, extra = MOE[ARCH[0]]
+    fields = {**CONFIG, "intermediate_size": 40, "num_experts_per_tok": 2, **extra}
+    return getattr(transformers, cls)(getattr(transformers, config)(**fields, attn_implementation="sdpa"))
 
 
 def build(variant: str, plain: bool = False) -> deepspeed.DeepSpeedEngine:
     """The engine of a variant: through ucp_deepspeed with universal checkpointing, or `plain` DeepSpeed."""
-    tp, sp, stage, mesh = parse(variant)
+    tp, sp, stage, mesh, ep = parse(variant)
     if (tp, sp, mesh) != BUILT[0] and BUILT[0] != (1, 1, False):
         # DeepSpeed keeps the first AutoTP or Ulysses engine's groups for the whole process (`groups.mpu`), and
         # Ulysses replaces transformers' sdpa attention process-wide
@@ -102,6 +119,8 @@ def build(variant: str, plain: bool = False) -> deepspeed.DeepSpeedEngine:
     }
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp}
+    if ep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
     init = ucp_deepspeed.initialize
     if plain:
         del config["checkpoint"]
@@ -183,15 +202,20 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
         for name, p in engine.module.named_parameters():
             local["lp"][name] = p.detach().cpu().clone()
+    held = {n: list(getattr(p, DS_AUTOEP_UC_META)["local_experts"]) for n, p in engine.module.named_parameters()
+            if hasattr(p, DS_AUTOEP_UC_META)}  # fmt: skip
     shares: list = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, (tp_rank, local))
-    by_tp = {r: s for r, s in reversed(shares)}  # one data-parallel rank's copy per tensor-parallel rank
+    dist.all_gather_object(shares, (tp_rank, local, held))
+    by_tp = {r: s for r, s, _ in reversed(shares)}  # one data-parallel rank's copy per tensor-parallel rank
     maps = (getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) or {}).get("affine_map", {}).get("params", {})
     snap: dict = {kind: {} for kind in local}
     replicas = []
     for kind in local:
         power = SCALE_POWER_BY_STATE.get(kind, 1)
-        for name in local[kind]:
+        for name in held:  # AutoEP's experts, by global id: each rank's stack placed where DeepSpeed put it
+            snap[kind][name], differ = by_expert_id([(s[kind][name], h[name]) for _, s, h in shares])
+            replicas += [f"{kind}/{name}@expert{e}" for e in differ]
+        for name in (n for n in local[kind] if n not in held):
             shards = {r: by_tp[r][kind][name] for r in sorted(by_tp)}
             entry = maps.get(f"^{re.escape(name)}$")
             affine = ParamAffineMap.from_dict(entry) if entry is not None and len(shards) > 1 else None
@@ -201,6 +225,8 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
             differ = [f"{kind}/{name}@tp{r}" for r in shards if whole and not torch.equal(shards[r], shards[0])]
             replicas += differ
             snap[kind][name] = shards[0] if whole else affine.rebuild(shards, power)
+    for kind in local:
+        snap[kind] = canonical_experts(snap[kind])
     base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     steps = {float(s["step"]) for s in base.state.values() if "step" in s}
     snap["steps"] = sorted(steps)
@@ -208,6 +234,37 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     snap["counters"] = [engine.global_steps, engine.global_samples]
     snap["replicas_differ"] = replicas
     return snap
+
+
+def by_expert_id(stacks: list[tuple[torch.Tensor, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's stack of experts placed at their global ids; the ids whose copies differ across ranks."""
+    count = 1 + max(e for _, ids in stacks for e in ids)
+    whole: list = [None] * count
+    differ = set()
+    for stack, ids in stacks:
+        for row, e in zip(stack, ids):
+            if whole[e] is not None and not torch.equal(whole[e], row):
+                differ.add(e)
+            whole[e] = row if whole[e] is None else whole[e]
+    return torch.stack(whole), sorted(differ)
+
+
+def canonical_experts(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A MoE model's tensors under AutoEP's names, whether or not AutoEP built it: Hugging Face's fused
+    `experts.gate_up_proj` [E, 2F, H] is AutoEP's `w1` (gate) over `w3` (up), `down_proj` its `w2`, and the
+    router `gate` AutoEP's `router.gate`. The test's own mapping, from transformers' and DeepSpeed's modules."""
+    out = {}
+    for name, t in states.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            stem = name.removesuffix("gate_up_proj")
+            out[stem + "w1"], out[stem + "w3"] = (half.clone() for half in t.chunk(2, dim=1))
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[name.removesuffix("down_proj") + "w2"] = t
+        elif re.search(r"\.mlp\.gate\.weight$", name):
+            out[name.replace(".mlp.gate.", ".mlp.router.gate.")] = t
+        else:
+            out[name] = t
+    return out
 
 
 def do_save(args: argparse.Namespace) -> None:
@@ -304,10 +361,12 @@ def main() -> None:
     parser.add_argument("--drift", nargs="*", default=[], metavar="PARAM", help="save: rank 1's replica drifts")
     parser.add_argument("--refuse", action="store_true", help="load: each case must be refused")
     parser.add_argument("--results")
+    parser.add_argument("--arch", choices=["llama", *MOE], default="llama")
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
     for args in runs:
+        ARCH[0] = args.arch
         {"save": do_save, "load": do_load, "refused": do_refused}[args.mode](args)
         dist.barrier()
     dist.destroy_process_group()

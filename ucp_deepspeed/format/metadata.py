@@ -62,6 +62,8 @@ class ParamSlot:
     ZeRO-0 in fp32 has no flat buffers: the parameter is its own fp32 master, in the model-states file
     (or the pipeline layer file `file`, under `key`), and its states are entry `flat` of the torch
     optimizer's state dict, saved in the model-states file; `offset` is 0 and `partition` its size.
+    A layout cut over the expert-parallel ranks (AutoEP's expert stacks) lists one slot per
+    expert-parallel rank in the model-parallel rank's metadata: `ep_rank` says whose run it is.
     """
 
     name: str
@@ -76,6 +78,7 @@ class ParamSlot:
     ranks: tuple[int, ...] = ()
     file: str = ""
     key: str = ""
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
         _check_layer_file(self.name, self.file)

@@ -58,16 +58,22 @@ def zero12_fragments(slot: ParamSlot, dp: int, start: int = 0, end: int | None =
 
 
 def zero3_fragments(slot: ParamSlot, dp: int, start: int = 0, end: int | None = None) -> list[Fragment]:
-    """Fragments of elements [start, end) of a ZeRO-3 parameter: rank r holds elements [r*partition,
-    (r+1)*partition); only the ranks the range overlaps are visited."""
+    """Fragments of elements [start, end) of a ZeRO-3 parameter: partition k holds elements [k*partition,
+    (k+1)*partition); only the partitions the range overlaps are visited.
+
+    Partition k is in the file of data-parallel rank `slot.ranks[k]` (rank k when `ranks` is empty: AutoEP
+    partitions an expert stack over its expert-data-parallel group only).
+    """
     end = slot.numel if end is None else end
     if start >= end or slot.partition <= 0:
         return []
     out = []
-    for rank in range(start // slot.partition, min(dp, -(-end // slot.partition))):
-        lo, hi = max(start, rank * slot.partition), min(end, (rank + 1) * slot.partition, slot.numel)
+    count = len(slot.ranks) if slot.ranks else dp
+    for k in range(start // slot.partition, min(count, -(-end // slot.partition))):
+        lo, hi = max(start, k * slot.partition), min(end, (k + 1) * slot.partition, slot.numel)
         if lo < hi:
-            out.append(Fragment(rank, slot.offset + lo - rank * slot.partition, lo, hi - lo))
+            rank = slot.ranks[k] if slot.ranks else k
+            out.append(Fragment(rank, slot.offset + lo - k * slot.partition, lo, hi - lo))
     return out
 
 
@@ -93,14 +99,14 @@ def fragments_in(slot: ParamSlot, zero_stage: int, dp: int, start: int, end: int
 def rank_fragment(slot: ParamSlot, zero_stage: int, dp: int, rank: int) -> Fragment | None:
     """The fragment of a parameter in data-parallel rank `rank`'s file, if it holds one: found directly, so checking
     each of a thousand files does not walk every parameter's thousand fragments."""
+    files = slot.ranks or range(dp)
+    if rank not in files:
+        return None
+    k = files.index(rank)
     if zero_stage == 3:
-        start = rank * slot.partition
-        frags = zero3_fragments(slot, dp, start, min(slot.numel, start + slot.partition)) if rank < dp else []
+        start = k * slot.partition
+        frags = zero3_fragments(slot, dp, start, min(slot.numel, start + slot.partition))
     else:
-        files = slot.ranks or range(dp)
-        if rank not in files:
-            return None
-        k = files.index(rank)
         begin = max(0, k * slot.partition - slot.offset)
         frags = zero12_fragments(slot, dp, begin, min(slot.numel, max(begin, (k + 1) * slot.partition - slot.offset)))
     return next((f for f in frags if f.rank == rank), None)

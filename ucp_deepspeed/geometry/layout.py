@@ -15,6 +15,10 @@ spirit of DeepSpeed's affine shard descriptions rather than name lists:
                     length each rank holds, in rank order (DeepSpeed's AutoTP gives whole heads or
                     grains to the first ranks); a rank holds its run of every part, concatenated
 
+A split is over the tensor-parallel ranks unless `over` says the expert-parallel ones: DeepSpeed's
+AutoEP stacks a layer's experts along dim 0 and gives each expert-parallel rank a contiguous run of
+them. "rank" and "tp" below are then the expert-parallel rank and size.
+
 Everything reduces to `pieces`: (offset in the full tensor, offset in the local tensor, length)
 along `dim`. Merging and splitting are the same copy in opposite directions.
 """
@@ -23,10 +27,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 KINDS = ("replicated", "average", "split")
+
+
+class Axis(str, Enum):
+    """The ranks a split layout is cut over."""
+
+    TENSOR = "tp"
+    EXPERT = "ep"
 
 
 @dataclass(frozen=True)
@@ -48,10 +60,13 @@ class Layout:
     vocab: int = 0
     shards: tuple[tuple[int, ...], ...] = ()
     """Per part, each rank's length along `dim`: an uneven split, valid at `len(shards[0])` ranks only."""
+    over: Axis = Axis.TENSOR
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown layout {self.kind!r}; expected one of {', '.join(KINDS)}")
+        if self.over is not Axis.TENSOR and self.kind != "split":
+            raise ValueError(f"only a split layout is cut over the {self.over.value} ranks, not {self.kind!r}")
         if self.kind != "split" and (self.parts or self.vocab or self.shards):
             raise ValueError(f"'parts', 'vocab' and 'shards' only apply to split layouts, not {self.kind!r}")
         if sum(map(bool, (self.parts, self.vocab, self.shards))) > 1:
@@ -148,6 +163,8 @@ class Layout:
             out["vocab"] = self.vocab
         if self.shards:
             out["shards"] = [list(widths) for widths in self.shards]
+        if self.over is not Axis.TENSOR:
+            out["over"] = self.over.value
         return out
 
     @classmethod
@@ -159,6 +176,7 @@ class Layout:
             parts=tuple(int(p) for p in raw.get("parts", ())),
             vocab=int(raw.get("vocab", 0)),
             shards=tuple(tuple(int(w) for w in widths) for widths in raw.get("shards", ())),
+            over=Axis(raw.get("over", Axis.TENSOR.value)),
         )
 
 

@@ -14,6 +14,10 @@ Two sources, in this order:
    partition dim, each rank's size (uneven where AutoTP gives whole heads or grains to the first
    ranks), fused sub-parameters and their per-rank widths. A parameter AutoTP left untouched is
    replicated, as AutoTP itself treats it; one it marks unsupported is refused with its reason.
+4. DeepSpeed AutoEP's placement, on the stacked expert parameters it builds (`experts.w1`, `w2`,
+   `w3`, [local experts, ...]): split along dim 0 over the expert-parallel ranks, each holding a
+   contiguous run of the layer's experts in rank order. The full tensor holds every expert at
+   its global id.
 
 A parameter that is tensor-parallel (tp > 1) and matches neither is an error: we never guess.
 Global names undo megatron-core's per-stage layer numbering (`decoder.layers.0` on stage 1 is
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ucp_deepspeed import compat
-from ucp_deepspeed.geometry.layout import REPLICATED, Layout
+from ucp_deepspeed.geometry.layout import REPLICATED, Axis, Layout
 from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.naming.rules import Rule
 
@@ -97,6 +101,21 @@ def autotp_layout(name: str, meta: dict | None, local_shape: Sequence[int], tp: 
     if full != logical:
         raise ValueError(f"{name}: AutoTP records the full shape {list(logical)}, its split sizes give {list(full)}")
     return layout
+
+
+def autoep_layout(name: str, stack: compat.ExpertStack, local_shape: Sequence[int]) -> Layout:
+    """The layout of an AutoEP expert stack: experts along dim 0, over the expert-parallel ranks.
+
+    ValueError, naming the parameter, for a placement that is not each rank's contiguous run in rank order (its
+    placement descriptor can describe others).
+    """
+    count = int(local_shape[0]) if local_shape else 0
+    if stack.experts != tuple(range(stack.ep_rank * count, (stack.ep_rank + 1) * count)):
+        raise ValueError(
+            f"{name}: AutoEP places experts {list(stack.experts)} on expert-parallel rank {stack.ep_rank}; only "
+            "contiguous runs in rank order (its default placement) are supported"
+        )
+    return Layout("split", 0, over=Axis.EXPERT)
 
 
 def _global_prefixes(module: torch.nn.Module) -> list[tuple[str, str]]:
@@ -236,6 +255,9 @@ def param_infos(
         layout = next((r.layout for r in rules if r.matches(name)), None)
         if layout is None and in_megatron(name):
             layout = _megatron_layout(p, tp, vocab_size)
+        stack = compat.autoep_stack(p) if layout is None else None
+        if stack is not None:
+            layout = autoep_layout(name, stack, compat.full_shape(p))
         if layout is None and autotp:
             layout = autotp_layout(name, compat.autotp_meta(p), compat.full_shape(p), tp)
         if layout is None:

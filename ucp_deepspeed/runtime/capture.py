@@ -21,7 +21,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.topology import Topology
-from ucp_deepspeed.geometry.layout import Layout
+from ucp_deepspeed.geometry.layout import Axis, Layout
 from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.naming.model import ParamInfo, canonical_namer, global_namer, param_infos
 from ucp_deepspeed.naming.rules import parse_rules
@@ -67,8 +67,9 @@ def model_parallel(engine: Any) -> ModelParallel:
 
 
 def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
-    """(expert-parallel size, this rank's expert-parallel rank) of each DeepSpeed MoE expert group."""
-    return {b.group: compat.expert_parallel(b.group)[:2] for b in expert_blocks(engine.module)}
+    """(expert-parallel size, this rank's expert-parallel rank) of each expert group: DeepSpeed MoE's and AutoEP's."""
+    names = {b.group for b in expert_blocks(engine.module)} | set(compat.autoep_groups(engine.module))
+    return {g: compat.expert_parallel(g)[:2] for g in sorted(names)}
 
 
 def attached_options(engine: Any) -> Any:
@@ -124,20 +125,27 @@ def infos(engine: Any) -> dict[str, ParamInfo]:
 
 @dataclass(frozen=True)
 class LiveParam:
-    """A parameter of the live module: its global name, tensor-parallel layout and local shape."""
+    """A parameter of the live module: its global name, layout and local shape, and this rank's place among the
+    ranks its layout is cut over (tensor-parallel, or expert-parallel for AutoEP's expert stacks)."""
 
     name: str
     layout: Layout
     shape: tuple[int, ...]
+    rank: int = 0
+    size: int = 1
 
 
 def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
     """Every parameter of the engine's module, placed in the full model."""
     placed = infos(engine)
-    return {
-        p: LiveParam(placed[n].name, placed[n].layout, compat.full_shape(p))
-        for n, p in engine.module.named_parameters()
-    }
+    mp = model_parallel(engine)
+    out = {}
+    for n, p in engine.module.named_parameters():
+        info = placed[n]
+        stack = compat.autoep_stack(p) if info.layout.over is Axis.EXPERT else None
+        rank, size = (stack.ep_rank, stack.ep_size) if stack is not None else (mp.tp_rank, mp.tp)
+        out[p] = LiveParam(info.name, info.layout, compat.full_shape(p), rank=rank, size=size)
+    return out
 
 
 def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
@@ -162,17 +170,20 @@ def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
 def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
     """Expert slots for every expert-parallel rank, from this rank's own: same flat layout, other experts and files."""
     blocks = expert_blocks(engine.module)
-    if not blocks:
+    if not blocks and not compat.autoep_groups(engine.module):
         return slots
     files = _expert_file_ranks(engine)
-    group_of_flat = {i: g.get("name") for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")}
+    moe_groups = {i: g.get("name") for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")}
     namers: dict[tuple[str, int], Callable[[str], str]] = {}
     canonical = canonical_namer(engine.module)
     out = []
     for slot in slots:
         local = slot.local or slot.name
+        group = moe_groups.get(slot.group)
+        if slot.layout.over is Axis.EXPERT and group is not None:  # AutoEP: each rank's run of one stack
+            out += [dataclasses.replace(slot, ep_rank=r, ranks=ranks) for r, ranks in sorted(files[group].items())]
+            continue
         block = next((b for b in blocks if b.expert_of(canonical(local)) is not None), None)
-        group = group_of_flat.get(slot.flat)
         if block is None or group is None:
             out.append(slot)
             continue
@@ -291,6 +302,14 @@ def unsupported(engine: Any) -> str | None:
             "(UlyssesSPAttentionHF.register_with_transformers, or deepspeed.runtime.sequence_parallel."
             "parallel_state_sp) instead"
         )
+    if compat.autoep_groups(engine.module) and (
+        model_parallel(engine).tp > 1 or compat.sequence_parallel_size(engine) > 1
+    ):
+        return (
+            "DeepSpeed's AutoEP (expert_parallel) together with AutoTP or Ulysses sequence parallelism: universal "
+            "checkpointing reshards AutoEP's expert stacks over data and expert parallelism only; train AutoEP "
+            "without tensor_parallel.autotp_size and without a sequence-parallel mpu"
+        )
     if compat.nvme_param_offload(engine):
         return (
             "universal checkpointing does not support ZeRO-3 with offload_param.device nvme: parameters swapped "
@@ -337,7 +356,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: di
     stage = int(engine.zero_optimization_stage())
     layer_files = compat.pipeline_layer_files(module)
     if stage == 3:
-        slots = _zero3_slots(engine.optimizer, names, placed)
+        slots = _all_expert_ranks(engine, _zero3_slots(engine.optimizer, names, placed))
     elif compat.is_unpartitioned(engine):
         slots = _whole_slots(engine.optimizer, names, placed, layer_files)
     elif unsupported(engine) is None:

@@ -47,7 +47,6 @@ _NON_PARAM_KEYS = ("params", "name", "moe")
 
 def _problems(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
     problems = []
-    tp = model_parallel(engine).tp
     live_groups = {
         id(p): g for g, group in enumerate(compat.base_optimizer(engine).param_groups) for p in group["params"]
     }
@@ -59,7 +58,7 @@ def _problems(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, Li
         if rec is None:
             continue
         try:
-            shape = list(info.layout.full_shape(info.shape, tp))
+            shape = list(info.layout.full_shape(info.shape, info.size))
         except ValueError as exc:
             problems.append(f"{info.name}: {exc}")
             continue
@@ -361,14 +360,13 @@ def _state_keys(ckpt: TensorReader) -> list[str]:
     return []
 
 
-def _reader(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> Any:
-    """read(param, key, start, numel, out=None): a flat range of this rank's tensor-parallel share of a state; with
-    `out`, filled in place, possibly only when the enclosing `ckpt.batch()` ends."""
-    mp = model_parallel(engine)
+def _reader(ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> Any:
+    """read(param, key, start, numel, out=None): a flat range of this rank's share (tensor- or expert-parallel) of a
+    state; with `out`, filled in place, possibly only when the enclosing `ckpt.batch()` ends."""
 
     def read(p: torch.nn.Parameter, key: str, start: int, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         info = live[p]
-        return ckpt.read_local(info.name, key, info.layout, info.shape, mp.tp_rank, mp.tp, start, numel, out)
+        return ckpt.read_local(info.name, key, info.layout, info.shape, info.rank, info.size, start, numel, out)
 
     return read
 
@@ -378,7 +376,7 @@ def _stage_zero12(
 ) -> None:
     opt = engine.optimizer
     groups = compat.zero12_groups(opt)
-    read = _reader(engine, ckpt, live)
+    read = _reader(ckpt, live)
     keys = smap.keys if smap is not None else {}
     for i, group in enumerate(groups):
         bufs = {k: _host_like(group.fp32) for k in keys}
@@ -463,7 +461,7 @@ def _stage_whole(
     """ZeRO-0 fp32: DeepSpeed steps a torch optimizer on the parameters themselves, which are the fp32 masters.
     Each parameter gets its own step (torch's kernels step it in place)."""
     opt = engine.optimizer
-    read = _reader(engine, ckpt, live)
+    read = _reader(ckpt, live)
     for g, group in enumerate(opt.param_groups):
         for p in group["params"]:
             out.copies.append((p.data, _own(read(p, FP32, 0, p.numel())).view(p.shape)))
@@ -479,7 +477,7 @@ def _restore_zero3_in_place(
     Staging every sub-group in memory first is what NVMe offload exists to avoid, so this runs inside the commit,
     where a failure leaves the engine refusing to step or save until a load succeeds."""
     opt = engine.optimizer
-    read = _reader(engine, ckpt, live)
+    read = _reader(ckpt, live)
     keys = smap.keys if smap is not None else {}
     for index, sub in enumerate(compat.zero3_subgroups(opt)):
         with compat.zero3_resident(opt, index):
@@ -513,7 +511,7 @@ def _stage_zero3(
     engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None, out: Staged
 ) -> None:
     opt = engine.optimizer
-    read = _reader(engine, ckpt, live)
+    read = _reader(ckpt, live)
     if compat.nvme_offload(engine):
         out.installs.append(lambda: _restore_zero3_in_place(engine, ckpt, live, smap))
     else:
@@ -533,7 +531,7 @@ def _stage_module_extras(
     to_global = namer(engine)
     for name in compat.buffer_names(engine):
         out.copies.append((buffers[name].data, _own(ckpt.read_buffer(to_global(name)))))
-    read = _reader(engine, ckpt, live)
+    read = _reader(ckpt, live)
     for p in engine.module.parameters():
         if not p.requires_grad and not compat.is_zero3_param(p) and live[p].name in ckpt.params:
             out.copies.append((p.data, _own(read(p, VALUE, 0, p.numel())).view(p.shape)))

@@ -225,8 +225,8 @@ def check_optim(
                 f"partition_count of flat {index} is {counts[index]}, metadata partitions it over "
                 f"{sorted(layout.owners)} ranks"
             )
-        elif isinstance(counts, int) and counts not in layout.owners:
-            problems.append(f"partition_count is {counts}, metadata partitions over {sorted(layout.owners)} ranks")
+        elif isinstance(counts, int) and counts != topo.dp:  # ZeRO-3's one count: the whole data-parallel world's
+            problems.append(f"partition_count is {counts}, metadata says {topo.dp} data-parallel ranks")
         limit = size if topo.zero_stage == 3 else max(size, *layout.partitions)
         for key in optim.state_keys(index):  # ZeRO-1/2 may keep a state's alignment padding, not the fp32's
             if not size <= optim.flat(index, key).shape[0] <= limit:

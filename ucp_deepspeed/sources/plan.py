@@ -17,7 +17,7 @@ import torch
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta
-from ucp_deepspeed.geometry.layout import Layout
+from ucp_deepspeed.geometry.layout import Axis, Layout
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,18 @@ def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
         owners = [e for e in entries if not e[3]] or entries
         stages = sorted({meta.pp_rank for meta, *_ in owners})
         owners = [e for e in owners if e[0].pp_rank == stages[0]]
-        by_tp = {meta.tp_rank: (mp_rank, item) for meta, mp_rank, item, _ in owners}
+        over_ep = owners[0][2].layout.over is Axis.EXPERT
+        size, axis = (metas[0].topology.ep, "expert") if over_ep else (tp, "tensor")
+        by_tp = {
+            (item.ep_rank if over_ep and isinstance(item, ParamSlot) else meta.tp_rank): (mp_rank, item)
+            for meta, mp_rank, item, _ in owners
+        }
         first = by_tp.get(0)
-        if first is None or (sorted(by_tp) != list(range(tp)) and first[1].layout.kind != "replicated"):
+        if first is None or (sorted(by_tp) != list(range(size)) and first[1].layout.kind != "replicated"):
             raise CheckpointError(
                 where,
-                f"'{name}' is held by tensor-parallel ranks {sorted(by_tp)} of stage {stages[0]}, expected 0..{tp - 1}",
+                f"'{name}' is held by {axis}-parallel ranks {sorted(by_tp)} of stage {stages[0]}, expected "
+                f"0..{size - 1}",
             )
         item = first[1]
         for tp_rank, (_, other) in by_tp.items():
@@ -78,14 +84,14 @@ def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
             if (other.layout, list(other.shape)) != (item.layout, expected):
                 raise CheckpointError(
                     where,
-                    f"'{name}': tensor-parallel ranks disagree on its layout or shape "
+                    f"'{name}': {axis}-parallel ranks disagree on its layout or shape "
                     f"({item.layout}, {item.shape} vs rank {tp_rank}'s {other.layout}, {other.shape})",
                 )
         replicated = item.layout.kind == "replicated"
-        shards = (Shard(first[0], item),) if replicated else tuple(Shard(*by_tp[r]) for r in range(tp))
+        shards = (Shard(first[0], item),) if replicated else tuple(Shard(*by_tp[r]) for r in range(size))
         replicas = tuple(Shard(*by_tp[r]) for r in sorted(by_tp) if r) if replicated else ()
         try:
-            shape = item.layout.full_shape(item.shape, tp)
+            shape = item.layout.full_shape(item.shape, size)
         except ValueError as exc:
             raise CheckpointError(where, f"'{name}': {exc}") from None
         if isinstance(item, ParamSlot):

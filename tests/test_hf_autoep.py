@@ -1,0 +1,139 @@
+"""DeepSpeed's AutoEP: a Hugging Face MoE model whose experts DeepSpeed stacks per expert-parallel rank resumes at
+any AutoEP size, data-parallel size and ZeRO stage.
+
+Tiny Mixtral and Qwen3-MoE models with 4 experts (`tests/workers/hf_parallel.py --arch`). Each target launch
+compares every fp32 master, Adam moment, weight, step and hyperparameter with the saved run's using torch.equal,
+every expert by its global id (each rank's stack placed where DeepSpeed's placement says), and the next 3 losses
+with the uninterrupted run. DeepSpeed 0.19.8's AutoEP fails with the transformers `.ci/install` installs (5.23 and
+later changed a registry it calls), so these launches put transformers 5.22.2 first on PYTHONPATH; `.ci/install`
+installs it into `UCP_AUTOEP_TRANSFORMERS`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import ROOT, OnDemand, load_results, torchrun
+
+WORKER = ROOT / "tests" / "workers" / "hf_parallel.py"
+OVERLAY = Path(os.environ.get("UCP_AUTOEP_TRANSFORMERS", ROOT / ".venv" / "overlays" / "transformers-5.22.2"))
+LOSS_RTOL = 1e-4
+TENSORS = {"mixtral": 92, "qwen3moe": 108}  # parameters x (fp32 master, weight, exp_avg, exp_avg_sq)
+
+# launch -> (world size, runs: (architecture, variants, extra save flags))
+SAVES = {
+    "w4": (4, [("mixtral", ("z1", "ep2z1", "ep4z2", "ep2z3"), ()), ("qwen3moe", ("ep4z1",), ())]),
+    "w2": (2, [("mixtral", ("ep2z2",), ()), ("mixtral", ("ep2z1",), ("--plain",))]),
+}
+
+
+def _launch(world: int, runs: list[list[str]]) -> None:
+    if not (OVERLAY / "transformers").is_dir():
+        pytest.fail(f"{OVERLAY}: no transformers 5.22.2 for AutoEP; source .ci/install, which installs it there")
+    argv = [*runs[0], *(a for rest in runs[1:] for a in ("--each", " ".join(rest)))]
+    torchrun(world, *argv, worker=WORKER, timeout=600, paths=(OVERLAY,))
+
+
+@pytest.fixture(scope="session")
+def autoep_sources(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
+    """`LAUNCH/ARCH/VARIANT` (`LAUNCH/plain/VARIANT` saved by plain DeepSpeed) after three steps."""
+    out = tmp_path_factory.mktemp("autoep_sources")
+
+    def folder(arch: str, flags: tuple[str, ...]) -> str:
+        return "plain" if flags else arch
+
+    def launch(name: str) -> None:
+        world, runs = SAVES[name]
+        _launch(
+            world,
+            [
+                ["save", "--arch", arch, "--out", str(out / name / folder(arch, flags)), "--variant", *v, *flags]
+                for arch, v, flags in runs
+            ],
+        )
+
+    names = [f"{n}/{folder(arch, flags)}/{v}" for n, (_, runs) in SAVES.items() for arch, vs, flags in runs for v in vs]
+    return OnDemand(out, names, lambda name: name.split("/")[0], launch)
+
+
+def load(sources: OnDemand, tmp: Path, world: int, cases: dict[str, list], refuse: list = ()) -> list[dict]:
+    """One launch at `world` ranks: Mixtral's `refuse` cases (each load must fail), then per architecture each
+    (target, sources...) case; the results, in order."""
+    runs, files = [], []
+    for arch, pairs, flags in [("mixtral", refuse, ["--refuse"])] * bool(refuse) + [(*c, []) for c in cases.items()]:
+        files.append(tmp / f"{arch}{'-refused' if flags else ''}.json")
+        case_args = [a for target, names in pairs for a in ("--case", target, *(str(sources[n]) for n in names))]
+        runs.append(["load", "--arch", arch, *flags, "--results", str(files[-1]), *case_args])
+    _launch(world, runs)
+    return [r for f in files for r in load_results(f)]
+
+
+def check(results: list[dict], arch: str, expected: int) -> None:
+    assert len(results) == expected
+    for r in results:
+        label = f"{arch}: {r['source']} -> {r['target']} at {r['world']} ranks ({r['how']})"
+        assert r["how"].startswith("resharded"), label
+        assert r["diffs"] == [], f"{label}: {r['diffs'][:8]}"
+        assert r["tensors"] == TENSORS[arch], label
+        assert r["max_rel_loss"] < LOSS_RTOL, f"{label}: {r['losses']} vs {r['reference_losses']}"
+
+
+def test_autoep_checkpoints_resume_at_any_ep_dp_and_stage(autoep_sources, tmp_path):
+    """Saved at 4 ranks (EP 2 x expert-DP 2, EP 4, EP 2 at ZeRO-3), resumed at 2: EP 2 and EP 1, every stage.
+    AutoEP renames the model's experts and router: turning it on or off at a resume is refused, engine unchanged."""
+    cases = {
+        "mixtral": [
+            ("ep2z2", ("w4/mixtral/ep2z1", "w4/mixtral/ep4z2")),  # expert-DP 2 -> 1 at EP 2 (a rank's experts move)
+            ("ep1z3", ("w4/mixtral/ep4z2", "w4/mixtral/ep2z3")),  # EP 4 -> 1 into ZeRO-3; ZeRO-3's expert partitions
+            ("ep2z1", ("w4/mixtral/ep2z3",)),
+        ],
+        "qwen3moe": [("ep2z3", ("w4/qwen3moe/ep4z1",)), ("ep1z2", ("w4/qwen3moe/ep4z1",))],
+    }
+    refuse = [("z1", ("w4/mixtral/ep2z1",)), ("ep2z1", ("w4/mixtral/z1",))]  # AutoEP on -> off, off -> on
+    results = load(autoep_sources, tmp_path, 2, cases, refuse=refuse)
+    for r in results[:2]:
+        assert r["untouched"], "a refused load changed the engine"
+        assert len(set(r["errors"])) == 1 and "not in checkpoint" in r["errors"][0], r["errors"]
+    check(results[2:7], "mixtral", 5)
+    check(results[7:], "qwen3moe", 2)
+
+
+def test_autoep_resumes_at_a_world_its_experts_do_not_divide(autoep_sources, tmp_path):
+    """4 experts cannot be spread over 3 ranks: EP 4 and EP 2 x expert-DP 2 resume at 3 ranks with AutoEP size 1."""
+    cases = {"mixtral": [("ep1z1", ("w4/mixtral/ep4z2", "w4/mixtral/ep2z3")), ("ep1z3", ("w4/mixtral/ep2z1",))]}
+    check(load(autoep_sources, tmp_path, 3, cases), "mixtral", 3)
+
+
+@pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)])
+def test_autoep_with_autotp_or_ulysses_is_refused_by_name(monkeypatch, tp, sp):
+    """DeepSpeed's AutoTP refuses these models' tensor-parallel plans unless given a partition_config, and Ulysses
+    with AutoEP is untested here: an engine with either beside AutoEP is refused before anything is saved."""
+    from ucp_deepspeed.runtime import capture
+
+    monkeypatch.setattr(capture.compat, "autoep_groups", lambda module: {"ep_size_2": 2})
+    monkeypatch.setattr(capture.compat, "ulysses_outside_zero", lambda engine: False)
+    monkeypatch.setattr(capture.compat, "sequence_parallel_size", lambda engine: sp)
+    monkeypatch.setattr(capture, "model_parallel", lambda engine: capture.ModelParallel(tp=tp))
+    engine = SimpleNamespace(module=None, zero_optimization_stage=lambda: 1)
+    assert "AutoEP (expert_parallel) together with AutoTP or Ulysses" in capture.unsupported(engine)
+    monkeypatch.setattr(capture.compat, "autoep_groups", lambda module: {})
+    assert capture.unsupported(engine) is None
+
+
+def test_autoep_spreads_a_ranks_experts_over_more_ranks_and_refuses_plain_saves(autoep_sources, tmp_path):
+    """EP 2 at 2 ranks resumed at EP 2 x expert-DP 2 and at EP 4 on 4 ranks: each expert keeps its global id (before
+    AutoEP's layout was read, a save recorded rank 0's stack as the whole tensor, and every such load was refused).
+    Plain DeepSpeed's AutoEP save records no files-to-experts map ucp_deepspeed trusts: refused, engine unchanged."""
+    refused, *loaded = load(
+        autoep_sources,
+        tmp_path,
+        4,
+        {"mixtral": [("ep2z1", ("w2/mixtral/ep2z2",)), ("ep4z3", ("w2/mixtral/ep2z2",))]},
+        refuse=[("ep2z1", ("w2/plain/ep2z1",))],
+    )
+    check(loaded, "mixtral", 2)
+    assert refused["untouched"], "a refused load changed the engine"
+    assert len(set(refused["errors"])) == 1 and "saved without ucp_deepspeed metadata" in refused["errors"][0]
