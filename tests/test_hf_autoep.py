@@ -25,7 +25,7 @@ TENSORS = {"mixtral": 92, "qwen3moe": 108}  # parameters x (fp32 master, weight,
 
 # launch -> (world size, runs: (architecture, variants, extra save flags))
 SAVES = {
-    "w4": (4, [("mixtral", ("z1", "ep2z1", "ep4z2", "ep2z3"), ()), ("qwen3moe", ("ep4z1",), ())]),
+    "w4": (4, [("mixtral", ("z1", "ep1z1", "ep2z1", "ep4z2", "ep2z3"), ()), ("qwen3moe", ("ep4z1",), ())]),
     "w2": (2, [("mixtral", ("ep2z2",), ()), ("mixtral", ("ep2z1",), ("--plain",))]),
 }
 
@@ -82,8 +82,7 @@ def check(results: list[dict], arch: str, expected: int) -> None:
 
 
 def test_autoep_checkpoints_resume_at_any_ep_dp_and_stage(autoep_sources, tmp_path):
-    """Saved at 4 ranks (EP 2 x expert-DP 2, EP 4, EP 2 at ZeRO-3), resumed at 2: EP 2 and EP 1, every stage.
-    AutoEP renames the model's experts and router: turning it on or off at a resume is refused, engine unchanged."""
+    """Saved at 4 ranks (EP 2 x expert-DP 2, EP 4, EP 2 at ZeRO-3), resumed at 2: EP 2 and EP 1, every stage."""
     cases = {
         "mixtral": [
             ("ep2z2", ("w4/mixtral/ep2z1", "w4/mixtral/ep4z2")),  # expert-DP 2 -> 1 at EP 2 (a rank's experts move)
@@ -92,13 +91,24 @@ def test_autoep_checkpoints_resume_at_any_ep_dp_and_stage(autoep_sources, tmp_pa
         ],
         "qwen3moe": [("ep2z3", ("w4/qwen3moe/ep4z1",)), ("ep1z2", ("w4/qwen3moe/ep4z1",))],
     }
-    refuse = [("z1", ("w4/mixtral/ep2z1",)), ("ep2z1", ("w4/mixtral/z1",))]  # AutoEP on -> off, off -> on
-    results = load(autoep_sources, tmp_path, 2, cases, refuse=refuse)
-    for r in results[:2]:
-        assert r["untouched"], "a refused load changed the engine"
-        assert len(set(r["errors"])) == 1 and "not in checkpoint" in r["errors"][0], r["errors"]
-    check(results[2:7], "mixtral", 5)
-    check(results[7:], "qwen3moe", 2)
+    results = load(autoep_sources, tmp_path, 2, cases)
+    check(results[:5], "mixtral", 5)
+    check(results[5:], "qwen3moe", 2)
+
+
+def test_autoep_turns_on_and_off_at_a_resume(autoep_sources, tmp_path):
+    """AutoEP renames a MoE block (Hugging Face's fused `experts.gate_up_proj` is its `w1` over `w3`) and gives the
+    experts a param group of their own: a job without AutoEP resumes from an AutoEP save and the other way round.
+    At AutoEP size 1 and the same DP size the topology is the same; DeepSpeed's own load would not find the names."""
+    cases = {
+        "mixtral": [
+            ("z1", ("w4/mixtral/ep2z1", "w4/mixtral/ep4z2")),  # AutoEP on -> off
+            ("z3", ("w4/mixtral/ep2z3",)),
+            ("ep2z2", ("w4/mixtral/z1",)),  # off -> on
+            ("ep1z3", ("w4/mixtral/z1",)),
+        ]
+    }
+    check(load(autoep_sources, tmp_path, 2, cases), "mixtral", 5)
 
 
 def test_autoep_resumes_at_a_world_its_experts_do_not_divide(autoep_sources, tmp_path):
@@ -127,13 +137,48 @@ def test_autoep_spreads_a_ranks_experts_over_more_ranks_and_refuses_plain_saves(
     """EP 2 at 2 ranks resumed at EP 2 x expert-DP 2 and at EP 4 on 4 ranks: each expert keeps its global id (before
     AutoEP's layout was read, a save recorded rank 0's stack as the whole tensor, and every such load was refused).
     Plain DeepSpeed's AutoEP save records no files-to-experts map ucp_deepspeed trusts: refused, engine unchanged."""
-    refused, *loaded = load(
-        autoep_sources,
-        tmp_path,
-        4,
-        {"mixtral": [("ep2z1", ("w2/mixtral/ep2z2",)), ("ep4z3", ("w2/mixtral/ep2z2",))]},
-        refuse=[("ep2z1", ("w2/plain/ep2z1",))],
-    )
-    check(loaded, "mixtral", 2)
+    cases = [
+        ("ep2z1", ("w2/mixtral/ep2z2",)),
+        ("ep4z3", ("w2/mixtral/ep2z2",)),
+        ("z1", ("w4/mixtral/ep1z1",)),  # AutoEP 1 -> off at the same topology: ours, not DeepSpeed's load
+    ]
+    refused, *loaded = load(autoep_sources, tmp_path, 4, {"mixtral": cases}, refuse=[("ep2z1", ("w2/plain/ep2z1",))])
+    check(loaded, "mixtral", 3)
     assert refused["untouched"], "a refused load changed the engine"
     assert len(set(refused["errors"])) == 1 and "saved without ucp_deepspeed metadata" in refused["errors"][0]
+
+
+def test_autoep_names_derive_each_tensor_and_refuse_groups_that_differ():
+    """The name map both ways, and the group rule: a live group may gather saved groups only if they compute the
+    same update (DeepSpeed's MoE group names aside)."""
+    from ucp_deepspeed.convert.expert_names import Derived, _regroup, derivations
+    from ucp_deepspeed.errors import CheckpointError
+    from ucp_deepspeed.format.manifest import GroupRecord, ParamRecord
+
+    def record(shape: tuple[int, ...], group: int) -> ParamRecord:
+        return ParamRecord(shape=shape, dtype="float32", group=group, trainable=True, file="", keys=("fp32",))
+
+    p = "model.layers.0.mlp."
+    autoep = {f"{p}experts.w1": record((4, 5, 3), 1), f"{p}experts.w3": record((4, 5, 3), 1)}
+    autoep |= {f"{p}experts.w2": record((4, 3, 5), 1), f"{p}router.gate.weight": record((4, 3), 0)}
+    hf = [f"{p}experts.gate_up_proj", f"{p}experts.down_proj", f"{p}gate.weight"]
+    assert derivations(hf, autoep) == {
+        hf[0]: Derived((f"{p}experts.w1", f"{p}experts.w3"), dim=1),
+        hf[1]: Derived((f"{p}experts.w2",)),
+        hf[2]: Derived((f"{p}router.gate.weight",)),
+    }
+    plain = {hf[0]: record((4, 10, 3), 0), hf[1]: record((4, 3, 5), 0), hf[2]: record((4, 3), 0)}
+    assert derivations(list(autoep), plain)[f"{p}experts.w3"] == Derived((hf[0],), dim=1, start=5, length=5)
+    assert derivations(hf, plain) == {} and derivations(hf, {}) == {}
+
+    dense = GroupRecord({"lr": 1e-3, "weight_decay": 0.1}, {"step": 3})
+    experts = GroupRecord({"lr": 1e-3, "weight_decay": 0.1, "name": "ep_size_2", "moe": True}, {"step": 3})
+    inner = SimpleNamespace(manifest=SimpleNamespace(param_groups=(dense, experts)))
+    merged = {
+        n: record(plain[n].shape, r.group)
+        for n, r in zip(hf, (autoep[f"{p}experts.w1"], autoep[f"{p}experts.w2"], autoep[f"{p}router.gate.weight"]))
+    }
+    assert _regroup(inner, merged, dict.fromkeys(hf, 0), 1, "here") == (dense,)
+    inner.manifest.param_groups = (dense, GroupRecord({**experts.hyperparams, "lr": 2e-3}, {"step": 3}))
+    with pytest.raises(CheckpointError, match="gathers saved groups 1 and 0, whose hyperparameters or steps differ"):
+        _regroup(inner, merged, dict.fromkeys(hf, 0), 1, "here")

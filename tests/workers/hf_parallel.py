@@ -230,7 +230,9 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     steps = {float(s["step"]) for s in base.state.values() if "step" in s}
     snap["steps"] = sorted(steps)
-    snap["hyperparams"] = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in base.param_groups]
+    settings = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in base.param_groups]
+    # AutoEP's expert group repeats the dense group's settings: the distinct ones compare with and without AutoEP
+    snap["hyperparams"] = [one for i, one in enumerate(settings) if one not in settings[:i]]
     snap["counters"] = [engine.global_steps, engine.global_samples]
     snap["replicas_differ"] = replicas
     return snap

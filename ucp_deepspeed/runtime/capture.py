@@ -267,13 +267,15 @@ def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[Pa
 
 
 def same_stage(engine: Any, metas: list[SaveMeta]) -> bool:
-    """Whether this rank's pipeline stage holds the parameters its saved stage held (same layer split).
+    """Whether this rank's pipeline stage holds the parameters its saved stage held (same layer split, same names).
 
     Two pipelines of one size may split the layers differently (`partition_method`); DeepSpeed's own
-    load would then read another stage's optimizer partitions.
+    load would then read another stage's optimizer partitions. A model AutoEP renamed (on at one end,
+    off at the other, at AutoEP size 1 the same topology) is read through `restore`, never DeepSpeed's
+    load, which would copy what matches and then fail.
     """
     mp = model_parallel(engine)
-    if mp.pp == 1 or expert_blocks(engine.module):  # expert slots list every expert-parallel rank's experts
+    if expert_blocks(engine.module):  # expert slots list every expert-parallel rank's experts
         return True
     saved = metas[mp.pp_rank * mp.tp + mp.tp_rank]
     placed = infos(engine)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ucp_deepspeed import compat
+from ucp_deepspeed.convert.expert_names import ExpertNames, derivations
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, GroupRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE
@@ -34,6 +35,7 @@ from ucp_deepspeed.runtime.capture import (
     live_params,
     model_parallel,
     namer,
+    param_groups,
     topology,
 )
 from ucp_deepspeed.runtime.collective import from_rank0, guarded, to_rank0
@@ -651,6 +653,16 @@ def commit(staged: Staged) -> None:
         refresh()
 
 
+def _under_live_names(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> TensorReader:
+    """The checkpoint as this engine names its tensors: itself, or, where AutoEP is on at one end of the resume and
+    off at the other, `ExpertNames` over it."""
+    derived = derivations([info.name for info in live.values()], ckpt.params)
+    if not derived:
+        return ckpt
+    groups = {live[p].name: g for p, g in param_groups(engine).items()}
+    return ExpertNames(ckpt, derived, groups, len(compat.base_optimizer(engine).param_groups))
+
+
 def restore(
     engine: Any,
     ckpt: TensorReader,
@@ -671,6 +683,7 @@ def restore(
     succeeds.
     """
     live = guarded(lambda: live_params(engine))
+    ckpt = guarded(lambda: _under_live_names(engine, ckpt, live))
     check_compatible(engine, ckpt, live)
     # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
     load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.weights_only
