@@ -127,6 +127,8 @@ def test_what_initialize_refuses_is_named():
     ):
         ucp_deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     engine = SimpleNamespace(
-        zero_optimization_stage=lambda: 3, zero_offload_param=lambda: SimpleNamespace(device=OffloadDeviceEnum.nvme)
+        module=model,
+        zero_optimization_stage=lambda: 3,
+        zero_offload_param=lambda: SimpleNamespace(device=OffloadDeviceEnum.nvme),
     )
     assert "ZeRO-3 with offload_param.device nvme" in unsupported(engine)
