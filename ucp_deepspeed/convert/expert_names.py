@@ -50,30 +50,38 @@ class Derived:
     length: int = 0
 
 
+_RENAMED = {
+    "experts.gate_up_proj": ("experts.w1", "experts.w3"),
+    "experts.down_proj": ("experts.w2",),
+    "gate.weight": ("router.gate.weight",),
+    "experts.w2": ("experts.down_proj",),
+    "router.gate.weight": ("gate.weight",),
+}
+"""A MoE block's tensor under one module's name -> the other's, stacked on dim 1 where there are two."""
+_HALVES = {"experts.w1": 0, "experts.w3": 1}
+"""AutoEP's gate and up stacks: which half of Hugging Face's fused `experts.gate_up_proj` along dim 1."""
+_NAME = re.compile(r"(.*?\.)(experts\.(?:gate_up_proj|down_proj|w1|w2|w3)|gate\.weight|router\.gate\.weight)")
+
+
 def derivations(live: Sequence[str], saved: dict[str, ParamRecord]) -> dict[str, Derived]:
     """The live names the checkpoint lacks that are an AutoEP (or Hugging Face) MoE block's tensors under the other
     module's names, and how each is made."""
     out: dict[str, Derived] = {}
     for name in live:
-        if name in saved:
-            continue
-        m = re.fullmatch(r"(.*?\.)(experts\.(gate_up_proj|down_proj|w1|w2|w3)|gate\.weight|router\.gate\.weight)", name)
+        m = _NAME.fullmatch(name) if name not in saved else None
         if m is None:
             continue
-        block, leaf = m.group(1), m.group(2)
-        derived = {
-            "experts.gate_up_proj": Derived((f"{block}experts.w1", f"{block}experts.w3"), dim=1),
-            "experts.down_proj": Derived((f"{block}experts.w2",)),
-            "gate.weight": Derived((f"{block}router.gate.weight",)),
-            "experts.w2": Derived((f"{block}experts.down_proj",)),
-            "router.gate.weight": Derived((f"{block}gate.weight",)),
-        }.get(leaf)
+        block, leaf = m.groups()
         fused = saved.get(f"{block}experts.gate_up_proj")
-        if leaf in ("experts.w1", "experts.w3") and fused is not None and len(fused.shape) == 3:
+        if leaf in _HALVES and fused is not None and len(fused.shape) == 3:
             half = fused.shape[1] // 2
-            start = half if leaf == "experts.w3" else 0
-            derived = Derived((f"{block}experts.gate_up_proj",), dim=1, start=start, length=half)
-        if derived is not None and all(s in saved for s in derived.sources):
+            derived = Derived((f"{block}experts.gate_up_proj",), dim=1, start=_HALVES[leaf] * half, length=half)
+        elif leaf in _RENAMED:
+            sources = tuple(block + other for other in _RENAMED[leaf])
+            derived = Derived(sources, dim=1 if len(sources) > 1 else 0)
+        else:
+            continue
+        if all(s in saved for s in derived.sources):
             out[name] = derived
     return out
 

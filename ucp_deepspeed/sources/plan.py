@@ -64,32 +64,32 @@ def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
         owners = [e for e in owners if e[0].pp_rank == stages[0]]
         over_ep = owners[0][2].layout.over is Axis.EXPERT
         size, axis = (metas[0].topology.ep, "expert") if over_ep else (tp, "tensor")
-        by_tp = {
+        by_rank = {
             (item.ep_rank if over_ep and isinstance(item, ParamSlot) else meta.tp_rank): (mp_rank, item)
             for meta, mp_rank, item, _ in owners
         }
-        first = by_tp.get(0)
-        if first is None or (sorted(by_tp) != list(range(size)) and first[1].layout.kind != "replicated"):
+        first = by_rank.get(0)
+        if first is None or (sorted(by_rank) != list(range(size)) and first[1].layout.kind != "replicated"):
             raise CheckpointError(
                 where,
-                f"'{name}' is held by {axis}-parallel ranks {sorted(by_tp)} of stage {stages[0]}, expected "
+                f"'{name}' is held by {axis}-parallel ranks {sorted(by_rank)} of stage {stages[0]}, expected "
                 f"0..{size - 1}",
             )
         item = first[1]
-        for tp_rank, (_, other) in by_tp.items():
+        for rank, (_, other) in by_rank.items():
             # an uneven split (AutoTP's) gives each rank its own length along the split dim
             expected = list(item.shape)
             if item.layout.shards:
-                expected[item.layout.dim] = item.layout.local_length(tp_rank)
+                expected[item.layout.dim] = item.layout.local_length(rank)
             if (other.layout, list(other.shape)) != (item.layout, expected):
                 raise CheckpointError(
                     where,
                     f"'{name}': {axis}-parallel ranks disagree on its layout or shape "
-                    f"({item.layout}, {item.shape} vs rank {tp_rank}'s {other.layout}, {other.shape})",
+                    f"({item.layout}, {item.shape} vs rank {rank}'s {other.layout}, {other.shape})",
                 )
         replicated = item.layout.kind == "replicated"
-        shards = (Shard(first[0], item),) if replicated else tuple(Shard(*by_tp[r]) for r in range(size))
-        replicas = tuple(Shard(*by_tp[r]) for r in sorted(by_tp) if r) if replicated else ()
+        shards = (Shard(first[0], item),) if replicated else tuple(Shard(*by_rank[r]) for r in range(size))
+        replicas = tuple(Shard(*by_rank[r]) for r in sorted(by_rank) if r) if replicated else ()
         try:
             shape = item.layout.full_shape(item.shape, size)
         except ValueError as exc:
