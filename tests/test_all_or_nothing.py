@@ -187,3 +187,20 @@ def test_staging_that_is_not_zero_filled_leaves_no_stale_bytes(saved, monkeypatc
     assert sum(g.fp32.numel() for g in groups) > owned, "no padding: this test could not fail"
     states = [s for s in compat.base_optimizer(engine).state.values()]
     assert states and all(torch.isfinite(v).all() for s in states for v in s.values() if torch.is_tensor(v))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_folder_with_moments_but_no_step_is_refused_by_group(saved, tmp_path, stage):
+    """torch's Adam reads `state["step"]` at its next step: a universal folder whose group holds Adam moments but no
+    step count (a foreign source that left it out) would load and then fail in `engine.step()` with `KeyError:
+    'step'`. The load is refused, naming the group, and the engine is left as it was."""
+    import json
+
+    folder = Path(convert(str(saved), TAG3, output=str(tmp_path / "folder"), progress=False))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert "step" in manifest["param_groups"][1]["scalars"]
+    del manifest["param_groups"][1]["scalars"]["step"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    engine = build(stage, seed=1)
+    train(engine, 3)
+    _refused_and_untouched(engine, str(folder), None, "param group 1 holds optimizer state .* but no step count")

@@ -16,6 +16,7 @@ ranks, DeepSpeed -> `ucp export-megatron` -> megatron-core (dense and MoE), and 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -296,4 +297,18 @@ def test_distributed_optimizer_buffers_are_refused(saved, tmp_path, capsys):
     assert ucp(["import-megatron", str(folder), str(tmp_path / "u")]) == 2
     err = capsys.readouterr().err
     assert buffer in err and "not a model tensor's optimizer state" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "u" / "manifest.json").exists()
+
+
+def test_a_save_without_its_step_count_is_refused(saved, tmp_path, capsys):
+    """Adam moments without `state.common_step` (or a group's `step`) would import, then fail in the first
+    `engine.step()` inside torch's Adam (`KeyError: 'step'`): refused, naming common.pt and the group."""
+    folder = tmp_path / "stepless"
+    shutil.copytree(saved[0] / "ckpt", folder)
+    common = torch.load(folder / "common.pt", weights_only=False)
+    del common["optimizer"]["state"]["common_step"]
+    torch.save(common, folder / "common.pt")
+    assert ucp(["import-megatron", str(folder), str(tmp_path / "u")]) == 2
+    err = capsys.readouterr().err
+    assert "common.pt" in err and "param group 0 has optimizer state" in err and "no step count" in err, err
     assert not (tmp_path / "u" / "manifest.json").exists()

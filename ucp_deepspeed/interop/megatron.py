@@ -326,6 +326,13 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         slots, group_of = _placement(hypers, present, st.join(folder, COMMON))
         stored = _optimizer_keys(ckpt, model_keys)
         states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in stored} - set(MASTERS))
+        stepless = [g for g, _ in slots if not _is_step(steps[g])]
+        if states and stepless:
+            raise CheckpointError(
+                st.join(folder, COMMON),
+                f"param group {stepless[0]} has optimizer state ({', '.join(states)}) but no step count "
+                "(the optimizer's state.common_step, or the group's step); it could not take its next step",
+            )
         records: list[FileRecord] = []
         params: dict[str, ParamRecord] = {}
         dtypes: set[torch.dtype] = set()

@@ -253,8 +253,18 @@ def _step(value: Any, kind: str, device: Any, where: str) -> Any:
     return torch.tensor(count, dtype=dtype, device=device)
 
 
-def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any, where: str) -> dict[str, Any]:
-    """A group's saved scalar states (`step` as the live kernel keeps it; none for SGD)."""
+def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any, where: str, group: int) -> dict[str, Any]:
+    """A group's saved scalar states (`step` as the live kernel keeps it; none for SGD).
+
+    A kernel that counts steps reads the count at its next step (torch's Adam: `state["step"]`), so moments without
+    one are refused here rather than met as a `KeyError` inside `engine.step()`.
+    """
+    if smap.keys and smap.step in ("tensor", "int") and "step" not in record_scalars:
+        raise CheckpointError(
+            where,
+            f"param group {group} holds optimizer state ({', '.join(sorted(smap.keys.values()))}) but no step "
+            "count, which the live optimizer needs to take its next step",
+        )
     out = {}
     for key, raw in record_scalars.items():
         value = decode_value(raw)
@@ -326,7 +336,7 @@ def _state_install(
     """Putting one flat tensor's (or ZeRO-0 parameter's) new optimizer state in place; its scalars are checked now."""
     record = ckpt.manifest.param_groups[group_index]
     device = compat.scalar_device(optimizer.param_groups[group_index], key)
-    scalars = _scalars(record.scalars, smap, device, f"{ckpt.root}/{MANIFEST}")
+    scalars = _scalars(record.scalars, smap, device, f"{ckpt.root}/{MANIFEST}", group_index)
 
     def install() -> None:
         state = optimizer.state[key]
