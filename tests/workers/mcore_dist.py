@@ -513,6 +513,8 @@ def do_save(args: argparse.Namespace) -> None:
             moe_router_topk=model.config.moe_router_topk,
             use_distributed_optimizer=args.distributed_optimizer,
             bf16=args.bf16,
+            transformer_impl="local",
+            data_parallel_size=ps.get_data_parallel_world_size(),
         )
         for folder, sharding in trainer.saves:
             model_sd = model.sharded_state_dict()

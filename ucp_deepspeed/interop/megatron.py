@@ -57,6 +57,7 @@ from ucp_deepspeed.format.universal import (
     write_object,
     write_tensors,
 )
+from ucp_deepspeed.interop.megatron_buckets import BucketStates
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, to_bytes
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
@@ -70,6 +71,8 @@ OPTIM = "optimizer.state."
 MASTERS = ("fp32_param", "param")
 # the DistributedOptimizer formats that store each parameter's state whole (the others store its flat buffers)
 RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
+BUCKETS = "dp_reshardable"  # flat per-bucket buffers (Megatron-LM's default), rebuilt by `megatron_buckets`
+SHARDING = "param_state_sharding_type"
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -156,26 +159,31 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _optimizers(common: dict[str, Any], path: str) -> list[dict[str, Any]]:
+def _optimizers(common: dict[str, Any], path: str) -> tuple[list[dict[str, Any]], bool]:
     """The torch optimizer states megatron-core saved: one (`FP32Optimizer`), or a `ChainedOptimizer`'s, its dense
     then its expert optimizer (`{0: ..., 1: ...}`, as Megatron-LM builds for an MoE model); a
-    `Float16OptimizerWithFloat16Params` wraps its own under `optimizer`, beside its grad scaler."""
+    `Float16OptimizerWithFloat16Params` wraps its own under `optimizer`, beside its grad scaler. Also whether they
+    are `DistributedOptimizer`s saved `dp_reshardable`, whose param groups are in the DCP table, not here."""
     optim = common.get("optimizer")
     chain: list[Any] = []
-    if isinstance(optim, dict) and ("param_groups" in optim or "optimizer" in optim):
+    if isinstance(optim, dict) and ("param_groups" in optim or "optimizer" in optim or SHARDING in optim):
         chain = [optim]
     elif isinstance(optim, dict) and optim and set(optim) == set(range(len(optim))):
         chain = [optim[i] for i in range(len(optim))]
     elif isinstance(optim, list):
         chain = optim
-    for o in chain if chain else [optim]:  # each optimizer's entry names its DistributedOptimizer format
-        sharding = o.get("param_state_sharding_type") if isinstance(o, dict) else None
-        if sharding is not None and sharding not in RESHARDABLE:
+    kinds = {o.get(SHARDING) if isinstance(o, dict) else None for o in chain or [optim]}
+    for sharding in kinds:  # each optimizer's entry names its DistributedOptimizer format
+        if sharding is not None and sharding not in (*RESHARDABLE, BUCKETS):
             raise CheckpointError(
                 path,
-                f"holds a DistributedOptimizer state saved {sharding!r}, in flat buffers tied to the saving DP "
-                "layout; save with --dist-ckpt-optim-fully-reshardable",
+                f"holds a DistributedOptimizer state saved {sharding!r}, tied to the saving DP layout; save with "
+                "--dist-ckpt-optim-fully-reshardable, or in Megatron-LM's default dp_reshardable",
             )
+    if BUCKETS in kinds:
+        if kinds != {BUCKETS}:
+            raise CheckpointError(path, f"mixes DistributedOptimizer formats {sorted(map(str, kinds))}")
+        return [{} for _ in chain], True
     chain = [o["optimizer"] if isinstance(o, dict) and "param_groups" not in o else o for o in chain]
     if not chain or not all(
         isinstance(o, dict)
@@ -185,7 +193,7 @@ def _optimizers(common: dict[str, Any], path: str) -> list[dict[str, Any]]:
         for o in chain
     ):
         raise CheckpointError(path, "holds no optimizer param_groups; a model-only save")
-    return chain
+    return chain, False
 
 
 def _optimizer_keys(ckpt: DcpCheckpoint, model_keys: list[str]) -> dict[str, str]:
@@ -214,6 +222,27 @@ def _optimizer_keys(ckpt: DcpCheckpoint, model_keys: list[str]) -> dict[str, str
     if not out:
         raise CheckpointError(ckpt.path, "holds no optimizer state tensors (optimizer.state.<state>.<key>)")
     return out
+
+
+class _WholeStates:
+    """A `fully_reshardable` save's optimizer states (and an `FP32Optimizer`'s): each stored whole beside its
+    parameter, `optimizer.state.<state>.<key>`, with the fp32 copy of a bf16 weight among them."""
+
+    def __init__(self, ckpt: DcpCheckpoint, model_keys: list[str]) -> None:
+        self.ckpt = ckpt
+        self.stored = _optimizer_keys(ckpt, model_keys)
+        self.states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in self.stored} - set(MASTERS))
+
+    def read(self, key: str, value: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The fp32 copy (None: the weight is fp32 itself) and the other states of the model tensor `key`."""
+        stored, ckpt = self.stored, self.ckpt
+        found = {s: ckpt.tensor(stored[f"{OPTIM}{s}.{key}"]) for s in self.states if f"{OPTIM}{s}.{key}" in stored}
+        if set(found) != set(self.states):
+            raise CheckpointError(ckpt.path, f"{key} lacks optimizer state {sorted(set(self.states) - set(found))}")
+        master = next((stored[f"{OPTIM}{m}.{key}"] for m in MASTERS if f"{OPTIM}{m}.{key}" in stored), None)
+        if master is None and value.dtype in (torch.bfloat16, torch.float16):
+            raise CheckpointError(ckpt.path, f"{key} is {value.dtype} and has no fp32 copy ({' or '.join(MASTERS)})")
+        return (None if master is None else ckpt.tensor(master)), found
 
 
 def _is_step(value: Any) -> bool:
@@ -310,22 +339,27 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
     common = load_file(st.join(folder, COMMON))
     if not isinstance(common, dict):
         raise CheckpointError(st.join(folder, COMMON), "does not hold a dict")
-    chain = _optimizers(common, st.join(folder, COMMON))
-    hypers = [h for optim in chain for h in optim["param_groups"]]
-    # the step: `common_step` of each optimizer, or (DistributedOptimizer) each group's own
-    steps = [(o.get("state") or {}).get("common_step", h.get("step")) for o in chain for h in o["param_groups"]]
+    chain, buckets = _optimizers(common, st.join(folder, COMMON))
     ckpt = DcpCheckpoint(folder)
     try:
         fused = compat.megatron_fused_norms()
         model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.") and not _CHAINED.match(k)]
+        optimizer: _WholeStates | BucketStates
+        if buckets:
+            optimizer = BucketStates(ckpt, model_keys, _plain(common.get("args")), len(chain), fused)
+            chain = [{"param_groups": groups} for groups in optimizer.param_groups]
+        else:
+            optimizer = _WholeStates(ckpt, model_keys)
+        hypers = [h for optim in chain for h in optim["param_groups"]]
+        # the step: `common_step` of each optimizer, or (DistributedOptimizer) each group's own
+        steps = [(o.get("state") or {}).get("common_step", h.get("step")) for o in chain for h in o["param_groups"]]
         present = {
             (_is_expert(name), _decays(name, ckpt.tensors[key].shape[len(index) :]))
             for key in model_keys
             for name, index in _pieces(key, ckpt.tensors[key].shape, fused)
         }
         slots, group_of = _placement(hypers, present, st.join(folder, COMMON))
-        stored = _optimizer_keys(ckpt, model_keys)
-        states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in stored} - set(MASTERS))
+        states = optimizer.states
         stepless = [g for g, _ in slots if not _is_step(steps[g])]
         if states and stepless:
             raise CheckpointError(
@@ -338,16 +372,9 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         dtypes: set[torch.dtype] = set()
         for key in model_keys:
             value = ckpt.tensor(key)
-            found = {s: ckpt.tensor(stored[f"{OPTIM}{s}.{key}"]) for s in states if f"{OPTIM}{s}.{key}" in stored}
-            if set(found) != set(states):
-                raise CheckpointError(ckpt.path, f"{key} lacks optimizer state {sorted(set(states) - set(found))}")
             dtypes.add(value.dtype)
-            master = next((stored[f"{OPTIM}{m}.{key}"] for m in MASTERS if f"{OPTIM}{m}.{key}" in stored), None)
-            if master is None and value.dtype in (torch.bfloat16, torch.float16):
-                raise CheckpointError(
-                    ckpt.path, f"{key} is {value.dtype} and has no fp32 copy ({' or '.join(MASTERS)})"
-                )
-            weight = value if master is None else ckpt.tensor(master)
+            master, found = optimizer.read(key, value)
+            weight = value if master is None else master
             for name, index in _pieces(key, tuple(value.shape), fused):
                 try:
                     check_name(name)

@@ -228,22 +228,39 @@ class DcpCheckpoint:
     def _open(self, key: str, item: Item) -> TorchFile:
         return TorchFile(self._window(key, item), self.verify)
 
+    def _chunk(self, entry: TensorEntry, chunk: Chunk) -> torch.Tensor:
+        """One stored chunk of a tensor, every byte checked."""
+        tfile = self._open(entry.key, chunk.item)
+        try:
+            lazy = tfile.obj
+            if not isinstance(lazy, LazyTensor) or lazy.shape != chunk.sizes or lazy.dtype != entry.dtype:
+                raise CheckpointError(
+                    tfile.path, f"holds {getattr(lazy, 'shape', type(lazy).__name__)}, not a {chunk.sizes} chunk"
+                )
+            value = lazy.load()
+            tfile.check_reads()
+            return value
+        finally:
+            tfile.close()
+
     def tensor(self, key: str) -> torch.Tensor:
         """The whole tensor stored under `key`, assembled from its chunks, every byte checked."""
         entry = self.tensors[key]
         out = torch.empty(entry.shape, dtype=entry.dtype)
         for chunk in entry.chunks:
-            tfile = self._open(key, chunk.item)
-            try:
-                lazy = tfile.obj
-                if not isinstance(lazy, LazyTensor) or lazy.shape != chunk.sizes or lazy.dtype != entry.dtype:
-                    raise CheckpointError(
-                        tfile.path, f"holds {getattr(lazy, 'shape', type(lazy).__name__)}, not a {chunk.sizes} chunk"
-                    )
-                out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))].copy_(lazy.load())
-                tfile.check_reads()
-            finally:
-                tfile.close()
+            out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))].copy_(self._chunk(entry, chunk))
+        return out
+
+    def region(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Elements [start, start + length) of the 1-D tensor under `key`, reading only the chunks that hold them."""
+        entry = self.tensors[key]
+        if len(entry.shape) != 1 or start < 0 or start + length > entry.shape[0]:
+            raise CheckpointError(self.path, f"{key} {entry.shape} has no elements [{start}, {start + length})")
+        out = torch.empty(length, dtype=entry.dtype)
+        for chunk in entry.chunks:
+            lo, hi = max(start, chunk.offsets[0]), min(start + length, chunk.offsets[0] + chunk.sizes[0])
+            if lo < hi:
+                out[lo - start : hi - start].copy_(self._chunk(entry, chunk)[lo - chunk.offsets[0] : hi - chunk.offsets[0]])
         return out
 
     def object(self, key: str) -> Any:
