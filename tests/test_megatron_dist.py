@@ -33,17 +33,27 @@ VOCAB = 70  # launch/train_gpt.py's, padded to 80 rows at TP=2
 
 
 MOE = ["--arch", "llama", "--moe"]  # 4 experts, top-2, in every layer
+DISTRIBUTED = ("distributed", "moe-distributed", "tp-distributed")  # DistributedOptimizer cases, saved both ways
 
 
-def _run(out: Path, cases: dict[str, tuple[list[str], list[str]]], world: int = 2) -> dict[str, dict]:
+def _run(
+    out: Path, cases: dict[str, tuple[list[str], list[str]]], world: int = 2, dp_reshardable: tuple[str, ...] = ()
+) -> dict[str, dict]:
     """One launch of `world` ranks: for each case, megatron-core alone saves at its layout (into out/<case>), then
-    DeepSpeed loads that folder at the target layout; every case's results."""
+    DeepSpeed loads that folder at the target layout (a DistributedOptimizer case in `dp_reshardable`: also its
+    dp_reshardable save, as <case>-dp); every case's results."""
     runs = []
     for case, (source, target) in cases.items():
         runs.append(["save", "--out", str(out / case), *source])
         runs.append(["load", "--source", str(out / case), *target, "--results", str(out / f"{case}.json")])
+        if case in dp_reshardable:
+            runs.append(
+                ["load", "--source", str(out / case), "--folder", "dp_reshardable", *target]
+                + ["--results", str(out / f"{case}-dp.json")]
+            )
     torchrun(world, *each(runs), worker=WORKER, timeout=600)
-    return {case: json.loads((out / f"{case}.json").read_text()) for case in cases}
+    names = [*cases, *(f"{case}-dp" for case in dp_reshardable)]
+    return {case: json.loads((out / f"{case}.json").read_text()) for case in names}
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +66,20 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         "moe": ([*MOE, *mcore, "--ep", "2"], [*MOE, "--ep", "1", "--zero", "1"]),
         "distributed": (["--distributed-optimizer", "--bf16"], ["--tp", "2", "--zero", "1"]),
         "moe-distributed": ([*MOE, "--ep", "2", "--distributed-optimizer"], [*MOE, "--ep", "1", "--zero", "1"]),
+        # llama (gated linear_fc1, no biases) at TP=2: each TP rank's buffer holds its shards
+        "tp-distributed": (
+            ["--arch", "llama", "--tp", "2", "--distributed-optimizer", "--bf16"],
+            ["--arch", "llama", "--zero", "3"],
+        ),
         # at EP=1 megatron-core trains experts in the dense groups; DeepSpeed's MoE keeps them apart
         "moe-ep1": ([*MOE, *mcore, "--ep", "1"], [*MOE, "--ep", "2", "--zero", "1"]),
     }
-    return out / "dense", _run(out, cases)
+    return out / "dense", _run(out, cases, dp_reshardable=DISTRIBUTED)
 
 
-def _exact(result: dict, rtol: float = 1e-5) -> None:
+def _exact(result: dict, rtol: float = 1e-5, tensors: int = 100) -> None:
     assert result["mode"] == "imported"
-    assert result["diffs"] == [] and result["tensors"] > 100, result
+    assert result["diffs"] == [] and result["tensors"] >= tensors, result
     assert result["losses"] == pytest.approx(result["reference_losses"], rel=rtol), result
 
 
@@ -91,27 +106,94 @@ def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(s
     assert result["tensors"] >= 4 * 4 * 2 * 3, result  # 4 layers x 4 experts x 2 weights x 3 states
 
 
-@pytest.mark.parametrize("case", ["distributed", "moe-distributed"])
+@pytest.mark.parametrize("case", DISTRIBUTED)
 def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_layout(saved, case):
     """megatron-core's `DistributedOptimizer` (each rank's shard of every state gathered into whole tensors by its
     `fully_reshardable` save: `optimizer.state.param.<key>`, each group's `step` in common.pt): a dense GPT at DP=2
     in bf16 (megatron-core's `Float16Module`; the optimizer's fp32 copies are the fp32 weights) -> DeepSpeed at
     TP=2 ZeRO-1 in fp32; an MoE GPT at EP=2 in fp32, a `ChainedOptimizer` of a dense and an expert
     `DistributedOptimizer` saved with Megatron-LM's `chained_optim_avoid_prefix` (no `chained_<i>.` keys) ->
-    DeepSpeed at EP=1 ZeRO-1. Every fp32 weight and Adam moment exact, the next losses megatron-core's (bf16 against
-    fp32: within 1e-3)."""
-    _exact(saved[1][case], rtol=1e-3 if case == "distributed" else 1e-5)
+    DeepSpeed at EP=1 ZeRO-1; a llama GPT (gated `linear_fc1`) at TP=2 in bf16 -> DeepSpeed at DP=2 ZeRO-3. Every
+    fp32 weight and Adam moment exact, the next losses megatron-core's (bf16 against fp32: within 1e-3)."""
+    _exact(saved[1][case], rtol=1e-5 if case == "moe-distributed" else 1e-3, tensors=78)
 
 
-@pytest.mark.parametrize("case", ["distributed", "moe-distributed"])
-def test_the_distributed_optimizers_default_format_is_refused(saved, tmp_path, capsys, case):
-    """The same jobs' `dp_reshardable` saves (Megatron-LM's default: flat per-bucket buffers, whose layout only the
-    saving job's DDP knows) are refused in one line naming the format and the flag that saves a readable one."""
-    folder = saved[0].parent / case / "dp_reshardable"
+@pytest.mark.parametrize("case", DISTRIBUTED)
+def test_the_distributed_optimizers_default_format_resumes_in_deepspeed(saved, case):
+    """The same jobs' `dp_reshardable` saves (Megatron-LM's default: flat per-bucket buffers that name no
+    parameter) -> DeepSpeed at the same targets: the buckets' layout rebuilt from the stored model and the saving
+    args, every fp32 weight and Adam moment `torch.equal` to the optimizer's own shards joined, the next losses."""
+    _exact(saved[1][f"{case}-dp"], rtol=1e-5 if case == "moe-distributed" else 1e-3, tensors=78)
+
+
+@pytest.mark.parametrize("case", DISTRIBUTED)
+def test_dp_reshardable_imports_as_fully_reshardable_does(saved, tmp_path, case):
+    """One job, both formats: `ucp import-megatron` of its dp_reshardable save gives the universal checkpoint its
+    fully_reshardable save gives, bit for bit."""
+    folder = saved[0].parent / case
+    for name in ("ckpt", "dp_reshardable"):
+        assert ucp(["import-megatron", str(folder / name), str(tmp_path / name), "--vocab-size", str(VOCAB)]) == 0
+    assert ucp(["diff", str(tmp_path / "ckpt"), str(tmp_path / "dp_reshardable")]) == 0
+
+
+def _resaved(folder: Path, out: Path, change) -> Path:
+    """A torch_dist folder saved again with `change(state, common)` applied to every tensor and object it holds."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = DcpCheckpoint(str(folder))
+    state = {k: ckpt.tensor(k) for k in ckpt.tensors} | {k: ckpt.object(k) for k in ckpt.objects}
+    ckpt.close()
+    common = torch.load(folder / "common.pt", weights_only=False)
+    change(state, common)
+    # each object pickled whole, as megatron-core writes it (not flattened into one entry per list item)
+    dcp.save(state, checkpoint_id=str(out), planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+    torch.save(common, out / "common.pt")
+    (out / "metadata.json").write_bytes((folder / "metadata.json").read_bytes())
+    return out
+
+
+BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0"
+
+
+def _longer(state: dict, common: dict) -> None:
+    (lengths,) = [v for k, v in state.items() if ".per_bucket_numel_unpadded/" in k]
+    ((dtypes, numels),) = lengths[0][0].items()
+    lengths[0][0][dtypes] = [numels[0] + 64]
+
+
+def _stepless(state: dict, common: dict) -> None:
+    (optimizer,) = [v for k, v in state.items() if k.endswith(".optimizer/shard_0_1")]
+    for group in optimizer[0]["param_groups"]:
+        del group["step"]
+
+
+FAULTS = {  # what is changed in the dense bf16 job's dp_reshardable save -> what the refusal names
+    "wrong bucket length": (_longer, "bucket_idx_0: 106176 elements recorded (per_bucket_numel_unpadded)"),
+    "missing bucket": (
+        lambda state, common: [state.pop(k) for k in list(state) if k.startswith(BUCKET)],
+        "bucket_idx_0: the bucket is missing",
+    ),
+    "no step": (_stepless, "param group 0 has optimizer state (exp_avg, exp_avg_sq) but no step count"),
+    "another layout's args": (
+        lambda state, common: setattr(common["args"], "transformer_impl", "transformer_engine"),
+        "does not hold the weights of",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_damaged_dp_reshardable_save_is_refused_by_name(saved, tmp_path, capsys, fault):
+    """The fault corpus of the bucket format: a bucket whose recorded length is not the rebuilt one, a bucket
+    missing, param groups without their step, and args that describe another model layout (Transformer Engine's
+    module order: the rebuilt ranges then miss the model's weights). Each is refused in one line naming the entry,
+    and nothing is written."""
+    change, reason = FAULTS[fault]
+    folder = _resaved(saved[0].parent / "distributed" / "dp_reshardable", tmp_path / "damaged", change)
+    capsys.readouterr()
     assert ucp(["import-megatron", str(folder), str(tmp_path / "u")]) == 2
     err = capsys.readouterr().err
-    assert "'dp_reshardable'" in err and "--dist-ckpt-optim-fully-reshardable" in err and err.count("\n") == 1, err
-    assert not (tmp_path / "u").exists()
+    assert reason in err and err.count("\n") == 1, err
+    assert not (tmp_path / "u" / "manifest.json").exists()
 
 
 @pytest.mark.slow

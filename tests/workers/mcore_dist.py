@@ -9,9 +9,9 @@ save --out DIR --tp T [--arch gpt|llama] [--distributed-optimizer [--bf16]]
     `DistributedOptimizer` (the same AdamW, groups and clipping, each DP rank holding a shard), saved
     `fully_reshardable`, and again `dp_reshardable` (Megatron-LM's default) into DIR/dp_reshardable. With --bf16 the
     weights are bf16 (megatron-core's Float16Module) and the optimizer keeps their fp32 copies, the reference's weights.
-load --source DIR --tp T --zero Z --results FILE ...
-    a ucp_deepspeed engine at this layout loads DIR/ckpt directly (imported on the way), takes megatron's
-    LR-scheduler state from the client state, and compares every fp32 weight, Adam moment, step and
+load --source DIR [--folder ckpt|dp_reshardable] --tp T --zero Z --results FILE ...
+    a ucp_deepspeed engine at this layout loads DIR/ckpt (or DIR/dp_reshardable) directly (imported on the way),
+    takes megatron's LR-scheduler state from the client state, and compares every fp32 weight, Adam moment, step and
     hyperparameter with the reference (`torch.equal`) and its next CONT losses with megatron-core's.
 
 native-load --source DIR --reference REF --tp T --results FILE
@@ -240,6 +240,8 @@ def full_state(model, groups: list[dict], state_of: Callable[[torch.Tensor], dic
             if getattr(p, "tensor_model_parallel", False):
                 shards = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
                 dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+                if model.config.gated_linear_unit and ".linear_fc1." in name:  # [gate; up] on each rank
+                    shards = [h for half in zip(*(s.chunk(2) for s in shards)) for h in half]
                 full = torch.cat(shards, dim=p.partition_dim)
             if name.endswith("word_embeddings.weight") or name.startswith("output_layer."):
                 full = full[:VOCAB]
@@ -536,7 +538,7 @@ def do_save(args: argparse.Namespace) -> None:
 def do_load(args: argparse.Namespace) -> None:
     ref = torch.load(f"{args.source}/reference.pt", weights_only=False)
     engine = train_gpt.build(args)
-    _, client = engine.load_checkpoint(f"{args.source}/ckpt")
+    _, client = engine.load_checkpoint(f"{args.source}/{args.folder}")
     # Megatron-LM sets its schedule from the iteration (its scheduler is another class); the restored groups hold
     # the learning rates, the schedule needs only its count
     engine.lr_scheduler.last_epoch = client["iteration"]
@@ -605,6 +607,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--source")
     parser.add_argument("--results")
+    parser.add_argument("--folder", default="ckpt", help="load: the save to load (dp_reshardable: the other format)")
     parser.add_argument("--reference", help="native-load: the saving DeepSpeed job's reference.pt")
     parser.add_argument(
         "--distributed-optimizer", action="store_true", help="save: train with megatron-core's DistributedOptimizer"

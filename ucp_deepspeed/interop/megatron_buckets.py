@@ -436,7 +436,7 @@ class BucketStates:
             ranks = [placed.local.rank for _, placed in mine]
             if ranks != list(range(mine[0][1].local.size)):
                 raise CheckpointError(self.ckpt.path, f"{key}{list(index)} is placed on ranks {ranks}")
-            read = {s: [] for s in self.stored}
+            read: dict[str, list[torch.Tensor]] = {s: [] for s in self.stored}
             for bucket, placed in mine:
                 local = placed.local
                 values = {

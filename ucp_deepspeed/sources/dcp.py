@@ -258,9 +258,10 @@ class DcpCheckpoint:
             raise CheckpointError(self.path, f"{key} {entry.shape} has no elements [{start}, {start + length})")
         out = torch.empty(length, dtype=entry.dtype)
         for chunk in entry.chunks:
-            lo, hi = max(start, chunk.offsets[0]), min(start + length, chunk.offsets[0] + chunk.sizes[0])
+            at = chunk.offsets[0]
+            lo, hi = max(start, at), min(start + length, at + chunk.sizes[0])
             if lo < hi:
-                out[lo - start : hi - start].copy_(self._chunk(entry, chunk)[lo - chunk.offsets[0] : hi - chunk.offsets[0]])
+                out[lo - start : hi - start].copy_(self._chunk(entry, chunk)[lo - at : hi - at])
         return out
 
     def object(self, key: str) -> Any:
