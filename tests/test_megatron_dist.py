@@ -33,18 +33,20 @@ VOCAB = 70  # launch/train_gpt.py's, padded to 80 rows at TP=2
 
 
 MOE = ["--arch", "llama", "--moe"]  # 4 experts, top-2, in every layer
-DISTRIBUTED = ("distributed", "moe-distributed", "tp-distributed")  # DistributedOptimizer cases, saved both ways
+DISTRIBUTED = ("distributed", "moe-distributed", "tp-distributed", "wd0")  # DistributedOptimizer cases, saved both ways
 
 
 def _run(
     out: Path, cases: dict[str, tuple[list[str], list[str]]], world: int = 2, dp_reshardable: tuple[str, ...] = ()
 ) -> dict[str, dict]:
     """One launch of `world` ranks: for each case, megatron-core alone saves at its layout (into out/<case>), then
-    DeepSpeed loads that folder at the target layout (a DistributedOptimizer case in `dp_reshardable`: also its
-    dp_reshardable save, as <case>-dp); every case's results."""
+    DeepSpeed loads that folder at the target layout, if any (a DistributedOptimizer case in `dp_reshardable`: also
+    its dp_reshardable save, as <case>-dp); every loaded case's results."""
     runs = []
     for case, (source, target) in cases.items():
         runs.append(["save", "--out", str(out / case), *source])
+        if not target:  # saved only, for the import tests
+            continue
         runs.append(["load", "--source", str(out / case), *target, "--results", str(out / f"{case}.json")])
         if case in dp_reshardable:
             runs.append(
@@ -52,7 +54,7 @@ def _run(
                 + ["--results", str(out / f"{case}-dp.json")]
             )
     torchrun(world, *each(runs), worker=WORKER, timeout=600)
-    names = [*cases, *(f"{case}-dp" for case in dp_reshardable)]
+    names = [*(c for c, (_, target) in cases.items() if target), *(f"{case}-dp" for case in dp_reshardable)]
     return {case: json.loads((out / f"{case}.json").read_text()) for case in names}
 
 
@@ -73,6 +75,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         ),
         # at EP=1 megatron-core trains experts in the dense groups; DeepSpeed's MoE keeps them apart
         "moe-ep1": ([*MOE, *mcore, "--ep", "1"], [*MOE, "--ep", "2", "--zero", "1"]),
+        # megatron-core's own groups (wd_mult) at a weight decay of 0, as fine-tuning runs it; and with a decoupled
+        # learning rate for the embedding (a third group, which train_gpt's two groups cannot take: import only)
+        "wd0": (["--distributed-optimizer", "--megatron-groups", "0"], ["--tp", "2", "--zero", "2"]),
+        "decoupled": (["--distributed-optimizer", "--megatron-groups", "0.1", "--decoupled-lr", "2e-4"], []),
     }
     return out / "dense", _run(out, cases, dp_reshardable=DISTRIBUTED)
 
@@ -134,6 +140,24 @@ def test_dp_reshardable_imports_as_fully_reshardable_does(saved, tmp_path, case)
     for name in ("ckpt", "dp_reshardable"):
         assert ucp(["import-megatron", str(folder / name), str(tmp_path / name), "--vocab-size", str(VOCAB)]) == 0
     assert ucp(["diff", str(tmp_path / "ckpt"), str(tmp_path / "dp_reshardable")]) == 0
+
+
+def test_megatron_cores_own_groups_are_placed_by_wd_mult_and_the_decoupled_lr(saved, tmp_path):
+    """megatron-core's `_get_param_groups` with `--decoupled-lr`: three groups, told apart by `wd_mult` and the
+    decoupled learning rate (not by `weight_decay` or `lr`, which the scheduler rewrites): the embedding in the
+    decoupled group, the biases and norms in the `wd_mult` 0 group, the other weights in the default one; both
+    formats import alike. (With a weight decay of 0, the `wd0` case resumes in DeepSpeed above.)"""
+    folder = saved[0].parent / "decoupled"
+    for name in ("ckpt", "dp_reshardable"):
+        assert ucp(["import-megatron", str(folder / name), str(tmp_path / name), "--vocab-size", str(VOCAB)]) == 0
+    assert ucp(["diff", str(tmp_path / "ckpt"), str(tmp_path / "dp_reshardable")]) == 0
+    manifest = read_manifest(str(tmp_path / "ckpt"))
+    groups = [(g.hyperparams["wd_mult"], g.hyperparams["initial_lr"]) for g in manifest.param_groups]
+    group = {name: groups[record.group] for name, record in manifest.params.items()}
+    assert sorted(groups) == [(0.0, 0.0005), (1.0, 0.0002), (1.0, 0.001)], groups
+    assert group["embedding.word_embeddings.weight"] == (1.0, 0.0002)
+    assert group["decoder.layers.0.self_attention.linear_qkv.weight"] == (1.0, 0.001)
+    assert group["decoder.layers.0.self_attention.linear_qkv.bias"] == (0.0, 0.0005)
 
 
 def _resaved(folder: Path, out: Path, change) -> Path:

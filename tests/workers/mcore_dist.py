@@ -43,7 +43,12 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, _get_megatron_optimizer_based_on_param_groups
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    OptimizerConfig,
+    _get_megatron_optimizer_based_on_param_groups,
+    _get_param_groups,
+)
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import Float16Module
 from train_gpt import SEQ, VOCAB, lm_loss
@@ -189,6 +194,19 @@ def megatron_groups(model, groups: list[dict]) -> list[dict]:
     return out
 
 
+def megatron_param_groups(model, groups: list[dict], weight_decay: float, decoupled_lr: float | None) -> list[dict]:
+    """megatron-core's own groups (`_get_param_groups`: `wd_mult`, `lr_mult`, a decoupled learning rate for the
+    embedding and output layer, experts apart), each with train_gpt's hyperparameters for its class and the weight
+    decay Megatron-LM's scheduler gives it (`weight_decay * wd_mult`)."""
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
+    out = []
+    for group in _get_param_groups([model], config, None):
+        like = {k: v for k, v in groups[0 if group["wd_mult"] else 1].items() if k not in ("params", "name")}
+        lr = decoupled_lr if group["default_config"] is False else like.get("lr", 1e-3)
+        out.append({**group, **like, "lr": lr, "weight_decay": weight_decay * group["wd_mult"]})
+    return out
+
+
 def deepspeed_groups(model, groups: list[dict]) -> list[tuple[int, list[int]]]:
     """The groups as a DeepSpeed MoE job of the same model keeps them (`split_params_into_different_moe_groups_for_
     optimizer`): the dense groups, then the experts in groups of their own (megatron-core's expert groups, or at EP=1
@@ -257,8 +275,11 @@ def full_state(model, groups: list[dict], state_of: Callable[[torch.Tensor], dic
         for key in snap:
             snap[key].update(piece[key])
     snap["steps"] = dict(sorted(snap["steps"].items()))
+    # a DeepSpeed job's groups hold torch's hyperparameters; megatron-core's scheduler keys stay in the checkpoint
+    scheduler_keys = ("wd_mult", "lr_mult", "max_lr", "min_lr", "default_config", "is_decoupled_lr")
     snap["hyperparams"] = [
-        {k: v for k, v in groups[g].items() if k not in ("params", "name", "is_expert_parallel")} for g, _ in slots
+        {k: v for k, v in groups[g].items() if k not in ("params", "name", "is_expert_parallel", *scheduler_keys)}
+        for g, _ in slots
     ]
     return snap
 
@@ -352,14 +373,18 @@ class MegatronTrainer:
     Megatron-LM passes (a `ChainedOptimizer` then prefixes only the keys of a format that is not fully
     reshardable)."""
 
-    def __init__(self, model, groups: list[dict], distributed: bool, bf16: bool) -> None:
+    def __init__(self, model, groups: list[dict], distributed: bool, bf16: bool, args: argparse.Namespace) -> None:
         self.distributed = distributed
         self.saves = (
             (("ckpt", "fully_reshardable"), ("dp_reshardable", "dp_reshardable"))
             if distributed
             else (("ckpt", "dp_reshardable"),)  # Megatron-LM names its default format whatever the optimizer
         )
-        self.groups = megatron_groups(model, groups)
+        self.groups = (
+            megatron_groups(model, groups)
+            if args.megatron_groups is None
+            else megatron_param_groups(model, groups, args.megatron_groups, args.decoupled_lr)
+        )
         self.members = [list(g["params"]) for g in self.groups]  # each optimizer puts its shards in their place
         self.model = model
         if bf16:  # as Megatron-LM's --bf16: the weights in bf16 (the same parameters), fp32 copies in the optimizer
@@ -488,7 +513,7 @@ def do_save(args: argparse.Namespace) -> None:
     megatron = args.distributed_optimizer or args.megatron_optimizer
     with cuda_as_cpu() if megatron else contextlib.nullcontext():
         trainer = (
-            MegatronTrainer(model, groups, args.distributed_optimizer, args.bf16)
+            MegatronTrainer(model, groups, args.distributed_optimizer, args.bf16, args)
             if megatron
             else Trainer(model, groups)
         )
@@ -618,6 +643,13 @@ def main() -> None:
         help="save: train with megatron-core's FP32Optimizer or (bf16) Float16OptimizerWithFloat16Params",
     )
     parser.add_argument("--bf16", action="store_true", help="save, with megatron-core's optimizers: bf16 weights")
+    parser.add_argument(
+        "--megatron-groups",
+        type=float,
+        metavar="WEIGHT_DECAY",
+        help="save, with megatron-core's optimizers: megatron-core's own param groups at this weight decay",
+    )
+    parser.add_argument("--decoupled-lr", type=float, help="save, with --megatron-groups: the embedding's own lr")
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")

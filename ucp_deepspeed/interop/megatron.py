@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -262,59 +262,107 @@ def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _decays(name: str, shape: tuple[int, ...]) -> bool:
-    """megatron-core's default weight-decay rule: biases and 1-D weights take none."""
-    return not (name.endswith(".bias") or len(shape) == 1)
+class Kind(NamedTuple):
+    """What megatron-core's default grouping tells parameters apart by."""
+
+    expert: bool  # `is_expert_parallel`: an MoE expert under expert parallelism
+    decays: bool  # `wd_mult` 1, not 0
+    decoupled: bool  # the embedding and output layer under `--decoupled-lr`
 
 
-def _placement(
-    groups: list[dict[str, Any]], present: set[tuple[bool, bool]], path: str
-) -> tuple[list[tuple[int, bool]], Any]:
-    """megatron-core's default grouping (`_get_param_groups`), which `torch_dist` does not record by parameter.
+class Grouping(NamedTuple):
+    """megatron-core's rule placing a parameter (`get_standard_config_overrides`): biases and 1-D weights take no
+    weight decay (except the q/k layer norms with `apply_wd_to_qk_layernorm`); the embedding and the output layer
+    form groups of their own under a decoupled learning rate."""
 
-    megatron-core keys a group by its weight-decay override and by whether its parameters are experts
-    (`is_expert_parallel`, which it sets only under expert parallelism: at EP=1 experts train in the dense groups).
-    The universal folder keeps DeepSpeed's order: the dense groups, then the expert groups that
-    `split_params_into_different_moe_groups_for_optimizer` appends, which a DeepSpeed MoE job always has; an EP=1
-    save's experts get such groups, each a copy of the group they trained in. `present` holds the (expert, decays)
-    classes of the saved parameters. Returns each universal group as (the saved group it comes from, whether it is
-    such a copy) and a function placing a parameter by name and shape; refuses groups this rule cannot tell apart.
-    """
+    qk_decay: bool = False
+    decoupled: bool = False
+
+    def kind(self, name: str, shape: tuple[int, ...]) -> Kind:
+        """The kind of a parameter, by its universal name and shape."""
+        exempt = self.qk_decay and ("q_layernorm." in name or "k_layernorm." in name)
+        decays = exempt or not (name.endswith(".bias") or len(shape) == 1)
+        return Kind(_is_expert(name), decays, self.decoupled and name in VOCAB_PARALLEL)
+
+
+def _group_kind(group: dict[str, Any]) -> Kind:
+    """The kind of parameters a saved group holds, by megatron-core's own keys: `wd_mult`, `is_expert_parallel`, and
+    a decoupled learning rate (`is_decoupled_lr`, or since megatron-core 0.15 a group whose override sets the
+    learning rate, `default_config` False). `weight_decay` and `lr` are what the scheduler set last: with a weight
+    decay of 0 both groups hold 0."""
+    decoupled = bool(group.get("is_decoupled_lr")) or group.get("default_config") is False
+    return Kind(bool(group.get("is_expert_parallel", False)), float(group["wd_mult"]) != 0.0, decoupled)
+
+
+def _classes(groups: list[dict[str, Any]], path: str) -> dict[Kind, int]:
+    """Each kind of parameter -> the saved group that trains it."""
+    if all("wd_mult" in h for h in groups):
+        classes: dict[Kind, int] = {}
+        for g, h in enumerate(groups):
+            kind = _group_kind(h)
+            if kind in classes:
+                raise CheckpointError(
+                    path,
+                    f"param groups {classes[kind]} and {g} hold the same kind of parameters ({kind}); they differ "
+                    "by an override (lr_mult, ...) whose parameters megatron-core does not record",
+                )
+            classes[kind] = g
+        for kind, g in list(classes.items()):  # a kind without a group of its own trains in the default one
+            if kind.decoupled:
+                continue
+            classes.setdefault(kind._replace(decays=not kind.decays), g)
+        return classes
+    # groups without megatron-core's keys (torch's own AdamW groups): told apart by their weight decay
+    classes = {}
     experts = [bool(h.get("is_expert_parallel", False)) for h in groups]
-    classes: dict[tuple[bool, bool], int] = {}  # (expert, takes weight decay) -> saved group
     for expert in (False, True):
         mine = [g for g in range(len(groups)) if experts[g] == expert]
         no_decay = [g for g in mine if float(groups[g].get("weight_decay", 0.0)) == 0.0]
         if len(mine) == 1:
-            classes[(expert, False)] = classes[(expert, True)] = mine[0]
+            classes[Kind(expert, False, False)] = classes[Kind(expert, True, False)] = mine[0]
         elif len(mine) == 2 and len(no_decay) == 1:
-            classes[(expert, False)] = no_decay[0]
-            classes[(expert, True)] = next(g for g in mine if g != no_decay[0])
+            classes[Kind(expert, False, False)] = no_decay[0]
+            classes[Kind(expert, True, False)] = next(g for g in mine if g != no_decay[0])
         elif mine:
             raise CheckpointError(
                 path,
-                f"{len(groups)} param groups, which do not list their parameters; only megatron-core's default "
-                "(for dense and for expert parameters: one group, or one with and one without weight decay) can "
-                "be placed",
+                f"{len(groups)} param groups without megatron-core's wd_mult, which do not list their parameters; "
+                "only one group, or one with and one without weight decay, can be placed",
             )
+    return classes
+
+
+def _placement(
+    groups: list[dict[str, Any]], present: set[Kind], path: str, grouping: Grouping
+) -> tuple[list[tuple[int, bool]], Any]:
+    """megatron-core's default grouping (`_get_param_groups`), which `torch_dist` does not record by parameter.
+
+    megatron-core keys a group by its overrides (`wd_mult`, a decoupled learning rate) and by whether its parameters
+    are experts (`is_expert_parallel`, which it sets only under expert parallelism: at EP=1 experts train in the
+    dense groups). The universal folder keeps DeepSpeed's order: the dense groups, then the expert groups that
+    `split_params_into_different_moe_groups_for_optimizer` appends, which a DeepSpeed MoE job always has; an EP=1
+    save's experts get such groups, each a copy of the group they trained in. `present` holds the kinds of the
+    saved parameters. Returns each universal group as (the saved group it comes from, whether it is such a copy)
+    and a function placing a parameter by name and shape; refuses groups this rule cannot tell apart.
+    """
+    experts = [bool(h.get("is_expert_parallel", False)) for h in groups]
+    classes = _classes(groups, path)
     split = not any(experts)
     if split:
-        classes.update({(True, decay): g for (_, decay), g in list(classes.items())})
+        classes.update({k._replace(expert=True): g for k, g in list(classes.items())})
     slots = [(g, False) for g in range(len(groups)) if not experts[g]]
     if split:
-        used = {classes[c] for c in present if c[0] and c in classes}
+        used = {classes[k] for k in present if k.expert and k in classes}
         slots += [(g, True) for g in range(len(groups)) if g in used]
     else:
         slots += [(g, False) for g in range(len(groups)) if experts[g]]
     position = {slot: i for i, slot in enumerate(slots)}
 
     def group_of(name: str, shape: tuple[int, ...]) -> int:
-        kind = (_is_expert(name), _decays(name, shape))
+        kind = grouping.kind(name, shape)
         if kind not in classes:
-            raise CheckpointError(
-                path, f"no param group holds {'expert' if kind[0] else 'dense'} parameters such as {name}"
-            )
-        return position[(classes[kind], kind[0] and split)]
+            raise CheckpointError(path, f"no param group holds {name} ({kind})")
+        return position[(classes[kind], kind.expert and split)]
 
     return slots, group_of
 
@@ -353,12 +401,17 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         hypers = [h for optim in chain for h in optim["param_groups"]]
         # the step: `common_step` of each optimizer, or (DistributedOptimizer) each group's own
         steps = [(o.get("state") or {}).get("common_step", h.get("step")) for o in chain for h in o["param_groups"]]
+        args = _plain(common.get("args"))
+        grouping = Grouping(
+            qk_decay=bool(isinstance(args, dict) and args.get("apply_wd_to_qk_layernorm")),
+            decoupled=any("wd_mult" in h and _group_kind(h).decoupled for h in hypers),
+        )
         present = {
-            (_is_expert(name), _decays(name, ckpt.tensors[key].shape[len(index) :]))
+            grouping.kind(name, ckpt.tensors[key].shape[len(index) :])
             for key in model_keys
             for name, index in _pieces(key, ckpt.tensors[key].shape, fused)
         }
-        slots, group_of = _placement(hypers, present, st.join(folder, COMMON))
+        slots, group_of = _placement(hypers, present, st.join(folder, COMMON), grouping)
         states = optimizer.states
         stepless = [g for g, _ in slots if not _is_step(steps[g])]
         if states and stepless:
