@@ -305,11 +305,16 @@ def test_a_deepspeed_job_exports_to_torch_dist_that_megatron_core_loads_at_any_l
 
 def test_export_megatron_then_import_is_the_identity(saved, tmp_path):
     """universal -> torch_dist -> universal gives the same states: the restacking inverts the cut, the padding added
-    for the loading model's vocabulary is dropped again."""
+    for the loading model's vocabulary is dropped again. Where the data stands goes both ways: Megatron-LM's
+    `args.consumed_train_samples` is the universal checkpoint's `global_samples`, and the export writes it back
+    into an `args` namespace Megatron-LM reads with `getattr`."""
     first = tmp_path / "a"
     assert ucp(["import-megatron", str(saved[0] / "ckpt"), str(first), "--vocab-size", str(VOCAB)]) == 0
+    assert read_manifest(str(first)).counters.global_samples == 3 * 12  # args.consumed_train_samples
     exported = tmp_path / "iter_0000003"
     assert ucp(["export-megatron", str(first), str(exported), "--padded-vocab-size", "80"]) == 0
+    args = torch.load(exported / "common.pt", weights_only=False)["args"]  # read back with getattr, as Megatron-LM
+    assert getattr(args, "consumed_train_samples", None) == 36 and getattr(args, "num_layers", None) == 4
     again = tmp_path / "b"
     assert ucp(["import-megatron", str(exported), str(again), "--vocab-size", str(VOCAB)]) == 0
     assert ucp(["diff", str(first), str(again)]) == 0

@@ -541,6 +541,7 @@ def do_save(args: argparse.Namespace) -> None:
             use_distributed_optimizer=args.distributed_optimizer,
             bf16=args.bf16,
             transformer_impl="local",
+            consumed_train_samples=STEPS * train_gpt.GLOBAL_BATCH,  # Megatron-LM's sampler resumes from it
             data_parallel_size=ps.get_data_parallel_world_size(),
         )
         for folder, sharding in trainer.saves:
@@ -568,7 +569,7 @@ def do_load(args: argparse.Namespace) -> None:
     # the learning rates, the schedule needs only its count
     engine.lr_scheduler.last_epoch = client["iteration"]
     snap = snapshot(engine)
-    counted = engine.global_steps
+    counted, samples = engine.global_steps, engine.global_samples
     losses = train_gpt.train(engine, CONT)
     if dist.get_rank() == 0:
         want = {k: ref["snapshot"][k] for k in ("fp32", "state", "steps", "hyperparams")}
@@ -576,6 +577,8 @@ def do_load(args: argparse.Namespace) -> None:
         diffs = compare(want, {k: snap[k] for k in want})
         if client.get("iteration") != STEPS or counted != STEPS:
             diffs.append(f"iteration {client.get('iteration')}, global_steps {counted}")
+        if samples != STEPS * train_gpt.GLOBAL_BATCH:  # the next unseen sample, from consumed_train_samples
+            diffs.append(f"global_samples {samples}, not {STEPS * train_gpt.GLOBAL_BATCH}")
         result = {
             "mode": engine.ucp_last_load.mode,
             "diffs": diffs,
@@ -615,8 +618,12 @@ def do_native_load(args: argparse.Namespace) -> None:
     losses = steps(model, opt, sched, loaded["iteration"], CONT)
     if dist.get_rank() == 0:
         want = {k: ref["snapshot"][k] for k in ("fp32", "state", "steps")}
+        diffs = compare(want, {k: snap[k] for k in want})
+        consumed = getattr(loaded.get("args"), "consumed_train_samples", None)  # as Megatron-LM reads it back
+        if consumed != loaded["iteration"] * train_gpt.GLOBAL_BATCH:
+            diffs.append(f"args.consumed_train_samples {consumed}, iteration {loaded['iteration']}")
         result = {
-            "diffs": compare(want, {k: snap[k] for k in want}),
+            "diffs": diffs,
             "tensors": len(snap["fp32"]) + len(snap["state"]),
             "losses": losses,
             "reference_losses": ref["continuation"],

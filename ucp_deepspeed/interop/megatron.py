@@ -22,6 +22,7 @@ has no weight decay; anything else is refused. The expert groups go after the de
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from types import SimpleNamespace
@@ -465,7 +466,10 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
                 {},
                 extra={"format": "megatron torch_dist"},
             ),
-            counters=Counters(global_steps=iteration if type(iteration) is int and iteration >= 0 else 0),
+            counters=Counters(
+                global_steps=iteration if type(iteration) is int and iteration >= 0 else 0,
+                global_samples=_consumed(args, st.join(folder, COMMON)),
+            ),
             param_groups=tuple(
                 GroupRecord(
                     {
@@ -491,6 +495,23 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         return output
     finally:
         ckpt.close()
+
+
+def _consumed(args: Any, path: str) -> int:
+    """Megatron-LM's `args.consumed_train_samples`: where its sampler resumes, whatever the DP size. A DeepSpeed job
+    counts the same samples as `global_samples` (one global batch per step)."""
+    value = args.get("consumed_train_samples", 0) if isinstance(args, dict) else 0
+    if type(value) is not int or value < 0:
+        raise CheckpointError(path, f"args.consumed_train_samples {value!r} is not a sample count")
+    return value
+
+
+def _megatron_args(client: dict[str, Any], counters: Counters) -> argparse.Namespace:
+    """The `args` Megatron-LM reads back (`getattr(checkpoint_args, ...)`, so a namespace, not the dict an import
+    keeps): the imported job's, with the samples consumed so far, from which its sampler resumes."""
+    saved = client.get("args")
+    fields = dict(saved) if isinstance(saved, dict) else {}
+    return argparse.Namespace(**{**fields, "consumed_train_samples": counters.global_samples})
 
 
 def _loaded_folder(engine: Any, load_dir: str) -> str | None:
@@ -571,8 +592,10 @@ def export_megatron(
                 }
                 for c, members in enumerate(chains)
             ]
+            client = ckpt.load_state().get("client_state") or {}
             common = {
-                **(ckpt.load_state().get("client_state") or {}),
+                **client,
+                "args": _megatron_args(client, manifest.counters),
                 "iteration": manifest.counters.global_steps,
                 "checkpoint_version": 3.0,
                 "optimizer": optimizers[0] if len(chains) == 1 else dict(enumerate(optimizers)),
