@@ -33,7 +33,13 @@ VOCAB = 70  # launch/train_gpt.py's, padded to 80 rows at TP=2
 
 
 MOE = ["--arch", "llama", "--moe"]  # 4 experts, top-2, in every layer
-DISTRIBUTED = ("distributed", "moe-distributed", "tp-distributed", "wd0")  # DistributedOptimizer cases, saved both ways
+DISTRIBUTED = (
+    "distributed",
+    "moe-distributed",
+    "tp-distributed",
+    "wd0",
+    "cp2",
+)  # DistributedOptimizer cases, saved both ways
 
 
 def _run(
@@ -79,6 +85,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         # learning rate for the embedding (a third group, which train_gpt's two groups cannot take: import only)
         "wd0": (["--distributed-optimizer", "--megatron-groups", "0"], ["--tp", "2", "--zero", "2"]),
         "decoupled": (["--distributed-optimizer", "--megatron-groups", "0.1", "--decoupled-lr", "2e-4"], []),
+        # context parallelism: the model replicated over 2 CP ranks, the optimizer sharded over DP x CP
+        "cp2": (["--cp", "2", "--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
     }
     return out / "dense", _run(out, cases, dp_reshardable=DISTRIBUTED)
 

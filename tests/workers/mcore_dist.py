@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 
 import common  # tests/workers/common.py, next to this script; puts launch/ on sys.path
 import deepspeed
+import megatron_cpu  # launch/megatron_cpu.py
 import torch
 import torch.distributed as dist
 import train_gpt  # launch/train_gpt.py, the reference script
@@ -79,9 +80,26 @@ def attention_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mean_loss(total: torch.Tensor) -> float:
-    """A step's loss over the job: the last stage's DP and TP ranks each hold the mean of their rows."""
+    """A step's loss over the job: the last stage's DP (and CP) and TP ranks each hold the mean of their rows."""
     dist.all_reduce(total)
-    return total.item() / (ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size())
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    return total.item() / (dp * ps.get_tensor_model_parallel_world_size())
+
+
+def setup(args: argparse.Namespace) -> None:
+    """train_gpt's setup, with a context-parallel size. The local spec's attention has no context parallelism, so a
+    CP rank trains on whole sequences; what a CP save looks like is what matters here: the model replicated over the
+    CP ranks, the DistributedOptimizer's shards over DP x CP."""
+    if args.cp == 1:
+        train_gpt.setup(args)
+        return
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        expert_model_parallel_size=args.ep,
+        context_parallel_size=args.cp,
+    )
+    megatron_cpu.install()
 
 
 def steps(model, opt, sched, first: int, count: int) -> list[float]:
@@ -486,7 +504,9 @@ class MegatronTrainer:
             for key, value in whole.items():
                 value[where.start : where.end] = shard[key]
             step = shard["step"].clone()
-        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+        group = (
+            ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
+        )
         for value in whole.values():
             dist.all_reduce(value, group=group)
         dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
@@ -541,6 +561,7 @@ def do_save(args: argparse.Namespace) -> None:
             use_distributed_optimizer=args.distributed_optimizer,
             bf16=args.bf16,
             transformer_impl="local",
+            context_parallel_size=args.cp,
             consumed_train_samples=STEPS * train_gpt.GLOBAL_BATCH,  # Megatron-LM's sampler resumes from it
             data_parallel_size=ps.get_data_parallel_world_size(),
         )
@@ -657,11 +678,12 @@ def main() -> None:
         help="save, with megatron-core's optimizers: megatron-core's own param groups at this weight decay",
     )
     parser.add_argument("--decoupled-lr", type=float, help="save, with --megatron-groups: the embedding's own lr")
+    parser.add_argument("--cp", type=int, default=1, help="save: context-parallel size (megatron-core's groups)")
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
     for run in runs:  # megatron-core's groups are rebuilt for each run: one launch saves and loads
-        train_gpt.setup(run)
+        setup(run)
         {"save": do_save, "load": do_load, "native-load": do_native_load}[run.mode](run)
         dist.barrier()
         ps.destroy_model_parallel()
