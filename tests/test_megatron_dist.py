@@ -37,6 +37,7 @@ DISTRIBUTED = (
     "distributed",
     "moe-distributed",
     "tp-distributed",
+    "pp-distributed",
     "wd0",
     "cp2",
 )  # DistributedOptimizer cases, saved both ways
@@ -85,6 +86,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         # learning rate for the embedding (a third group, which train_gpt's two groups cannot take: import only)
         "wd0": (["--distributed-optimizer", "--megatron-groups", "0"], ["--tp", "2", "--zero", "2"]),
         "decoupled": (["--distributed-optimizer", "--megatron-groups", "0.1", "--decoupled-lr", "2e-4"], []),
+        # pipeline stages: the tied embedding in a bucket of its own on the first and the last stage
+        "pp-distributed": (["--pp", "2", "--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
         # context parallelism: the model replicated over 2 CP ranks, the optimizer sharded over DP x CP
         "cp2": (["--cp", "2", "--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
     }
@@ -248,6 +251,21 @@ def test_a_moe_save_at_pp2_and_ep2_together_resumes_at_dp4(tmp_path):
     result = _run(tmp_path, cases, world=4)["pp2-ep2"]
     _exact(result)
     assert result["tensors"] >= 4 * 4 * 2 * 3, result
+
+
+@pytest.mark.slow
+def test_dp_reshardable_saves_at_tp_x_dp_and_pp_x_dp_resume_at_another_layout(tmp_path):
+    """4 ranks, the DistributedOptimizer's shards over DP=2 and its buffers per TP or PP rank: llama at TP=2 x DP=2
+    in bf16 -> DeepSpeed at PP=2 x DP=2 ZeRO-1; GPT at PP=2 x DP=2 -> TP=2 x DP=2 ZeRO-3; both formats, exact."""
+    cases = {
+        "tp2-dp2": (
+            ["--arch", "llama", "--tp", "2", "--distributed-optimizer", "--bf16"],
+            ["--arch", "llama", "--pp", "2", "--zero", "1"],
+        ),
+        "pp2-dp2": (["--pp", "2", "--distributed-optimizer"], ["--tp", "2", "--zero", "3"]),
+    }
+    for case, result in _run(tmp_path, cases, world=4, dp_reshardable=tuple(cases)).items():
+        _exact(result, rtol=1e-3 if case.startswith("tp2") else 1e-5, tensors=78)
 
 
 @pytest.mark.slow  # the HF exporter has its own default tests; this one imports transformers for 10 s

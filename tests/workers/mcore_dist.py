@@ -102,39 +102,46 @@ def setup(args: argparse.Namespace) -> None:
     megatron_cpu.install()
 
 
+def forward_backward(call: Callable, model, micro: list[torch.Tensor]) -> torch.Tensor:
+    """One step's micro-batches through this rank's pipeline stage, one at a time (activations received from the
+    previous stage and sent to the next, their gradients back); `call` runs the stage (the model, or megatron-core's
+    DDP around it). Returns the last stage's loss, the micro-batches' mean."""
+    mask, position_ids = attention_inputs()
+    prev, nxt = train_gpt.stage_ranks()
+    total = torch.zeros(())
+    for tokens in micro:
+        x = None
+        if prev is not None:
+            x = torch.empty(SEQ, tokens.shape[0], model.config.hidden_size)
+            dist.recv(x, prev)
+            x.requires_grad_()
+            model.set_input_tensor(x)
+        out = call(tokens[:, :-1], position_ids, mask)
+        if nxt is None:
+            loss = lm_loss(out, tokens[:, 1:]) / len(micro)
+            loss.backward()
+            total += loss.detach()
+        else:
+            dist.send(out.detach().contiguous(), nxt)
+            grad = torch.empty_like(out)
+            dist.recv(grad, nxt)
+            out.backward(grad)
+        if x is not None:
+            dist.send(x.grad.contiguous(), prev)
+    return total
+
+
 def steps(model, opt, sched, first: int, count: int) -> list[float]:
     """Training steps as DeepSpeed's ZeRO-1 takes them: micro-batches through the pipeline stages one at a time,
     their losses averaged, DP gradients averaged, the global gradient norm clipped to 1.0, then the optimizer and
     the schedule."""
-    mask, position_ids = attention_inputs()
-    prev, nxt = train_gpt.stage_ranks()
     experts = {id(p) for g in opt.param_groups if g["is_expert_parallel"] for p in g["params"]}
     params = [p for g in opt.param_groups for p in g["params"]]
     tied = model.shared_embedding_or_output_weight() if model.pre_process or model.post_process else None
     copy = tied_copy(model)
     losses = []
     for step in range(first, first + count):
-        micro = train_gpt.batch(step)
-        total = torch.zeros(())
-        for tokens in micro:
-            x = None
-            if prev is not None:
-                x = torch.empty(SEQ, tokens.shape[0], model.config.hidden_size)
-                dist.recv(x, prev)
-                x.requires_grad_()
-                model.set_input_tensor(x)
-            out = model(tokens[:, :-1], position_ids, mask)
-            if nxt is None:
-                loss = lm_loss(out, tokens[:, 1:]) / len(micro)
-                loss.backward()
-                total += loss.detach()
-            else:
-                dist.send(out.detach().contiguous(), nxt)
-                grad = torch.empty_like(out)
-                dist.recv(grad, nxt)
-                out.backward(grad)
-            if x is not None:
-                dist.send(x.grad.contiguous(), prev)
+        total = forward_backward(model, model, train_gpt.batch(step))
         if ps.get_pipeline_model_parallel_world_size() > 1 and tied is not None:
             dist.all_reduce(tied.grad, group=ps.get_embedding_group())  # megatron-core's finalize_model_grads
         # megatron-core's DDP: every gradient scaled by 1/DP, summed over DP (experts over expert-DP: the
@@ -470,18 +477,16 @@ class MegatronTrainer:
         """DDP scales each gradient by 1/DP and all-reduces it (for a DistributedOptimizer: reduce-scatters it into
         the owning rank's shard); the optimizer's step takes the norm, clips, updates the parameters (its shard, then
         all-gathers them)."""
-        mask, position_ids = attention_inputs()
+        model = self.model
+        tied = model.shared_embedding_or_output_weight() if model.pre_process or model.post_process else None
         losses = []
         for step in range(first, first + count):
             self.ddp.zero_grad_buffer()
             self.opt.zero_grad()
-            micro = train_gpt.batch(step)
-            total = torch.zeros(())
-            for tokens in micro:
-                loss = lm_loss(self.ddp(tokens[:, :-1], position_ids, mask), tokens[:, 1:]) / len(micro)
-                loss.backward()
-                total += loss.detach()
+            total = forward_backward(self.ddp, model, train_gpt.batch(step))
             self.ddp.finish_grad_sync()
+            if ps.get_pipeline_model_parallel_world_size() > 1 and tied is not None:  # finalize_model_grads
+                dist.all_reduce(tied.main_grad, group=ps.get_embedding_group())
             self.opt.step()
             for each in self.schedules:
                 each.step()
