@@ -292,15 +292,22 @@ def test_padding_rows_that_hold_weights_are_refused(saved, tmp_path, capsys):
     assert "not vocabulary padding" in capsys.readouterr().err
 
 
+# megatron-core's DDP and DistributedOptimizer over its own param groups (wd_mult, ...), as Megatron-LM builds them
+DIST_OPT = ["--distributed-optimizer", "--megatron-groups", "0.1"]
 EXPORTS = {  # the DeepSpeed job's layout -> the layouts megatron-core loads the export at
-    "dense": (["--tp", "2"], [["--tp", "1"], ["--tp", "2"], ["--pp", "2"]]),
-    "moe": ([*MOE, "--ep", "2"], [[*MOE, "--ep", "1"], [*MOE, "--ep", "2"]]),
+    "dense": (["--tp", "2"], [["--tp", "1"], ["--tp", "2"], ["--pp", "2"], [*DIST_OPT]]),
+    "moe": (
+        [*MOE, "--ep", "2"],
+        [[*MOE, "--ep", "1"], [*MOE, "--ep", "2"], [*MOE, "--ep", "2", *DIST_OPT]],
+    ),
 }
 
 
 def _ep(layout: list[str]) -> list[str]:
-    """export-megatron's arguments for a loading job at this layout: its expert-parallel size, for MoE."""
-    return ["--expert-model-parallel-size", layout[layout.index("--ep") + 1]] if "--ep" in layout else []
+    """export-megatron's arguments for a loading job at this layout: its expert-parallel size, for MoE, and its
+    optimizer's layout."""
+    out = ["--expert-model-parallel-size", layout[layout.index("--ep") + 1]] if "--ep" in layout else []
+    return out + (["--distributed-optimizer"] if "--distributed-optimizer" in layout else [])
 
 
 @pytest.mark.slow
@@ -308,8 +315,10 @@ def _ep(layout: list[str]) -> list[str]:
 def test_a_deepspeed_job_exports_to_torch_dist_that_megatron_core_loads_at_any_layout(tmp_path, model):
     """A DeepSpeed job (dense at TP=2, MoE at EP=2; ZeRO-1) -> `ucp export-megatron` -> megatron-core alone,
     `dist_checkpointing.load` at TP=1, TP=2 and PP=2 (MoE: EP=1, the experts exported into the dense groups as
-    megatron-core trains them there, and EP=2, as Megatron-LM's `ChainedOptimizer` shards it) in one launch: every
-    state `torch.equal` to the DeepSpeed job's, and its next losses."""
+    megatron-core trains them there, and EP=2, as Megatron-LM's `ChainedOptimizer` shards it), and with
+    `--distributed-optimizer` into megatron-core's DDP and `DistributedOptimizer` over its own groups at DP=2 (the
+    `fully_reshardable` layout, found by `wd_mult`, ... which the export adds), in one launch: every state
+    `torch.equal` to the DeepSpeed job's, and its next losses."""
     saved_at, loads = EXPORTS[model]
     source = tmp_path / "ds"
     torchrun(2, "save", "--out", str(source), *saved_at, "--zero", "1", worker=GPT_WORKER)

@@ -14,9 +14,10 @@ load --source DIR [--folder ckpt|dp_reshardable] --tp T --zero Z --results FILE 
     takes megatron's LR-scheduler state from the client state, and compares every fp32 weight, Adam moment, step and
     hyperparameter with the reference (`torch.equal`) and its next CONT losses with megatron-core's.
 
-native-load --source DIR --reference REF --tp T --results FILE
-    megatron-core alone loads a torch_dist folder `ucp export-megatron` wrote, compares every state with REF (the
-    DeepSpeed job's, from tests/workers/gpt.py save) and trains CONT steps.
+native-load --source DIR --reference REF --tp T [--distributed-optimizer] --results FILE
+    megatron-core alone loads a torch_dist folder `ucp export-megatron` wrote (into torch AdamW sharded as its
+    `FP32Optimizer`, or into its DDP and `DistributedOptimizer`), compares every state with REF (the DeepSpeed
+    job's, from tests/workers/gpt.py save) and trains CONT steps.
 
 `--each 'ARGS'` adds runs to the same launch (a save, then loads at other layouts of the same world size).
 """
@@ -46,6 +47,7 @@ from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import (
     ChainedOptimizer,
+    DistributedOptimizer,
     OptimizerConfig,
     _get_megatron_optimizer_based_on_param_groups,
     _get_param_groups,
@@ -622,6 +624,11 @@ def do_native_load(args: argparse.Namespace) -> None:
     cpu_saving()
     ref = torch.load(f"{args.reference}", weights_only=False)
     model, groups = train_gpt.model_and_groups(args)
+    if args.distributed_optimizer:
+        with cuda_as_cpu():
+            snap, loaded, losses = distributed_native_load(args, model, groups)
+        report_native(args, ref, snap, loaded, losses)
+        return
     opt = torch.optim.AdamW(megatron_groups(model, groups), lr=1e-3)
     base_lrs = [g["lr"] for g in opt.param_groups]  # the schedule's peaks, as Megatron-LM's args give them
     for group in opt.param_groups:  # megatron-core's init_state_fn: the states must exist to be loaded into
@@ -642,6 +649,66 @@ def do_native_load(args: argparse.Namespace) -> None:
     sched.step()
     snap = full_state(model, opt.param_groups, lambda p: opt.state[p])
     losses = steps(model, opt, sched, loaded["iteration"], CONT)
+    report_native(args, ref, snap, loaded, losses)
+
+
+@contextlib.contextmanager
+def torch_adam_step_kept() -> Iterator[None]:
+    """megatron-core 0.16.1's `DistributedOptimizer` loading `fully_reshardable` into torch's Adam (no Transformer
+    Engine or Apex, as on this CPU). Its `load_state_dict` puts one step tensor into every parameter's state, shared,
+    so that torch's Adam, which increments it in place, would count one step per parameter; then
+    `_set_main_param_and_optimizer_states` copies every state key from the loaded tensors, which hold no step
+    (`KeyError: 'step'`). With TE's FusedAdam the state has no per-parameter step. Here each state gets its own
+    copy of the step, copied onto itself."""
+    cls = DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def keeping(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state:
+            state["step"] = state["step"].detach().clone()
+            tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = keeping
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original
+
+
+def distributed_native_load(args: argparse.Namespace, model, groups: list[dict]) -> tuple[dict, dict, list[float]]:
+    """As Megatron-LM resumes with `--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable`: megatron-core's
+    DDP and DistributedOptimizer built, `dist_checkpointing.load` of the model's and the optimizer's sharded state
+    dicts, each loaded into its owner; then the full state joined from the shards, and CONT steps."""
+    trainer = MegatronTrainer(model, groups, True, False, args)
+    base_lrs = [[g["lr"] for g in part.optimizer.param_groups] for part in trainer.parts]
+    for part in trainer.parts:  # init_state_fn, with torch Adam's step (Transformer Engine's keeps it per group)
+        for group in part.optimizer.param_groups:
+            for p in group["params"]:
+                part.optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+    model_sd = model.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
+    optimizer_sd = trainer.opt.sharded_state_dict(
+        model_sd, is_loading=True, metadata={**metadata, "chained_optim_avoid_prefix": True}
+    )
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer_sd}, args.source)
+    model.load_state_dict(loaded["model"], strict=False)
+    with torch_adam_step_kept():
+        trainer.opt.load_state_dict(loaded["optimizer"])
+    for sched, lrs in zip(trainer.schedules, base_lrs):  # Megatron-LM's scheduler is set from the iteration
+        sched.last_epoch, sched.base_lrs = loaded["iteration"] - 1, lrs
+        sched.step()
+    return trainer.full_state(), loaded, trainer.steps(loaded["iteration"], CONT)
+
+
+def report_native(args: argparse.Namespace, ref: dict, snap: dict, loaded: dict, losses: list[float]) -> None:
+    """native-load's results: every state against the DeepSpeed job's, the samples consumed, the next losses."""
     if dist.get_rank() == 0:
         want = {k: ref["snapshot"][k] for k in ("fp32", "state", "steps")}
         diffs = compare(want, {k: snap[k] for k in want})

@@ -542,7 +542,11 @@ def _stacked(manifest: Manifest) -> dict[str, list[tuple[tuple[int, ...], str]]]
 
 
 def export_megatron(
-    path: str, output: str, padded_vocab_size: int | None = None, expert_model_parallel_size: int | None = None
+    path: str,
+    output: str,
+    padded_vocab_size: int | None = None,
+    expert_model_parallel_size: int | None = None,
+    distributed_optimizer: bool = False,
 ) -> str:
     """Write a checkpoint as a megatron-core `torch_dist` folder that `dist_checkpointing.load` reads at any TP/PP.
 
@@ -554,6 +558,10 @@ def export_megatron(
         expert_model_parallel_size: the loading job's, for an MoE model. megatron-core gives experts an optimizer
             of their own only under expert parallelism; at 1 the expert groups are written into the dense groups
             they match (the same hyperparameters and step). None writes them apart, for EP > 1.
+        distributed_optimizer: write the `DistributedOptimizer`'s `fully_reshardable` layout (each state whole,
+            the fp32 copy as `optimizer.state.param.<key>`, each group's `step`), which a Megatron-LM job with
+            `--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable` loads at any DP size; else the
+            `FP32Optimizer`'s (`common_step`; a `ChainedOptimizer`'s keys prefixed `chained_<i>.`).
 
     Example:
         >>> export_megatron("checkpoints", "megatron/iter_0000100", padded_vocab_size=50304)
@@ -577,17 +585,23 @@ def export_megatron(
             for key, pieces in _stacked(manifest).items():
                 record = manifest.params[pieces[0][1]]
                 c = chain_of[record.group or 0]  # every parameter is trainable, checked above
-                prefix = f"chained_{c}." if len(chains) > 1 else ""
+                # Megatron-LM's `chained_optim_avoid_prefix`: a fully reshardable format's keys are not prefixed
+                prefix = f"chained_{c}." if len(chains) > 1 and not distributed_optimizer else ""
                 for state in record.keys:
                     full = _stack(ckpt, pieces, state, padded_vocab_size if key in VOCAB_PARALLEL else None)
+                    blob = to_bytes(full)
                     stored = key if state == FP32 else f"{prefix}{OPTIM}{state}.{key}"
                     path_of = ("model", key) if state == FP32 else ("optimizer", c, "state", state, key)
-                    writer.tensor(stored, path_of, full, to_bytes(full))
+                    writer.tensor(stored, path_of, full, blob)
+                    if state == FP32 and distributed_optimizer:  # its fp32 copy, `param`
+                        writer.tensor(f"{OPTIM}{MASTERS[1]}.{key}", ("optimizer", c, "state", "param", key), full, blob)
             for name in _extra_states(_stacked(manifest)):
                 writer.object(name, ("model", name), to_bytes([None]))
             optimizers = [
-                {
-                    "param_groups": [_megatron_group(manifest.param_groups[g], c == 1) for g in members],
+                _distributed(manifest, members, c == 1)
+                if distributed_optimizer
+                else {
+                    "param_groups": [_megatron_group(manifest, g, c == 1) for g in members],
                     "state": {"common_step": _common_step([manifest.param_groups[g] for g in members])},
                 }
                 for c, members in enumerate(chains)
@@ -669,10 +683,38 @@ def _check_dense_twins(manifest: Manifest, chains: list[list[int]], path: str) -
             )
 
 
-def _megatron_group(record: GroupRecord, expert: bool) -> dict[str, Any]:
-    """A group's hyperparameters as megatron-core's optimizer keeps them (DeepSpeed's `moe` marker left out)."""
+def _megatron_group(manifest: Manifest, g: int, expert: bool) -> dict[str, Any]:
+    """A group's hyperparameters as megatron-core's optimizer keeps them (DeepSpeed's `moe` marker left out), with
+    the keys megatron-core finds its groups by (`DistributedOptimizer.load_state_dict`) and its scheduler reads,
+    where the saving job had none: `wd_mult` by megatron-core's own rule for the group's parameters, `lr_mult` 1,
+    no decoupled learning rate, `max_lr` the schedule's peak (`initial_lr`) and `min_lr` 0."""
+    record = manifest.param_groups[g]
     out = {k: decode_value(v) for k, v in (record.hyperparams or {}).items() if k != "moe"}
+    if "wd_mult" not in out:
+        decays = {Grouping().kind(n, r.shape).decays for n, r in manifest.params.items() if r.group == g}
+        if len(decays) > 1:
+            raise CheckpointError(
+                "param groups",
+                f"group {g} holds parameters megatron-core puts in groups of wd_mult 1 and 0 (weights, and biases or "
+                "norms); split them as megatron-core does to export them",
+            )
+        lr = out.get("initial_lr", out.get("lr"))
+        defaults = {"wd_mult": float(decays != {False}), "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": lr}
+        out = {**defaults, "min_lr": 0.0, "default_config": True, **out}
     return {**out, "is_expert_parallel": expert}
+
+
+def _distributed(manifest: Manifest, members: list[int], expert: bool) -> dict[str, Any]:
+    """A `DistributedOptimizer`'s common entry in its `fully_reshardable` layout: the torch optimizer's groups, each
+    with its own step, and the format's name."""
+    groups = []
+    for g in members:
+        record = manifest.param_groups[g]
+        if "step" not in record.scalars:
+            raise CheckpointError("param groups", f"group {g} has no step; a DistributedOptimizer keeps one per group")
+        step = float(torch.as_tensor(decode_value(record.scalars["step"])))
+        groups.append({**_megatron_group(manifest, g, expert), "step": step})
+    return {"optimizer": {"param_groups": groups}, SHARDING: RESHARDABLE[0]}
 
 
 def _common_step(groups: Any) -> Any:

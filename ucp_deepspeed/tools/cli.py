@@ -375,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the loading job's (MoE): at 1 the experts are written into the dense param groups, as megatron-core "
         "trains them without expert parallelism",
     )
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="for a job with --use-distributed-optimizer: its fully_reshardable layout (load it with "
+        "--dist-ckpt-optim-fully-reshardable)",
+    )
     p = sub.add_parser("export-dcp", help="write a checkpoint as a PyTorch DCP folder that dcp.load reads at any size")
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
@@ -442,7 +448,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "import-megatron":
             print(import_megatron(args.megatron_dir, args.out, args.vocab_size))
         elif args.command == "export-megatron":
-            print(export_megatron(args.ckpt, args.out, args.padded_vocab_size, args.expert_model_parallel_size))
+            print(
+                export_megatron(
+                    args.ckpt,
+                    args.out,
+                    args.padded_vocab_size,
+                    args.expert_model_parallel_size,
+                    distributed_optimizer=args.distributed_optimizer,
+                )
+            )
         elif args.command == "export-dcp":
             print(export_dcp(args.ckpt, args.out, args.model_key, args.optim_key, progress=not args.no_progress))
         elif args.command == "diff":
