@@ -269,8 +269,10 @@ def test_dp_reshardable_saves_at_tp_x_dp_and_pp_x_dp_resume_at_another_layout(tm
 
 
 @pytest.mark.slow  # the HF exporter has its own default tests; this one imports transformers for 10 s
-def test_import_megatron_then_export_hf(saved, tmp_path):
-    folder = saved[0] / "ckpt"
+@pytest.mark.parametrize("source", ["dense/ckpt", "distributed/dp_reshardable"])
+def test_import_megatron_then_export_hf(saved, tmp_path, source):
+    """A torch_dist save (also the DistributedOptimizer's dp_reshardable) -> universal -> HF -> `from_pretrained`."""
+    folder = saved[0].parent / source
     out = tmp_path / "universal"
     assert ucp(["import-megatron", str(folder), str(out), "--vocab-size", str(VOCAB)]) == 0
     manifest = read_manifest(str(out))
