@@ -393,12 +393,10 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
     try:
         fused = compat.megatron_fused_norms()
         model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.") and not _CHAINED.match(k)]
-        optimizer: _WholeStates | BucketStates
-        if buckets:
+        optimizer: _WholeStates | BucketStates | None = None
+        if buckets:  # its param groups are in the DCP table
             optimizer = BucketStates(ckpt, model_keys, _plain(common.get("args")), len(chain), fused)
             chain = [{"param_groups": groups} for groups in optimizer.param_groups]
-        else:
-            optimizer = _WholeStates(ckpt, model_keys)
         hypers = [h for optim in chain for h in optim["param_groups"]]
         # the step: `common_step` of each optimizer, or (DistributedOptimizer) each group's own
         steps = [(o.get("state") or {}).get("common_step", h.get("step")) for o in chain for h in o["param_groups"]]
@@ -413,6 +411,8 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
             for name, index in _pieces(key, ckpt.tensors[key].shape, fused)
         }
         slots, group_of = _placement(hypers, present, st.join(folder, COMMON), grouping)
+        if optimizer is None:
+            optimizer = _WholeStates(ckpt, model_keys)
         states = optimizer.states
         stepless = [g for g, _ in slots if not _is_step(steps[g])]
         if states and stepless:
