@@ -361,8 +361,13 @@ def test_export_megatron_then_import_is_the_identity(saved, tmp_path, capsys):
     assert read_manifest(str(first)).counters.global_samples == 3 * 12  # args.consumed_train_samples
     exported = tmp_path / "iter_0000003"
     assert ucp(["export-megatron", str(first), str(exported), "--padded-vocab-size", "80"]) == 0
-    args = torch.load(exported / "common.pt", weights_only=False)["args"]  # read back with getattr, as Megatron-LM
+    common = torch.load(exported / "common.pt", weights_only=False)
+    args = common["args"]  # read back with getattr, as Megatron-LM does
     assert getattr(args, "consumed_train_samples", None) == 36 and getattr(args, "num_layers", None) == 4
+    assert (
+        common["opt_param_scheduler"]
+        == torch.load(saved[0] / "ckpt" / "common.pt", weights_only=False)["opt_param_scheduler"]
+    )
     again = tmp_path / "b"
     assert ucp(["import-megatron", str(exported), str(again), "--vocab-size", str(VOCAB)]) == 0
     _same_but_megatron_keys(first, again, capsys)
@@ -471,3 +476,29 @@ def test_a_save_without_its_step_count_is_refused(saved, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "common.pt" in err and "param group 0 has optimizer state" in err and "no step count" in err, err
     assert not (tmp_path / "u" / "manifest.json").exists()
+
+
+def _group(wd_mult: float, expert: bool = False, **extra) -> dict:
+    return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": expert, "weight_decay": 0.0, **extra}
+
+
+def test_the_group_rule_follows_megatron_cores_keys_not_the_current_values():
+    """`_get_param_groups`' own keys place the parameters (no launch: the rule on names and shapes). Under
+    `apply_wd_to_qk_layernorm` (Qwen3-Next) the q/k layer norms decay though 1-D; a decoupled-lr group (megatron-core
+    0.16 marks it `default_config` False) takes the embedding and output layer; two groups of one kind are refused."""
+    from ucp_deepspeed.errors import CheckpointError
+    from ucp_deepspeed.interop.megatron import Grouping, Kind, _placement
+
+    qk = "decoder.layers.0.self_attention.q_layernorm.weight"
+    norm = "decoder.layers.0.input_layernorm.weight"
+    embedding = "embedding.word_embeddings.weight"
+    groups = [_group(1.0), _group(0.0), _group(1.0, default_config=False, max_lr=2e-4)]
+    for qk_decay, want in ((False, 1), (True, 0)):
+        grouping = Grouping(qk_decay=qk_decay, decoupled=True)
+        present = {grouping.kind(n, s) for n, s in ((qk, (8,)), (norm, (8,)), (embedding, (70, 8)))}
+        slots, group_of = _placement(groups, present, "common.pt", grouping)
+        assert slots == [(0, False), (1, False), (2, False)]
+        assert (group_of(qk, (8,)), group_of(norm, (8,)), group_of(embedding, (70, 8))) == (want, 1, 2)
+    assert Grouping().kind(embedding, (70, 8)) == Kind(expert=False, decays=True, decoupled=False)
+    with pytest.raises(CheckpointError, match="param groups 0 and 1 hold the same kind"):
+        _placement([_group(1.0), _group(1.0, lr_mult=0.5)], set(), "common.pt", Grouping())
