@@ -58,7 +58,7 @@ from ucp_deepspeed.format.universal import (
     write_object,
     write_tensors,
 )
-from ucp_deepspeed.interop.megatron_buckets import BucketStates
+from ucp_deepspeed.interop.megatron_buckets import EXPERTS, LAYERS, BucketStates
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, to_bytes
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
@@ -74,8 +74,6 @@ MASTERS = ("fp32_param", "param")
 RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
 BUCKETS = "dp_reshardable"  # flat per-bucket buffers (Megatron-LM's default), rebuilt by `megatron_buckets`
 SHARDING = "param_state_sharding_type"
-LAYERS = "decoder.layers."
-EXPERTS = "mlp.experts.experts."
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _CHAINED = re.compile(r"chained_[0-9]+\.")
@@ -283,16 +281,18 @@ class Grouping(NamedTuple):
         """The kind of a parameter, by its universal name and shape."""
         exempt = self.qk_decay and ("q_layernorm." in name or "k_layernorm." in name)
         decays = exempt or not (name.endswith(".bias") or len(shape) == 1)
-        return Kind(_is_expert(name), decays, self.decoupled and name in VOCAB_PARALLEL)
+        return Kind(expert=_is_expert(name), decays=decays, decoupled=self.decoupled and name in VOCAB_PARALLEL)
 
 
-def _group_kind(group: dict[str, Any]) -> Kind:
+def _group_kind(group: dict[str, Any], path: str) -> Kind:
     """The kind of parameters a saved group holds, by megatron-core's own keys: `wd_mult`, `is_expert_parallel`, and
     a decoupled learning rate (`is_decoupled_lr`, or since megatron-core 0.15 a group whose override sets the
     learning rate, `default_config` False). `weight_decay` and `lr` are what the scheduler set last: with a weight
     decay of 0 both groups hold 0."""
     decoupled = bool(group.get("is_decoupled_lr")) or group.get("default_config") is False
-    return Kind(bool(group.get("is_expert_parallel", False)), float(group["wd_mult"]) != 0.0, decoupled)
+    if type(group["wd_mult"]) not in (int, float):
+        raise CheckpointError(path, f"a param group's wd_mult {group['wd_mult']!r} is not a number")
+    return Kind(expert=bool(group.get("is_expert_parallel", False)), decays=group["wd_mult"] != 0, decoupled=decoupled)
 
 
 def _classes(groups: list[dict[str, Any]], path: str) -> dict[Kind, int]:
@@ -300,7 +300,7 @@ def _classes(groups: list[dict[str, Any]], path: str) -> dict[Kind, int]:
     if all("wd_mult" in h for h in groups):
         classes: dict[Kind, int] = {}
         for g, h in enumerate(groups):
-            kind = _group_kind(h)
+            kind = _group_kind(h, path)
             if kind in classes:
                 raise CheckpointError(
                     path,
@@ -319,11 +319,12 @@ def _classes(groups: list[dict[str, Any]], path: str) -> dict[Kind, int]:
     for expert in (False, True):
         mine = [g for g in range(len(groups)) if experts[g] == expert]
         no_decay = [g for g in mine if float(groups[g].get("weight_decay", 0.0)) == 0.0]
+        plain, decaying = (Kind(expert=expert, decays=d, decoupled=False) for d in (False, True))
         if len(mine) == 1:
-            classes[Kind(expert, False, False)] = classes[Kind(expert, True, False)] = mine[0]
+            classes[plain] = classes[decaying] = mine[0]
         elif len(mine) == 2 and len(no_decay) == 1:
-            classes[Kind(expert, False, False)] = no_decay[0]
-            classes[Kind(expert, True, False)] = next(g for g in mine if g != no_decay[0])
+            classes[plain] = no_decay[0]
+            classes[decaying] = next(g for g in mine if g != no_decay[0])
         elif mine:
             raise CheckpointError(
                 path,
@@ -403,7 +404,7 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         args = _plain(common.get("args"))
         grouping = Grouping(
             qk_decay=bool(isinstance(args, dict) and args.get("apply_wd_to_qk_layernorm")),
-            decoupled=any("wd_mult" in h and _group_kind(h).decoupled for h in hypers),
+            decoupled=any("wd_mult" in h and _group_kind(h, st.join(folder, COMMON)).decoupled for h in hypers),
         )
         present = {
             grouping.kind(name, ckpt.tensors[key].shape[len(index) :])
@@ -508,10 +509,10 @@ def _consumed(args: Any, path: str) -> int:
 
 def _megatron_args(client: dict[str, Any], counters: Counters) -> argparse.Namespace:
     """The `args` Megatron-LM reads back (`getattr(checkpoint_args, ...)`, so a namespace, not the dict an import
-    keeps): the imported job's, with the samples consumed so far, from which its sampler resumes."""
-    saved = client.get("args")
-    fields = dict(saved) if isinstance(saved, dict) else {}
-    return argparse.Namespace(**{**fields, "consumed_train_samples": counters.global_samples})
+    keeps) of a job imported from Megatron-LM, with the samples consumed so far, from which its sampler resumes. A job
+    that did not come from Megatron-LM has no `args` to write: Megatron-LM checks the model's sizes in them without
+    defaults (`check_checkpoint_args`), so none are written and its sampler starts from its own count."""
+    return argparse.Namespace(**{**client["args"], "consumed_train_samples": counters.global_samples})
 
 
 def _loaded_folder(engine: Any, load_dir: str) -> str | None:
@@ -598,10 +599,10 @@ def export_megatron(
             for name in _extra_states(_stacked(manifest)):
                 writer.object(name, ("model", name), to_bytes([None]))
             optimizers = [
-                _distributed(manifest, members, c == 1)
+                _distributed(manifest, members, c == 1, st.join(path, MANIFEST))
                 if distributed_optimizer
                 else {
-                    "param_groups": [_megatron_group(manifest, g, c == 1) for g in members],
+                    "param_groups": [_megatron_group(manifest, g, c == 1, st.join(path, MANIFEST)) for g in members],
                     "state": {"common_step": _common_step([manifest.param_groups[g] for g in members])},
                 }
                 for c, members in enumerate(chains)
@@ -609,7 +610,7 @@ def export_megatron(
             client = ckpt.load_state().get("client_state") or {}
             common = {
                 **client,
-                "args": _megatron_args(client, manifest.counters),
+                **({"args": _megatron_args(client, manifest.counters)} if isinstance(client.get("args"), dict) else {}),
                 "iteration": manifest.counters.global_steps,
                 "checkpoint_version": 3.0,
                 "optimizer": optimizers[0] if len(chains) == 1 else dict(enumerate(optimizers)),
@@ -683,37 +684,36 @@ def _check_dense_twins(manifest: Manifest, chains: list[list[int]], path: str) -
             )
 
 
-def _megatron_group(manifest: Manifest, g: int, expert: bool) -> dict[str, Any]:
+def _megatron_group(manifest: Manifest, g: int, expert: bool, where: str) -> dict[str, Any]:
     """A group's hyperparameters as megatron-core's optimizer keeps them (DeepSpeed's `moe` marker left out), with
-    the keys megatron-core finds its groups by (`DistributedOptimizer.load_state_dict`) and its scheduler reads,
-    where the saving job had none: `wd_mult` by megatron-core's own rule for the group's parameters, `lr_mult` 1,
-    no decoupled learning rate, `max_lr` the schedule's peak (`initial_lr`) and `min_lr` 0."""
+    the keys megatron-core finds its groups by (`DistributedOptimizer.load_state_dict` matches saved and live groups
+    on them; its scheduler multiplies by them) where the saving job had none: `wd_mult` by megatron-core's own rule
+    for the group's parameters, `lr_mult` 1, no decoupled learning rate. `max_lr` and `min_lr` stay the loading
+    job's (its `--lr`, `--min-lr`)."""
     record = manifest.param_groups[g]
     out = {k: decode_value(v) for k, v in (record.hyperparams or {}).items() if k != "moe"}
     if "wd_mult" not in out:
         decays = {Grouping().kind(n, r.shape).decays for n, r in manifest.params.items() if r.group == g}
         if len(decays) > 1:
             raise CheckpointError(
-                "param groups",
-                f"group {g} holds parameters megatron-core puts in groups of wd_mult 1 and 0 (weights, and biases or "
-                "norms); split them as megatron-core does to export them",
+                where,
+                f"param group {g} holds parameters megatron-core puts in groups of wd_mult 1 and 0 (weights, and "
+                "biases or norms); split them as megatron-core does to export them",
             )
-        lr = out.get("initial_lr", out.get("lr"))
-        defaults = {"wd_mult": float(decays != {False}), "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": lr}
-        out = {**defaults, "min_lr": 0.0, "default_config": True, **out}
+        out = {"wd_mult": float(decays != {False}), "lr_mult": 1.0, "is_decoupled_lr": False, **out}
     return {**out, "is_expert_parallel": expert}
 
 
-def _distributed(manifest: Manifest, members: list[int], expert: bool) -> dict[str, Any]:
+def _distributed(manifest: Manifest, members: list[int], expert: bool, where: str) -> dict[str, Any]:
     """A `DistributedOptimizer`'s common entry in its `fully_reshardable` layout: the torch optimizer's groups, each
     with its own step, and the format's name."""
     groups = []
     for g in members:
         record = manifest.param_groups[g]
         if "step" not in record.scalars:
-            raise CheckpointError("param groups", f"group {g} has no step; a DistributedOptimizer keeps one per group")
+            raise CheckpointError(where, f"param group {g} has no step; a DistributedOptimizer keeps one per group")
         step = float(torch.as_tensor(decode_value(record.scalars["step"])))
-        groups.append({**_megatron_group(manifest, g, expert), "step": step})
+        groups.append({**_megatron_group(manifest, g, expert, where), "step": step})
     return {"optimizer": {"param_groups": groups}, SHARDING: RESHARDABLE[0]}
 
 

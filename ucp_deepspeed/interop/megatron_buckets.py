@@ -20,6 +20,7 @@ whole in the same checkpoint: a layout rebuilt wrong is refused, never read.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,6 @@ _LAYER_ORDER = (
 _LEAF_ORDER = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
 _BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
-_BUCKET = re.compile(r"gbuf_idx_([0-9]+)\.dtype_(\(.*\))\.bucket_idx_([0-9]+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,15 @@ class Local:
 
 @dataclass(frozen=True)
 class Placed:
-    """Where a parameter's state sits: bucket `bucket` of a buffer, elements [start, start + numel)."""
+    """Where a parameter's state sits in its bucket: elements [start, start + numel)."""
 
     local: Local
-    bucket: int
     start: int
 
     @property
     def numel(self) -> int:
         """Its element count."""
-        return _numel(self.local.shape)
+        return math.prod(self.local.shape)
 
 
 @dataclass(frozen=True)
@@ -98,14 +97,31 @@ class Saving:
     gated: bool
     tied: bool
     local_spec: bool  # megatron-core's local modules (`--transformer-impl local`), else Transformer Engine's
+    grouped: bool  # `--moe-grouped-gemm`: Transformer Engine's GroupedLinear holds a layer's local experts
     bucket_size: int | None  # on the first pipeline stage; None: one bucket per buffer
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+def _count(a: dict[str, Any], key: str, path: str, default: int) -> int:
+    """A non-negative integer of the saved args, or `default` where it is absent or None."""
+    value = a.get(key)
+    if value is None:
+        return default
+    if type(value) is not int or value < 0:
+        raise CheckpointError(path, f"args.{key} {value!r} is not a count")
+    return value
+
+
+# Megatron-LM settings that change a buffer's layout in ways this import does not rebuild
+_UNSUPPORTED = {
+    "virtual_pipeline_model_parallel_size": "a virtual pipeline (one buffer per model chunk)",
+    "fp8": "FP8 parameters (a buffer of their own)",
+    "use_precision_aware_optimizer": "a precision-aware optimizer",
+    "ddp_num_buckets": "--ddp-num-buckets",
+    "pipeline_model_parallel_layout": "a custom pipeline layout",
+    "account_for_embedding_in_pipeline_split": "a pipeline split that counts the embedding",
+    "account_for_loss_in_pipeline_split": "a pipeline split that counts the loss",
+    "moe_use_legacy_grouped_gemm": "the legacy GroupedMLP (fused expert weights)",
+}
 
 
 def saving(args: Any, path: str, num_layers: int) -> Saving:
@@ -117,36 +133,36 @@ def saving(args: Any, path: str, num_layers: int) -> Saving:
             "holds no Megatron-LM args (tensor_model_parallel_size, ...): the dp_reshardable buffers' layout "
             "cannot be rebuilt without the saving job's parallel sizes",
         )
-    if (a.get("virtual_pipeline_model_parallel_size") or 1) > 1:
-        raise CheckpointError(path, "was saved with a virtual pipeline (one buffer per model chunk); not supported")
-    if a.get("fp8") or a.get("use_precision_aware_optimizer"):
-        raise CheckpointError(path, "was saved with FP8 parameters or a precision-aware optimizer; not supported")
-    tp, pp = int(a.get("tensor_model_parallel_size") or 1), int(a.get("pipeline_model_parallel_size") or 1)
-    ep = int(a.get("expert_model_parallel_size") or 1)
-    first, last = a.get("decoder_first_pipeline_num_layers"), a.get("decoder_last_pipeline_num_layers")
+    for key, what in _UNSUPPORTED.items():
+        value = a.get(key)
+        if value is None or value is False or (key == "virtual_pipeline_model_parallel_size" and value == 1):
+            continue
+        raise CheckpointError(path, f"was saved with {what} (args.{key}); its buffers are not rebuilt")
+    tp, pp = _count(a, "tensor_model_parallel_size", path, 1), _count(a, "pipeline_model_parallel_size", path, 1)
+    ep = _count(a, "expert_model_parallel_size", path, 1)
+    head = _count(a, "decoder_first_pipeline_num_layers", path, 0)
+    tail = _count(a, "decoder_last_pipeline_num_layers", path, 0)
+    middle, rest = pp - (head > 0) - (tail > 0), num_layers - head - tail
     if pp == 1:
         layers: tuple[int, ...] = (num_layers,)
+    elif min(tp, pp, ep) < 1 or rest < 0 or middle < 0 or (middle and rest % middle) or (not middle and rest):
+        raise CheckpointError(path, f"{num_layers} layers do not split over {pp} pipeline stages as args say")
     else:
-        head, tail = int(first or 0), int(last or 0)
-        middle = pp - (head > 0) - (tail > 0)
-        rest = num_layers - head - tail
-        if middle <= 0 or rest % middle:
-            if rest != 0 or middle:
-                raise CheckpointError(path, f"{num_layers} layers do not split over {pp} pipeline stages")
-        each = rest // middle if middle else 0
-        layers = tuple(([head] if head else []) + [each] * middle + ([tail] if tail else []))
-    dp_cp = int(a.get("data_parallel_size") or 1) * int(a.get("context_parallel_size") or 1)
-    bucket = a.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp_cp)
+        each = [rest // middle] * middle if middle else []
+        layers = tuple(([head] if head else []) + each + ([tail] if tail else []))
+    dp_cp = _count(a, "data_parallel_size", path, 1) * _count(a, "context_parallel_size", path, 1)
+    bucket = _count(a, "ddp_bucket_size", path, 0) or max(40_000_000, 1_000_000 * dp_cp)
     return Saving(
         tp=tp,
         pp=pp,
         ep=ep,
-        etp=int(a.get("expert_tensor_parallel_size") or tp),
+        etp=_count(a, "expert_tensor_parallel_size", path, tp),
         layers=layers,
         gated=bool(a.get("swiglu")),
         tied=not a.get("untie_embeddings_and_output_weights", False),
         local_spec=a.get("transformer_impl", "transformer_engine") == "local",
-        bucket_size=int(bucket) if a.get("overlap_grad_reduce") else None,
+        grouped=bool(a.get("moe_grouped_gemm")),
+        bucket_size=bucket if a.get("overlap_grad_reduce") else None,
     )
 
 
@@ -166,6 +182,7 @@ def _layout(name: str, rows: int, gated: bool) -> Layout:
 
 
 def _order(suffix: str) -> tuple[int, int]:
+    """Where a layer's parameter comes in megatron-core's registration order: its module, then its leaf."""
     module = next((i for i, m in enumerate(_LAYER_ORDER) if suffix.startswith(m)), None)
     leaf = suffix.rpartition(".")[2]
     if module is None or (leaf not in _LEAF_ORDER and not suffix.endswith("gate_weight")):
@@ -206,7 +223,16 @@ class Plan:
             raise CheckpointError(
                 ckpt.path, f"{unknown[0]} is not a parameter of megatron-core's GPT this import knows"
             )
-        self.num_experts = next((self.shapes[LAYERS + EXPERTS + s][1] for s in self.expert_leaves), 0)
+        stacks = [self.shapes[LAYERS + EXPERTS + leaf] for leaf in self.expert_leaves]
+        if any(len(shape) < 3 for shape in stacks):
+            raise CheckpointError(ckpt.path, f"{LAYERS}{EXPERTS}* are not stacked [layer, expert, ...] tensors")
+        self.num_experts = stacks[0][1] if stacks else 0
+        if self.num_experts % job.ep:
+            raise CheckpointError(ckpt.path, f"{self.num_experts} experts do not split over {job.ep} EP ranks")
+        if stacks and not experts_apart and job.etp != job.tp:
+            raise CheckpointError(
+                ckpt.path, f"experts in the dense optimizer at expert-TP {job.etp} != TP {job.tp}; not supported"
+            )
 
     def _order(self, suffix: str) -> tuple[int, int]:
         """Where a layer's parameter comes in its module order, by the name of the module that holds it."""
@@ -214,6 +240,7 @@ class Plan:
         return _order(suffix if te is None else self.fused[te] + suffix[len(te) :])
 
     def _local(self, key: str, index: tuple[int, ...], rank: int, size: int, **flags: bool) -> Local:
+        """Saving rank `rank` of `size`'s share of one stored tensor's part `index`."""
         full = self.shapes[key][len(index) :]
         layout = _layout(key.removeprefix(LAYERS), full[0] if full else 0, self.job.gated)
         shape = list(full)
@@ -221,16 +248,19 @@ class Plan:
             if shape[layout.dim] % size:
                 raise CheckpointError(self.ckpt.path, f"{key} {tuple(full)} does not split over {size} ranks")
             shape[layout.dim] //= size
-        return Local(key, index, layout, rank, size, tuple(shape), **flags)
+        return Local(key=key, index=index, layout=layout, rank=rank, size=size, shape=tuple(shape), **flags)
 
     def _experts(self, layer: int, ep: int, rank: int, size: int) -> list[Local]:
-        """A layer's experts on expert-parallel rank `ep`, each expert's parameters in module order."""
+        """A layer's experts on expert-parallel rank `ep`: megatron-core's SequentialMLP registers expert after
+        expert, each with its parameters in module order; Transformer Engine's GroupedLinear (`--moe-grouped-gemm`)
+        registers one module's weights of every local expert, then its biases, then the next module's."""
         per_rank = self.num_experts // self.job.ep
-        return [
-            self._local(LAYERS + EXPERTS + leaf, (layer, ep * per_rank + local), rank, size)
-            for local in range(per_rank)
-            for leaf in self.expert_leaves
-        ]
+        pairs = (
+            [(leaf, j) for leaf in self.expert_leaves for j in range(per_rank)]
+            if self.job.grouped
+            else [(leaf, j) for j in range(per_rank) for leaf in self.expert_leaves]
+        )
+        return [self._local(LAYERS + EXPERTS + leaf, (layer, ep * per_rank + j), rank, size) for leaf, j in pairs]
 
     def _layer(self, layer: int, tp: int) -> list[Local]:
         """A transformer layer's dense parameters in module order, with its experts where they train in the dense
@@ -280,21 +310,22 @@ class Plan:
         at = 0
         for local in reversed(params):
             at = -(-at // ALIGN) * ALIGN
-            if local.shared and placed:
-                out.append(Bucket(tuple(placed), at))
+            if local.shared and placed:  # the bucket before it ends at the aligned start
+                out.append(Bucket(params=tuple(placed), numel=at))
                 placed, at = [], 0
-            placed.append(Placed(local, len(out), at))
-            at += _numel(local.shape)
+            placed.append(Placed(local=local, start=at))
+            at += math.prod(local.shape)
             if (size is not None and at >= size) or local.shared:
-                out.append(Bucket(tuple(placed), at))
+                out.append(Bucket(params=tuple(placed), numel=at))
                 placed, at = [], 0
         if placed:
-            out.append(Bucket(tuple(placed), at))
+            out.append(Bucket(params=tuple(placed), numel=at))
         return out
 
 
 def _unwrapped(value: Any) -> Any:
-    """A `ShardedObject`'s value (torch_dist stores each as a one-element list)."""
+    """A `ShardedObject`'s value: torch_dist stores each as a one-element list. Every object read here is a dict
+    or a list of one buffer's dict, so unwrapping one level never takes a value apart."""
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
@@ -316,7 +347,8 @@ class BucketStates:
 
     Example:
         >>> states = BucketStates(ckpt, model_keys, args, chains=1, fused=compat.megatron_fused_norms())
-        >>> master, others = states.read("decoder.layers.mlp.linear_fc1.weight", ckpt.tensor(key))
+        >>> key = "decoder.layers.mlp.linear_fc1.weight"
+        >>> master, others = states.read(key, ckpt.tensor(key))
     """
 
     def __init__(
@@ -345,13 +377,14 @@ class BucketStates:
             groups = None
             for i in found:
                 states |= self._place(c, i, prefix)
-                mine = self._object(f"{prefix}{i}.optimizer")
-                mine = mine.get("optimizer", mine) if isinstance(mine, dict) else None
-                if not isinstance(mine, dict) or not isinstance(mine.get("param_groups"), list):
+                saved = self._object(f"{prefix}{i}.optimizer")
+                saved = saved.get("optimizer", saved) if isinstance(saved, dict) else {}
+                mine = saved.get("param_groups") if isinstance(saved, dict) else None
+                if not isinstance(mine, list) or not mine or not all(isinstance(h, dict) for h in mine):
                     raise CheckpointError(ckpt.path, f"{prefix}{i}.optimizer holds no param_groups")
-                if groups is not None and mine["param_groups"] != groups:
+                if groups is not None and mine != groups:
                     raise CheckpointError(ckpt.path, f"{prefix}{i}.optimizer's param groups differ from {prefix}0's")
-                groups = mine["param_groups"]
+                groups = mine
             self.param_groups.append(list(groups or []))
         if MASTER not in states:
             raise CheckpointError(ckpt.path, "holds dp_reshardable buckets without the fp32 copies (param)")
@@ -366,6 +399,7 @@ class BucketStates:
         return _unwrapped(self.ckpt.object(key))
 
     def _prefix(self, chain: int, chains: int) -> str:
+        """The key prefix of an optimizer's entries: `chained_<c>.` when the save chains several."""
         chained = f"chained_{chain}.{DISTRIBUTED}"
         return chained if chains > 1 or any(k.startswith(chained) for k in self.ckpt.objects) else DISTRIBUTED
 
@@ -453,11 +487,16 @@ class BucketStates:
                     )
                 for s in self.stored:
                     read[s].append(values[s].float())
+            layout = mine[0][1].local.layout
             for s in self.stored:
-                out[s][index] = merge(mine[0][1].local.layout, read[s], key)
+                if not layout.is_split and not all(torch.equal(read[s][0], other) for other in read[s][1:]):
+                    raise CheckpointError(
+                        self.ckpt.path, f"{key}{list(index)}: the tensor-parallel ranks' copies of its {s} differ"
+                    )
+                out[s][index] = merge(layout, read[s], key)
             covered += 1
         depth = len(next(iter(shards))) if shards else 0
-        expected = _numel(tuple(model.shape[:depth]))
+        expected = math.prod(model.shape[:depth])
         if not shards or covered != expected:
             raise CheckpointError(
                 self.ckpt.path, f"{key}: the buckets hold the state of {covered} of its {expected} parts"

@@ -257,11 +257,17 @@ class DcpCheckpoint:
         if len(entry.shape) != 1 or start < 0 or start + length > entry.shape[0]:
             raise CheckpointError(self.path, f"{key} {entry.shape} has no elements [{start}, {start + length})")
         out = torch.empty(length, dtype=entry.dtype)
+        filled = 0
         for chunk in entry.chunks:
             at = chunk.offsets[0]
             lo, hi = max(start, at), min(start + length, at + chunk.sizes[0])
             if lo < hi:
                 out[lo - start : hi - start].copy_(self._chunk(entry, chunk)[lo - at : hi - at])
+                filled += hi - lo
+        if filled != length:  # overlapping chunks can hide a gap that the table's total size does not show
+            raise CheckpointError(
+                self.path, f"{key}: its chunks cover {filled} of elements [{start}, {start + length})"
+            )
         return out
 
     def object(self, key: str) -> Any:
