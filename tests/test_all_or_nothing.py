@@ -204,3 +204,17 @@ def test_a_folder_with_moments_but_no_step_is_refused_by_group(saved, tmp_path, 
     engine = build(stage, seed=1)
     train(engine, 3)
     _refused_and_untouched(engine, str(folder), None, "param group 1 holds optimizer state .* but no step count")
+
+
+def test_a_check_n_run_save_records_frozen_parameters_without_a_group(one_rank, tmp_path):
+    """The manifest's convention (`ParamRecord.group`: None for frozen parameters), which the DCP export and the
+    expert-name view read, holds for Check-N-Run's live saves too: they recorded group 0."""
+    from ucp_deepspeed.format.universal import read_manifest
+
+    engine = build(1, adagrad=True, differential={"policy": "incremental"})
+    train(engine, 1)
+    engine.save_checkpoint(str(tmp_path / "chain"))
+    (tag,) = [d for d in (tmp_path / "chain").iterdir() if d.is_dir()]
+    manifest = read_manifest(str(tag))
+    assert manifest.params["frozen.weight"].group is None and not manifest.params["frozen.weight"].trainable
+    assert manifest.params["head.weight"].group == 0

@@ -30,6 +30,7 @@ from ucp_deepspeed.format.manifest import (
     Manifest,
     ParamRecord,
     SourceRecord,
+    dtype_name,
     recorded_sections,
     written_by,
 )
@@ -116,7 +117,8 @@ def _param_groups(engine: Any) -> tuple[GroupRecord, ...]:
 
 
 def _dtype(p: torch.Tensor) -> str:
-    return str(compat.storage_dtype(p)).removeprefix("torch.")
+    """The dtype a parameter is stored in (its low-precision one under mixed precision), as records name it."""
+    return dtype_name(compat.storage_dtype(p))
 
 
 def write_live(
@@ -152,7 +154,9 @@ def write_live(
                 value = p.detach().cpu().clone()
             if rank0:
                 write(param_file(name), {VALUE: value})
-            params[name] = ParamRecord(shape, _dtype(p), 0, False, param_file(name), (VALUE,))
+            params[name] = ParamRecord(
+                shape=shape, dtype=_dtype(p), group=None, trainable=False, file=param_file(name), keys=(VALUE,)
+            )
             continue
         state = whole(p, shape)
         spec = tables.get(name)
@@ -160,7 +164,9 @@ def write_live(
         if state is not None:
             write(file, state if spec is None else _table_tensors(state, spec))
         table = {} if spec is None else {"table": _table_record(spec, shape[0])}
-        params[name] = ParamRecord(shape, _dtype(p), groups[p], True, file, (FP32, *keys), table)
+        params[name] = ParamRecord(
+            shape=shape, dtype=_dtype(p), group=groups[p], trainable=True, file=file, keys=(FP32, *keys), extra=table
+        )
     all_ok(failed[0] if failed else None)
     return guarded(lambda: _finish(engine, out, client_state, extra, records, params) if rank0 else (None, 0))
 

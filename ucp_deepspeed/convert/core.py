@@ -190,12 +190,12 @@ def build_manifest(src: NativeCheckpoint) -> Manifest:
             buffers[t.name] = BufferRecord(tuple(t.shape), t.dtype)
         else:
             params[t.name] = ParamRecord(
-                tuple(t.shape),
-                t.dtype,
-                t.group,
-                t.kind == "param",
-                param_file(t.name),
-                tuple(keys) if t.kind == "param" else (VALUE,),
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                group=t.group,
+                trainable=t.kind == "param",
+                file=param_file(t.name),
+                keys=tuple(keys) if t.kind == "param" else (VALUE,),
             )
     groups = []
     for g in range(meta.num_groups):

@@ -156,6 +156,11 @@ class Counters:
         return cls(**raw)
 
 
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype as every record names it (`bfloat16`, not `torch.bfloat16`)."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class ParamRecord:
     """One parameter: its full shape and dtype, its optimizer param group, and the file and keys of its states."""

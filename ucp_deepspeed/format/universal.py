@@ -27,7 +27,7 @@ from safetensors.torch import save as st_save
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.manifest import BufferRecord, FileRecord, Manifest, ParamRecord
+from ucp_deepspeed.format.manifest import BufferRecord, FileRecord, Manifest, ParamRecord, dtype_name
 from ucp_deepspeed.format.metadata import VALUE
 from ucp_deepspeed.geometry.layout import Layout, split
 from ucp_deepspeed.io import storage as st
@@ -390,7 +390,7 @@ def torch_dtype(name: Any) -> torch.dtype:
 def encode_value(value: Any) -> Any:
     """Encode a hyperparameter or scalar state as JSON without losing its type."""
     if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return {"tensor": str(value.dtype).removeprefix("torch."), "value": value.item()}
+        return {"tensor": dtype_name(value.dtype), "value": value.item()}
     if isinstance(value, tuple):
         return {"tuple": [encode_value(v) for v in value]}
     if isinstance(value, list):

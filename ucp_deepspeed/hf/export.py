@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.paths import check_output, locate
@@ -265,11 +266,11 @@ def export_hf(
         return ckpt.read(name, key).reshape(record.shape).to(torch.float32)
 
     if ckpt.manifest.model is None and hf_config is not None and not overrides.arch:
-        config, tensors = own_names(ckpt, hf_config, read, str(torch_dtype).removeprefix("torch."))
+        config, tensors = own_names(ckpt, hf_config, read, dtype_name(torch_dtype))
     else:
         spec = model_of(ckpt, overrides)
         arch = overrides.arch or arch_for(spec, hf_config)
-        config = config_of(spec, arch, hf_config, str(torch_dtype).removeprefix("torch."), ckpt.root)
+        config = config_of(spec, arch, hf_config, dtype_name(torch_dtype), ckpt.root)
         tensors = entries(arch, read, ckpt, spec)
     shards = plan_shards(tensors, shard_bytes, size)
     st.makedirs(out)

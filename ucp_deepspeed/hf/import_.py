@@ -157,7 +157,9 @@ def _import(hf_dir: str, origin: str, out: str, num_kv_heads: int | None, progre
                 hf_dir, f"{', '.join(link.hf)} make {link.mcore} of shape {tuple(tensor.shape)}, not {link.shape}"
             )
         records.append(write_tensors(out, param_file(link.mcore), {FP32: tensor}))
-        params[link.mcore] = ParamRecord(link.shape, "float32", 0, True, param_file(link.mcore), (FP32,))
+        params[link.mcore] = ParamRecord(
+            shape=link.shape, dtype="float32", group=0, trainable=True, file=param_file(link.mcore), keys=(FP32,)
+        )
     records.append(write_tensors(out, BUFFERS, {}))
     records.append(write_object(out, STATE, {"lr_scheduler": None, "client_state": {}, "optimizer_wrapper": {}}))
     write_manifest(

@@ -30,6 +30,7 @@ from ucp_deepspeed.format.manifest import (
     Manifest,
     ParamRecord,
     SourceRecord,
+    dtype_name,
     written_by,
 )
 from ucp_deepspeed.format.metadata import FP32, VALUE, check_name
@@ -172,15 +173,24 @@ def import_dcp(folder: str, output: str) -> str:
                 tensors[state] = value.float()
             keys = (FP32, *sorted(k for k in tensors if k != FP32))
             records.append(write_tensors(output, param_file(name), tensors))
-            params[name] = ParamRecord(tuple(tensors[FP32].shape), "float32", g, True, param_file(name), keys)
+            params[name] = ParamRecord(
+                shape=tuple(tensors[FP32].shape),
+                dtype="float32",
+                group=g,
+                trainable=True,
+                file=param_file(name),
+                keys=keys,
+            )
         # a tensor without optimizer state is a buffer or a frozen parameter (or a tied copy): DCP does not say
         # which, so it is listed as both and the loading model takes it as whichever it has
         others = {n: k for n, k in layout.model.items() if n not in params}
         buffers = {n: ckpt.tensor(k) for n, k in others.items()}
         for name, value in buffers.items():
             records.append(write_tensors(output, param_file(name), {VALUE: value}))
-            dtype = str(value.dtype).removeprefix("torch.")
-            params[name] = ParamRecord(tuple(value.shape), dtype, None, False, param_file(name), (VALUE,))
+            dtype = dtype_name(value.dtype)
+            params[name] = ParamRecord(
+                shape=tuple(value.shape), dtype=dtype, group=None, trainable=False, file=param_file(name), keys=(VALUE,)
+            )
         records.append(write_tensors(output, BUFFERS, buffers))
         client = {k: ckpt.tensor(k) if k in ckpt.tensors else ckpt.object(k) for k in layout.rest}
         records.append(
@@ -207,7 +217,7 @@ def import_dcp(folder: str, output: str) -> str:
                 for g, hyper in enumerate(hypers)
             ),
             params=params,
-            buffers={n: BufferRecord(tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in buffers.items()},
+            buffers={n: BufferRecord(tuple(b.shape), dtype_name(b.dtype)) for n, b in buffers.items()},
             extra={
                 "notes": [
                     f"model tensors under {layout.model_prefix!r}; those without optimizer state are listed both as "

@@ -26,7 +26,15 @@ from tqdm import tqdm
 from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.convert.core import assemble
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import BufferRecord, GroupRecord, Manifest, ParamRecord, SourceRecord, written_by
+from ucp_deepspeed.format.manifest import (
+    BufferRecord,
+    GroupRecord,
+    Manifest,
+    ParamRecord,
+    SourceRecord,
+    dtype_name,
+    written_by,
+)
 from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, VALUE, check_name
 from ucp_deepspeed.format.paths import check_output, latest_tag
 from ucp_deepspeed.format.topology import Topology
@@ -269,14 +277,24 @@ def import_deepspeed(folder: str, output: str) -> str:
                 keys = [FP32] + sorted(k for k in tensors if k != FP32)
                 records.append(write_tensors(output, param_file(name), tensors))
                 params[name] = ParamRecord(
-                    tuple(tensors[FP32].shape), "float32", g, True, param_file(name), tuple(keys)
+                    shape=tuple(tensors[FP32].shape),
+                    dtype="float32",
+                    group=g,
+                    trainable=True,
+                    file=param_file(name),
+                    keys=tuple(keys),
                 )
         values = {n: v for n, v in found.items() if v is not None}
         for name in frozen:
             value = values[name]
             records.append(write_tensors(output, param_file(name), {VALUE: value}))
             params[name] = ParamRecord(
-                tuple(value.shape), str(value.dtype).removeprefix("torch."), None, False, param_file(name), (VALUE,)
+                shape=tuple(value.shape),
+                dtype=dtype_name(value.dtype),
+                group=None,
+                trainable=False,
+                file=param_file(name),
+                keys=(VALUE,),
             )
         buffers = {n: values[n] for n in buffer_names}
         records.append(write_tensors(output, BUFFERS, buffers))
@@ -321,7 +339,7 @@ def import_deepspeed(folder: str, output: str) -> str:
                 for g in range(len(groups))
             ),
             params=params,
-            buffers={n: BufferRecord(tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in buffers.items()},
+            buffers={n: BufferRecord(tuple(b.shape), dtype_name(b.dtype)) for n, b in buffers.items()},
             tied=dict(aliases),
             extra={
                 "notes": [

@@ -39,6 +39,7 @@ from ucp_deepspeed.format.manifest import (
     Manifest,
     ParamRecord,
     SourceRecord,
+    dtype_name,
     written_by,
 )
 from ucp_deepspeed.format.metadata import FP32, check_name
@@ -441,9 +442,14 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
                 tensors = {k: t.float().clone() for k, t in tensors.items()}
                 shape = tuple(tensors[FP32].shape)
                 records.append(write_tensors(output, param_file(name), tensors))
-                keys = (FP32, *sorted(found))
-                dtype = str(value.dtype).removeprefix("torch.")
-                params[name] = ParamRecord(shape, dtype, group_of(name, shape), True, param_file(name), keys)
+                params[name] = ParamRecord(
+                    shape=shape,
+                    dtype=dtype_name(value.dtype),
+                    group=group_of(name, shape),
+                    trainable=True,
+                    file=param_file(name),
+                    keys=(FP32, *sorted(found)),
+                )
         records.append(write_tensors(output, BUFFERS, {}))
         client = {k: _plain(v) for k, v in common.items() if k != "optimizer"}
         records.append(

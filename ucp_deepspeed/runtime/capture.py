@@ -18,6 +18,7 @@ from deepspeed import comm as dist
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.topology import Topology
@@ -26,10 +27,6 @@ from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.naming.model import ParamInfo, canonical_namer, global_namer, param_infos
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.version import __version__
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def engine_dtype(engine: Any) -> str:
@@ -376,7 +373,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: di
             ExtraTensor(
                 info.name,
                 compat.full_shape(p),
-                _dtype_name(compat.storage_dtype(p)),
+                dtype_name(compat.storage_dtype(p)),
                 "frozen",
                 compat.zero3_partition_numel(p) if z3 else 0,
                 info.layout,
@@ -391,7 +388,7 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: di
             ExtraTensor(
                 to_global(name),
                 tuple(buf.shape),
-                _dtype_name(buf.dtype),
+                dtype_name(buf.dtype),
                 "buffer",
                 local=name if name != to_global(name) else "",
                 file=layer_files.get(name, ("", ""))[0],

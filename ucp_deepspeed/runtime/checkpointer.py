@@ -37,6 +37,7 @@ from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.convert.output import claimed, remove_output
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
+from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import write_meta
 from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.format.swap import OFFLOADED, SwapFile, SwapRecord, write_swap_record
@@ -502,7 +503,7 @@ def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> None:
         if name.endswith(".tensor.swp") and swap_id in swap.swapped:
             path = st.join(folder, name)
             files[name] = SwapFile(swap.swapped[swap_id], st.stat(path)[0], file_block_crcs(path))
-    dtype = str(swap.dtype).removeprefix("torch.")
+    dtype = dtype_name(swap.dtype)
     write_swap_record(SwapRecord(swap.optim_file, save_id, dtype, files), folder)
 
 

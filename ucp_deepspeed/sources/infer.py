@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import saved_numel
@@ -151,7 +152,7 @@ def _layer_extras(
                     continue
                 tensor = states.tensor(key)
                 kind = "buffer" if name in known else "frozen"
-                dtype = str(tensor.dtype).removeprefix("torch.")
+                dtype = dtype_name(tensor.dtype)
                 extras.append(ExtraTensor(name, tuple(tensor.shape), dtype, kind, file=file, key=key))
         finally:
             states.close()
@@ -263,7 +264,7 @@ def _infer_rank(
             ExtraTensor(
                 name,
                 tuple(frozen_shapes.get(name, tensor.shape)),
-                str(tensor.dtype).removeprefix("torch."),
+                dtype_name(tensor.dtype),
                 "frozen",
                 int(tensor.shape[0]) if stage == 3 else 0,
                 layouts[name],
@@ -271,7 +272,7 @@ def _infer_rank(
         )
     for name in [] if layered else buffers:
         tensor = module[name]
-        extras.append(ExtraTensor(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), "buffer"))
+        extras.append(ExtraTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), "buffer"))
     optimizer = "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
     return SaveMeta(
         topology=Topology(dp=dp, zero_stage=stage, dtype=_dtype(ds_config), tp=tp, pp=pp, optimizer=optimizer),

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.swap import SwapRecord
 from ucp_deepspeed.io.swap_file import SwapTensor
@@ -129,7 +130,7 @@ class OptimRankFile:
                 lazy = self.flat(index, state)
                 if isinstance(lazy, LazyTensor) and lazy.is_contiguous() and len(lazy.shape) == 1:
                     name, begin, at = self._file.storage_span(lazy.key, lazy.dtype, lazy.storage_offset, lazy.numel())
-                    dtype = str(lazy.dtype).removeprefix("torch.")
+                    dtype = dtype_name(lazy.dtype)
                     out[(index, state)] = StorageSpan(name, begin, at, lazy.numel(), dtype)
         return out
 
