@@ -469,7 +469,7 @@ def load(args: argparse.Namespace) -> dict:
     result["max_rank_requests"] = max(gathered_ints(counted.requests))
     if mode is None:
         result["kind"] = engine.ucp_last_load.kind
-        result["direct"] = engine.ucp_last_load.direct
+        result["in_place"] = engine.ucp_last_load.in_place
     if args.step:
         result["step_s"] = timed(training_step(engine, args.params_m))
     engine.destroy()

@@ -312,5 +312,5 @@ def test_a_direct_reshard_of_a_plain_tag_restarts_the_chain(tmp_path, monkeypatc
     assert kinds == ["baseline", "delta"]
     chained.load_checkpoint(str(tmp_path / "plain"))
     report = chained.ucp_last_load
-    assert report.mode == "resharded" and report.direct and report.kind is None, report
+    assert report.mode == "resharded" and report.in_place and report.kind is None, report
     assert _step_and_save(chained, tmp_path / "chain", 5)["kind"] == "baseline"

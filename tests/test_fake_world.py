@@ -124,7 +124,7 @@ def restore_every_rank(
                 buffers = dict(engine.module.named_buffers())
             finally:
                 engine.destroy()  # ZeRO-3's gradient hooks keep an engine (and 2 GB of buckets) alive otherwise
-            assert (report.mode, report.direct, engine.global_steps) == ("resharded", True, 3), (rank, report)
+            assert (report.mode, report.in_place, engine.global_steps) == ("resharded", True, 3), (rank, report)
             for name, buffer in buffers.items():
                 assert torch.equal(buffer, reference.read_buffer(name)), (rank, name)
             for name, first, values in held:

@@ -48,7 +48,7 @@ def run(saved: tuple[str, list[dict]]) -> str:
 def test_a_job_saved_to_the_store_resumes_at_the_same_layout_and_another_stage(saved: tuple[str, list[dict]]) -> None:
     run, found = saved
     assert [(r["source"], r["target"], r["mode"]) for r in found] == [
-        (f"{run}/z1b", "z1b", "direct"),  # the same layout, read from the store by our reader
+        (f"{run}/z1b", "z1b", "same-layout"),  # the same layout, read from the store by our reader
         (f"{run}/z2", "z1", "resharded"),
     ]
     for r in found:
@@ -177,7 +177,7 @@ def test_an_engine_reaches_the_store_through_its_config_and_refuses_an_unserved_
     assert not Path("nosuch:").exists()
     fresh = inprocess.build(1, seed=1, universal=options)
     fresh.load_checkpoint(run)
-    assert fresh.ucp_last_load.mode == "direct" and inprocess.differences(saved, inprocess.state(fresh)) == []
+    assert fresh.ucp_last_load.mode == "same-layout" and inprocess.differences(saved, inprocess.state(fresh)) == []
     engine.destroy()
     fresh.destroy()
 

@@ -12,17 +12,18 @@ from typing import Any
 
 # extensions register their tag kinds, config sections, savers and foreign formats on import
 from ucp_deepspeed import checkn_run, interop  # noqa: F401  (registration only)
-from ucp_deepspeed.convert import convert
-from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.universal import UniversalCheckpoint
-from ucp_deepspeed.version import __version__
+from ucp_deepspeed.convert import convert as convert
+from ucp_deepspeed.errors import CheckpointError as CheckpointError
+from ucp_deepspeed.format.universal import UniversalCheckpoint as UniversalCheckpoint
+from ucp_deepspeed.version import __version__ as __version__
 
 # The public surface, in one place (docs/reference/api.md): each name, and the module that defines it. The
 # engine-side ones load DeepSpeed, so they are imported on first use.
 _LAZY = {
     "initialize": "ucp_deepspeed.runtime.engine",
     "attach": "ucp_deepspeed.runtime.engine",
-    "LoadReport": "ucp_deepspeed.runtime.checkpointer",
+    "LoadMode": "ucp_deepspeed.runtime.planning",
+    "LoadReport": "ucp_deepspeed.runtime.planning",
     "UniversalCheckpointer": "ucp_deepspeed.runtime.checkpointer",
     "UniversalConfig": "ucp_deepspeed.runtime.config",
     "install": "ucp_deepspeed.runtime.integrations",
@@ -34,24 +35,8 @@ _LAZY = {
     "prune": "ucp_deepspeed.sources.tags",
 }
 
-__all__ = [
-    "CheckpointError",
-    "LoadReport",
-    "MegatronMpu",
-    "UniversalCheckpoint",
-    "UniversalCheckpointer",
-    "UniversalConfig",
-    "__version__",
-    "attach",
-    "convert",
-    "initialize",
-    "install",
-    "megatron_kwargs",
-    "prune",
-    "register_megatron_experts",
-    "resume_tag",
-    "uninstall",
-]
+# the eager names above and the lazy ones: the whole public surface, declared once
+__all__ = sorted(["CheckpointError", "UniversalCheckpoint", "__version__", "convert", *_LAZY])
 
 
 def __getattr__(name: str) -> Any:
@@ -61,7 +46,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(_LAZY[name]), name)
 
 
-def moved(old_module: str, names: tuple[str, ...]) -> Any:
+def _moved(old_module: str, names: tuple[str, ...]) -> Any:
     """A module `__getattr__` for an old import path: each name still resolves, with a DeprecationWarning naming
     where it lives now (kept for one release)."""
 

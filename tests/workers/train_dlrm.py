@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> None:
             "saved": report.saved,
             "live": report.live,
             "mode": report.mode,
-            "direct": report.direct,
+            "in_place": report.in_place,
         }
         if dist.get_rank() == 0:
             print(f"resumed from step {engine.global_steps} at topology {report.saved} -> {report.live}", flush=True)

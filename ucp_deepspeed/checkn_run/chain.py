@@ -42,11 +42,6 @@ from ucp_deepspeed.io.checksum import crc32
 MARKER = ".ucp_checkn_run"  # written first into a Check-N-Run tag folder, before any tensor file
 
 
-def is_element(tag_dir: str) -> bool:
-    """Whether a tag folder was written by a Check-N-Run save (complete or not)."""
-    return st.isfile(st.join(tag_dir, MARKER))
-
-
 def read_element(ckpt_dir: str, tag: str) -> Manifest:
     """One chain element's manifest, after checking that every file it lists is there at its size."""
     root = st.join(ckpt_dir, tag)

@@ -15,9 +15,12 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.checksum import BLOCK
+from ucp_deepspeed.io.swap_file import file_block_crcs
 
 OFFLOADED = "offloaded_tensors"
 SWAP_RECORD = "ucp_swap_files.json"
@@ -83,6 +86,19 @@ def write_swap_record(record: SwapRecord, folder: str) -> str:
     path = st.join(folder, SWAP_RECORD)
     st.write(path, record.to_json().encode())
     return path
+
+
+def record_swap_files(swap: compat.NvmeSwap, folder: str, save_id: str) -> str:
+    """Record the swap files DeepSpeed copied into `folder` for this rank's save (sizes, CRCs, the save id), so that
+    a load can check what it reads of them."""
+    files = {}
+    for name in sorted(st.listdir(folder)):
+        swap_id = name.removesuffix(".tensor.swp").rpartition("-")[2]  # `<ds_id>` or `<state>-<ds_id>`
+        if name.endswith(".tensor.swp") and swap_id in swap.swapped:
+            path = st.join(folder, name)
+            files[name] = SwapFile(numel=swap.swapped[swap_id], nbytes=st.stat(path)[0], blocks=file_block_crcs(path))
+    record = SwapRecord(optim_file=swap.optim_file, save_id=save_id, dtype=dtype_name(swap.dtype), files=files)
+    return write_swap_record(record, folder)
 
 
 def read_swap_records(tag_dir: str) -> dict[str, tuple[str, SwapRecord]]:

@@ -47,6 +47,27 @@ log = logging.getLogger("ucp_deepspeed")
 _NON_PARAM_KEYS = ("params", "name", "moe")
 
 
+@dataclass(frozen=True)
+class LoadFlags:
+    """The `load_checkpoint` arguments that shape what is restored, as DeepSpeed names them."""
+
+    module_strict: bool = True
+    optimizer_states: bool = True
+    lr_scheduler_states: bool = True
+    module_only: bool = False
+    custom_load_fn: Any = None
+
+    def native(self) -> dict[str, Any]:
+        """The keyword arguments of DeepSpeed's own `load_checkpoint`."""
+        return {
+            "load_module_strict": self.module_strict,
+            "load_optimizer_states": self.optimizer_states,
+            "load_lr_scheduler_states": self.lr_scheduler_states,
+            "load_module_only": self.module_only,
+            "custom_load_fn": self.custom_load_fn,
+        }
+
+
 def _problems(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
     problems = []
     live_groups = {
@@ -676,9 +697,7 @@ def _under_live_names(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Param
 def restore(
     engine: Any,
     ckpt: TensorReader,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
+    flags: LoadFlags | None = None,
     *,
     check_reads: Callable[[], None] | None = None,
     gate: Gate | None = None,
@@ -690,15 +709,16 @@ def restore(
     (`commit`). Ranks read different parts of the checkpoint, so a damaged block may fail on some ranks only: the
     first failure is raised on all ranks, with the engine as it was. A failure inside the commit (out of memory,
     or the NVMe path, which cannot stage) leaves `gate` closed: the engine refuses to step or save until a load
-    succeeds.
+    succeeds. `flags` says what to restore, as `load_checkpoint`'s arguments do (everything, by default).
     """
+    flags = flags or LoadFlags()
     live = guarded(lambda: live_params(engine))
     ckpt = guarded(lambda: _under_live_names(engine, ckpt, live))
     check_compatible(engine, ckpt, live)
     # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
-    load_optimizer_states = load_optimizer_states and not load_module_only and not ckpt.manifest.weights_only
+    load_optimizer_states = flags.optimizer_states and not flags.module_only and not ckpt.manifest.weights_only
     smap = guarded(lambda: state_map(engine, ckpt)) if load_optimizer_states else None
-    staged = guarded(lambda: stage(engine, ckpt, live, smap, load_lr_scheduler_states, load_module_only))
+    staged = guarded(lambda: stage(engine, ckpt, live, smap, flags.lr_scheduler_states, flags.module_only))
     if check_reads is not None:
         check_reads()
     with (gate or Gate()).writing(ckpt.root):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import COMMIT, uncommitted_reason
 from ucp_deepspeed.format.kinds import kind_of
-from ucp_deepspeed.format.paths import latest_tag
+from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
 
@@ -84,6 +84,23 @@ def resume_tag(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
             "ucp: 'latest' names %s, which is incomplete (%s); looking for an older complete one", latest, reason
         )
     return newest_complete(ckpt_dir)
+
+
+def fallback_tag(ckpt_dir: str, refused: Sequence[str]) -> str:
+    """The tag to resume from after the `refused` ones failed to load (none, at first): `resume_tag`, or a
+    `CheckpointError` saying why there is none (the newest tag's problem)."""
+    tag = resume_tag(ckpt_dir, refused)
+    if tag is not None:
+        return tag
+    if refused:
+        raise CheckpointError(ckpt_dir, f"holds no complete checkpoint older than {refused[-1]} to fall back to")
+    newest = latest_tag(ckpt_dir) or next(reversed(list_tags(ckpt_dir)), None)
+    if newest is None:
+        raise CheckpointError(st.join(ckpt_dir, LATEST), "'latest' is empty and there are no tag folders")
+    reason = incomplete_reason(ckpt_dir, newest) or "unreadable"
+    raise CheckpointError(
+        ckpt_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}"
+    )
 
 
 def _needs(ckpt_dir: str, tag: str) -> list[str]:

@@ -1,0 +1,61 @@
+"""Build DeepSpeed's JIT ops once into the extensions cache, saying what is built and how long each took.
+
+DeepSpeed compiles its optimizer kernels at first use (ZeRO-Offload's CPU Adam, Adagrad and Lion; FusedAdam;
+async_io for NVMe offload where libaio is present) and, on the CPU, its shared-memory collectives at the first launch.
+A test launch that paid for them would run past its time limit, so `.ci/install` builds them here. The compiler's
+output goes to the log named on the command line; the terminal gets one line per op.
+
+Usage: python .ci/build_ops.py LOG
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# the first build of each on a 2-core machine, measured (the cache makes every later run a few seconds)
+OPS = {
+    "CPUAdamBuilder": "1-3 min",
+    "CPUAdagradBuilder": "1-2 min",
+    "CPULionBuilder": "1-2 min",
+    "FusedAdamBuilder": "1-2 min",
+    "AsyncIOBuilder": "1-3 min",
+    "ShareMemCommBuilder": "about 1 min",
+}
+
+
+def main(log_path: str) -> int:
+    """Build every op, one line each on the terminal; on failure, the op, the reason and where the log is."""
+    terminal = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
+    log = open(log_path, "w")  # it replaces fds 1 and 2 until the process ends: no `with`
+    # ninja and the compiler write to the process's file descriptors, not to sys.stdout
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops import op_builder
+
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR", "the torch extensions cache")
+    terminal.write(f".ci/install: building DeepSpeed's ops into {cache} (first time only; log: {log_path})\n")
+    for name, expected in OPS.items():
+        if name == "ShareMemCommBuilder":
+            builder = get_accelerator().create_op_builder(name)
+        else:
+            builder = getattr(op_builder, name)()
+        if builder is None or (name == "AsyncIOBuilder" and not builder.is_compatible(verbose=False)):
+            terminal.write(f"  {builder.NAME if builder else name}: skipped (not buildable here)\n")
+            continue
+        terminal.write(f"  {builder.NAME}: building ({expected} the first time) ... ")
+        start = time.monotonic()
+        try:
+            builder.load()
+        except Exception as exc:  # the build's own output is in the log
+            terminal.write(f"failed after {time.monotonic() - start:.0f} s: {exc}\n")
+            terminal.write(f".ci/install: the compiler's output is in {log_path}\n")
+            return 1
+        terminal.write(f"{time.monotonic() - start:.0f} s\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
