@@ -130,29 +130,26 @@ class FsspecStorage(Storage):
         yield buffer
         self.write(path, buffer.getbuffer())
 
-    def listdir(self, path: str) -> list[str]:
-        def ls() -> list[str]:
+    def _ls(self, path: str, detail: bool) -> list[Any]:
+        """One listing of a prefix (`fs.ls`); a prefix with nothing under it is empty, a missing bucket an error."""
+
+        def ls() -> list[Any]:
             try:
-                return self.fs.ls(self._key(path), detail=False, refresh=True)
+                return self.fs.ls(self._key(path), detail=detail, refresh=True)
             except FileNotFoundError as exc:
                 if "bucket" in str(exc).lower():
                     raise
                 return []
 
-        return sorted({posixpath.basename(p.rstrip("/")) for p in self._call(path, "listing", ls)})
+        return self._call(path, "listing", ls)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted({posixpath.basename(p.rstrip("/")) for p in self._ls(path, detail=False)})
 
     def sizes(self, path: str) -> dict[str, int]:
-        def ls() -> list[dict[str, Any]]:
-            try:
-                return self.fs.ls(self._key(path), detail=True, refresh=True)
-            except FileNotFoundError as exc:
-                if "bucket" in str(exc).lower():
-                    raise
-                return []
-
         return {
             posixpath.basename(e["name"].rstrip("/")): int(e["size"])
-            for e in self._call(path, "listing", ls)
+            for e in self._ls(path, detail=True)
             if e.get("type") == "file"
         }
 
