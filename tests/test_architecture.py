@@ -123,6 +123,9 @@ LOCAL_FILES = {
 }
 """The modules above `io` that may touch the local filesystem themselves, and why: none of them reads or writes a
 checkpoint file; every checkpoint object goes through `io.storage`."""
+STORE_SIDE = {"io/policy.py", "io/blob.py", "io/backend.py", "io/remote.py"}
+"""The storage modules that serve every backend, or a store's alone, and so may not touch the local filesystem either:
+of the storage layer only `io/local.py` and the facade `io/storage.py` (for local paths) may."""
 
 
 def _filesystem_calls(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -146,7 +149,7 @@ def _storage_bypasses(package: pathlib.Path) -> list[str]:
     bad = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package).as_posix()
-        if rel.startswith("io/") or rel in LOCAL_FILES:
+        if (rel.startswith("io/") and rel not in STORE_SIDE) or rel in LOCAL_FILES:
             continue
         bad += [f"{rel}:{line}: {called}" for line, called in _filesystem_calls(path)]
     return bad
@@ -162,4 +165,11 @@ def test_the_storage_check_catches_a_bypass(tmp_path):
     fake = tmp_path / "ucp_deepspeed"
     (fake / "format").mkdir(parents=True)
     (fake / "format" / "bad.py").write_text("import os\ndef f(p):\n    return os.path.isfile(p) and open(p).read()\n")
-    assert _storage_bypasses(fake) == ["format/bad.py:3: os.path.isfile", "format/bad.py:3: open"]
+    (fake / "io").mkdir()
+    (fake / "io" / "remote.py").write_text("import os\ndef f(p):\n    return os.path.exists(p)\n")
+    (fake / "io" / "local.py").write_text("import os\ndef f(p):\n    return os.path.exists(p)\n")
+    assert _storage_bypasses(fake) == [
+        "format/bad.py:3: os.path.isfile",
+        "format/bad.py:3: open",
+        "io/remote.py:3: os.path.exists",
+    ]

@@ -22,6 +22,7 @@ from s3server import s3_server
 import ucp_deepspeed.runtime.async_save
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import read_commit
+from ucp_deepspeed.io import remote
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine, snapshot
@@ -183,8 +184,8 @@ def test_a_failed_upload_fails_the_save_at_its_commit_and_commits_nothing(monkey
             bound.commit(info)
         assert read_commit(tag_dir) is None and st.read_text(f"{run}/latest") == "global_step1"
         assert not Path("s3:").exists()
-    monkeypatch.setattr(st, "RETRIES", 1)
-    monkeypatch.setattr(st, "BACKOFF", 0.01)
+    monkeypatch.setattr(remote, "RETRIES", 1)
+    monkeypatch.setattr(remote, "BACKOFF", 0.01)
     with s3_server() as down:  # the store itself goes down mid-save
         run = f"s3://{down.bucket()}/run"
         tag_dir = f"{run}/global_step2"

@@ -11,7 +11,7 @@ import torch
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io import stats
-from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.local import LocalBlob
 from ucp_deepspeed.io.torch_file import TorchFile
 
 
@@ -40,13 +40,13 @@ def test_a_run_with_gaps_is_read_in_one_request_straight_into_its_targets(archiv
     outs = [torch.empty(1000), torch.empty(2000), torch.empty(500)]
     spans = [_span(tfile, "a", 100, outs[0]), _span(tfile, "a", 1500, outs[1]), _span(tfile, "b", 0, outs[2])]
     sent: list[list[int]] = []
-    original = st._LocalBlob.readinto
+    original = LocalBlob.readinto
 
     def readinto(self, views, offset, data=True):
         sent.append([_address(v) for v in views])
         original(self, views, offset, data)
 
-    monkeypatch.setattr(st._LocalBlob, "readinto", readinto)
+    monkeypatch.setattr(LocalBlob, "readinto", readinto)
     with stats.counting() as counted:
         tfile.read_spans(spans)
     assert counted.requests == 1 and len(sent) == 1

@@ -11,7 +11,7 @@ import torch
 from s3server import SECRET, S3Server, s3_server
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.io import stats
+from ucp_deepspeed.io import remote, stats
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import TorchFile, load_file
 
@@ -100,8 +100,8 @@ def test_a_missing_bucket_or_object_is_named(s3: S3Server) -> None:
 
 
 def test_a_store_that_went_down_fails_naming_the_object_and_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(st, "RETRIES", 1)
-    monkeypatch.setattr(st, "BACKOFF", 0.01)
+    monkeypatch.setattr(remote, "RETRIES", 1)
+    monkeypatch.setattr(remote, "BACKOFF", 0.01)
     with s3_server() as down:
         bucket = down.bucket()
         st.write(f"s3://{bucket}/x", b"1")
@@ -114,13 +114,13 @@ def test_a_store_that_went_down_fails_naming_the_object_and_no_secret(monkeypatc
 
 def test_throttling_is_retried_with_a_bound(s3: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server answers 503 SlowDown: `RETRIES` of them are absorbed, one more fails naming the object."""
-    monkeypatch.setattr(st, "BACKOFF", 0.001)
+    monkeypatch.setattr(remote, "BACKOFF", 0.001)
     st.write(st.join(bucket, "o"), b"abc")
-    s3.throttle(st.RETRIES)
+    s3.throttle(remote.RETRIES)
     with stats.counting() as counted:
         assert st.read(st.join(bucket, "o")) == b"abc"
     assert counted.requests == 1  # what the caller asked for; the retries are the storage layer's
-    s3.throttle(st.RETRIES + 1)
+    s3.throttle(remote.RETRIES + 1)
     with pytest.raises(CheckpointError, match=r"/o: storage request failed while reading it \(.*reduce your request"):
         st.read(st.join(bucket, "o"))
     s3.throttle(0)

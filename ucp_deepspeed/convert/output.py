@@ -96,16 +96,11 @@ class Journal:
 
 def _still_good(out: str, record: FileRecord) -> bool:
     try:
-        handle = CheckedFile(out, record)
+        with CheckedFile(out, record) as handle:
+            handle.verify()
     except CheckpointError:
         return False
-    try:
-        handle.verify()
-        return True
-    except CheckpointError:
-        return False
-    finally:
-        handle.close()
+    return True
 
 
 def prepare_output(src: NativeCheckpoint, out: str) -> dict[str, FileRecord] | None:

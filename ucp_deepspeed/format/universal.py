@@ -173,7 +173,7 @@ def read_manifest(root: str) -> Manifest:
     return Manifest.decode(manifest, path)
 
 
-class CheckedFile:
+class CheckedFile(st.Closeable):
     """One file of a manifest, read by byte range; every block a read touches is checked once."""
 
     def __init__(self, root: str, record: FileRecord, verify: bool = True):
@@ -311,15 +311,12 @@ class CheckedFile:
 
     def close(self) -> None:
         """Release the file."""
-        blob, self._blob = getattr(self, "_blob", None), None
+        blob, self._blob = self._blob, None
         if blob is not None:
             blob.close()
 
-    def __del__(self) -> None:
-        self.close()
 
-
-class Folder:
+class Folder(st.Closeable):
     """The files a manifest lists, opened on first use for checked reads."""
 
     def __init__(self, root: str, manifest: Manifest, verify: bool = True):
@@ -347,15 +344,11 @@ class Folder:
         """Check every block of the given files (all by default); return one line per problem."""
         problems = []
         for relpath in self.records if relpaths is None else relpaths:
-            handle = None
             try:
-                handle = CheckedFile(self.root, self.records[relpath])
-                handle.verify()
+                with CheckedFile(self.root, self.records[relpath]) as handle:
+                    handle.verify()
             except CheckpointError as exc:
                 problems.append(str(exc))
-            finally:
-                if handle is not None:
-                    handle.close()
         return problems
 
     def close(self) -> None:
@@ -416,13 +409,13 @@ def is_complete(root: str) -> bool:
     return st.isfile(st.join(root, MANIFEST))
 
 
-class TensorReader(abc.ABC):
+class TensorReader(st.Closeable):
     """What a restore reads: full tensors of a checkpoint by element range, and its non-tensor state.
 
     Implemented by a universal folder (`UniversalCheckpoint`), and read in place by a native tag
     (`convert.direct.DirectCheckpoint`) and a Check-N-Run chain (`checkn_run.chain.ChainCheckpoint`).
     Call order: `manifest`/`params`/`buffers` to plan, then any number of `read`, `read_slice`,
-    `read_local` and `read_buffer`, then `load_state`, then `close`.
+    `read_local` and `read_buffer`, then `load_state`, then `close` (or all of it inside `with reader:`).
     """
 
     root: str
@@ -445,10 +438,6 @@ class TensorReader(abc.ABC):
     @abc.abstractmethod
     def load_state(self) -> dict[str, Any]:
         """The non-tensor training state: scheduler, client state, optimizer-wrapper state."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release every open file."""
 
     def read_into(self, name: str, key: str, start: int, out: torch.Tensor) -> None:
         """Fill `out` with elements [start, start+out.numel()) of a state of a full tensor; inside `batch` a reader

@@ -31,7 +31,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.checksum import combine_pieces, crc32
 from ucp_deepspeed.io.safe_pickle import PickledObject, SafeUnpickler, StorageType, TensorType, UnsafePickle
 from ucp_deepspeed.io.stats import record
-from ucp_deepspeed.io.storage import Blob, BlobFile, open_blob
+from ucp_deepspeed.io.storage import Blob, BlobFile, Closeable, open_blob
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 _CHUNK = 1 << 24
@@ -306,7 +306,7 @@ class IndexedArchive:
         self._blob.close()
 
 
-class TorchFile:
+class TorchFile(Closeable):
     """One `torch.save` zip file: its unpickled object with `LazyTensor` leaves, and checked byte-range reads.
 
     `path` is a location, or a blob already open (one item of a DCP `.distcp` file, `storage.Window`).
@@ -448,12 +448,7 @@ class TorchFile:
 
     def close(self) -> None:
         """Release the file."""
-        blob = getattr(self, "_blob", None)
-        if blob is not None:
-            blob.close()
-
-    def __del__(self) -> None:
-        self.close()
+        self._blob.close()
 
 
 def _rebuild_parameter(data: Any, *_args: Any) -> LazyTensor:
@@ -502,13 +497,10 @@ def to_bytes(obj: Any) -> memoryview:
 
 def load_file(path: str | Blob) -> Any:
     """A whole small torch file (scheduler or client state), unpickled safely, every byte checked."""
-    tfile = TorchFile(path)
-    try:
+    with TorchFile(path) as tfile:
         obj = materialize(tfile.obj)
         tfile.check_reads()
         return obj
-    finally:
-        tfile.close()
 
 
 def stamp(target: str | IO[bytes], save_id: str) -> None:
@@ -528,16 +520,13 @@ def stamp(target: str | IO[bytes], save_id: str) -> None:
 
 def save_id_of(path: str) -> str | None:
     """The save id recorded in a torch archive, or None (reads the zip directory and one small record)."""
-    blob = open_blob(path)
-    try:
+    with open_blob(path) as blob:
         infos = {i.filename: i for i in zip_directory(blob)}
         name = next((n for n in infos if n.endswith(SAVE_ID_RECORD)), None)
         if name is None:
             return None
         records = _Records(blob, list(infos.values()))
         return records.pread(*records.data_range(name)).decode("ascii", "replace")
-    finally:
-        blob.close()
 
 
 class VerifyingReader(BlobFile):

@@ -230,8 +230,7 @@ class DcpCheckpoint:
 
     def _chunk(self, entry: TensorEntry, chunk: Chunk) -> torch.Tensor:
         """One stored chunk of a tensor, every byte checked."""
-        tfile = self._open(entry.key, chunk.item)
-        try:
+        with self._open(entry.key, chunk.item) as tfile:
             lazy = tfile.obj
             if not isinstance(lazy, LazyTensor) or lazy.shape != chunk.sizes or lazy.dtype != entry.dtype:
                 raise CheckpointError(
@@ -240,8 +239,6 @@ class DcpCheckpoint:
             value = lazy.load()
             tfile.check_reads()
             return value
-        finally:
-            tfile.close()
 
     def tensor(self, key: str) -> torch.Tensor:
         """The whole tensor stored under `key`, assembled from its chunks, every byte checked."""

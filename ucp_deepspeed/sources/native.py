@@ -355,7 +355,7 @@ def _rules(layout_rules: Any, where: str) -> tuple:
         ) from None
 
 
-class NativeCheckpoint:
+class NativeCheckpoint(st.Closeable):
     """A DeepSpeed checkpoint tag: every model-parallel rank's metadata and lazily opened files.
 
     With `check` (the default) every rank file must exist and its pickle is read at once and checked
@@ -504,10 +504,8 @@ class NativeCheckpoint:
             except CheckpointError as exc:
                 problems.append(str(exc))
                 continue
-            try:
+            with tfile:
                 problems += tfile.verify()
-            finally:
-                tfile.close()
         swaps = {folder: record for rank in self.ranks for folder, record in rank.swaps.values()}
         for folder, record in sorted(swaps.items()):
             for name, entry in sorted(record.files.items()):

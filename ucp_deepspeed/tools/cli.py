@@ -92,8 +92,7 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
             "is in DeepSpeed's universal layout; import it first with "
             "load_checkpoint, or inspect the checkpoint it was made from",
         )
-    src = NativeCheckpoint(found.root, found.tag)
-    try:
+    with NativeCheckpoint(found.root, found.tag) as src:
         meta = src.meta
         keys = ["fp32"] + src.state_keys()
         params = {
@@ -124,8 +123,6 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
             **({"model": meta.model.encode()} if meta.model is not None else {}),
             "optimizer": _optimizer_summary(meta.optimizer, src.optimizer_groups()[0] or []),
         }
-    finally:
-        src.close()
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -185,14 +182,11 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
     if found.kind == "ds_universal":
         raise CheckpointError(found.path, "is in DeepSpeed's universal layout, which records no checksums")
     if found.kind == "native":
-        src = NativeCheckpoint(found.root, found.tag)
-        try:
+        with NativeCheckpoint(found.root, found.tag) as src:
             return src.verify(), (
                 "every rank file matches the CRCs in its zip directory (NVMe swap files: the CRCs their save "
                 "recorded), carries this save's id and agrees with the metadata"
             )
-        finally:
-            src.close()
     kind = kind_of(found.path) if found.tag is not None else None
     if kind is None or found.tag is None:
         raise CheckpointError(found.path, f"is a {found.kind} checkpoint, which `ucp verify` cannot check")

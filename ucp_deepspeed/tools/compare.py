@@ -82,19 +82,18 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[Manifest, Reader
             st.delete(scratch)
         return
     if found.kind == "universal":
-        ckpt = UniversalCheckpoint(found.path)
+        with UniversalCheckpoint(found.path) as ckpt:
 
-        def read_universal(name: str, key: str) -> torch.Tensor:
-            if name in ckpt.buffers:
-                return ckpt.read_buffer(name)
-            return ckpt.read(name, key).reshape(ckpt.params[name].shape)
+            def read_universal(name: str, key: str) -> torch.Tensor:
+                if name in ckpt.buffers:
+                    return ckpt.read_buffer(name)
+                return ckpt.read(name, key).reshape(ckpt.params[name].shape)
 
-        yield ckpt.manifest, read_universal
+            yield ckpt.manifest, read_universal
         return
     if found.kind != "native":
         raise CheckpointError(found.path, f"is a {found.kind} checkpoint, which `ucp diff` does not read")
-    src = NativeCheckpoint(found.root, found.tag)
-    try:
+    with NativeCheckpoint(found.root, found.tag) as src:
         tensors = {t.name: t for t in src.tensors}
 
         def read_native(name: str, key: str) -> torch.Tensor:
@@ -103,8 +102,6 @@ def opened(path: str, tag: str | None = None) -> Iterator[tuple[Manifest, Reader
 
         yield build_manifest(src), read_native
         src.check_reads()  # what was compared must be what was saved
-    finally:
-        src.close()
 
 
 def _entries(manifest: Manifest) -> dict[tuple[str, str], None]:

@@ -1,0 +1,150 @@
+"""The local filesystem as a `Storage`: ranged reads by `preadv` on a descriptor, whole writes by fsync and rename,
+and the two things only a local folder can do, take a lock and append a line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import BinaryIO
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io.atomic import atomic_file, atomic_write
+from ucp_deepspeed.io.backend import Storage
+from ucp_deepspeed.io.blob import Blob, views_after
+from ucp_deepspeed.io.stats import record
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+class LocalBlob(Blob):
+    """A local file held open by its descriptor, read with `preadv` straight into the caller's buffers."""
+
+    def __init__(self, path: str):
+        self.path, self._fd = path, -1
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(path, "file is missing") from None
+        except OSError as exc:
+            raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+        self._size = os.fstat(self._fd).st_size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def readinto(self, views: list[memoryview], offset: int, data: bool = True) -> None:
+        for first in range(0, len(views), _IOV_MAX):
+            batch = [v for v in views[first : first + _IOV_MAX] if len(v)]
+            total = sum(len(v) for v in batch)
+            if not total:
+                continue
+            record(requests=1, **{"data" if data else "metadata": total})
+            done = 0
+            while done < total:
+                got = os.preadv(self._fd, views_after(batch, done), offset + done)
+                if got <= 0:
+                    raise CheckpointError(self.path, f"truncated: nothing to read at byte {offset + done}")
+                done += got
+            offset += total
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        # the package's one finalizer: a bare descriptor, unlike a file object, is not closed when it is collected,
+        # so a reader dropped unclosed (an owner that never closes it, code outside the package) would hold it
+        # until the process exits; every reader above a blob relies on this one instead of a finalizer of its own
+        self.close()
+
+
+class LocalStorage(Storage):
+    """The local filesystem: `preadv` on a descriptor, atomic writes by fsync and rename."""
+
+    def open(self, path: str) -> Blob:
+        return LocalBlob(path)
+
+    def write(self, path: str, data: bytes | memoryview) -> None:
+        atomic_write(path, data)
+        record(writes=1, written=len(data))
+
+    def writer(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return atomic_file(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+    def sizes(self, path: str) -> dict[str, int]:
+        if not os.path.isdir(path):
+            return {}
+        with os.scandir(path) as entries:
+            return {e.name: e.stat().st_size for e in entries if e.is_file()}
+
+    def find(self, path: str) -> list[str]:
+        return sorted(
+            os.path.relpath(os.path.join(folder, name), path) for folder, _, names in os.walk(path) for name in names
+        )
+
+    def stat(self, path: str) -> tuple[int, int]:
+        found = os.stat(path)
+        return found.st_size, found.st_mtime_ns
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def mtime(self, path: str) -> float:
+        return os.path.getmtime(path)
+
+    def delete(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def commit(self, path: str, data: bytes) -> None:
+        atomic_write(path, data)
+        folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself is durable: a crash cannot undo a commit that returned
+        finally:
+            os.close(folder)
+
+
+@contextmanager
+def lock_folder(path: str, name: str, holder: str) -> Iterator[None]:
+    """Hold an exclusive lock on the local folder `path` (called `name` in the message a second `holder` logs while
+    it waits) while the block runs."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.getLogger("ucp_deepspeed").warning(
+                "ucp: %s is being written by another %s; waiting for it to finish", name, holder
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def append(path: str, line: str) -> None:
+    """Append a line to a local file, not fsynced: for logs that a crash may cut short."""
+    with open(path, "a") as f:
+        f.write(line)

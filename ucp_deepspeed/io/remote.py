@@ -1,0 +1,241 @@
+"""Any filesystem fsspec serves (S3, GCS, Azure, ...) as a `Storage`: ranged GETs of at most `MAX_REQUEST` bytes,
+whole-object PUTs, bounded retries with backoff when the store throttles, and errors that name the object and the
+reason with every secret scrubbed (`io/policy.py`)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import posixpath
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, BinaryIO, TypeVar
+
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.io.backend import Storage
+from ucp_deepspeed.io.blob import Blob, views_after
+from ucp_deepspeed.io.policy import StorageError, scrub, shown
+from ucp_deepspeed.io.stats import record
+
+_T = TypeVar("_T")
+
+RETRIES = 5
+"""Attempts after the first for a request a store throttled (503 SlowDown) or dropped; backoff doubles from
+`BACKOFF` seconds, jittered down to half, capped at 8 s: at most 7.75 s of waiting per request."""
+BACKOFF = 0.25
+
+MAX_REQUEST = 8 << 20
+"""The largest ranged GET sent to a store: a longer run is split, so that one slow request delays little."""
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A throttled or dropped request, worth sending again: s3fs turns 503 SlowDown and ServiceUnavailable into EBUSY;
+    botocore's and aiohttp's other names are matched without importing them."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EBUSY, errno.ETIMEDOUT, errno.EAGAIN):
+        return True
+    text = f"{type(exc).__name__} {exc}"
+    return any(
+        mark in text
+        for mark in (
+            "SlowDown",
+            "503",
+            "ServiceUnavailable",
+            "RequestTimeout",
+            "Throttl",
+            "ConnectionReset",
+            "ServerDisconnected",
+            "IncompleteRead",
+            "ReadTimeout",
+            "reduce your request rate",
+        )
+    )
+
+
+class FsspecStorage(Storage):
+    """Any filesystem fsspec serves, reached with ranged GETs and whole-object PUTs.
+
+    Credentials come from where the filesystem's own library finds them (for S3: the AWS environment variables,
+    `AWS_ENDPOINT_URL` for an S3-compatible store, the AWS config files) and from `options`.
+    """
+
+    def __init__(self, protocol: str, options: dict[str, Any]):
+        import fsspec  # imported here: a run that never names a URL needs none of it
+
+        self.protocol, self.options = protocol, dict(options)
+        kwargs = dict(options)
+        if protocol in ("s3", "s3a"):  # `_call` retries, with its own bound and backoff: no retries under it
+            config = dict(kwargs.get("config_kwargs") or {})
+            config.setdefault("retries", {"total_max_attempts": 1})
+            kwargs["config_kwargs"] = config
+        self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **kwargs)
+        if protocol in ("s3", "s3a"):
+            self.fs.retries = 1
+
+    def _key(self, path: str) -> str:
+        return path.split("://", 1)[1]
+
+    def _bucket(self, path: str) -> str:
+        return f"{self.protocol}://{self._key(path).split('/', 1)[0]}"
+
+    def _error(self, path: str, exc: BaseException, doing: str) -> StorageError:
+        """One clear line for a failed request: the object (or bucket) and the reason, no secret."""
+        text = scrub(f"{type(exc).__name__}: {exc}", self.options)[:300]
+        if (
+            isinstance(exc, PermissionError)
+            or "AccessDenied" in text
+            or "InvalidAccessKeyId" in text
+            or "Forbidden" in text
+        ):
+            return StorageError(
+                self._bucket(path), f"access denied while {doing} {shown(path)}: check the credentials ({text})"
+            )
+        if "NoSuchBucket" in text or "bucket does not exist" in text:
+            return StorageError(self._bucket(path), "the bucket does not exist")
+        if isinstance(exc, FileNotFoundError):
+            return StorageError(shown(path), "object is missing")
+        return StorageError(shown(path), f"storage request failed while {doing} it ({text})")
+
+    def _call(self, path: str, doing: str, fn: Callable[[], _T]) -> _T:
+        """`fn()`, retried with backoff while the store throttles or drops the request; errors named (see `_error`)."""
+        for attempt in range(RETRIES + 1):
+            try:
+                return fn()
+            except Exception as exc:  # every fsspec backend raises its own types
+                if attempt < RETRIES and _retryable(exc) and not isinstance(exc, FileNotFoundError):
+                    time.sleep(min(8.0, BACKOFF * 2**attempt) * (0.5 + random.random() / 2))
+                    continue
+                raise self._error(path, exc, doing) from None
+        raise AssertionError("unreachable")
+
+    def open(self, path: str) -> Blob:
+        return StoreBlob(self, path)
+
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        if limit is not None:
+            return super().read(path, limit)
+        data = self._call(path, "reading", lambda: self.fs.cat_file(self._key(path)))
+        record(files=1, requests=1, metadata=len(data))
+        return data
+
+    def write(self, path: str, data: bytes | memoryview) -> None:
+        self._call(path, "writing", lambda: self.fs.pipe_file(self._key(path), bytes(data)))
+        record(writes=1, written=len(data))
+
+    @contextmanager
+    def writer(self, path: str) -> Iterator[BinaryIO]:  # type: ignore[override]
+        # held in memory and sent whole: a streamed multipart upload would publish a partial object on error
+        buffer = io.BytesIO()
+        yield buffer
+        self.write(path, buffer.getbuffer())
+
+    def _ls(self, path: str, detail: bool) -> list[Any]:
+        """One listing of a prefix (`fs.ls`); a prefix with nothing under it is empty, a missing bucket an error."""
+
+        def ls() -> list[Any]:
+            try:
+                return self.fs.ls(self._key(path), detail=detail, refresh=True)
+            except FileNotFoundError as exc:
+                if "bucket" in str(exc).lower():
+                    raise
+                return []
+
+        return self._call(path, "listing", ls)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted({posixpath.basename(p.rstrip("/")) for p in self._ls(path, detail=False)})
+
+    def sizes(self, path: str) -> dict[str, int]:
+        return {
+            posixpath.basename(e["name"].rstrip("/")): int(e["size"])
+            for e in self._ls(path, detail=True)
+            if e.get("type") == "file"
+        }
+
+    def find(self, path: str) -> list[str]:
+        key = self._key(path).rstrip("/") + "/"
+        found = self._call(path, "listing", lambda: self.fs.find(key, withdirs=False))
+        return sorted(p[len(key) :] for p in found if p.startswith(key))
+
+    def stat(self, path: str) -> tuple[int, int]:
+        info = self._call(path, "looking up", lambda: self.fs.info(self._key(path), refresh=True))
+        stamp = info.get("LastModified") or info.get("mtime") or 0
+        seconds = stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+        return int(info["size"]), int(seconds * 1e9)
+
+    def exists(self, path: str) -> bool:
+        return self.isfile(path) or self.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        def probe() -> bool:
+            try:
+                return self.fs.info(self._key(path), refresh=True).get("type") == "file"
+            except FileNotFoundError as exc:
+                if "bucket" in str(exc).lower():
+                    raise
+                return False
+
+        return self._call(path, "looking up", probe)
+
+    def isdir(self, path: str) -> bool:
+        return bool(self.listdir(path))
+
+    def mtime(self, path: str) -> float:
+        def probe() -> float:
+            info = self.fs.info(self._key(path))
+            stamp = info.get("LastModified") or info.get("mtime") or 0
+            return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+
+        return self._call(path, "looking up", probe) if self.isfile(path) else 0.0
+
+    def delete(self, path: str) -> None:
+        key = self._key(path)
+        if self.isfile(path):
+            self._call(path, "deleting", lambda: self.fs.rm_file(key))
+        elif self.isdir(path):
+            self._call(path, "deleting", lambda: self.fs.rm(key, recursive=True))
+
+    def cat_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object: one ranged GET."""
+        return self._call(path, "reading", lambda: self.fs.cat_file(self._key(path), start=start, end=end))
+
+    def size(self, path: str) -> int:
+        """An object's length (one HEAD)."""
+        return int(self._call(path, "opening", lambda: self.fs.info(self._key(path))["size"]))
+
+
+class StoreBlob(Blob):
+    """An object in a store, read by ranged GETs; it holds nothing open, and its size costs one HEAD on first use."""
+
+    concurrency = 16
+
+    def __init__(self, store: FsspecStorage, path: str):
+        self.path, self._store = path, store
+        self._size: int | None = None
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            self._size = self._store.size(self.path)
+        return self._size
+
+    def readinto(self, views: list[memoryview], offset: int, data: bool = True) -> None:
+        total = sum(len(v) for v in views)
+        done = 0
+        while done < total:
+            want = min(MAX_REQUEST, total - done)
+            got = self._store.cat_range(self.path, offset + done, offset + done + want)
+            record(requests=1, copied=len(got) if data else 0, **{"data" if data else "metadata": len(got)})
+            if len(got) < want:
+                raise CheckpointError(
+                    shown(self.path), f"truncated: the object ends before byte {offset + done + want}"
+                )
+            at = 0
+            for view in views_after(views, done):
+                n = min(len(view), len(got) - at)
+                view[:n] = got[at : at + n]
+                at += n
+                if at == len(got):
+                    break
+            done += want
