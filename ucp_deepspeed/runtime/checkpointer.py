@@ -267,10 +267,11 @@ class UniversalCheckpointer:
             self.hf_config = source.hf_config
             kept = {k: v for k, v in (client or {}).items() if k in source.client_keys}
             return _Loaded(path=path, client=kept, report=source.report)
-        assert source.open is not None, source.mode
+        assert source.open is not None, source.mode  # every other mode has a reader
+        opener = source.open
         with contextlib.ExitStack() as opened:
-            # a reader one rank failed to open fails the load on every rank
-            reader = guarded(lambda: opened.enter_context(contextlib.closing(source.open())))  # type: ignore[misc]
+            # a reader one rank failed to open fails the load on every rank (and this rank's is closed)
+            reader = guarded(lambda: opened.enter_context(opener()))
             client = restore(self.engine, reader, flags, check_reads=source.check_reads, gate=self.gate)
         self.hf_config = reader.manifest.hf_config
         barrier()

@@ -166,7 +166,7 @@ class LoadPlanner:
         saved = meta.topology
         if self._native_can_load(load_dir, path, saved, live, meta, metas):
             if not checked:
-                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())
+                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())  # opening checks it
             report = LoadReport(mode=LoadMode.NATIVE, saved=saved.describe(), live=live.describe())
             return Source(
                 mode=LoadMode.NATIVE,

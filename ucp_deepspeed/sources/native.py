@@ -600,8 +600,5 @@ class NativeCheckpoint(st.Closeable):
 def refuse_fp8_state(ckpt_dir: str, tag: str, layout_rules: Any, metas: Any) -> None:
     """Refuse a reshard of `tag` whose modules saved Transformer Engine FP8 state (`NativeCheckpoint.refuse_fp8_state`),
     before a conversion writes anything."""
-    src = NativeCheckpoint(ckpt_dir, tag, layout_rules, check=False, metas=metas)
-    try:
+    with NativeCheckpoint(ckpt_dir, tag, layout_rules, check=False, metas=metas) as src:
         src.refuse_fp8_state()
-    finally:
-        src.close()
