@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from ucp_deepspeed.compat.deepspeed import (
     ZERO_STAGE_ENUM,
+    ExpertContainer,
+    ExpertParallel,
     ExpertStack,
+    LayerFile,
     autoep_groups,
     autoep_stack,
     autotp_meta,
@@ -46,6 +49,8 @@ from ucp_deepspeed.compat.deepspeed import (
     zero_world_size,
 )
 from ucp_deepspeed.compat.megatron import (
+    GroupedExperts,
+    MegatronSplit,
     is_megatron_module,
     is_megatron_moe,
     is_megatron_transformer_layer,
@@ -58,6 +63,7 @@ from ucp_deepspeed.compat.megatron import (
 )
 from ucp_deepspeed.compat.optimizers import (
     Kernel,
+    StepCount,
     optimizer_kernel,
     scalar_device,
 )
@@ -66,6 +72,7 @@ from ucp_deepspeed.compat.torch import (
     user_safe_globals,
 )
 from ucp_deepspeed.compat.transformers import (
+    Hook,
     accelerate_state_restore,
     hf_model_config,
     trainer_rng_restore,
@@ -73,7 +80,11 @@ from ucp_deepspeed.compat.transformers import (
 from ucp_deepspeed.compat.zero import (
     FlatGroup,
     NvmeSwap,
+    OwnedFragment,
+    OwnedState,
     SubGroup,
+    Zero3Partition,
+    Zero3Position,
     full_shape,
     is_bf16_optimizer,
     is_zero3_param,
@@ -84,6 +95,7 @@ from ucp_deepspeed.compat.zero import (
     relink_optimizer_states,
     storage_dtype,
     update_lp_params,
+    zero3_fragment,
     zero3_partition,
     zero3_partition_numel,
     zero3_position,
@@ -97,11 +109,22 @@ from ucp_deepspeed.compat.zero import (
 __all__ = [
     "ZERO_STAGE_ENUM",
     "DcpWriter",
+    "ExpertContainer",
+    "ExpertParallel",
     "ExpertStack",
     "FlatGroup",
+    "GroupedExperts",
+    "Hook",
     "Kernel",
+    "LayerFile",
+    "MegatronSplit",
     "NvmeSwap",
+    "OwnedFragment",
+    "OwnedState",
+    "StepCount",
     "SubGroup",
+    "Zero3Partition",
+    "Zero3Position",
     "accelerate_state_restore",
     "autoep_groups",
     "autoep_stack",
@@ -149,6 +172,7 @@ __all__ = [
     "ulysses_outside_zero",
     "update_lp_params",
     "user_safe_globals",
+    "zero3_fragment",
     "zero3_partition",
     "zero3_partition_numel",
     "zero3_position",

@@ -153,8 +153,15 @@ def data_parallel_rank(engine: Any) -> int:
     return dist.get_rank(group=engine.seq_data_parallel_group)
 
 
-def pipeline_layer_files(module: Any) -> dict[str, tuple[str, str]]:
-    """Where a `PipelineModule` saves each tensor of its layers: module name -> (layer file name, key in it).
+class LayerFile(NamedTuple):
+    """Where a `PipelineModule` saves one tensor of a layer: the layer file's name, and the tensor's key in it."""
+
+    file: str
+    key: str
+
+
+def pipeline_layer_files(module: Any) -> dict[str, LayerFile]:
+    """Where a `PipelineModule` saves each tensor of its layers, by module name.
 
     DeepSpeed writes each layer's `state_dict` to `layer_XX[-model_YY]-model_states.pt` (XX the global
     layer index) instead of the model-states file; a tied layer once per stage that builds it with a
@@ -166,27 +173,36 @@ def pipeline_layer_files(module: Any) -> dict[str, tuple[str, str]]:
     if not isinstance(module, PipelineModule):
         return {}
     path_of = {id(sub): path for path, sub in module.named_modules()}
-    out: dict[str, tuple[str, str]] = {}
+    out: dict[str, LayerFile] = {}
     for local_idx, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "state_dict") or id(layer) not in path_of:
             continue
         file = module.ckpt_layer_path("", local_idx)
         for key in layer.state_dict():
-            out.setdefault(f"{path_of[id(layer)]}.{key}", (file, key))
+            out.setdefault(f"{path_of[id(layer)]}.{key}", LayerFile(file=file, key=key))
     return out
 
 
 # --- mixture of experts: DeepSpeed's expert groups, widened to megatron-core's MoE layers --------------
 
 
-def expert_parallel(group: str) -> tuple[int, int, int]:
-    """(expert-parallel size, expert-parallel rank, expert-data-parallel rank) of a DeepSpeed expert group."""
+class ExpertParallel(NamedTuple):
+    """This rank's place in a DeepSpeed expert group: the expert-parallel size, its expert-parallel rank, and its rank
+    among the replicas of its experts (expert-data-parallel)."""
+
+    ep_size: int
+    ep_rank: int
+    edp_rank: int
+
+
+def expert_parallel(group: str) -> ExpertParallel:
+    """This rank's place in a DeepSpeed expert group (what decides which experts, and which files of them, it holds)."""
     from deepspeed.utils import groups
 
-    return (
-        groups._get_expert_parallel_world_size(group),
-        groups._get_expert_parallel_rank(group),
-        groups._get_expert_data_parallel_rank(group),
+    return ExpertParallel(
+        ep_size=groups._get_expert_parallel_world_size(group),
+        ep_rank=groups._get_expert_parallel_rank(group),
+        edp_rank=groups._get_expert_data_parallel_rank(group),
     )
 
 
@@ -231,17 +247,28 @@ def deepspeed_sees_megatron_moe() -> Iterator[None]:
         ds_engine.MoE = original
 
 
-def expert_container(module: Any) -> tuple[str, int, str] | None:
-    """(path of the local experts inside `module`, how many, expert group name) for a DeepSpeed `MoE` or a
-    registered megatron-core `MoELayer`; None for anything else."""
+class ExpertContainer(NamedTuple):
+    """Where an MoE layer keeps its local experts: their path inside the layer (a prefix ending in `.`), how many
+    there are, and the expert group they belong to."""
+
+    path: str
+    num_local: int
+    group: str
+
+
+def expert_container(module: Any) -> ExpertContainer | None:
+    """Where a DeepSpeed `MoE` or a registered megatron-core `MoELayer` keeps its local experts, whose ids restart on
+    each expert-parallel rank; None for anything else."""
     if not (hasattr(module, "num_local_experts") and hasattr(module, "expert_group_name")):
         return None
     kind = type(module).__module__
     if kind.startswith("deepspeed.moe"):
-        return "deepspeed_moe.experts.deepspeed_experts.", int(module.num_local_experts), module.expert_group_name
-    if kind.startswith("megatron.core.transformer.moe"):
-        return "experts.local_experts.", int(module.num_local_experts), module.expert_group_name
-    return None
+        path = "deepspeed_moe.experts.deepspeed_experts."
+    elif kind.startswith("megatron.core.transformer.moe"):
+        path = "experts.local_experts."
+    else:
+        return None
+    return ExpertContainer(path=path, num_local=int(module.num_local_experts), group=module.expert_group_name)
 
 
 # --- AutoTP and AutoEP: how their layers cut a Hugging Face model's parameters -------------------------
@@ -284,9 +311,9 @@ def autoep_stack(p: Any) -> ExpertStack | None:
     if not isinstance(meta, dict):
         return None
     return ExpertStack(
-        int(meta[AUTOEP_EXPERT_PLACEMENT]["ep_size"]),
-        int(meta[AUTOEP_PARAM_EP_RANK]),
-        tuple(int(e) for e in meta[AUTOEP_PARAM_LOCAL_EXPERTS]),
+        ep_size=int(meta[AUTOEP_EXPERT_PLACEMENT]["ep_size"]),
+        ep_rank=int(meta[AUTOEP_PARAM_EP_RANK]),
+        experts=tuple(int(e) for e in meta[AUTOEP_PARAM_LOCAL_EXPERTS]),
     )
 
 

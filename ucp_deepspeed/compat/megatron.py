@@ -6,9 +6,10 @@ megatron-core is imported inside the functions that need it, so the `ucp` comman
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def is_megatron_moe(module: Any) -> bool:
@@ -16,12 +17,21 @@ def is_megatron_moe(module: Any) -> bool:
     return type(module).__name__ == "MoELayer" and type(module).__module__.startswith("megatron.core.transformer.moe")
 
 
-def megatron_grouped_experts(module: Any) -> str | None:
-    """`te` for megatron-core's TEGroupedMLP (one weight per local expert: `linear_fc1.weight<i>`), `fused` for its
-    GroupedMLP (all local experts in one `weight1` / `weight2`), None for anything else."""
+class GroupedExperts(enum.Enum):
+    """How a megatron-core grouped-GEMM expert module keeps its local experts' weights."""
+
+    TE = "te"
+    """TEGroupedMLP: one weight per local expert (`linear_fc1.weight<i>`)."""
+    FUSED = "fused"
+    """GroupedMLP: all local experts in one `weight1` / `weight2`."""
+
+
+def megatron_grouped_experts(module: Any) -> GroupedExperts | None:
+    """How a megatron-core grouped-GEMM expert module keeps its experts' weights (their names differ from
+    SequentialMLP's); None for anything else."""
     if not type(module).__module__.startswith("megatron.core.transformer.moe"):
         return None
-    return {"TEGroupedMLP": "te", "GroupedMLP": "fused"}.get(type(module).__name__)
+    return {"TEGroupedMLP": GroupedExperts.TE, "GroupedMLP": GroupedExperts.FUSED}.get(type(module).__name__)
 
 
 def is_megatron_transformer_layer(module: Any) -> bool:
@@ -44,15 +54,23 @@ def is_megatron_module(module: Any) -> bool:
     return type(module).__module__.startswith("megatron.core")
 
 
-def megatron_split(p: Any) -> tuple[int, int, bool] | None:
-    """(split dim, fused parts, is the vocab-parallel embedding/output) of a megatron-core tensor-parallel
-    parameter; None when it is replicated."""
+class MegatronSplit(NamedTuple):
+    """How megatron-core splits a tensor-parallel parameter: the dimension, how many fused parts each rank's slice
+    holds (`partition_stride`: 2 for a gated MLP's fc1), and whether it is the vocab-parallel embedding or output."""
+
+    dim: int
+    stride: int
+    vocab_parallel: bool
+
+
+def megatron_split(p: Any) -> MegatronSplit | None:
+    """How megatron-core splits a tensor-parallel parameter over its ranks; None when it is replicated."""
     if not getattr(p, "tensor_model_parallel", False):
         return None
-    return (
-        int(p.partition_dim),
-        int(getattr(p, "partition_stride", 1)),
-        bool(getattr(p, "is_embedding_or_output_parameter", False)),
+    return MegatronSplit(
+        dim=int(p.partition_dim),
+        stride=int(getattr(p, "partition_stride", 1)),
+        vocab_parallel=bool(getattr(p, "is_embedding_or_output_parameter", False)),
     )
 
 

@@ -4,8 +4,22 @@ and CPU Adam, Adagrad, Lion), recognised by class name and their own switches (`
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
+
+
+class StepCount(enum.Enum):
+    """How an optimizer kernel counts its steps, which decides how a saved count is restored into it."""
+
+    TENSOR = "tensor"
+    """torch's: a scalar tensor per parameter."""
+    INT = "int"
+    """DeepSpeed's kernels: a Python int per group."""
+    NONE = "none"
+    """SGD: no count."""
+    AS_SAVED = "as_saved"
+    """A class outside torch and the table: the saved value is restored as it is."""
 
 
 @dataclass(frozen=True)
@@ -13,14 +27,13 @@ class Kernel:
     """How one optimizer class keeps the state of its algorithm.
 
     `algorithm` names the update rule (`adam`, `adamw`, `adagrad`, `lion`, `sgd`; another class's own name);
-    `step` is how it counts steps: `tensor` (torch's, per parameter), `int` (DeepSpeed's kernels), `none`
-    (SGD), or `as_saved` for a class outside torch and the table. `states` maps its state names to the algorithm's
-    (torch's: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `sum`, `momentum_buffer`) where they differ.
+    `step` is how it counts steps. `states` maps its state names to the algorithm's (torch's: `exp_avg`, `exp_avg_sq`,
+    `max_exp_avg_sq`, `sum`, `momentum_buffer`) where they differ.
     """
 
     qualname: str
     algorithm: str
-    step: str
+    step: StepCount
     states: dict[str, str]
 
 
@@ -31,28 +44,28 @@ def optimizer_kernel(opt: Any) -> Kernel:
     decoupled = bool(getattr(opt, "adam_w_mode", getattr(opt, "adamw_mode", True)))
     groups = getattr(opt, "param_groups", None) or [{}]
     table = {
-        "torch.optim.adamw.AdamW": ("adamw", "tensor", {}),
+        "torch.optim.adamw.AdamW": ("adamw", StepCount.TENSOR, {}),
         "torch.optim.adam.Adam": (
             "adamw" if any(g.get("decoupled_weight_decay") for g in groups) else "adam",
-            "tensor",
+            StepCount.TENSOR,
             {},
         ),
-        "deepspeed.ops.adam.fused_adam.FusedAdam": ("adamw" if decoupled else "adam", "int", {}),
-        "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam": ("adamw" if decoupled else "adam", "int", {}),
-        "torch.optim.adagrad.Adagrad": ("adagrad", "tensor", {}),
-        "deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad": ("adagrad", "int", {"exp_avg_sq": "sum"}),
-        "deepspeed.ops.lion.cpu_lion.DeepSpeedCPULion": ("lion", "int", {}),
-        "deepspeed.ops.lion.fused_lion.FusedLion": ("lion", "int", {}),
-        "torch.optim.sgd.SGD": ("sgd", "none", {}),
+        "deepspeed.ops.adam.fused_adam.FusedAdam": ("adamw" if decoupled else "adam", StepCount.INT, {}),
+        "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam": ("adamw" if decoupled else "adam", StepCount.INT, {}),
+        "torch.optim.adagrad.Adagrad": ("adagrad", StepCount.TENSOR, {}),
+        "deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad": ("adagrad", StepCount.INT, {"exp_avg_sq": "sum"}),
+        "deepspeed.ops.lion.cpu_lion.DeepSpeedCPULion": ("lion", StepCount.INT, {}),
+        "deepspeed.ops.lion.fused_lion.FusedLion": ("lion", StepCount.INT, {}),
+        "torch.optim.sgd.SGD": ("sgd", StepCount.NONE, {}),
     }
     # torch's other optimizers keep per-parameter tensor steps too; another library's are left as saved
-    other: tuple[str, str, dict[str, str]] = (
+    other: tuple[str, StepCount, dict[str, str]] = (
         cls.__name__,
-        "tensor" if qualname.startswith("torch.optim.") else "as_saved",
+        StepCount.TENSOR if qualname.startswith("torch.optim.") else StepCount.AS_SAVED,
         {},
     )
     algorithm, step, states = table.get(qualname, other)
-    return Kernel(qualname, algorithm, step, states)
+    return Kernel(qualname=qualname, algorithm=algorithm, step=step, states=states)
 
 
 def scalar_device(group: dict[str, Any], flat: Any) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def hf_model_config(module: Any) -> dict[str, Any] | None:
@@ -19,20 +19,27 @@ def hf_model_config(module: Any) -> dict[str, Any] | None:
     return json.loads(module.config.to_json_string(use_diff=False))
 
 
-def trainer_rng_restore() -> tuple[Any, str] | None:
-    """(owner, attribute) of the HF Trainer's per-process RNG restore (a private method); None without transformers."""
+class Hook(NamedTuple):
+    """A function another library looks up by name when it runs: the object that holds it and the attribute name,
+    so `install()` can replace it there and `uninstall()` put it back."""
+
+    owner: Any
+    name: str
+
+
+def trainer_rng_restore() -> Hook | None:
+    """The HF Trainer's per-process RNG restore (a private method); None without transformers."""
     try:
         import transformers.trainer as trainer
     except ImportError:
         return None
-    return trainer.Trainer, "_load_rng_state"
+    return Hook(owner=trainer.Trainer, name="_load_rng_state")
 
 
-def accelerate_state_restore() -> tuple[Any, str] | None:
-    """(owner, attribute) of the function `Accelerator.load_state` calls by its module-level name; None without
-    accelerate."""
+def accelerate_state_restore() -> Hook | None:
+    """The function `Accelerator.load_state` calls by its module-level name; None without accelerate."""
     try:
         import accelerate.accelerator as accelerator
     except ImportError:
         return None
-    return accelerator, "load_accelerator_state"
+    return Hook(owner=accelerator, name="load_accelerator_state")

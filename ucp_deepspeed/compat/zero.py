@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ucp_deepspeed.compat.deepspeed import base_optimizer
 
@@ -28,13 +28,27 @@ def storage_dtype(p: Any) -> Any:
     return p.ds_tensor.dtype if is_zero3_param(p) else p.dtype
 
 
-def zero3_partition(p: Any) -> tuple[Any, int, int]:
-    """(this rank's partition tensor, its first element in the flattened parameter, its valid length)."""
+class Zero3Partition(NamedTuple):
+    """This rank's partition of a ZeRO-3 parameter: the partition tensor, its first element in the flattened
+    parameter, and how many of its elements are the parameter's (the rest is padding)."""
+
+    tensor: Any
+    start: int
+    numel: int
+
+
+def zero3_partition(p: Any) -> Zero3Partition:
+    """This rank's partition of a ZeRO-3 parameter (a frozen one is read and written through it)."""
     import torch.distributed as dist
 
     partition = p.ds_tensor.numel()
     start = dist.get_rank(group=p.ds_process_group) * partition
-    return p.ds_tensor, start, max(0, min(partition, p.ds_numel - start))
+    return Zero3Partition(tensor=p.ds_tensor, start=start, numel=max(0, min(partition, p.ds_numel - start)))
+
+
+def zero3_partition_numel(p: Any) -> int:
+    """How many elements of a ZeRO-3 parameter each rank's partition holds (padding included)."""
+    return int(p.partition_numel())
 
 
 def is_bf16_optimizer(opt: Any) -> bool:
@@ -67,57 +81,82 @@ def zero12_groups(opt: Any) -> list[FlatGroup]:
         else:
             params, offsets = list(opt.round_robin_bit16_groups[i]), [int(o) for o in opt.round_robin_bit16_offsets[i]]
         fp32 = opt.fp32_groups_flat_partition[i] if bf16 else opt.single_partition_of_fp32_groups[i]
-        out.append(
-            FlatGroup(params, offsets, flat.numel(), dist.get_world_size(group=opt.real_dp_process_group[i]), fp32)
-        )
+        dp = dist.get_world_size(group=opt.real_dp_process_group[i])
+        out.append(FlatGroup(params=params, offsets=offsets, numel=flat.numel(), dp=dp, fp32=fp32))
     return out
 
 
-def zero12_fragment(lp: Any) -> tuple[int, int, int, Any] | None:
-    """(first element in the parameter, first element in the rank's fp32 partition, length, the fp32 view)
-    of the piece of a ZeRO-1/2 parameter this rank owns; None when it owns none."""
+class OwnedFragment(NamedTuple):
+    """The piece of a trainable parameter's fp32 master one rank owns, under ZeRO-1/2 or ZeRO-3: its first element
+    in the flattened parameter, its first element in the rank's flat fp32 partition, its length, and a view of it."""
+
+    start: int
+    offset: int
+    numel: int
+    fp32: Any
+
+
+def zero12_fragment(lp: Any) -> OwnedFragment | None:
+    """The piece of a ZeRO-1/2 parameter this rank owns (DeepSpeed's `_hp_mapping`); None when it owns none."""
     mapping = lp._hp_mapping
     if mapping is None:
         return None
-    return (
-        mapping.lp_fragment_address.start,
-        mapping.hp_fragment_address.start,
-        mapping.lp_fragment_address.numel,
-        mapping.hp_fragment,
+    return OwnedFragment(
+        start=mapping.lp_fragment_address.start,
+        offset=mapping.hp_fragment_address.start,
+        numel=mapping.lp_fragment_address.numel,
+        fp32=mapping.hp_fragment,
     )
 
 
-def owned_fragments(engine: Any, keys: list[str]) -> Callable[[Any], tuple[int, dict[str, Any]] | None]:
-    """For a trainable parameter of a ZeRO-1/2/3 engine: (its first element this rank holds, {"fp32": that piece of
-    the fp32 master, key: that piece of each optimizer state}), views into the engine's own tensors; None when this
-    rank holds none of it."""
+def zero3_fragment(opt: Any, p: Any) -> OwnedFragment:
+    """The piece of a ZeRO-3 parameter this rank owns, in its sub-group's flat fp32 partition; of length 0 when the
+    rank's partition holds only padding."""
     import math
 
+    position = zero3_position(opt, p)
+    numel = max(0, min(position.partition, math.prod(full_shape(p)) - position.start))
+    flat = opt.fp32_partitioned_groups_flat[position.sub_group]
+    return OwnedFragment(
+        start=position.start, offset=position.offset, numel=numel, fp32=flat.narrow(0, position.offset, numel)
+    )
+
+
+class OwnedState(NamedTuple):
+    """What a rank holds of a trainable parameter: its first element, and views of that piece into the engine's own
+    tensors: `"fp32"` for the fp32 master, and each optimizer state by its key."""
+
+    start: int
+    tensors: dict[str, Any]
+
+
+def owned_fragments(engine: Any, keys: list[str]) -> Callable[[Any], OwnedState | None]:
+    """For a trainable parameter of a ZeRO-1/2/3 engine: the piece of it and of its optimizer states `keys` this rank
+    holds, as views into the engine's own tensors; None when this rank holds none of it."""
     opt = engine.optimizer
     state = base_optimizer(engine).state
+
+    def zero3(p: Any) -> OwnedFragment | None:
+        piece = zero3_fragment(opt, p)
+        return piece if piece.numel else None
+
+    fragment: Callable[[Any], OwnedFragment | None]
     if int(engine.zero_optimization_stage()) == 3:
+        flats = {id(p): sub.fp32 for sub in zero3_subgroups(opt) for p in sub.params}
+        fragment = zero3
+    else:
+        flats = {id(lp): group.fp32 for group in zero12_groups(opt) for lp in group.params}
+        fragment = zero12_fragment
 
-        def zero3(p: Any) -> tuple[int, dict[str, Any]] | None:
-            sub, offset, partition, start = zero3_position(opt, p)
-            numel = min(partition, math.prod(full_shape(p)) - start)
-            if numel <= 0:
-                return None
-            flat = opt.fp32_partitioned_groups_flat[sub]
-            held = state.get(flat, {})
-            return start, {"fp32": flat.narrow(0, offset, numel), **{k: held[k].narrow(0, offset, numel) for k in keys}}
-
-        return zero3
-    flats = {id(lp): group.fp32 for group in zero12_groups(opt) for lp in group.params}
-
-    def zero12(p: Any) -> tuple[int, dict[str, Any]] | None:
-        fragment = zero12_fragment(p)
-        if fragment is None:
+    def owned(p: Any) -> OwnedState | None:
+        piece = fragment(p)
+        if piece is None:
             return None
-        start, hp_start, numel, hp = fragment
         held = state.get(flats[id(p)], {})
-        return start, {"fp32": hp, **{k: held[k].narrow(0, hp_start, numel) for k in keys}}
+        narrowed = {k: held[k].narrow(0, piece.offset, piece.numel) for k in keys}
+        return OwnedState(start=piece.start, tensors={"fp32": piece.fp32, **narrowed})
 
-    return zero12
+    return owned
 
 
 def update_lp_params(opt: Any) -> None:
@@ -148,19 +187,34 @@ def zero3_subgroups(opt: Any) -> list[SubGroup]:
     """The sub-groups of a ZeRO-3 optimizer, in order."""
     return [
         SubGroup(
-            int(opt.sub_group_to_group_id[i]),
-            list(params),
-            opt.fp32_partitioned_groups_flat[i],
-            opt.fp16_partitioned_groups_flat[i],
+            group=int(opt.sub_group_to_group_id[i]),
+            params=list(params),
+            fp32=opt.fp32_partitioned_groups_flat[i],
+            lp=opt.fp16_partitioned_groups_flat[i],
         )
         for i, params in enumerate(opt.fp16_groups)
     ]
 
 
-def zero3_position(opt: Any, p: Any) -> tuple[int, int, int, int]:
-    """(sub-group, offset in its flat buffer, partition size, first element this rank holds) of a ZeRO-3 parameter."""
-    flat, offset, partition = opt.grad_position[opt.get_param_id(p)]
-    return int(flat), int(offset), int(partition), int(opt._get_param_partition_rank(p)) * int(partition)
+class Zero3Position(NamedTuple):
+    """Where a ZeRO-3 parameter sits: its sub-group, its offset in the sub-group's flat buffers, the size of its
+    partition on each rank (padding included), and the first element this rank's partition holds."""
+
+    sub_group: int
+    offset: int
+    partition: int
+    start: int
+
+
+def zero3_position(opt: Any, p: Any) -> Zero3Position:
+    """Where a ZeRO-3 parameter sits in its sub-group's flat buffers, and which of its elements this rank holds."""
+    sub_group, offset, partition = opt.grad_position[opt.get_param_id(p)]
+    return Zero3Position(
+        sub_group=int(sub_group),
+        offset=int(offset),
+        partition=int(partition),
+        start=int(opt._get_param_partition_rank(p)) * int(partition),
+    )
 
 
 @dataclass(frozen=True)
@@ -200,10 +254,10 @@ def nvme_swap(engine: Any, save_dir: str, tag: str) -> NvmeSwap | None:
         if opt._swappable_optimizer_subgroup(i)
     }
     return NvmeSwap(
-        f"rank{rank:02d}",
-        st.basename(engine._get_zero_ckpt_name(save_dir, tag)),
-        opt.master_weights_and_grads_dtype,
-        swapped,
+        folder=f"rank{rank:02d}",
+        optim_file=st.basename(engine._get_zero_ckpt_name(save_dir, tag)),
+        dtype=opt.master_weights_and_grads_dtype,
+        swapped=swapped,
     )
 
 
@@ -230,8 +284,3 @@ def zero3_regather(opt: Any) -> None:
     if opt.persistent_parameters:
         opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
     opt.invalidate_secondary_tensor()
-
-
-def zero3_partition_numel(p: Any) -> int:
-    """How many elements of a ZeRO-3 parameter each rank's partition holds (padding included)."""
-    return int(p.partition_numel())
