@@ -68,12 +68,11 @@ def direct(eng: Any, values: dict[int, torch.Tensor], stage: int) -> None:
         for sub in compat.zero3_subgroups(opt):
             state = opt.optimizer.state[sub.fp32]
             for p in sub.params:
-                position = compat.zero3_position(opt, p)
-                n = min(position.partition, values[id(p)].numel() - position.start)
-                src = values[id(p)].view(-1)[position.start : position.start + n]
-                sub.fp32.data.narrow(0, position.offset, n).copy_(src)
+                piece = compat.zero3_fragment(opt, p)
+                src = values[id(p)].view(-1)[piece.start : piece.start + piece.numel]
+                piece.fp32.data.copy_(src)
                 for key in KEYS:
-                    state[key].narrow(0, position.offset, n).copy_(src)
+                    state[key].narrow(0, piece.offset, piece.numel).copy_(src)
         return
     for group in compat.zero12_groups(opt):
         state = opt.optimizer.state[group.fp32]

@@ -85,9 +85,8 @@ def _held(engine: Any, stage: int, keys: dict[str, tuple[str, ...]]) -> list[tup
                 out.append((name, 0, {VALUE: p.detach().flatten().clone()}))
             continue
         if stage == 3:
-            position = compat.zero3_position(engine.optimizer, p)
-            start = position.start
-            numel = max(0, min(position.partition, p.ds_numel - start))
+            piece = compat.zero3_fragment(engine.optimizer, p)
+            start, numel = piece.start, piece.numel
             values = {FP32: safe_get_local_fp32_param(p)}
             values.update({k: safe_get_local_optimizer_state(p, k) for k in keys[name]})
         elif p._hp_mapping is not None:

@@ -10,7 +10,6 @@ then refresh the low-precision weights from the fp32 masters.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -508,13 +507,12 @@ def _stage_subgroup(
     covered = []
     with ckpt.batch():
         for p in sub.params:
-            _, offset, partition, start = compat.zero3_position(opt, p)
-            numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
-            value = torch.empty(numel, dtype=torch.float32)
-            out.copies.append((flat.data.narrow(0, offset, numel), read(p, FP32, start, numel, value)))
+            piece = compat.zero3_fragment(opt, p)
+            value = torch.empty(piece.numel, dtype=torch.float32)
+            out.copies.append((piece.fp32.data, read(p, FP32, piece.start, piece.numel, value)))
             for k, saved in keys.items():
-                read(p, saved, start, numel, bufs[k].narrow(0, offset, numel))
-            covered.append((offset, numel))
+                read(p, saved, piece.start, piece.numel, bufs[k].narrow(0, piece.offset, piece.numel))
+            covered.append((piece.offset, piece.numel))
     _zero_uncovered(bufs, covered)
     if smap is not None:
         out.installs.append(_state_install(opt.optimizer, sub.group, flat, ckpt, smap, bufs))
