@@ -49,8 +49,8 @@ def public(eng: Any, values: dict[int, torch.Tensor], stage: int) -> None:
     for p in eng.module.parameters():
         value = values[id(p)]
         if stage == 3:
-            _, start, n = compat.zero3_partition(p)
-            local = value.view(-1)[start : start + n]
+            part = compat.zero3_partition(p)
+            local = value.view(-1)[part.start : part.start + part.numel]
             safe_set_local_fp32_param(p, local)
             for key in KEYS:
                 safe_set_local_optimizer_state(p, local, key)
@@ -68,21 +68,20 @@ def direct(eng: Any, values: dict[int, torch.Tensor], stage: int) -> None:
         for sub in compat.zero3_subgroups(opt):
             state = opt.optimizer.state[sub.fp32]
             for p in sub.params:
-                _, offset, partition, start = compat.zero3_position(opt, p)
-                n = min(partition, values[id(p)].numel() - start)
-                src = values[id(p)].view(-1)[start : start + n]
-                sub.fp32.data.narrow(0, offset, n).copy_(src)
+                piece = compat.zero3_fragment(opt, p)
+                src = values[id(p)].view(-1)[piece.start : piece.start + piece.numel]
+                piece.fp32.data.copy_(src)
                 for key in KEYS:
-                    state[key].narrow(0, offset, n).copy_(src)
+                    state[key].narrow(0, piece.offset, piece.numel).copy_(src)
         return
     for group in compat.zero12_groups(opt):
         state = opt.optimizer.state[group.fp32]
         for p in group.params:
-            start, hp_start, n, hp = compat.zero12_fragment(p)
-            src = values[id(p)].view(-1)[start : start + n]
-            hp.data.copy_(src)
+            piece = compat.zero12_fragment(p)
+            src = values[id(p)].view(-1)[piece.start : piece.start + piece.numel]
+            piece.fp32.data.copy_(src)
             for key in KEYS:
-                state[key].narrow(0, hp_start, n).copy_(src)
+                state[key].narrow(0, piece.offset, piece.numel).copy_(src)
 
 
 def median_ms(fn: Callable[[], None], runs: int = 5) -> float:

@@ -71,14 +71,18 @@ def test_every_import_goes_down_the_layers():
 
 
 def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
-    """A test that cannot fail is a defect: an io module importing the runtime must be reported."""
+    """A test that cannot fail is a defect: an io module importing the runtime must be reported, and so must a module of
+    the `compat` package importing a layer above it (any layer may import `compat`, not the reverse)."""
     fake = tmp_path / "ucp_deepspeed"
     (fake / "io").mkdir(parents=True)
     (fake / "io" / "bad.py").write_text("def f():\n    from ucp_deepspeed.runtime.engine import attach\n")
     (fake / "checkn_run").mkdir()
     (fake / "checkn_run" / "x.py").write_text("import ucp_deepspeed.hf.names\n")
+    (fake / "compat").mkdir()
+    (fake / "compat" / "zero.py").write_text("from ucp_deepspeed.naming.model import infos\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     found = _violations()
+    assert any("compat/zero.py:1 imports ucp_deepspeed.naming.model" in v for v in found), found
     assert any("io/bad.py:2 imports ucp_deepspeed.runtime.engine" in v for v in found), found
     assert any("extension checkn_run imports extension hf" in v for v in found), found
 
@@ -113,7 +117,7 @@ FILESYSTEM = {
 }
 FILESYSTEM_MODULES = ("os.path.", "shutil.", "glob.")
 LOCAL_FILES = {
-    "compat.py": "DeepSpeed's recovery scripts, read from its own package",
+    "compat/deepspeed.py": "DeepSpeed's recovery scripts, read from its own package",
     "runtime/config.py": "the ds_config file the user names",
     "naming/rules.py": "a layout-rules file the user names",
     "run.py": "the training script's folder, put on sys.path",

@@ -143,9 +143,9 @@ def test_zero12_fragment(zero12):
     for p in zero12.module.parameters():
         if not p.requires_grad:
             continue
-        start, hp_start, numel, hp = compat.zero12_fragment(p)
-        assert (start, numel) == (0, p.numel()) and hp_start >= 0
-        assert torch.equal(hp.view(p.shape), safe_get_full_fp32_param(p))
+        piece = compat.zero12_fragment(p)
+        assert (piece.start, piece.numel) == (0, p.numel()) and piece.offset >= 0
+        assert torch.equal(piece.fp32.view(p.shape), safe_get_full_fp32_param(p))
 
 
 def test_relink_optimizer_states(zero12):
@@ -167,8 +167,8 @@ def test_zero3_params(zero3):
     assert compat.full_shape(weight) == (10, 6) and weight.numel() == 0
     assert compat.storage_dtype(weight) == torch.float32
     assert compat.zero3_partition_numel(weight) == 60
-    tensor, start, numel = compat.zero3_partition(frozen)
-    assert (start, numel) == (0, 6) and tensor.numel() >= 6
+    part = compat.zero3_partition(frozen)
+    assert (part.start, part.numel) == (0, 6) and part.tensor.numel() >= 6
 
 
 def test_zero3_subgroups_and_position(zero3):
@@ -178,10 +178,47 @@ def test_zero3_subgroups_and_position(zero3):
     for sub in subs:
         assert sub.fp32.dtype == torch.float32 and sub.lp.numel() == sub.fp32.numel()
         for p in sub.params:
-            index, offset, partition, first = compat.zero3_position(opt, p)
-            assert subs[index] is not None and first == 0
-            assert partition == math.prod(compat.full_shape(p))
-            assert offset + partition <= sub.fp32.numel()
+            position = compat.zero3_position(opt, p)
+            assert subs[position.sub_group] is sub and position.start == 0
+            assert position.partition == math.prod(compat.full_shape(p))
+            assert position.offset + position.partition <= sub.fp32.numel()
+
+
+def test_zero3_fragment(zero3):
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for p in zero3.module.parameters():
+        if not p.requires_grad:
+            continue
+        piece = compat.zero3_fragment(zero3.optimizer, p)
+        assert (piece.start, piece.numel) == (0, math.prod(compat.full_shape(p)))
+        assert piece.offset == compat.zero3_position(zero3.optimizer, p).offset
+        assert torch.equal(piece.fp32.view(compat.full_shape(p)), safe_get_full_fp32_param(p))
+
+
+def _owned_fragments_are_deepspeeds_own(engine) -> None:
+    """On one rank every trainable parameter is wholly owned: the fp32 master and each optimizer state
+    `owned_fragments` reports are what DeepSpeed's own accessors read."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    held = compat.owned_fragments(engine, ["exp_avg", "exp_avg_sq"])
+    for p in engine.module.parameters():
+        if not p.requires_grad:
+            continue
+        owned = held(p)
+        shape = compat.full_shape(p)
+        assert owned is not None and owned.start == 0
+        assert torch.equal(owned.tensors["fp32"].view(shape), safe_get_full_fp32_param(p))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(owned.tensors[key].view(shape), safe_get_full_optimizer_state(p, key))
+
+
+def test_owned_fragments(zero12):
+    _owned_fragments_are_deepspeeds_own(zero12)
+
+
+def test_owned_fragments_zero3(zero3):
+    _owned_fragments_are_deepspeeds_own(zero3)
 
 
 def test_zero3_regather(zero3):
@@ -194,13 +231,13 @@ def test_expert_groups_and_container():
     from deepspeed.moe.layer import MoE
 
     layer = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=1)
-    inner, num_local, group = compat.expert_container(layer)
-    assert (num_local, group) == (2, "ep_size_1")
-    assert f"{inner}1" in dict(layer.named_modules())
+    container = compat.expert_container(layer)
+    assert (container.num_local, container.group) == (2, "ep_size_1")
+    assert f"{container.path}1" in dict(layer.named_modules())
     assert compat.expert_container(torch.nn.Linear(2, 2)) is None
     solo = dist.new_group([0])
     compat.register_expert_groups("ep_size_1", solo, solo)
-    assert compat.expert_parallel("ep_size_1") == (1, 0, 0)
+    assert compat.expert_parallel("ep_size_1") == compat.ExpertParallel(ep_size=1, ep_rank=0, edp_rank=0)
 
 
 def test_deepspeed_sees_megatron_moe():
@@ -260,10 +297,19 @@ def megatron_model():
 
 def test_megatron_split(megatron_model):
     params = dict(megatron_model.named_parameters())
-    assert compat.megatron_split(params["embedding.word_embeddings.weight"]) == (0, 1, True)
-    assert compat.megatron_split(params["decoder.layers.0.self_attention.linear_qkv.weight"]) == (0, 1, False)
-    assert compat.megatron_split(params["decoder.layers.0.mlp.linear_fc1.weight"]) == (0, 2, False)
-    assert compat.megatron_split(params["decoder.layers.0.self_attention.linear_proj.weight"]) == (1, 1, False)
+    split = compat.MegatronSplit
+    assert compat.megatron_split(params["embedding.word_embeddings.weight"]) == split(
+        dim=0, stride=1, vocab_parallel=True
+    )
+    assert compat.megatron_split(params["decoder.layers.0.self_attention.linear_qkv.weight"]) == split(
+        dim=0, stride=1, vocab_parallel=False
+    )
+    assert compat.megatron_split(params["decoder.layers.0.mlp.linear_fc1.weight"]) == split(
+        dim=0, stride=2, vocab_parallel=False
+    )
+    assert compat.megatron_split(params["decoder.layers.0.self_attention.linear_proj.weight"]) == split(
+        dim=1, stride=1, vocab_parallel=False
+    )
     assert compat.megatron_split(params["decoder.final_layernorm.weight"]) is None
 
 
@@ -330,11 +376,12 @@ def test_pipeline_layer_files():
     ]
     deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule builds its grid through deepspeed.comm
     pipe = PipelineModule(specs, num_stages=1, loss_fn=torch.nn.functional.cross_entropy)
+    where = compat.LayerFile
     assert compat.pipeline_layer_files(pipe) == {
-        "tied_modules.embed.weight": ("layer_00-model_states.pt", "weight"),
-        "1.weight": ("layer_01-model_states.pt", "weight"),
-        "1.bias": ("layer_01-model_states.pt", "bias"),
-        "1.seen": ("layer_01-model_states.pt", "seen"),
+        "tied_modules.embed.weight": where(file="layer_00-model_states.pt", key="weight"),
+        "1.weight": where(file="layer_01-model_states.pt", key="weight"),
+        "1.bias": where(file="layer_01-model_states.pt", key="bias"),
+        "1.seen": where(file="layer_01-model_states.pt", key="seen"),
     }
     assert compat.pipeline_layer_files(torch.nn.Linear(2, 2)) == {}
 
@@ -342,10 +389,10 @@ def test_pipeline_layer_files():
 def test_trainer_and_accelerate_restores():
     import inspect
 
-    owner, attribute = compat.trainer_rng_restore()
-    assert list(inspect.signature(getattr(owner, attribute)).parameters)[:2] == ["self", "checkpoint"]
-    owner, attribute = compat.accelerate_state_restore()
-    params = inspect.signature(getattr(owner, attribute)).parameters
+    hook = compat.trainer_rng_restore()
+    assert list(inspect.signature(getattr(hook.owner, hook.name)).parameters)[:2] == ["self", "checkpoint"]
+    hook = compat.accelerate_state_restore()
+    params = inspect.signature(getattr(hook.owner, hook.name)).parameters
     assert "input_dir" in params and "process_index" in params
 
 
@@ -382,17 +429,20 @@ def test_kernel_table_names_deepspeed_classes():
 
     assert compat.optimizer_kernel(bare(DeepSpeedCPUAdam, adam_w_mode=True)).algorithm == "adamw"
     assert compat.optimizer_kernel(bare(FusedAdam, adam_w_mode=0)) == compat.Kernel(
-        "deepspeed.ops.adam.fused_adam.FusedAdam", "adam", "int", {}
+        qualname="deepspeed.ops.adam.fused_adam.FusedAdam", algorithm="adam", step=compat.StepCount.INT, states={}
     )
     assert compat.optimizer_kernel(bare(DeepSpeedCPUAdagrad)).states == {"exp_avg_sq": "sum"}
     assert {compat.optimizer_kernel(bare(c)).algorithm for c in (DeepSpeedCPULion, FusedLion)} == {"lion"}
-    assert compat.optimizer_kernel(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)).step == "none"
-    assert compat.optimizer_kernel(torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(2))])).step == "tensor"
+    sgd = compat.optimizer_kernel(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    assert sgd.step is compat.StepCount.NONE
+    rmsprop = compat.optimizer_kernel(torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(2))]))
+    assert rmsprop.step is compat.StepCount.TENSOR
 
     class Elsewhere(torch.optim.SGD):
         pass
 
-    assert compat.optimizer_kernel(Elsewhere([torch.nn.Parameter(torch.zeros(2))], lr=0.1)).step == "as_saved"
+    elsewhere = compat.optimizer_kernel(Elsewhere([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    assert elsewhere.step is compat.StepCount.AS_SAVED
 
 
 def test_scalar_device():
@@ -464,6 +514,9 @@ def test_megatron_transformer_engine_names():
         torch.nn.Linear(1, 1)
     )
     assert compat.megatron_grouped_experts(experts.SequentialMLP.__new__(experts.SequentialMLP)) is None
+    te = compat.megatron_grouped_experts(experts.TEGroupedMLP.__new__(experts.TEGroupedMLP))
+    fused = compat.megatron_grouped_experts(experts.GroupedMLP.__new__(experts.GroupedMLP))
+    assert (te, fused) == (compat.GroupedExperts.TE, compat.GroupedExperts.FUSED)
 
 
 def test_dcp_writer_is_read_by_dcp_load(tmp_path):

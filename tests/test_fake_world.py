@@ -79,14 +79,14 @@ def _held(engine: Any, stage: int, keys: dict[str, tuple[str, ...]]) -> list[tup
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             if stage == 3:
-                tensor, start, numel = compat.zero3_partition(p)
-                out.append((name, start, {VALUE: tensor.flatten()[:numel].clone()}))
+                part = compat.zero3_partition(p)
+                out.append((name, part.start, {VALUE: part.tensor.flatten()[: part.numel].clone()}))
             else:
                 out.append((name, 0, {VALUE: p.detach().flatten().clone()}))
             continue
         if stage == 3:
-            _, _, partition, start = compat.zero3_position(engine.optimizer, p)
-            numel = max(0, min(partition, p.ds_numel - start))
+            piece = compat.zero3_fragment(engine.optimizer, p)
+            start, numel = piece.start, piece.numel
             values = {FP32: safe_get_local_fp32_param(p)}
             values.update({k: safe_get_local_optimizer_state(p, k) for k in keys[name]})
         elif p._hp_mapping is not None:

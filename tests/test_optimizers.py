@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ucp_deepspeed import CheckpointError, UniversalCheckpoint
+from ucp_deepspeed.compat import StepCount
 from ucp_deepspeed.format.manifest import Counters, GroupRecord, Manifest, ParamRecord, SourceRecord
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
@@ -57,12 +58,13 @@ def params() -> list[torch.nn.Parameter]:
 def test_cpu_adam_state_goes_to_torch_adamw_with_a_tensor_step(tmp_path):
     ckpt = folder(tmp_path, ("exp_avg", "exp_avg_sq"), CPU_ADAM)
     smap = state_map(engine(torch.optim.AdamW(params())), ckpt)
-    assert smap == StateMap({"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}, "tensor")
+    assert smap == StateMap(keys={"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}, step=StepCount.TENSOR)
     step = _step(3, smap.step, torch.device("cpu"), "m")
     assert isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.item() == 3
-    assert _step(torch.tensor(3.0), "int", None, "m") == 3 and type(_step(torch.tensor(3.0), "int", None, "m")) is int
+    as_int = _step(torch.tensor(3.0), StepCount.INT, None, "m")
+    assert as_int == 3 and type(as_int) is int
     with pytest.raises(CheckpointError, match="step 'x' is not a count"):
-        _step("x", "int", None, "m")
+        _step("x", StepCount.INT, None, "m")
 
 
 def test_adagrad_sum_is_deepspeed_exp_avg_sq(tmp_path):
@@ -80,7 +82,7 @@ def test_another_algorithm_is_refused(tmp_path):
 
 def test_adam_and_adamw_are_one_algorithm_only_without_weight_decay(tmp_path):
     ckpt = folder(tmp_path, ("exp_avg", "exp_avg_sq"), CPU_ADAM)
-    assert state_map(engine(torch.optim.Adam(params(), weight_decay=0.0)), ckpt).step == "tensor"
+    assert state_map(engine(torch.optim.Adam(params(), weight_decay=0.0)), ckpt).step is StepCount.TENSOR
     with pytest.raises(CheckpointError, match="another algorithm"):
         state_map(engine(torch.optim.Adam(params(), weight_decay=0.1)), ckpt)
 

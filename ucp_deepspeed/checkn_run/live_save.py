@@ -232,7 +232,9 @@ def _gatherer(engine: Any, keys: list[str]) -> Callable[[torch.nn.Parameter, tup
 
     def gathered(p: torch.nn.Parameter, shape: tuple[int, ...]) -> dict | None:
         piece = held(p)
-        pieces = to_rank0(None if piece is None else (piece[0], {k: v.detach().cpu() for k, v in piece[1].items()}))
+        pieces = to_rank0(
+            None if piece is None else (piece.start, {k: v.detach().cpu() for k, v in piece.tensors.items()})
+        )
         if pieces is None:
             return None
         numel = math.prod(shape)

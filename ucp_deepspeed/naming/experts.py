@@ -44,6 +44,6 @@ def expert_blocks(module: torch.nn.Module) -> list[ExpertBlock]:
     for path, sub in module.named_modules():
         found = compat.expert_container(sub)
         if found is not None:
-            inner, num_local, group = found
-            out.append(ExpertBlock(f"{path}.{inner}" if path else inner, num_local, group))
+            prefix = f"{path}.{found.path}" if path else found.path
+            out.append(ExpertBlock(prefix=prefix, num_local=found.num_local, group=found.group))
     return out

@@ -54,13 +54,12 @@ def _megatron_layout(p: torch.Tensor, tp: int, vocab_size: int) -> Layout:
     split = compat.megatron_split(p)
     if split is None:
         return REPLICATED
-    dim, stride, vocab_parallel = split
-    local_len = compat.full_shape(p)[dim]
-    if vocab_parallel and vocab_size:
-        return Layout("split", dim, vocab=vocab_size)
-    if stride > 1:
-        return Layout("split", dim, parts=(local_len * tp // stride,) * stride)
-    return Layout("split", dim)
+    local_len = compat.full_shape(p)[split.dim]
+    if split.vocab_parallel and vocab_size:
+        return Layout("split", split.dim, vocab=vocab_size)
+    if split.stride > 1:
+        return Layout("split", split.dim, parts=(local_len * tp // split.stride,) * split.stride)
+    return Layout("split", split.dim)
 
 
 def autotp_layout(name: str, meta: dict | None, local_shape: Sequence[int], tp: int) -> Layout:
@@ -162,13 +161,13 @@ def canonical_namer(module: torch.nn.Module) -> Callable[[str], str]:
     layers, grouped = [], []
     for path, sub in module.named_modules():
         kind = compat.megatron_grouped_experts(sub)
-        if kind == "fused":
+        if kind is compat.GroupedExperts.FUSED:
             raise ValueError(
                 f"{path}: megatron-core's GroupedMLP keeps all local experts in one fused weight, which is not "
                 "supported; build the experts with SequentialMLP (moe_grouped_gemm=False) or Transformer Engine's "
                 "TEGroupedMLP"
             )
-        if kind == "te":
+        if kind is compat.GroupedExperts.TE:
             grouped.append(f"{path}." if path else "")
         elif compat.is_megatron_transformer_layer(sub):
             layers.append(f"{path}." if path else "")

@@ -28,6 +28,9 @@ from ucp_deepspeed.naming.model import ParamInfo, canonical_namer, global_namer,
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.version import __version__
 
+_MODEL_STATES = compat.LayerFile(file="", key="")
+"""Where a tensor outside a `PipelineModule`'s layer files is saved: no layer file, so the rank's model-states file."""
+
 
 def engine_dtype(engine: Any) -> str:
     """Training precision of an engine: fp32, bf16 or fp16."""
@@ -66,7 +69,8 @@ def model_parallel(engine: Any) -> ModelParallel:
 def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
     """(expert-parallel size, this rank's expert-parallel rank) of each expert group: DeepSpeed MoE's and AutoEP's."""
     names = {b.group for b in expert_blocks(engine.module)} | set(compat.autoep_groups(engine.module))
-    return {g: compat.expert_parallel(g)[:2] for g in sorted(names)}
+    parallel = {g: compat.expert_parallel(g) for g in sorted(names)}
+    return {g: (ep.ep_size, ep.ep_rank) for g, ep in parallel.items()}
 
 
 def attached_options(engine: Any) -> Any:
@@ -148,7 +152,7 @@ def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
 def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
     """Per expert group: expert-parallel rank -> data-parallel ranks (file indices) of its expert-data-parallel
     group, in partition order. Those files hold that rank's experts; gathered from every rank."""
-    mine = {g: (rank, compat.expert_parallel(g)[2]) for g, (_, rank) in expert_groups(engine).items()}
+    mine = {g: (rank, compat.expert_parallel(g).edp_rank) for g, (_, rank) in expert_groups(engine).items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(
         everyone, (engine.checkpoint_mp_rank, dist.get_rank(group=engine.optimizer.dp_process_group), mine)
@@ -219,14 +223,16 @@ def _zero12_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[P
     return slots
 
 
-def _whole_slots(opt: Any, names: dict, placed: dict[str, ParamInfo], layer_files: dict) -> list[ParamSlot]:
+def _whole_slots(
+    opt: Any, names: dict, placed: dict[str, ParamInfo], layer_files: dict[str, compat.LayerFile]
+) -> list[ParamSlot]:
     """ZeRO-0 fp32: parameter k of the torch optimizer (in group order, as its state dict numbers them) is
     entry k of the saved state; its fp32 value is the module's own tensor."""
     slots = []
     index = 0
     for g, group in enumerate(opt.param_groups):
         for p in group["params"]:
-            file, key = layer_files.get(names[p], ("", ""))
+            where = layer_files.get(names[p], _MODEL_STATES)
             slots.append(
                 _slot(
                     placed[names[p]],
@@ -236,8 +242,8 @@ def _whole_slots(opt: Any, names: dict, placed: dict[str, ParamInfo], layer_file
                     flat=index,
                     offset=0,
                     partition=p.numel(),
-                    file=file,
-                    key=key,
+                    file=where.file,
+                    key=where.key,
                 )
             )
             index += 1
@@ -248,16 +254,16 @@ def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[Pa
     slots = []
     for sub in compat.zero3_subgroups(opt):
         for p in sub.params:
-            flat, offset, partition, _ = compat.zero3_position(opt, p)
+            position = compat.zero3_position(opt, p)
             slots.append(
                 _slot(
                     placed[names[p]],
                     names[p],
                     shape=compat.full_shape(p),
                     group=sub.group,
-                    flat=flat,
-                    offset=offset,
-                    partition=partition,
+                    flat=position.sub_group,
+                    offset=position.offset,
+                    partition=position.partition,
                 )
             )
     return slots
@@ -378,7 +384,8 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: di
                 compat.zero3_partition_numel(p) if z3 else 0,
                 info.layout,
                 name if name != info.name else "",
-                *layer_files.get(name, ("", "")),
+                file=layer_files.get(name, _MODEL_STATES).file,
+                key=layer_files.get(name, _MODEL_STATES).key,
             )
         )
     buffers = dict(module.named_buffers())
@@ -391,8 +398,8 @@ def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: di
                 dtype_name(buf.dtype),
                 "buffer",
                 local=name if name != to_global(name) else "",
-                file=layer_files.get(name, ("", ""))[0],
-                key=layer_files.get(name, ("", ""))[1],
+                file=layer_files.get(name, _MODEL_STATES).file,
+                key=layer_files.get(name, _MODEL_STATES).key,
             )
         )
     tied: dict[str, str] = {}

@@ -61,8 +61,7 @@ def install(**options: Any) -> None:
         ("accelerate_state", compat.accelerate_state_restore(), _load_accelerator_state_any_world),
     ):
         if hook is not None:
-            owner, attribute = hook
-            _replace(key, owner, attribute, widen(getattr(owner, attribute)))
+            _replace(key, hook.owner, hook.name, widen(getattr(hook.owner, hook.name)))
 
 
 def uninstall() -> None:

@@ -10,7 +10,6 @@ then refresh the low-precision weights from the fp32 masters.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,7 +167,7 @@ class StateMap:
     """
 
     keys: dict[str, str]
-    step: str
+    step: compat.StepCount
 
 
 _ALGORITHM_STATES = {
@@ -257,18 +256,18 @@ def state_map(engine: Any, ckpt: TensorReader) -> StateMap:
             "it would start from zero",
         )
     live_name = {v: k for k, v in target.states.items()}
-    return StateMap({live_name.get(c, c): key for key, c in saved.items()}, target.step)
+    return StateMap(keys={live_name.get(c, c): key for key, c in saved.items()}, step=target.step)
 
 
-def _step(value: Any, kind: str, device: Any, where: str) -> Any:
+def _step(value: Any, kind: compat.StepCount, device: Any, where: str) -> Any:
     """A saved step as the live kernel keeps it, the same count (torch's scalar dtype, as its optimizers make it)."""
-    if kind == "as_saved":
+    if kind is compat.StepCount.AS_SAVED:
         return value.clone() if isinstance(value, torch.Tensor) else value
     try:
         count = float(value.item() if isinstance(value, torch.Tensor) else value)
     except (TypeError, ValueError, RuntimeError):
         raise CheckpointError(where, f"step {value!r} is not a count") from None
-    if kind == "int":
+    if kind is compat.StepCount.INT:
         return int(count)
     dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     return torch.tensor(count, dtype=dtype, device=device)
@@ -280,7 +279,7 @@ def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any, where:
     A kernel that counts steps reads the count at its next step (torch's Adam: `state["step"]`), so moments without
     one are refused here rather than met as a `KeyError` inside `engine.step()`.
     """
-    if smap.keys and smap.step in ("tensor", "int") and "step" not in record_scalars:
+    if smap.keys and smap.step in (compat.StepCount.TENSOR, compat.StepCount.INT) and "step" not in record_scalars:
         raise CheckpointError(
             where,
             f"param group {group} holds optimizer state ({', '.join(sorted(smap.keys.values()))}) but no step "
@@ -291,7 +290,7 @@ def _scalars(record_scalars: dict[str, Any], smap: StateMap, device: Any, where:
         value = decode_value(raw)
         if key != "step":
             out[key] = value
-        elif smap.step != "none":
+        elif smap.step is not compat.StepCount.NONE:
             out[key] = _step(value, smap.step, device, where)
     return out
 
@@ -416,14 +415,14 @@ def _stage_zero12(
         covered = []
         with ckpt.batch():  # a partition's fragments of one source file are read in one request per run
             for lp in group.params:
-                fragment = compat.zero12_fragment(lp)
-                if fragment is None:
+                piece = compat.zero12_fragment(lp)
+                if piece is None:
                     continue
-                start, hp_start, numel, hp = fragment
-                out.copies.append((hp.data, read(lp, FP32, start, numel, torch.empty(numel, dtype=torch.float32))))
+                value = torch.empty(piece.numel, dtype=torch.float32)
+                out.copies.append((piece.fp32.data, read(lp, FP32, piece.start, piece.numel, value)))
                 for k, saved in keys.items():
-                    read(lp, saved, start, numel, bufs[k].narrow(0, hp_start, numel))
-                covered.append((hp_start, numel))
+                    read(lp, saved, piece.start, piece.numel, bufs[k].narrow(0, piece.offset, piece.numel))
+                covered.append((piece.offset, piece.numel))
         _zero_uncovered(bufs, covered)
         if smap is not None:
             out.installs.append(_state_install(opt.optimizer, i, group.fp32, ckpt, smap, bufs))
@@ -440,7 +439,9 @@ def _stage_zero12(
         # update_lp_params does. The reads of up to REFRESH_CHUNK bytes of parameters go out as one batch:
         # neighbouring parameters are one request, not a round trip each.
         for group in groups:
-            chunk: list[tuple[torch.nn.Parameter, torch.Tensor, list[tuple[int, int]], Any]] = []
+            chunk: list[
+                tuple[torch.nn.Parameter, torch.Tensor, list[tuple[int, int]], compat.OwnedFragment | None]
+            ] = []
             held = 0
             for index, lp in enumerate(group.params):
                 fragment = compat.zero12_fragment(lp)
@@ -459,18 +460,18 @@ def _stage_zero12(
                     for first, count in others:
                         _copy(dest.narrow(0, first, count), buf.narrow(0, first, count))
                     if fragment is not None:
-                        _copy(dest.narrow(0, fragment[0], fragment[2]), fragment[3].view(-1))
+                        _copy(dest.narrow(0, fragment.start, fragment.numel), fragment.fp32.view(-1))
                 chunk, held = [], 0
 
     out.refresh.append(refresh)
 
 
-def _others(numel: int, fragment: tuple[int, int, int, Any] | None) -> list[tuple[int, int]]:
+def _others(numel: int, fragment: compat.OwnedFragment | None) -> list[tuple[int, int]]:
     """The (first, count) element ranges of a parameter of `numel` elements outside the fragment this rank owns
     (`compat.zero12_fragment`)."""
     if fragment is None:
         return [(0, numel)] if numel else []
-    first, count = fragment[0], fragment[2]
+    first, count = fragment.start, fragment.numel
     return [(a, b - a) for a, b in ((0, first), (first + count, numel)) if b > a]
 
 
@@ -527,13 +528,12 @@ def _stage_subgroup(
     covered = []
     with ckpt.batch():
         for p in sub.params:
-            _, offset, partition, start = compat.zero3_position(opt, p)
-            numel = max(0, min(partition, math.prod(compat.full_shape(p)) - start))
-            value = torch.empty(numel, dtype=torch.float32)
-            out.copies.append((flat.data.narrow(0, offset, numel), read(p, FP32, start, numel, value)))
+            piece = compat.zero3_fragment(opt, p)
+            value = torch.empty(piece.numel, dtype=torch.float32)
+            out.copies.append((piece.fp32.data, read(p, FP32, piece.start, piece.numel, value)))
             for k, saved in keys.items():
-                read(p, saved, start, numel, bufs[k].narrow(0, offset, numel))
-            covered.append((offset, numel))
+                read(p, saved, piece.start, piece.numel, bufs[k].narrow(0, piece.offset, piece.numel))
+            covered.append((piece.offset, piece.numel))
     _zero_uncovered(bufs, covered)
     if smap is not None:
         out.installs.append(_state_install(opt.optimizer, sub.group, flat, ckpt, smap, bufs))
@@ -553,8 +553,8 @@ def _stage_zero3(
             _stage_subgroup(opt, sub, read, keys, ckpt, smap, out)
     for p in engine.module.parameters():
         if not p.requires_grad and compat.is_zero3_param(p) and live[p].name in ckpt.params:
-            tensor, start, numel = compat.zero3_partition(p)
-            out.copies.append((tensor.data.narrow(0, 0, numel), _own(read(p, VALUE, start, numel))))
+            part = compat.zero3_partition(p)
+            out.copies.append((part.tensor.data.narrow(0, 0, part.numel), _own(read(p, VALUE, part.start, part.numel))))
 
 
 def _stage_module_extras(
