@@ -8,7 +8,7 @@ import os
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, damaged, or does not match what it should hold."""
 
-    def __init__(self, path: str | os.PathLike, reason: str):
+    def __init__(self, path: str | os.PathLike[str], reason: str):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")

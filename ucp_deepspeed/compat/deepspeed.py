@@ -76,7 +76,8 @@ def store_recovery_scripts(engine: Any, remote: Callable[[str], bool], write: Ca
 
     def copy_recovery_script(save_path: str) -> None:
         if not remote(save_path):
-            return native(save_path)
+            native(save_path)
+            return
         import deepspeed
 
         utils = os.path.join(os.path.dirname(deepspeed.__file__), "utils")

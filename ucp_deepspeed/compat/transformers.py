@@ -16,7 +16,8 @@ def hf_model_config(module: Any) -> dict[str, Any] | None:
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(module, transformers.PreTrainedModel):
         return None
-    return json.loads(module.config.to_json_string(use_diff=False))
+    config: dict[str, Any] = json.loads(module.config.to_json_string(use_diff=False))
+    return config
 
 
 class Hook(NamedTuple):

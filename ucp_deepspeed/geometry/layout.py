@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -152,9 +153,9 @@ class Layout:
             local, base = local + chunk, base + size
         return out
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """Compact JSON form, as written in metadata and accepted in layout rules."""
-        out: dict = {"kind": self.kind}
+        out: dict[str, Any] = {"kind": self.kind}
         if self.is_split:
             out["dim"] = self.dim
         if self.parts:
@@ -168,7 +169,7 @@ class Layout:
         return out
 
     @classmethod
-    def from_json(cls, raw: dict) -> Layout:
+    def from_json(cls, raw: dict[str, Any]) -> Layout:
         """Inverse of `to_json`."""
         return cls(
             kind=raw["kind"],

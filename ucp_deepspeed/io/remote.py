@@ -115,7 +115,7 @@ class FsspecStorage(Storage):
     def read(self, path: str, limit: int | None = None) -> bytes:
         if limit is not None:
             return super().read(path, limit)
-        data = self._call(path, "reading", lambda: self.fs.cat_file(self._key(path)))
+        data: bytes = self._call(path, "reading", lambda: self.fs.cat_file(self._key(path)))
         record(files=1, requests=1, metadata=len(data))
         return data
 
@@ -124,7 +124,7 @@ class FsspecStorage(Storage):
         record(writes=1, written=len(data))
 
     @contextmanager
-    def writer(self, path: str) -> Iterator[BinaryIO]:  # type: ignore[override]
+    def writer(self, path: str) -> Iterator[BinaryIO]:
         # held in memory and sent whole: a streamed multipart upload would publish a partial object on error
         buffer = io.BytesIO()
         yield buffer
@@ -135,7 +135,8 @@ class FsspecStorage(Storage):
 
         def ls() -> list[Any]:
             try:
-                return self.fs.ls(self._key(path), detail=detail, refresh=True)
+                found: list[Any] = self.fs.ls(self._key(path), detail=detail, refresh=True)
+                return found
             except FileNotFoundError as exc:
                 if "bucket" in str(exc).lower():
                     raise
@@ -170,7 +171,7 @@ class FsspecStorage(Storage):
     def isfile(self, path: str) -> bool:
         def probe() -> bool:
             try:
-                return self.fs.info(self._key(path), refresh=True).get("type") == "file"
+                return bool(self.fs.info(self._key(path), refresh=True).get("type") == "file")
             except FileNotFoundError as exc:
                 if "bucket" in str(exc).lower():
                     raise
@@ -198,7 +199,8 @@ class FsspecStorage(Storage):
 
     def cat_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object: one ranged GET."""
-        return self._call(path, "reading", lambda: self.fs.cat_file(self._key(path), start=start, end=end))
+        data: bytes = self._call(path, "reading", lambda: self.fs.cat_file(self._key(path), start=start, end=end))
+        return data
 
     def size(self, path: str) -> int:
         """An object's length (one HEAD)."""

@@ -155,7 +155,8 @@ def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
     """`_codecs.encode` as protocol 2 uses it for bytes; other codecs could import modules."""
     if type(text) is not str or encoding not in ("latin1", "latin-1"):
         _refuse(f"_codecs.encode with {type(text).__name__} and encoding {encoding!r}")
-    return text.encode("latin1")
+    encoded: bytes = text.encode("latin1")
+    return encoded
 
 
 def _empty_bytes(*args: Any) -> bytes:
@@ -174,7 +175,7 @@ def _bytearray(data: Any = b"") -> bytearray:
 _FACTORIES = (None, list, dict, set, int, float, str, tuple, collections.OrderedDict)
 
 
-def _defaultdict(factory: Any = None) -> collections.defaultdict:
+def _defaultdict(factory: Any = None) -> collections.defaultdict[Any, Any]:
     if not any(factory is f for f in _FACTORIES):
         _refuse(f"defaultdict with default factory {factory!r}")
     return collections.defaultdict(factory)
@@ -184,7 +185,7 @@ def _zero_stage(value: Any) -> int:
     """DeepSpeed's `ZeroStageEnum(value)`, read as the plain int it is."""
     if type(value) is not int or value not in range(4):
         _refuse(f"ZeroStageEnum({value!r})")
-    return value
+    return int(value)
 
 
 def _numpy() -> Any:
@@ -293,7 +294,7 @@ class SafeUnpickler(pickle._Unpickler):  # the pure-Python machine, whose opcode
     `extra` adds exact globals the caller implements itself (torch's tensor rebuild functions).
     """
 
-    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
     # set by the pure-Python unpickler's load(); declared so the opcode handlers below type-check
     stack: list[Any]
     append: Callable[[Any], None]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ def _megatron_layout(p: torch.Tensor, tp: int, vocab_size: int) -> Layout:
     return Layout("split", split.dim)
 
 
-def autotp_layout(name: str, meta: dict | None, local_shape: Sequence[int], tp: int) -> Layout:
+def autotp_layout(name: str, meta: dict[str, Any] | None, local_shape: Sequence[int], tp: int) -> Layout:
     """The layout DeepSpeed's AutoTP cut a parameter with, from its restore metadata (`compat.autotp_meta`).
 
     ValueError, naming the parameter, for a split AutoTP marks unsupported, records without sizes, scales (a

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ucp_deepspeed.geometry.layout import Layout
 
@@ -27,7 +28,7 @@ class Rule:
         return re.fullmatch(self.pattern, name) is not None
 
 
-def parse_rules(raw: Sequence[dict] | str | None) -> tuple[Rule, ...]:
+def parse_rules(raw: Sequence[dict[str, Any]] | str | None) -> tuple[Rule, ...]:
     """Rules from a list of dicts or a JSON file path, with errors that name the bad rule."""
     if raw is None:
         return ()

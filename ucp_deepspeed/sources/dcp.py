@@ -192,7 +192,7 @@ class DcpCheckpoint:
         }
         self._files: dict[str, st.Blob] = {}
 
-    def _tensor_entry(self, key: str, entry: PickledObject, items: dict) -> TensorEntry:
+    def _tensor_entry(self, key: str, entry: PickledObject, items: dict[Any, Any]) -> TensorEntry:
         state = _state(entry, "TensorStorageMetadata", self.path)
         shape = _ints(state.get("size"), f"{key}: size", self.path)
         props = state.get("properties")

@@ -318,7 +318,7 @@ def _zero12_slots(
     group_id: int,
     rank0: int,
     dp: int,
-    layouts: dict,
+    layouts: dict[str, Any],
     mapping: Any,
     path: str,
 ) -> list[ParamSlot]:
@@ -351,7 +351,7 @@ def _zero12_slots(
 
 
 def _zero3_slots(
-    group: dict[str, tuple[int, ...]], flat: int, group_id: int, size: int, dp: int, layouts: dict, path: str
+    group: dict[str, tuple[int, ...]], flat: int, group_id: int, size: int, dp: int, layouts: dict[str, Any], path: str
 ) -> list[ParamSlot]:
     """ZeRO-3: each rank holds ceil(numel / dp) elements of every parameter, back to back."""
     slots, offset = [], 0

@@ -346,7 +346,7 @@ def _read_metas(tag_dir: str, layout_rules: Any) -> tuple[list[SaveMeta], bool]:
     return metas, False
 
 
-def _rules(layout_rules: Any, where: str) -> tuple:
+def _rules(layout_rules: Any, where: str) -> tuple[Any, ...]:
     try:
         return parse_rules(layout_rules)
     except (OSError, ValueError) as exc:

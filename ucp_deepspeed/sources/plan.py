@@ -45,7 +45,8 @@ class FullTensor:
     @property
     def nbytes(self) -> int:
         """Size of one state of the full tensor."""
-        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+        itemsize: int = getattr(torch, self.dtype).itemsize
+        return math.prod(self.shape) * itemsize
 
 
 def full_tensors(metas: list[SaveMeta], where: str) -> list[FullTensor]:
