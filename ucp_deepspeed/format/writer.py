@@ -190,9 +190,14 @@ class UniversalWriter:
         """The bytes of every file written or added so far."""
         return sum(r.nbytes for r in self._records)
 
-    def _keep(self, record: FileRecord) -> FileRecord:
+    def _check_open(self) -> None:
         if not self._open:
             raise RuntimeError(f"{self.root}: the writer is closed; its folder takes no more files")
+
+    def _keep(self, write: Callable[[], FileRecord]) -> FileRecord:
+        """Write one file and keep its record; a closed writer refuses before anything is written."""
+        self._check_open()
+        record = write()
         self._records.append(record)
         return record
 
@@ -223,7 +228,7 @@ class UniversalWriter:
         Returns:
             The parameter's record.
         """
-        self._keep(self.files.param(name, tensors, file=file))
+        self._keep(lambda: self.files.param(name, tensors, file=file))
         record = ParamRecord(
             shape=tuple(tensors[FP32].shape) if shape is None else shape,
             dtype=dtype,
@@ -246,7 +251,7 @@ class UniversalWriter:
         Returns:
             The parameter's record.
         """
-        self._keep(self.files.frozen(name, value))
+        self._keep(lambda: self.files.frozen(name, value))
         record = ParamRecord(
             shape=tuple(value.shape),
             dtype=dtype_name(value.dtype) if dtype is None else dtype,
@@ -264,7 +269,7 @@ class UniversalWriter:
         Args:
             buffers: global name -> full tensor in its own dtype; empty when the model has none.
         """
-        self._keep(self.files.buffers(buffers))
+        self._keep(lambda: self.files.buffers(buffers))
         self._buffers = {n: BufferRecord(tuple(b.shape), dtype_name(b.dtype)) for n, b in buffers.items()}
 
     def set_state(self, state: TrainingState) -> None:
@@ -273,7 +278,7 @@ class UniversalWriter:
         Args:
             state: the scheduler, client and wrapper state; `TrainingState()` when training starts afresh.
         """
-        self._keep(self.files.state(state))
+        self._keep(lambda: self.files.state(state))
         self._state = True
 
     def add_files(self, records: Iterable[FileRecord]) -> None:
@@ -282,8 +287,8 @@ class UniversalWriter:
         Args:
             records: what their writes returned.
         """
-        for record in records:
-            self._keep(record)
+        self._check_open()
+        self._records.extend(records)
 
     def copy(self, folder: Folder, relpath: str) -> FileRecord:
         """Copy one file of another folder unchanged, checking its blocks as they are read.
@@ -294,7 +299,7 @@ class UniversalWriter:
         Returns:
             The copy's record.
         """
-        return self._keep(copy_checked(folder, relpath, self.root))
+        return self._keep(lambda: copy_checked(folder, relpath, self.root))
 
     def finish(
         self,
@@ -342,8 +347,7 @@ class UniversalWriter:
         Returns:
             The manifest's path.
         """
-        if not self._open:
-            raise RuntimeError(f"{self.root}: the writer is closed; its folder gets no manifest")
+        self._check_open()
         written = {r.path for r in self._records}
         missing = sorted(({r.file for r in manifest.params.values()} | {BUFFERS, STATE}) - written)
         if missing:
