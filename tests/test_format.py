@@ -23,6 +23,7 @@ from ucp_deepspeed.format.universal import (
     write_object,
     write_tensors,
 )
+from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 
 SPEC = ModelSpec(
     num_layers=2,
@@ -123,3 +124,43 @@ def test_topology_records_a_sequence_parallel_size_only_when_there_is_one():
     assert "sp" not in plain.encode() and Topology.decode(plain.encode()) == plain
     assert Topology.decode(ulysses.encode()) == ulysses and ulysses.describe() == "zero1 dp=3 sp=3 fp32"
     assert not plain.same_layout(ulysses)  # DeepSpeed's own load does not read files named before its #8226
+
+
+def _written(root, fail: bool = False) -> None:
+    weight = torch.arange(12.0).reshape(3, 4)
+    with UniversalWriter(root=str(root)) as writer:
+        writer.add_param("w", {"fp32": weight, "exp_avg": weight * 2}, group=0)
+        writer.add_frozen("f", torch.ones(2, dtype=torch.bfloat16))
+        writer.add_buffers({"b": torch.zeros(3, dtype=torch.int64)})
+        writer.set_state(TrainingState(client_state={"epoch": 3}))
+        if fail:
+            raise RuntimeError("injected")
+        writer.finish(source=SourceRecord("x", None, Topology(1, 0, "fp32")), counters=Counters(3, 6, 0))
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.add_buffers({})
+
+
+def test_the_writer_records_what_it_wrote_and_commits_only_at_finish(tmp_path):
+    _written(tmp_path / "ok")
+    ckpt = UniversalCheckpoint(str(tmp_path / "ok"))
+    assert ckpt.params["w"] == ParamRecord((3, 4), "float32", 0, True, param_file("w"), ("fp32", "exp_avg"))
+    assert ckpt.params["f"] == ParamRecord((2,), "bfloat16", None, False, param_file("f"), ("value",))
+    assert ckpt.buffers == {"b": BufferRecord((3,), "int64")} and ckpt.manifest.counters == Counters(3, 6, 0)
+    assert torch.equal(ckpt.read("w", "exp_avg"), torch.arange(12.0) * 2)
+    assert ckpt.load_state() == {"lr_scheduler": None, "client_state": {"epoch": 3}, "optimizer_wrapper": {}}
+    ckpt.close()
+    with pytest.raises(RuntimeError, match="injected"):
+        _written(tmp_path / "failed", fail=True)
+    assert (tmp_path / "failed" / BUFFERS).is_file() and not (tmp_path / "failed" / MANIFEST).exists()
+
+
+def test_the_writer_refuses_a_manifest_naming_files_it_did_not_write(tmp_path):
+    with UniversalWriter(root=str(tmp_path)) as writer:
+        writer.add_param("w", {"fp32": torch.ones(2)}, group=0)
+        with pytest.raises(RuntimeError, match="buffers and training state"):
+            writer.finish(source=SourceRecord("x", None, Topology(1, 0, "fp32")), counters=Counters())
+        writer.add_buffers({})
+        manifest = _folder(tmp_path / "other")
+        with pytest.raises(CheckpointError, match="not written"):
+            writer.commit(manifest)
+    assert not (tmp_path / MANIFEST).exists()

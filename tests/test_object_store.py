@@ -189,7 +189,7 @@ def test_a_check_n_run_save_that_fails_on_the_store_commits_nothing(
     (every rank takes part in each), no manifest, `latest` still names the previous save."""
     import inprocess
 
-    import ucp_deepspeed.checkn_run.live_save as live_save
+    import ucp_deepspeed.format.writer as writer
 
     inprocess.one_rank()
     run = f"s3://{s3.bucket()}/chain"
@@ -198,7 +198,7 @@ def test_a_check_n_run_save_that_fails_on_the_store_commits_nothing(
     engine.save_checkpoint(run)
     assert st.read_text(f"{run}/latest") == "global_step1"
     inprocess.train(engine, 1, offset=1)
-    real, calls = live_save.write_tensors, []
+    real, calls = writer.write_tensors, []
 
     def second_upload_fails(root: str, relpath: str, tensors: dict) -> object:
         calls.append(relpath)
@@ -206,7 +206,7 @@ def test_a_check_n_run_save_that_fails_on_the_store_commits_nothing(
             raise CheckpointError(st.join(root, relpath), "storage request failed while writing it (injected)")
         return real(root, relpath, tensors)
 
-    monkeypatch.setattr(live_save, "write_tensors", second_upload_fails)
+    monkeypatch.setattr(writer, "write_tensors", second_upload_fails)
     with pytest.raises(CheckpointError, match=r"global_step2/params/.*storage request failed while writing it"):
         engine.save_checkpoint(run)
     assert len(calls) == 2  # nothing written after the failure

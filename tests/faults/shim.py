@@ -16,23 +16,22 @@ from typing import Any
 
 from ucp_deepspeed.tools.cli import main
 
-# by module path: the package exports a function named `convert`, which hides the module as an attribute
-convert_module = import_module("ucp_deepspeed.convert.core")
+writer_module = import_module("ucp_deepspeed.format.writer")  # a conversion writes each parameter file through it
 atomic_module = import_module("ucp_deepspeed.io.atomic")  # every output file is written through it
 
 
 def slow_writes(seconds: float) -> None:
-    original = convert_module.stream_tensors
+    original = writer_module.stream_tensors
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         time.sleep(seconds)
         return original(*args, **kwargs)
 
-    convert_module.stream_tensors = slow
+    writer_module.stream_tensors = slow
 
 
 def held_until(path: str) -> None:
-    original = convert_module.stream_tensors
+    original = writer_module.stream_tensors
     deadline = time.monotonic() + 300
 
     def held(*args: Any, **kwargs: Any) -> Any:
@@ -40,7 +39,7 @@ def held_until(path: str) -> None:
             time.sleep(0.02)
         return original(*args, **kwargs)
 
-    convert_module.stream_tensors = held
+    writer_module.stream_tensors = held
 
 
 def disk_full_after(limit: float) -> None:

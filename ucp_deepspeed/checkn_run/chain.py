@@ -30,12 +30,10 @@ from ucp_deepspeed.format.universal import (
     CheckedFile,
     Folder,
     FolderReader,
-    copy_checked,
     param_file,
     read_manifest,
-    write_manifest,
-    write_tensors,
 )
+from ucp_deepspeed.format.writer import UniversalWriter
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.checksum import crc32
 
@@ -250,22 +248,23 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
         raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
     st.makedirs(out)
     st.write(st.join(out, INTENT), json.dumps({"source": st.join(ckpt_dir, tag), "chain": fingerprint}).encode())
-    records, params = [], {}
-    try:
-        for name, record in target.params.items():
-            if "table" in record.extra:
-                record = _whole_table(name, record)
-                full = {k: replay_rows(folders, name, k, 0, record.shape[0]) for k in record.keys}
-                records.append(write_tensors(out, record.file, full))
-            else:
-                records.append(copy_checked(here, record.file, out))
-            params[name] = record
-        for relpath in (BUFFERS, STATE):
-            records.append(copy_checked(here, relpath, out))
-    finally:
-        for _, folder, _ in folders:
-            folder.close()
-    write_manifest(out, _full_manifest(target, fingerprint, params), records)
+    params = {}
+    with UniversalWriter(root=out) as writer:
+        try:
+            for name, record in target.params.items():
+                if "table" in record.extra:
+                    record = _whole_table(name, record)
+                    full = {k: replay_rows(folders, name, k, 0, record.shape[0]) for k in record.keys}
+                    writer.add_files([writer.files.param(name, full)])
+                else:
+                    writer.copy(here, record.file)
+                params[name] = record
+            for relpath in (BUFFERS, STATE):
+                writer.copy(here, relpath)
+        finally:
+            for _, folder, _ in folders:
+                folder.close()
+        writer.commit(_full_manifest(target, fingerprint, params))
     st.delete(st.join(out, INTENT))
     return out
 

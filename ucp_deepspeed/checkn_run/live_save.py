@@ -23,28 +23,10 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.checkn_run.quantize import quantize
-from ucp_deepspeed.format.manifest import (
-    BufferRecord,
-    Counters,
-    GroupRecord,
-    Manifest,
-    ParamRecord,
-    SourceRecord,
-    dtype_name,
-    recorded_sections,
-    written_by,
-)
-from ucp_deepspeed.format.metadata import FP32, VALUE
-from ucp_deepspeed.format.universal import (
-    BUFFERS,
-    STATE,
-    FileRecord,
-    encode_value,
-    param_file,
-    write_manifest,
-    write_object,
-    write_tensors,
-)
+from ucp_deepspeed.format.manifest import Counters, GroupRecord, SourceRecord, dtype_name, recorded_sections
+from ucp_deepspeed.format.metadata import FP32
+from ucp_deepspeed.format.universal import encode_value
+from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.capture import (
     live_params,
@@ -132,86 +114,74 @@ def write_live(
     rank0 = dist.get_rank() == 0
     failed: list[tuple[str, str]] = []
 
-    def write(relpath: str, tensors: dict[str, torch.Tensor]) -> None:
+    def write(add: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         if failed:
             return
         try:
-            records.append(write_tensors(out, relpath, tensors))
+            add(*args, **kwargs)
         except Exception as exc:  # raised on every rank once the gathers are done
             failed.append(failure_of(exc))
 
     keys = _state_keys(engine)
     groups = param_groups(engine)
     placed = live_params(engine)
-    records: list[FileRecord] = []
-    params: dict[str, ParamRecord] = {}
     whole = _gatherer(engine, keys)
-    for p, info in placed.items():
-        name = info.name
-        shape = tuple(info.shape)
-        if not p.requires_grad:
-            with deepspeed.zero.GatheredParameters([p], enabled=compat.is_zero3_param(p)):
-                value = p.detach().cpu().clone()
-            if rank0:
-                write(param_file(name), {VALUE: value})
-            params[name] = ParamRecord(
-                shape=shape, dtype=_dtype(p), group=None, trainable=False, file=param_file(name), keys=(VALUE,)
-            )
-            continue
-        state = whole(p, shape)
-        spec = tables.get(name)
-        file = param_file(name) if spec is None else table_file(name)
-        if state is not None:
-            write(file, state if spec is None else _table_tensors(state, spec))
-        table = {} if spec is None else {"table": _table_record(spec, shape[0])}
-        params[name] = ParamRecord(
-            shape=shape, dtype=_dtype(p), group=groups[p], trainable=True, file=file, keys=(FP32, *keys), extra=table
-        )
-    all_ok(failed[0] if failed else None)
-    return guarded(lambda: _finish(engine, out, client_state, extra, records, params) if rank0 else (None, 0))
+    with UniversalWriter(root=out) as writer:  # only rank 0 adds files; every rank takes part in the gathers
+        for p, info in placed.items():
+            name = info.name
+            shape = tuple(info.shape)
+            if not p.requires_grad:
+                with deepspeed.zero.GatheredParameters([p], enabled=compat.is_zero3_param(p)):
+                    value = p.detach().cpu().clone()
+                if rank0:
+                    write(writer.add_frozen, name, value, dtype=_dtype(p))
+                continue
+            state = whole(p, shape)
+            spec = tables.get(name)
+            if state is not None:
+                write(
+                    writer.add_param,
+                    name,
+                    state if spec is None else _table_tensors(state, spec),
+                    group=groups[p],
+                    dtype=_dtype(p),
+                    shape=shape,
+                    keys=(FP32, *keys),
+                    file=None if spec is None else table_file(name),
+                    extra=None if spec is None else {"table": _table_record(spec, shape[0])},
+                )
+        all_ok(failed[0] if failed else None)
+        return guarded(lambda: _finish(engine, writer, client_state, extra) if rank0 else (None, 0))
 
 
 def _finish(
-    engine: Any,
-    out: str,
-    client_state: dict[str, Any],
-    extra: dict[str, Any],
-    records: list[FileRecord],
-    params: dict[str, ParamRecord],
+    engine: Any, writer: UniversalWriter, client_state: dict[str, Any], extra: dict[str, Any]
 ) -> tuple[str, int]:
     """Rank 0's part after the gathers: buffers, the scheduler and client state, then the manifest, last."""
     to_global = namer(engine)
     buffers = dict(engine.module.named_buffers())
-    names = compat.buffer_names(engine)
-    records.append(write_tensors(out, BUFFERS, {to_global(n): buffers[n].detach().cpu() for n in names}))
-    records.append(
-        write_object(
-            out,
-            STATE,
-            {
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "client_state": client_state,
-                "optimizer_wrapper": {
-                    k: getattr(engine.optimizer, k) for k in OPTIMIZER_WRAPPER_KEYS if hasattr(engine.optimizer, k)
-                },
+    writer.add_buffers({to_global(n): buffers[n].detach().cpu() for n in compat.buffer_names(engine)})
+    writer.set_state(
+        TrainingState(
+            lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            client_state=client_state,
+            optimizer_wrapper={
+                k: getattr(engine.optimizer, k) for k in OPTIMIZER_WRAPPER_KEYS if hasattr(engine.optimizer, k)
             },
         )
     )
-    manifest = Manifest(
-        created_by=written_by(),
+    path = writer.finish(
         source=SourceRecord(
-            out,
-            st.basename(out),
+            writer.root,
+            st.basename(writer.root),
             topology(engine),
             {"base_optimizer": type(engine.optimizer.optimizer).__name__},
         ),
         counters=Counters(engine.global_steps, engine.global_samples, engine.skipped_steps),
         param_groups=_param_groups(engine),
-        params=params,
-        buffers={to_global(n): BufferRecord(tuple(buffers[n].shape), _dtype(buffers[n])) for n in names},
         extra={**extra, **recorded_sections(model_spec(engine), engine.ucp.hf_config, optimizer_record(engine))},
     )
-    return write_manifest(out, manifest, records), sum(r.nbytes for r in records)
+    return path, writer.nbytes
 
 
 def _gatherer(engine: Any, keys: list[str]) -> Callable[[torch.nn.Parameter, tuple[int, ...]], dict | None]:

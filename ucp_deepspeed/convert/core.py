@@ -33,15 +33,8 @@ from ucp_deepspeed.format.manifest import (
 )
 from ucp_deepspeed.format.metadata import FP32, VALUE, ParamSlot
 from ucp_deepspeed.format.paths import INTENT
-from ucp_deepspeed.format.universal import (
-    FileRecord,
-    encode_value,
-    param_file,
-    stream_tensors,
-    write_manifest,
-    write_object,
-    write_tensors,
-)
+from ucp_deepspeed.format.universal import FileRecord, encode_value, param_file
+from ucp_deepspeed.format.writer import TrainingState, UniversalFiles, UniversalWriter
 from ucp_deepspeed.geometry.layout import dropped_padding, merge
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint, resolve_tag
@@ -75,19 +68,26 @@ def assemble(src: NativeCheckpoint, tensor: FullTensor, state: str = VALUE) -> t
     return merge(tensor.layout, shards, tensor.name)
 
 
-def _run_job(src: NativeCheckpoint, out: str, job: Job) -> FileRecord:
+def _run_job(src: NativeCheckpoint, files: UniversalFiles, job: Job) -> FileRecord:
     item = job.item
     if job.kind in ("param", "frozen"):
         if item is None:
             raise ValueError(f"{job.kind} job {job.relpath} names no tensor")
         if job.kind == "frozen":
-            return write_tensors(out, job.relpath, {VALUE: assemble(src, item)})
-        entries = [(key, torch.float32, item.shape) for key in [FP32, *src.state_keys()]]
-        return stream_tensors(out, job.relpath, entries, lambda key: assemble(src, item, key))
+            return files.frozen(item.name, assemble(src, item))
+        keys = [FP32, *src.state_keys()]
+        return files.stream_param(item.name, shape=item.shape, keys=keys, produce=lambda key: assemble(src, item, key))
     if job.kind == "buffers":
-        return write_tensors(out, job.relpath, {t.name: assemble(src, t) for t in src.tensors if t.kind == "buffer"})
+        return files.buffers({t.name: assemble(src, t) for t in src.tensors if t.kind == "buffer"})
     state = src.training_state()
-    return write_object(out, job.relpath, {**state, "client_states": list(state["client_states"])})
+    return files.state(
+        TrainingState(
+            lr_scheduler=state["lr_scheduler"],
+            client_state=state["client_state"],
+            client_states=list(state["client_states"]),
+            optimizer_wrapper=state["optimizer_wrapper"],
+        )
+    )
 
 
 def run_jobs(
@@ -110,8 +110,10 @@ def run_jobs(
         disable=not progress or not todo,
     )
 
+    files = UniversalFiles(out)
+
     def run(job: Job) -> FileRecord:
-        record = _run_job(src, out, job)
+        record = _run_job(src, files, job)
         journal.add(record)
         return record
 
@@ -230,7 +232,9 @@ def finish(src: NativeCheckpoint, out: str, records: Iterable[FileRecord]) -> st
     missing = expected - {r.path for r in records}
     if missing:
         raise CheckpointError(out, f"conversion incomplete, {len(missing)} files not produced: {sorted(missing)[:5]}")
-    path = write_manifest(out, build_manifest(src), records)
+    with UniversalWriter(root=out) as writer:
+        writer.add_files(records)
+        path = writer.commit(build_manifest(src))
     st.delete(st.join(out, INTENT))
     Journal.remove(out)
     return path

@@ -27,11 +27,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import Counters, Manifest, ParamRecord, SourceRecord, recorded_sections, written_by
+from ucp_deepspeed.format.manifest import Counters, SourceRecord, recorded_sections
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.topology import Topology
-from ucp_deepspeed.format.universal import BUFFERS, STATE, param_file, write_manifest, write_object, write_tensors
+from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.hf.models import read_config, spec_of
 from ucp_deepspeed.hf.names import Heads, from_hf, hf_shapes, links
 from ucp_deepspeed.io import storage as st
@@ -149,23 +149,17 @@ def _import(hf_dir: str, origin: str, out: str, num_kv_heads: int | None, progre
     check_output(out, [hf_dir, origin])
     if st.isdir(out) and st.listdir(out):
         raise CheckpointError(out, "exists and is not empty; refusing to write into it")
-    records, params = [], dict[str, ParamRecord]()
-    for link in tqdm(table, desc="ucp import-hf", disable=not progress):
-        tensor = from_hf(link, folder.read, heads).contiguous()
-        if tuple(tensor.shape) != link.shape:
-            raise CheckpointError(
-                hf_dir, f"{', '.join(link.hf)} make {link.mcore} of shape {tuple(tensor.shape)}, not {link.shape}"
-            )
-        records.append(write_tensors(out, param_file(link.mcore), {FP32: tensor}))
-        params[link.mcore] = ParamRecord(
-            shape=link.shape, dtype="float32", group=0, trainable=True, file=param_file(link.mcore), keys=(FP32,)
-        )
-    records.append(write_tensors(out, BUFFERS, {}))
-    records.append(write_object(out, STATE, {"lr_scheduler": None, "client_state": {}, "optimizer_wrapper": {}}))
-    write_manifest(
-        out,
-        Manifest(
-            created_by=written_by(),
+    with UniversalWriter(root=out) as writer:
+        for link in tqdm(table, desc="ucp import-hf", disable=not progress):
+            tensor = from_hf(link, folder.read, heads).contiguous()
+            if tuple(tensor.shape) != link.shape:
+                raise CheckpointError(
+                    hf_dir, f"{', '.join(link.hf)} make {link.mcore} of shape {tuple(tensor.shape)}, not {link.shape}"
+                )
+            writer.add_param(link.mcore, {FP32: tensor}, group=0)
+        writer.add_buffers({})
+        writer.set_state(TrainingState())
+        writer.finish(
             source=SourceRecord(
                 origin,
                 None,
@@ -173,15 +167,10 @@ def _import(hf_dir: str, origin: str, out: str, num_kv_heads: int | None, progre
                 {"transformers": str(raw["transformers_version"])} if raw.get("transformers_version") else {},
             ),
             counters=Counters(),
-            param_groups=(),
-            params=params,
-            buffers={},
             extra={
                 "weights_only": True,
                 "notes": [f"weights of a transformers {arch} model; optimizer state starts fresh"],
                 **recorded_sections(spec, raw),
             },
-        ),
-        records,
-    )
+        )
     return out

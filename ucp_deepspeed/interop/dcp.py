@@ -23,32 +23,12 @@ import torch
 from ucp_deepspeed import compat
 from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import (
-    BufferRecord,
-    Counters,
-    GroupRecord,
-    Manifest,
-    ParamRecord,
-    SourceRecord,
-    dtype_name,
-    written_by,
-)
+from ucp_deepspeed.format.manifest import Counters, GroupRecord, SourceRecord
 from ucp_deepspeed.format.metadata import FP32, VALUE, check_name
 from ucp_deepspeed.format.paths import check_output, locate
 from ucp_deepspeed.format.topology import Topology
-from ucp_deepspeed.format.universal import (
-    BUFFERS,
-    MANIFEST,
-    STATE,
-    FileRecord,
-    UniversalCheckpoint,
-    decode_value,
-    encode_value,
-    param_file,
-    write_manifest,
-    write_object,
-    write_tensors,
-)
+from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value, encode_value
+from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import to_bytes
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
@@ -146,87 +126,66 @@ def import_dcp(folder: str, output: str) -> str:
         layout = _Layout(ckpt)
         group_names, hypers = _groups(ckpt, layout)
         group_of = {n: g for g, names in enumerate(group_names) for n in names}
-        records: list[FileRecord] = []
-        params: dict[str, ParamRecord] = {}
         steps: dict[int, Any] = {}
         for name in layout.model:
             try:
                 check_name(name)
             except ValueError as exc:
                 raise CheckpointError(ckpt.path, str(exc)) from None
-        for name, key in layout.model.items():
-            if name not in layout.states and name not in group_of:
-                continue
-            if name not in group_of:
-                raise CheckpointError(ckpt.path, f"parameter {name!r} has optimizer state but is in no param group")
-            g = group_of[name]
-            tensors = {FP32: ckpt.tensor(key).float()}
-            for state, skey in sorted(layout.states.get(name, {}).items()):
-                value = ckpt.tensor(skey) if skey in ckpt.tensors else ckpt.object(skey)
-                if state == "step":
-                    if g in steps and not torch.equal(torch.as_tensor(steps[g]), torch.as_tensor(value)):
-                        raise CheckpointError(ckpt.path, f"param group {g} has parameters at different steps")
-                    steps[g] = value
+        with UniversalWriter(root=output) as writer:
+            for name, key in layout.model.items():
+                if name not in layout.states and name not in group_of:
                     continue
-                if not isinstance(value, torch.Tensor) or value.shape != tensors[FP32].shape:
-                    raise CheckpointError(ckpt.path, f"state {state!r} of {name!r} is not a tensor of its shape")
-                tensors[state] = value.float()
-            keys = (FP32, *sorted(k for k in tensors if k != FP32))
-            records.append(write_tensors(output, param_file(name), tensors))
-            params[name] = ParamRecord(
-                shape=tuple(tensors[FP32].shape),
-                dtype="float32",
-                group=g,
-                trainable=True,
-                file=param_file(name),
-                keys=keys,
+                if name not in group_of:
+                    raise CheckpointError(ckpt.path, f"parameter {name!r} has optimizer state but is in no param group")
+                g = group_of[name]
+                tensors = {FP32: ckpt.tensor(key).float()}
+                for state, skey in sorted(layout.states.get(name, {}).items()):
+                    value = ckpt.tensor(skey) if skey in ckpt.tensors else ckpt.object(skey)
+                    if state == "step":
+                        if g in steps and not torch.equal(torch.as_tensor(steps[g]), torch.as_tensor(value)):
+                            raise CheckpointError(ckpt.path, f"param group {g} has parameters at different steps")
+                        steps[g] = value
+                        continue
+                    if not isinstance(value, torch.Tensor) or value.shape != tensors[FP32].shape:
+                        raise CheckpointError(ckpt.path, f"state {state!r} of {name!r} is not a tensor of its shape")
+                    tensors[state] = value.float()
+                writer.add_param(name, tensors, group=g)
+            # a tensor without optimizer state is a buffer or a frozen parameter (or a tied copy): DCP does not say
+            # which, so it is listed as both and the loading model takes it as whichever it has
+            buffers = {n: ckpt.tensor(k) for n, k in layout.model.items() if n not in writer.params}
+            for name, value in buffers.items():
+                writer.add_frozen(name, value)
+            writer.add_buffers(buffers)
+            client = {k: ckpt.tensor(k) if k in ckpt.tensors else ckpt.object(k) for k in layout.rest}
+            writer.set_state(TrainingState(client_state=client))
+            step = max((int(torch.as_tensor(s).item()) for s in steps.values()), default=0)
+            ranks = {m.group(1) for f in st.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
+            weights = next((ckpt.tensors[k].dtype for k in layout.model.values()), torch.float32)
+            writer.finish(
+                source=SourceRecord(
+                    folder,
+                    None,
+                    Topology(dp=max(1, len(ranks)), zero_stage=3, dtype=_DTYPES.get(weights, "fp32"), optimizer="dcp"),
+                    {"torch": str(ckpt.extra.get("version") or "")},
+                    extra={"format": "dcp"},
+                ),
+                counters=Counters(global_steps=step),
+                param_groups=[
+                    GroupRecord(
+                        {k: encode_value(v) for k, v in hyper.items()},
+                        {"step": encode_value(steps[g])} if g in steps else {},
+                    )
+                    for g, hyper in enumerate(hypers)
+                ],
+                extra={
+                    "notes": [
+                        f"model tensors under {layout.model_prefix!r}; those without optimizer state are listed both "
+                        "as frozen parameters and as buffers; the other entries are client_state; global_steps is "
+                        "the optimizer's step"
+                    ]
+                },
             )
-        # a tensor without optimizer state is a buffer or a frozen parameter (or a tied copy): DCP does not say
-        # which, so it is listed as both and the loading model takes it as whichever it has
-        others = {n: k for n, k in layout.model.items() if n not in params}
-        buffers = {n: ckpt.tensor(k) for n, k in others.items()}
-        for name, value in buffers.items():
-            records.append(write_tensors(output, param_file(name), {VALUE: value}))
-            dtype = dtype_name(value.dtype)
-            params[name] = ParamRecord(
-                shape=tuple(value.shape), dtype=dtype, group=None, trainable=False, file=param_file(name), keys=(VALUE,)
-            )
-        records.append(write_tensors(output, BUFFERS, buffers))
-        client = {k: ckpt.tensor(k) if k in ckpt.tensors else ckpt.object(k) for k in layout.rest}
-        records.append(
-            write_object(output, STATE, {"lr_scheduler": None, "client_state": client, "optimizer_wrapper": {}})
-        )
-        step = max((int(torch.as_tensor(s).item()) for s in steps.values()), default=0)
-        ranks = {m.group(1) for f in st.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
-        weights = next((ckpt.tensors[k].dtype for k in layout.model.values()), torch.float32)
-        manifest = Manifest(
-            created_by=written_by(),
-            source=SourceRecord(
-                folder,
-                None,
-                Topology(dp=max(1, len(ranks)), zero_stage=3, dtype=_DTYPES.get(weights, "fp32"), optimizer="dcp"),
-                {"torch": str(ckpt.extra.get("version") or "")},
-                extra={"format": "dcp"},
-            ),
-            counters=Counters(global_steps=step),
-            param_groups=tuple(
-                GroupRecord(
-                    {k: encode_value(v) for k, v in hyper.items()},
-                    {"step": encode_value(steps[g])} if g in steps else {},
-                )
-                for g, hyper in enumerate(hypers)
-            ),
-            params=params,
-            buffers={n: BufferRecord(tuple(b.shape), dtype_name(b.dtype)) for n, b in buffers.items()},
-            extra={
-                "notes": [
-                    f"model tensors under {layout.model_prefix!r}; those without optimizer state are listed both as "
-                    "frozen parameters and as buffers; the other entries are client_state; global_steps is the "
-                    "optimizer's step"
-                ]
-            },
-        )
-        write_manifest(output, manifest, records)
         return output
     finally:
         ckpt.close()

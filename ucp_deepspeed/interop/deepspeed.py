@@ -26,28 +26,12 @@ from tqdm import tqdm
 from ucp_deepspeed.compat import rebuild
 from ucp_deepspeed.convert.core import assemble
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import (
-    BufferRecord,
-    GroupRecord,
-    Manifest,
-    ParamRecord,
-    SourceRecord,
-    dtype_name,
-    written_by,
-)
-from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, VALUE, check_name
+from ucp_deepspeed.format.manifest import GroupRecord, SourceRecord
+from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, check_name
 from ucp_deepspeed.format.paths import check_output, latest_tag
 from ucp_deepspeed.format.topology import Topology
-from ucp_deepspeed.format.universal import (
-    BUFFERS,
-    STATE,
-    FileRecord,
-    encode_value,
-    param_file,
-    write_manifest,
-    write_object,
-    write_tensors,
-)
+from ucp_deepspeed.format.universal import encode_value
+from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, plain, to_bytes
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
@@ -256,100 +240,73 @@ def import_deepspeed(folder: str, output: str) -> str:
                 "PipelineModule's layer files. Copy the source tag's layer_*-model_states.pt files into this folder",
             )
         optim_state = load_file(st.join(folder, ZERO, OPTIMIZER_STATE))
-        records: list[FileRecord] = []
-        params: dict[str, ParamRecord] = {}
         scalars: dict[int, dict[str, Any]] = {}
-        keys: list[str] = []
-        for g, names in enumerate(groups):
-            for name in names:
-                pdir = st.join(folder, ZERO, name)
-                if not st.isdir(pdir):
-                    raise CheckpointError(pdir, f"parameter '{name}' listed in {', '.join(model_files)} has no folder")
-                tensors = {}
-                for fname in sorted(st.listdir(pdir)):
-                    key = fname.removesuffix(".pt")
-                    if key == "step":
-                        scalars.setdefault(g, {"step": load_file(st.join(pdir, fname))})
-                    else:
-                        tensors[key] = load_file(st.join(pdir, fname))[PARAM].float().contiguous()
-                if FP32 not in tensors:
-                    raise CheckpointError(pdir, "no fp32.pt")
-                keys = [FP32] + sorted(k for k in tensors if k != FP32)
-                records.append(write_tensors(output, param_file(name), tensors))
-                params[name] = ParamRecord(
-                    shape=tuple(tensors[FP32].shape),
-                    dtype="float32",
-                    group=g,
-                    trainable=True,
-                    file=param_file(name),
-                    keys=tuple(keys),
+        with UniversalWriter(root=output) as writer:
+            for g, names in enumerate(groups):
+                for name in names:
+                    pdir = st.join(folder, ZERO, name)
+                    if not st.isdir(pdir):
+                        raise CheckpointError(
+                            pdir, f"parameter '{name}' listed in {', '.join(model_files)} has no folder"
+                        )
+                    tensors = {}
+                    for fname in sorted(st.listdir(pdir)):
+                        key = fname.removesuffix(".pt")
+                        if key == "step":
+                            scalars.setdefault(g, {"step": load_file(st.join(pdir, fname))})
+                        else:
+                            tensors[key] = load_file(st.join(pdir, fname))[PARAM].float().contiguous()
+                    if FP32 not in tensors:
+                        raise CheckpointError(pdir, "no fp32.pt")
+                    writer.add_param(name, tensors, group=g)
+            values = {n: v for n, v in found.items() if v is not None}
+            for name in frozen:
+                writer.add_frozen(name, values[name])
+            writer.add_buffers({n: values[n] for n in buffer_names})
+            client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
+            wrapper = {k: plain(optim_state[k]) for k in OPTIMIZER_WRAPPER_KEYS if k in optim_state}
+            writer.set_state(
+                TrainingState(lr_scheduler=model.lr_scheduler(), client_state=client, optimizer_wrapper=wrapper)
+            )
+            hyper = optim_state.get("param_groups") or []
+            try:
+                tp, pp, sp = model.parallel_sizes()
+                saved = Topology(
+                    dp=int(model.entry("dp_world_size", 1)),
+                    zero_stage=int(optim_state.get("zero_stage", 0)),
+                    dtype="fp32",
+                    tp=tp,
+                    pp=pp,
+                    sp=sp,
+                    optimizer="deepspeed_universal",
                 )
-        values = {n: v for n, v in found.items() if v is not None}
-        for name in frozen:
-            value = values[name]
-            records.append(write_tensors(output, param_file(name), {VALUE: value}))
-            params[name] = ParamRecord(
-                shape=tuple(value.shape),
-                dtype=dtype_name(value.dtype),
-                group=None,
-                trainable=False,
-                file=param_file(name),
-                keys=(VALUE,),
+            except (TypeError, ValueError):
+                raise CheckpointError(model.path, "its parallel sizes are not integers") from None
+            module.check_reads()
+            writer.finish(
+                source=SourceRecord(
+                    st.normalize(folder),
+                    None,
+                    saved,
+                    {"deepspeed": str(model.entry("ds_version", ""))},
+                    extra={"format": "deepspeed_universal"},
+                ),
+                counters=model.counters(),
+                param_groups=[
+                    GroupRecord(
+                        {k: encode_value(v) for k, v in hyper[g].items() if k != "params"} if g < len(hyper) else None,
+                        {k: encode_value(v) for k, v in scalars.get(g, {}).items()},
+                    )
+                    for g in range(len(groups))
+                ],
+                tied=aliases,
+                extra={
+                    "notes": [
+                        f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
+                        f"taken from {', '.join(model_files)}: DeepSpeed's universal folder does not record them"
+                    ]
+                },
             )
-        buffers = {n: values[n] for n in buffer_names}
-        records.append(write_tensors(output, BUFFERS, buffers))
-        client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
-        wrapper = {k: plain(optim_state[k]) for k in OPTIMIZER_WRAPPER_KEYS if k in optim_state}
-        records.append(
-            write_object(
-                output,
-                STATE,
-                {"lr_scheduler": model.lr_scheduler(), "client_state": client, "optimizer_wrapper": wrapper},
-            )
-        )
-        hyper = optim_state.get("param_groups") or []
-        try:
-            tp, pp, sp = model.parallel_sizes()
-            saved = Topology(
-                dp=int(model.entry("dp_world_size", 1)),
-                zero_stage=int(optim_state.get("zero_stage", 0)),
-                dtype="fp32",
-                tp=tp,
-                pp=pp,
-                sp=sp,
-                optimizer="deepspeed_universal",
-            )
-        except (TypeError, ValueError):
-            raise CheckpointError(model.path, "its parallel sizes are not integers") from None
-        manifest = Manifest(
-            created_by=written_by(),
-            source=SourceRecord(
-                st.normalize(folder),
-                None,
-                saved,
-                {"deepspeed": str(model.entry("ds_version", ""))},
-                extra={"format": "deepspeed_universal"},
-            ),
-            counters=model.counters(),
-            param_groups=tuple(
-                GroupRecord(
-                    {k: encode_value(v) for k, v in hyper[g].items() if k != "params"} if g < len(hyper) else None,
-                    {k: encode_value(v) for k, v in scalars.get(g, {}).items()},
-                )
-                for g in range(len(groups))
-            ),
-            params=params,
-            buffers={n: BufferRecord(tuple(b.shape), dtype_name(b.dtype)) for n, b in buffers.items()},
-            tied=dict(aliases),
-            extra={
-                "notes": [
-                    f"param groups, frozen parameters, buffers, counters, LR scheduler and client_state "
-                    f"taken from {', '.join(model_files)}: DeepSpeed's universal folder does not record them"
-                ]
-            },
-        )
-        module.check_reads()
-        write_manifest(output, manifest, records)
         return output
     finally:
         module.close()

@@ -33,32 +33,13 @@ import torch
 from ucp_deepspeed import compat
 from ucp_deepspeed.convert.core import convert
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import (
-    Counters,
-    GroupRecord,
-    Manifest,
-    ParamRecord,
-    SourceRecord,
-    dtype_name,
-    written_by,
-)
+from ucp_deepspeed.format.manifest import Counters, GroupRecord, Manifest, SourceRecord, dtype_name
 from ucp_deepspeed.format.metadata import FP32, check_name
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.format.paths import check_output, locate
 from ucp_deepspeed.format.topology import Topology
-from ucp_deepspeed.format.universal import (
-    BUFFERS,
-    MANIFEST,
-    STATE,
-    FileRecord,
-    UniversalCheckpoint,
-    decode_value,
-    encode_value,
-    param_file,
-    write_manifest,
-    write_object,
-    write_tensors,
-)
+from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value, encode_value
+from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.interop.megatron_buckets import EXPERTS, LAYERS, BucketStates
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, to_bytes
@@ -423,82 +404,68 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
                 f"param group {stepless[0]} has optimizer state ({', '.join(states)}) but no step count "
                 "(the optimizer's state.common_step, or the group's step); it could not take its next step",
             )
-        records: list[FileRecord] = []
-        params: dict[str, ParamRecord] = {}
         dtypes: set[torch.dtype] = set()
-        for key in model_keys:
-            value = ckpt.tensor(key)
-            dtypes.add(value.dtype)
-            master, found = optimizer.read(key, value)
-            weight = value if master is None else master
-            for name, index in _pieces(key, tuple(value.shape), fused):
-                try:
-                    check_name(name)
-                except ValueError as exc:
-                    raise CheckpointError(ckpt.path, str(exc)) from None
-                tensors = {FP32: weight[index], **{s: t[index] for s, t in found.items()}}
-                if vocab_size and name in VOCAB_PARALLEL:
-                    tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
-                tensors = {k: t.float().clone() for k, t in tensors.items()}
-                shape = tuple(tensors[FP32].shape)
-                records.append(write_tensors(output, param_file(name), tensors))
-                params[name] = ParamRecord(
-                    shape=shape,
-                    dtype=dtype_name(value.dtype),
-                    group=group_of(name, shape),
-                    trainable=True,
-                    file=param_file(name),
-                    keys=(FP32, *sorted(found)),
-                )
-        records.append(write_tensors(output, BUFFERS, {}))
-        client = {k: _plain(v) for k, v in common.items() if k != "optimizer"}
-        records.append(
-            write_object(output, STATE, {"lr_scheduler": None, "client_state": client, "optimizer_wrapper": {}})
-        )
-        vocab = params[VOCAB_PARALLEL[0]].shape[0] if VOCAB_PARALLEL[0] in params else 0
-        spec = _spec(common.get("args"), vocab) if vocab else None
-        ranks = {m.group(1) for f in st.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
-        iteration = common.get("iteration")
-        manifest = Manifest(
-            created_by=written_by(),
-            source=SourceRecord(
-                folder,
-                None,
-                Topology(
-                    dp=max(1, len(ranks)),
-                    zero_stage=0,
-                    dtype=next((_DTYPES[d] for d in dtypes if d in _DTYPES), "fp32"),
-                    optimizer="megatron",
+        with UniversalWriter(root=output) as writer:
+            for key in model_keys:
+                value = ckpt.tensor(key)
+                dtypes.add(value.dtype)
+                master, found = optimizer.read(key, value)
+                weight = value if master is None else master
+                for name, index in _pieces(key, tuple(value.shape), fused):
+                    try:
+                        check_name(name)
+                    except ValueError as exc:
+                        raise CheckpointError(ckpt.path, str(exc)) from None
+                    tensors = {FP32: weight[index], **{s: t[index] for s, t in found.items()}}
+                    if vocab_size and name in VOCAB_PARALLEL:
+                        tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
+                    tensors = {k: t.float().clone() for k, t in tensors.items()}
+                    shape = tuple(tensors[FP32].shape)
+                    writer.add_param(name, tensors, group=group_of(name, shape), dtype=dtype_name(value.dtype))
+            writer.add_buffers({})
+            client = {k: _plain(v) for k, v in common.items() if k != "optimizer"}
+            writer.set_state(TrainingState(client_state=client))
+            params = writer.params
+            vocab = params[VOCAB_PARALLEL[0]].shape[0] if VOCAB_PARALLEL[0] in params else 0
+            spec = _spec(common.get("args"), vocab) if vocab else None
+            ranks = {m.group(1) for f in st.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
+            iteration = common.get("iteration")
+            writer.finish(
+                source=SourceRecord(
+                    folder,
+                    None,
+                    Topology(
+                        dp=max(1, len(ranks)),
+                        zero_stage=0,
+                        dtype=next((_DTYPES[d] for d in dtypes if d in _DTYPES), "fp32"),
+                        optimizer="megatron",
+                    ),
+                    {},
+                    extra={"format": "megatron torch_dist"},
                 ),
-                {},
-                extra={"format": "megatron torch_dist"},
-            ),
-            counters=Counters(
-                global_steps=iteration if type(iteration) is int and iteration >= 0 else 0,
-                global_samples=_consumed(args, st.join(folder, COMMON)),
-            ),
-            param_groups=tuple(
-                GroupRecord(
-                    {
-                        **{k: encode_value(v) for k, v in hypers[g].items() if k != "params"},
-                        **({"is_expert_parallel": True} if copy else {}),
-                    },
-                    {"step": encode_value(_step_tensor(steps[g]))} if _is_step(steps[g]) else {},
-                )
-                for g, copy in slots
-            ),
-            params=params,
-            buffers={},
-            extra={
-                **({"model": spec.encode()} if spec is not None else {}),
-                "notes": [
-                    "param groups placed by megatron-core's default rule (biases and 1-D weights without weight "
-                    "decay); the topology's dp counts the saving ranks; common.pt's entries other than the "
-                    "optimizer are client_state"
+                counters=Counters(
+                    global_steps=iteration if type(iteration) is int and iteration >= 0 else 0,
+                    global_samples=_consumed(args, st.join(folder, COMMON)),
+                ),
+                param_groups=[
+                    GroupRecord(
+                        {
+                            **{k: encode_value(v) for k, v in hypers[g].items() if k != "params"},
+                            **({"is_expert_parallel": True} if copy else {}),
+                        },
+                        {"step": encode_value(_step_tensor(steps[g]))} if _is_step(steps[g]) else {},
+                    )
+                    for g, copy in slots
                 ],
-            },
-        )
-        write_manifest(output, manifest, records)
+                extra={
+                    **({"model": spec.encode()} if spec is not None else {}),
+                    "notes": [
+                        "param groups placed by megatron-core's default rule (biases and 1-D weights without weight "
+                        "decay); the topology's dp counts the saving ranks; common.pt's entries other than the "
+                        "optimizer are client_state"
+                    ],
+                },
+            )
         return output
     finally:
         ckpt.close()
