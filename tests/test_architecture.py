@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ucp_deepspeed"
 LAYERS = [
-    {"errors", "version"},
+    {"errors", "version", "protocols"},
     {"io"},
     {"compat"},
     {"geometry", "naming"},

@@ -13,6 +13,7 @@ from typing import Any
 from ucp_deepspeed.checkn_run.chain import MARKER, ChainCheckpoint, chain, crc_problems, materialize
 from ucp_deepspeed.checkn_run.config import DifferentialConfig, QuantizeConfig
 from ucp_deepspeed.format.kinds import TagKind, register_tag_kind
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.plugins import register_saver, register_section
 
 KIND = "checkn_run"
@@ -26,7 +27,7 @@ def _verify(ckpt_dir: str, tag: str) -> list[str]:
     return crc_problems(ckpt_dir, chain(ckpt_dir, tag))
 
 
-def _saver(engine: Any, options: Any) -> Any:
+def _saver(engine: Engine, options: Any) -> Any:
     """A Check-N-Run saver when the config has a `differential` or `quantize` section."""
     diff: DifferentialConfig | None = options.extensions.get("differential")
     quant: QuantizeConfig | None = options.extensions.get("quantize")

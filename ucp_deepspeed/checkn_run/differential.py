@@ -31,6 +31,7 @@ from ucp_deepspeed.checkn_run.quantize import choose_bits
 from ucp_deepspeed.checkn_run.tracking import RowTracker, check_optimizer, find_tables, rows_of
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.capture import live_params
 from ucp_deepspeed.runtime.collective import barrier, on_rank0
 
@@ -48,7 +49,7 @@ class DifferentialSaver:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         policy: str | None,
         tables: list[str] | None,
         method: str | None,
@@ -86,7 +87,7 @@ class DifferentialSaver:
         return 8 if exceeded else self.bits
 
     def save(
-        self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
+        self, engine: Engine, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
     ) -> int:
         """Write checkpoint `tag` under the policy (collective); returns the bytes written (rank 0)."""
         changed = self.tracker.take() if self.tracker is not None else {}

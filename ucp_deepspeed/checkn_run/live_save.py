@@ -28,6 +28,7 @@ from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.universal import encode_value
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.capture import (
     live_params,
     model_parallel,
@@ -55,7 +56,7 @@ def table_file(name: str) -> str:
     return f"tables/{name}.safetensors"
 
 
-def check_supported(engine: Any) -> None:
+def check_supported(engine: Engine) -> None:
     """Live saves gather whole parameters over data parallelism only."""
     if compat.is_unpartitioned(engine):
         raise NotImplementedError(
@@ -69,13 +70,13 @@ def check_supported(engine: Any) -> None:
         )
 
 
-def _state_keys(engine: Any) -> list[str]:
+def _state_keys(engine: Engine) -> list[str]:
     for state in engine.optimizer.optimizer.state.values():
         return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
     return []
 
 
-def _param_groups(engine: Any) -> tuple[GroupRecord, ...]:
+def _param_groups(engine: Engine) -> tuple[GroupRecord, ...]:
     base = engine.optimizer.optimizer
     # ZeRO-3 hands a group its flat sub-groups only while it steps them: between steps its "params" are empty
     flats: dict[int, list[torch.Tensor]] = {}
@@ -104,7 +105,7 @@ def _dtype(p: torch.Tensor) -> str:
 
 
 def write_live(
-    engine: Any, out: str, client_state: dict[str, Any], tables: dict[str, TableSave], extra: dict[str, Any]
+    engine: Engine, out: str, client_state: dict[str, Any], tables: dict[str, TableSave], extra: dict[str, Any]
 ) -> tuple[str | None, int]:
     """Write `out` from the live engine (collective); returns the manifest path on rank 0 and bytes written.
 
@@ -155,7 +156,7 @@ def write_live(
 
 
 def _finish(
-    engine: Any, writer: UniversalWriter, client_state: dict[str, Any], extra: dict[str, Any]
+    engine: Engine, writer: UniversalWriter, client_state: dict[str, Any], extra: dict[str, Any]
 ) -> tuple[str, int]:
     """Rank 0's part after the gathers: buffers, the scheduler and client state, then the manifest, last."""
     to_global = namer(engine)
@@ -184,7 +185,7 @@ def _finish(
     return path, writer.nbytes
 
 
-def _gatherer(engine: Any, keys: list[str]) -> Callable[[torch.nn.Parameter, tuple[int, ...]], dict | None]:
+def _gatherer(engine: Engine, keys: list[str]) -> Callable[[torch.nn.Parameter, tuple[int, ...]], dict | None]:
     """whole(p, shape): a parameter's fp32 value and optimizer states, whole in host memory on rank 0 (the writer)
     and None elsewhere (collective). Each rank sends only the piece it holds, so no rank but the writer ever holds
     a whole table, and the writer one parameter at a time; DeepSpeed's `safe_get_full_*` would build each whole

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from ucp_deepspeed.compat.megatron import is_megatron_moe
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.safe_pickle import DEEPSPEED_CLASSES, PickledObject
+from ucp_deepspeed.protocols import Engine
 
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 
@@ -54,22 +55,22 @@ def rebuild(value: Any) -> Any:
 # --- engines: their private methods and parallel groups ------------------------------------------------
 
 
-def buffer_names(engine: Any) -> list[str]:
+def buffer_names(engine: Engine) -> list[str]:
     """The module buffers DeepSpeed saves (persistent ones), by local name."""
     return list(engine._get_buffer_names())
 
 
-def engine_config(engine: Any) -> Any:
+def engine_config(engine: Engine) -> Any:
     """The engine's parsed `DeepSpeedConfig` (what a checkpoint engine is built from)."""
     return engine._config
 
 
-def commit_decoupled_checkpoint(engine: Any) -> None:
+def commit_decoupled_checkpoint(engine: Engine) -> None:
     """Let DeepSpeed finish a save whose files a decoupled checkpoint engine wrote (moves `latest`)."""
     engine._commit_decoupled_checkpoint()
 
 
-def store_recovery_scripts(engine: Any, remote: Callable[[str], bool], write: Callable[[str, bytes], None]) -> None:
+def store_recovery_scripts(engine: Engine, remote: Callable[[str], bool], write: Callable[[str, bytes], None]) -> None:
     """DeepSpeed copies its `zero_to_fp32.py` scripts into the save folder with `shutil.copyfile`, which cannot reach
     an object store: for a `remote` folder, send them through `write` instead."""
     native = engine._copy_recovery_script
@@ -91,7 +92,7 @@ def store_recovery_scripts(engine: Any, remote: Callable[[str], bool], write: Ca
     engine._copy_recovery_script = copy_recovery_script
 
 
-def before_model_step(engine: Any, check: Callable[[], None]) -> None:
+def before_model_step(engine: Engine, check: Callable[[], None]) -> None:
     """Run `check` before every optimizer step of `engine` (plain and pipeline engines step through
     `_take_model_step`); it refuses the step by raising."""
     native = engine._take_model_step
@@ -103,12 +104,12 @@ def before_model_step(engine: Any, check: Callable[[], None]) -> None:
     engine._take_model_step = take_model_step
 
 
-def base_optimizer(engine: Any) -> Any:
+def base_optimizer(engine: Engine) -> Any:
     """The torch optimizer DeepSpeed steps: ZeRO and bf16 wrap it (`.optimizer`); ZeRO-0 in fp32 uses it as is."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
-def is_unpartitioned(engine: Any) -> bool:
+def is_unpartitioned(engine: Engine) -> bool:
     """Whether the engine steps a plain torch optimizer on whole fp32 parameters (ZeRO-0 without bf16/fp16)."""
     import torch
 
@@ -121,12 +122,12 @@ def is_ulysses_mpu(mpu: Any) -> bool:
     return hasattr(mpu, "get_sequence_parallel_world_size") and not hasattr(mpu, "get_tensor_model_parallel_rank")
 
 
-def sequence_parallel_size(engine: Any) -> int:
+def sequence_parallel_size(engine: Engine) -> int:
     """The engine's Ulysses sequence-parallel size (1 without)."""
     return int(getattr(engine, "sequence_parallel_size", 1) or 1)
 
 
-def ulysses_outside_zero(engine: Any) -> bool:
+def ulysses_outside_zero(engine: Engine) -> bool:
     """Whether a Ulysses engine's sequence-parallel ranks fall outside its ZeRO group, as when DeepSpeed 0.19.8 builds
     them from the config's device mesh (`sequence_parallel_size` and `data_parallel_size`): ZeRO then partitions, and
     sums gradients, over the mesh's data-parallel dimension alone."""
@@ -139,7 +140,7 @@ def ulysses_outside_zero(engine: Any) -> bool:
     return not sequence <= set(dist.get_process_group_ranks(engine.seq_data_parallel_group))
 
 
-def zero_world_size(engine: Any) -> int:
+def zero_world_size(engine: Engine) -> int:
     """How many ranks ZeRO partitions over: under Ulysses the sequence x data-parallel ranks (DeepSpeed then leaves
     `dp_world_size` None), else the data-parallel ones."""
     if sequence_parallel_size(engine) > 1:
@@ -147,7 +148,7 @@ def zero_world_size(engine: Any) -> int:
     return int(engine.dp_world_size)
 
 
-def data_parallel_rank(engine: Any) -> int:
+def data_parallel_rank(engine: Engine) -> int:
     """This rank's index in its data-parallel group (a pipeline stage's replicas; not the global rank)."""
     import torch.distributed as dist
 

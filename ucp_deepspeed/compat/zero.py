@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ucp_deepspeed.compat.deepspeed import base_optimizer
+from ucp_deepspeed.protocols import Engine
 
 
 def is_zero3_param(p: Any) -> bool:
@@ -130,7 +131,7 @@ class OwnedState(NamedTuple):
     tensors: dict[str, Any]
 
 
-def owned_fragments(engine: Any, keys: list[str]) -> Callable[[Any], OwnedState | None]:
+def owned_fragments(engine: Engine, keys: list[str]) -> Callable[[Any], OwnedState | None]:
     """For a trainable parameter of a ZeRO-1/2/3 engine: the piece of it and of its optimizer states `keys` this rank
     holds, as views into the engine's own tensors; None when this rank holds none of it."""
     opt = engine.optimizer
@@ -229,18 +230,18 @@ class NvmeSwap:
     swapped: dict[str, int]
 
 
-def nvme_offload(engine: Any) -> bool:
+def nvme_offload(engine: Engine) -> bool:
     """Whether the engine offloads its optimizer to NVMe (ZeRO-3 swap files)."""
     return bool(engine.zero_nvme_offload_optimizer())
 
 
-def nvme_param_offload(engine: Any) -> bool:
+def nvme_param_offload(engine: Engine) -> bool:
     """Whether ZeRO-3 swaps the engine's parameters to NVMe (`offload_param.device: nvme`)."""
     offload = engine.zero_offload_param() if int(engine.zero_optimization_stage()) == 3 else None
     return offload is not None and str(getattr(offload.device, "value", offload.device)) == "nvme"
 
 
-def nvme_swap(engine: Any, save_dir: str, tag: str) -> NvmeSwap | None:
+def nvme_swap(engine: Engine, save_dir: str, tag: str) -> NvmeSwap | None:
     """Where and what a save of `engine` to `save_dir/tag` swaps to NVMe; None without NVMe optimizer offload."""
     from ucp_deepspeed.io import storage as st
 

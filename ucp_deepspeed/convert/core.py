@@ -24,6 +24,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.manifest import (
     BufferRecord,
+    FileRecord,
     GroupRecord,
     Manifest,
     ParamRecord,
@@ -33,7 +34,7 @@ from ucp_deepspeed.format.manifest import (
 )
 from ucp_deepspeed.format.metadata import FP32, VALUE, ParamSlot
 from ucp_deepspeed.format.paths import INTENT
-from ucp_deepspeed.format.universal import FileRecord, encode_value, param_file
+from ucp_deepspeed.format.universal import encode_value, param_file
 from ucp_deepspeed.format.writer import TrainingState, UniversalFiles, UniversalWriter
 from ucp_deepspeed.geometry.layout import dropped_padding, merge
 from ucp_deepspeed.io import storage as st

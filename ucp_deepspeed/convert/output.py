@@ -16,8 +16,9 @@ import threading
 from collections.abc import Iterator
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import FileRecord
 from ucp_deepspeed.format.paths import INTENT, check_output
-from ucp_deepspeed.format.universal import MANIFEST, CheckedFile, FileRecord, is_complete, read_manifest
+from ucp_deepspeed.format.universal import MANIFEST, CheckedFile, is_complete, read_manifest
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
 

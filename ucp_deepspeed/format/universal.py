@@ -539,7 +539,8 @@ class FolderReader(TensorReader):
 
     def load_state(self) -> dict[str, Any]:
         """The non-tensor training state: scheduler, client state, optimizer-wrapper state."""
-        return self.folder.load_object(STATE)
+        state: dict[str, Any] = self.folder.load_object(STATE)
+        return state
 
     def verify(self, relpaths: Iterable[str] | None = None) -> list[str]:
         """Check every block of the given files (all by default); return one line per problem."""

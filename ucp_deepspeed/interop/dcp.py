@@ -31,6 +31,7 @@ from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import to_bytes
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources.dcp import DcpCheckpoint, is_dcp_folder
 
@@ -266,7 +267,7 @@ def export_dcp(
         ckpt.close()
 
 
-def _loaded_folder(engine: Any, load_dir: str) -> str | None:
+def _loaded_folder(engine: Engine, load_dir: str) -> str | None:
     """A DCP folder named directly by a load (megatron-core's torch_dist folders, DCP too, are `megatron`'s)."""
     return load_dir if is_dcp_folder(load_dir) and not st.isfile(st.join(load_dir, "metadata.json")) else None
 

@@ -34,6 +34,7 @@ from ucp_deepspeed.format.universal import encode_value
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, plain, to_bytes
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS, OPTIMIZER_WRAPPER_KEYS
@@ -312,7 +313,7 @@ def import_deepspeed(folder: str, output: str) -> str:
         module.close()
 
 
-def _loaded_folder(engine: Any, load_dir: str) -> str | None:
+def _loaded_folder(engine: Engine, load_dir: str) -> str | None:
     """The DeepSpeed universal folder a load of `load_dir` means: named directly, or asked for with
     DeepSpeed's own `load_universal` switch."""
     folder = deepspeed_universal_folder(load_dir)

@@ -43,6 +43,7 @@ from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.interop.megatron_buckets import EXPERTS, LAYERS, BucketStates
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, to_bytes
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources.dcp import DcpCheckpoint
 
@@ -488,7 +489,7 @@ def _megatron_args(client: dict[str, Any], counters: Counters) -> argparse.Names
     return argparse.Namespace(**{**client["args"], "consumed_train_samples": counters.global_samples})
 
 
-def _loaded_folder(engine: Any, load_dir: str) -> str | None:
+def _loaded_folder(engine: Engine, load_dir: str) -> str | None:
     """A megatron-core torch_dist folder named directly by a load."""
     return load_dir if is_torch_dist(load_dir) else None
 

@@ -26,13 +26,14 @@ from ucp_deepspeed.geometry.layout import Axis, Layout
 from ucp_deepspeed.naming.experts import expert_blocks
 from ucp_deepspeed.naming.model import ParamInfo, canonical_namer, global_namer, param_infos
 from ucp_deepspeed.naming.rules import parse_rules
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.version import __version__
 
 _MODEL_STATES = compat.LayerFile(file="", key="")
 """Where a tensor outside a `PipelineModule`'s layer files is saved: no layer file, so the rank's model-states file."""
 
 
-def engine_dtype(engine: Any) -> str:
+def engine_dtype(engine: Engine) -> str:
     """Training precision of an engine: fp32, bf16 or fp16."""
     if engine.bfloat16_enabled():
         return "bf16"
@@ -49,7 +50,7 @@ class ModelParallel:
     pp_rank: int = 0
 
 
-def model_parallel(engine: Any) -> ModelParallel:
+def model_parallel(engine: Engine) -> ModelParallel:
     """Tensor/pipeline coordinates of an engine: 1x1 without an mpu or with a Ulysses one (sequence parallelism
     splits activations, not weights); an old-style mpu's model parallel is TP."""
     mpu = getattr(engine, "mpu", None)
@@ -66,29 +67,29 @@ def model_parallel(engine: Any) -> ModelParallel:
     return ModelParallel(tp, tp_rank)
 
 
-def expert_groups(engine: Any) -> dict[str, tuple[int, int]]:
+def expert_groups(engine: Engine) -> dict[str, tuple[int, int]]:
     """(expert-parallel size, this rank's expert-parallel rank) of each expert group: DeepSpeed MoE's and AutoEP's."""
     names = {b.group for b in expert_blocks(engine.module)} | set(compat.autoep_groups(engine.module))
     parallel = {g: compat.expert_parallel(g) for g in sorted(names)}
     return {g: (ep.ep_size, ep.ep_rank) for g, ep in parallel.items()}
 
 
-def attached_options(engine: Any) -> Any:
+def attached_options(engine: Engine) -> Any:
     """The options of the engine's checkpointer (`engine.ucp`, set by `attach`), or None."""
     return getattr(getattr(engine, "ucp", None), "options", None)
 
 
-def _rename(engine: Any) -> dict[str, str]:
+def _rename(engine: Engine) -> dict[str, str]:
     options = attached_options(engine)
     return dict(options.rename) if options is not None else {}
 
 
-def namer(engine: Any) -> Callable[[str], str]:
+def namer(engine: Engine) -> Callable[[str], str]:
     """Local-to-global parameter and buffer names of this rank's module (pipeline stage, expert-parallel rank)."""
     return global_namer(engine.module, {g: rank for g, (_, rank) in expert_groups(engine).items()}, _rename(engine))
 
 
-def topology(engine: Any) -> Topology:
+def topology(engine: Engine) -> Topology:
     """The live engine's parallel layout."""
     mp = model_parallel(engine)
     ep = max((size for size, _ in expert_groups(engine).values()), default=1)
@@ -104,7 +105,7 @@ def topology(engine: Any) -> Topology:
     )
 
 
-def infos(engine: Any) -> dict[str, ParamInfo]:
+def infos(engine: Engine) -> dict[str, ParamInfo]:
     """Global name and tensor-parallel layout of every parameter of the engine's module, by local name."""
     options = attached_options(engine)
     rules = parse_rules(options.layout_rules) if options is not None else ()
@@ -136,7 +137,7 @@ class LiveParam:
     size: int = 1
 
 
-def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
+def live_params(engine: Engine) -> dict[torch.nn.Parameter, LiveParam]:
     """Every parameter of the engine's module, placed in the full model."""
     placed = infos(engine)
     mp = model_parallel(engine)
@@ -149,7 +150,7 @@ def live_params(engine: Any) -> dict[torch.nn.Parameter, LiveParam]:
     return out
 
 
-def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
+def _expert_file_ranks(engine: Engine) -> dict[str, dict[int, tuple[int, ...]]]:
     """Per expert group: expert-parallel rank -> data-parallel ranks (file indices) of its expert-data-parallel
     group, in partition order. Those files hold that rank's experts; gathered from every rank."""
     mine = {g: (rank, compat.expert_parallel(g).edp_rank) for g, (_, rank) in expert_groups(engine).items()}
@@ -168,7 +169,7 @@ def _expert_file_ranks(engine: Any) -> dict[str, dict[int, tuple[int, ...]]]:
     }
 
 
-def _all_expert_ranks(engine: Any, slots: list[ParamSlot]) -> list[ParamSlot]:
+def _all_expert_ranks(engine: Engine, slots: list[ParamSlot]) -> list[ParamSlot]:
     """Expert slots for every expert-parallel rank, from this rank's own: same flat layout, other experts and files."""
     blocks = expert_blocks(engine.module)
     if not blocks and not compat.autoep_groups(engine.module):
@@ -269,7 +270,7 @@ def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[Pa
     return slots
 
 
-def same_stage(engine: Any, metas: list[SaveMeta]) -> bool:
+def same_stage(engine: Engine, metas: list[SaveMeta]) -> bool:
     """Whether this rank's pipeline stage holds the parameters its saved stage held (same layer split, same names).
 
     Two pipelines of one size may split the layers differently (`partition_method`); DeepSpeed's own
@@ -286,7 +287,7 @@ def same_stage(engine: Any, metas: list[SaveMeta]) -> bool:
     return live == {s.name for s in saved.params}
 
 
-def param_groups(engine: Any) -> dict[Any, int]:
+def param_groups(engine: Engine) -> dict[Any, int]:
     """Each trainable parameter's optimizer param group, without a collective (unlike `describe`)."""
     opt = engine.optimizer
     if int(engine.zero_optimization_stage()) == 3:
@@ -296,7 +297,7 @@ def param_groups(engine: Any) -> dict[Any, int]:
     return {p: i for i, group in enumerate(compat.zero12_groups(opt)) for p in group.params}
 
 
-def unsupported(engine: Any) -> str | None:
+def unsupported(engine: Engine) -> str | None:
     """Why universal checkpointing cannot describe or restore this engine's training state, or None when it can."""
     stage = int(engine.zero_optimization_stage())
     if compat.ulysses_outside_zero(engine):
@@ -334,13 +335,13 @@ def unsupported(engine: Any) -> str | None:
     )
 
 
-def optimizer_record(engine: Any) -> dict[str, Any]:
+def optimizer_record(engine: Engine) -> dict[str, Any]:
     """The base optimizer's class, algorithm and state names, for the metadata (see `compat.Kernel`)."""
     kernel = compat.optimizer_kernel(compat.base_optimizer(engine))
     return {"class": kernel.qualname, "algorithm": kernel.algorithm, "states": kernel.states}
 
 
-def model_spec(engine: Any) -> ModelSpec | None:
+def model_spec(engine: Engine) -> ModelSpec | None:
     """What the engine's megatron-core GPT computes (None for other modules), with the unpadded vocabulary when
     `checkpoint.universal.vocab_size` gives it."""
     fields = compat.megatron_gpt_architecture(engine.module)
@@ -352,7 +353,9 @@ def model_spec(engine: Any) -> ModelSpec | None:
     return ModelSpec(**fields)
 
 
-def describe(engine: Any, client_state_keys: tuple[str, ...] = (), hf_config: dict[str, Any] | None = None) -> SaveMeta:
+def describe(
+    engine: Engine, client_state_keys: tuple[str, ...] = (), hf_config: dict[str, Any] | None = None
+) -> SaveMeta:
     """Build the save-time metadata of a live engine (`hf_config`: of the Hugging Face weights it was loaded from)."""
     module = engine.module
     names = {p: n for n, p in module.named_parameters()}

@@ -41,6 +41,7 @@ from ucp_deepspeed.format.metadata import write_meta
 from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.format.swap import OFFLOADED, record_swap_files
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import describe
 from ucp_deepspeed.runtime.collective import (
@@ -80,7 +81,7 @@ def _coordinated(method: Callable[..., Any]) -> Callable[..., Any]:
 class UniversalCheckpointer:
     """Universal checkpoints for one DeepSpeed engine (see the module docstring); built by `attach`."""
 
-    def __init__(self, engine: Any, options: UniversalConfig):
+    def __init__(self, engine: Engine, options: UniversalConfig):
         self.engine, self.options = engine, options
         self._native_save, self._native_load = engine.save_checkpoint, engine.load_checkpoint
         if options.async_save:
@@ -298,7 +299,7 @@ class _Loaded:
     """The restored manifest, for the saver (ours loaded it)."""
 
 
-def checkpointer_of(engine: Any) -> UniversalCheckpointer | None:
+def checkpointer_of(engine: Engine) -> UniversalCheckpointer | None:
     """The engine's checkpointer, if `attach` gave it one."""
     found = getattr(engine, "ucp", None)
     return found if isinstance(found, UniversalCheckpointer) else None

@@ -12,6 +12,7 @@ import deepspeed
 from deepspeed.pipe import PipelineModule
 
 from ucp_deepspeed import compat
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.capture import unsupported
 from ucp_deepspeed.runtime.checkpointer import LoadReport, UniversalCheckpointer, checkpointer_of
 from ucp_deepspeed.runtime.config import UniversalConfig, load_config, split_config
@@ -68,7 +69,7 @@ def initialize(
     return result
 
 
-def attach(engine: Any, options: UniversalConfig | None = None) -> Any:
+def attach(engine: Engine, options: UniversalConfig | None = None) -> Any:
     """Make an existing engine save ucp metadata and load checkpoints of any topology (`engine.ucp` owns them)."""
     if checkpointer_of(engine) is not None:
         return engine

@@ -37,6 +37,7 @@ from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.async_save import serialized
 from ucp_deepspeed.runtime.collective import all_ok, on_rank0, to_rank0
 
@@ -197,7 +198,7 @@ def commit_to_store(
     on_rank0(commit)
 
 
-def bind(engine: Any, verify: bool = True) -> Guard:
+def bind(engine: Engine, verify: bool = True) -> Guard:
     """Put a `BoundEngine` in front of the engine's checkpoint engine (once); returns its guard."""
     ce = engine.checkpoint_engine
     if isinstance(ce, BoundEngine):
@@ -212,13 +213,13 @@ def bind(engine: Any, verify: bool = True) -> Guard:
     return guard
 
 
-def unbound(engine: Any) -> Any:
+def unbound(engine: Engine) -> Any:
     """The checkpoint engine DeepSpeed built (or that replaced it), without our binding."""
     ce = engine.checkpoint_engine
     return ce.inner if isinstance(ce, BoundEngine) else ce
 
 
-def rebind(engine: Any, inner: Any) -> None:
+def rebind(engine: Engine, inner: Any) -> None:
     """Swap the checkpoint engine behind the binding (an asynchronous one for a synchronous one)."""
     ce = engine.checkpoint_engine
     engine.checkpoint_engine = BoundEngine(inner, ce.ucp_guard) if isinstance(ce, BoundEngine) else inner

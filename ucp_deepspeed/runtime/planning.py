@@ -29,6 +29,7 @@ from ucp_deepspeed.format.kinds import TagKind, kind_of
 from ucp_deepspeed.format.swap import OFFLOADED
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.capture import optimizer_record, same_stage, topology
 from ucp_deepspeed.runtime.collective import coordinated, everywhere, from_rank0, guarded, on_rank0, to_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig
@@ -114,7 +115,7 @@ class Source:
 class LoadPlanner:
     """Which `Source` a load of one engine reads (see the module docstring); every method is collective."""
 
-    def __init__(self, engine: Any, options: UniversalConfig, group: Any):
+    def __init__(self, engine: Engine, options: UniversalConfig, group: Any):
         self.engine, self.options, self.group = engine, options, group
 
     def folder(self, load_dir: str) -> Source | None:

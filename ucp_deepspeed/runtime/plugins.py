@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ucp_deepspeed.format.manifest import Manifest
+from ucp_deepspeed.protocols import Engine
 
 
 class Saver(Protocol):
     """Writes checkpoints in place of DeepSpeed's `save_checkpoint`."""
 
     def save(
-        self, engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
+        self, engine: Engine, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
     ) -> Any:
         """Write checkpoint `tag` (collective)."""
 
@@ -75,7 +76,7 @@ def register_saver(factory: SaverFactory) -> None:
     _SAVERS.append(factory)
 
 
-def make_saver(engine: Any, options: Any) -> Saver | None:
+def make_saver(engine: Engine, options: Any) -> Saver | None:
     """The first saver a registered factory makes for this engine, or None to keep DeepSpeed's save."""
     for factory in _SAVERS:
         saver = factory(engine, options)

@@ -25,6 +25,7 @@ from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, decode_value
 from ucp_deepspeed.io.stats import record as record_io
 from ucp_deepspeed.naming.experts import expert_blocks
+from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime import rng
 from ucp_deepspeed.runtime.capture import (
     LiveParam,
@@ -67,7 +68,7 @@ class LoadFlags:
         }
 
 
-def _problems(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
+def _problems(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
     problems = []
     live_groups = {
         id(p): g for g, group in enumerate(compat.base_optimizer(engine).param_groups) for p in group["params"]
@@ -125,7 +126,7 @@ def _problems(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, Li
     return problems, names
 
 
-def check_compatible(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> None:
+def check_compatible(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> None:
     """Refuse a checkpoint of another model on every rank: names, shapes, layouts and groups must match.
 
     Pipeline stages each hold part of the model, so names are compared over all ranks together.
@@ -223,7 +224,7 @@ def _effective_groups(opt: Any, ckpt: TensorReader, where: str) -> list[dict[str
     return out
 
 
-def state_map(engine: Any, ckpt: TensorReader) -> StateMap:
+def state_map(engine: Engine, ckpt: TensorReader) -> StateMap:
     """The live optimizer's states from the saved ones; refuses another algorithm or a missing state, naming it."""
     opt = compat.base_optimizer(engine)
     target = compat.optimizer_kernel(opt)
@@ -379,7 +380,7 @@ def _state_install(
     return install
 
 
-def _apply_hyperparams(engine: Any, ckpt: TensorReader) -> None:
+def _apply_hyperparams(engine: Engine, ckpt: TensorReader) -> None:
     """The saved groups' hyperparameters, where the live groups have them (another kernel's own are left out)."""
     for group, record in zip(compat.base_optimizer(engine).param_groups, ckpt.manifest.param_groups):
         group.update({k: v for k, v in _saved_hyperparams(record).items() if k in group})
@@ -404,7 +405,7 @@ def _reader(ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> An
 
 
 def _stage_zero12(
-    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None, out: Staged
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None, out: Staged
 ) -> None:
     opt = engine.optimizer
     groups = compat.zero12_groups(opt)
@@ -479,7 +480,7 @@ REFRESH_CHUNK = 64 << 20
 """Bytes of fp32 masters a read refresh holds at once: its reads are merged, and its memory stays bounded."""
 
 
-def refresh_by_gathering(engine: Any) -> bool:
+def refresh_by_gathering(engine: Engine) -> bool:
     """Whether a ZeRO-1/2 restore rebuilds the low-precision weights by all-gathering the partitions (the
     `refresh` option) rather than reading the rank's whole share of fp32 masters again."""
     if int(engine.zero_optimization_stage()) not in (1, 2) and not compat.is_bf16_optimizer(engine.optimizer):
@@ -490,7 +491,7 @@ def refresh_by_gathering(engine: Any) -> bool:
 
 
 def _stage_whole(
-    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None, out: Staged
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None, out: Staged
 ) -> None:
     """ZeRO-0 fp32: DeepSpeed steps a torch optimizer on the parameters themselves, which are the fp32 masters.
     Each parameter gets its own step (torch's kernels step it in place)."""
@@ -505,7 +506,7 @@ def _stage_whole(
 
 
 def _restore_zero3_in_place(
-    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None
 ) -> None:
     """ZeRO-3 with NVMe optimizer offload: each sub-group is swapped in, written as it is read, and swapped out.
     Staging every sub-group in memory first is what NVMe offload exists to avoid, so this runs inside the commit,
@@ -541,7 +542,7 @@ def _stage_subgroup(
 
 
 def _stage_zero3(
-    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None, out: Staged
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], smap: StateMap | None, out: Staged
 ) -> None:
     opt = engine.optimizer
     read = _reader(ckpt, live)
@@ -558,7 +559,7 @@ def _stage_zero3(
 
 
 def _stage_module_extras(
-    engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], out: Staged
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], out: Staged
 ) -> None:
     buffers = dict(engine.module.named_buffers())
     to_global = namer(engine)
@@ -570,7 +571,7 @@ def _stage_module_extras(
             out.copies.append((p.data, _own(read(p, VALUE, 0, p.numel())).view(p.shape)))
 
 
-def _stage_training_state(engine: Any, ckpt: TensorReader, load_lr_scheduler_states: bool, out: Staged) -> None:
+def _stage_training_state(engine: Engine, ckpt: TensorReader, load_lr_scheduler_states: bool, out: Staged) -> None:
     counters = ckpt.manifest.counters
     state = ckpt.load_state()
     scheduler = state.get("lr_scheduler") if load_lr_scheduler_states and engine.lr_scheduler is not None else None
@@ -593,7 +594,7 @@ def _stage_training_state(engine: Any, ckpt: TensorReader, load_lr_scheduler_sta
     out.client = client_state(engine, ckpt, state)
 
 
-def client_state(engine: Any, ckpt: TensorReader, state: dict[str, Any]) -> dict[str, Any]:
+def client_state(engine: Engine, ckpt: TensorReader, state: dict[str, Any]) -> dict[str, Any]:
     """This rank's client state. DeepSpeed saves one per model-parallel rank (Megatron-DeepSpeed keeps each rank's
     RNG streams there): a rank that keeps its role, because the tensor- and pipeline-parallel sizes are unchanged,
     gets its own rank's. At other sizes every rank gets model-parallel rank 0's, with the random states in it
@@ -650,7 +651,7 @@ def wrapper_state(ckpt: TensorReader, live_dtype: str, state: dict[str, Any] | N
 
 
 def stage(
-    engine: Any,
+    engine: Engine,
     ckpt: TensorReader,
     live: dict[torch.nn.Parameter, LiveParam],
     smap: StateMap | None,
@@ -684,7 +685,7 @@ def commit(staged: Staged) -> None:
         refresh()
 
 
-def _under_live_names(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> TensorReader:
+def _under_live_names(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> TensorReader:
     """The checkpoint as this engine names its tensors: itself, or, where AutoEP is on at one end of the resume and
     off at the other, `ExpertNames` over it."""
     derived = derivations([info.name for info in live.values()], ckpt.params)
@@ -695,7 +696,7 @@ def _under_live_names(engine: Any, ckpt: TensorReader, live: dict[torch.nn.Param
 
 
 def restore(
-    engine: Any,
+    engine: Engine,
     ckpt: TensorReader,
     flags: LoadFlags | None = None,
     *,
