@@ -14,14 +14,14 @@ import os
 import sys
 import time
 
-# the first build of each on a 2-core machine, measured (the cache makes every later run a few seconds)
+# the first build of each on a 2-core machine, measured (docs/testing.md); from the cache, a few seconds
 OPS = {
-    "CPUAdamBuilder": "1-3 min",
-    "CPUAdagradBuilder": "1-2 min",
-    "CPULionBuilder": "1-2 min",
-    "FusedAdamBuilder": "1-2 min",
-    "AsyncIOBuilder": "1-3 min",
-    "ShareMemCommBuilder": "about 1 min",
+    "CPUAdamBuilder": "1-2 min",
+    "CPUAdagradBuilder": "about 1 min",
+    "CPULionBuilder": "about 1 min",
+    "FusedAdamBuilder": "about 1 min",
+    "AsyncIOBuilder": "2-7 min",
+    "ShareMemCommBuilder": "1-4 min",
 }
 
 
@@ -45,7 +45,7 @@ def main(log_path: str) -> int:
         if builder is None or (name == "AsyncIOBuilder" and not builder.is_compatible(verbose=False)):
             terminal.write(f"  {builder.NAME if builder else name}: skipped (not buildable here)\n")
             continue
-        terminal.write(f"  {builder.NAME}: building ({expected} the first time) ... ")
+        terminal.write(f"  {builder.NAME} (a first build takes {expected}) ... ")
         start = time.monotonic()
         try:
             builder.load()
