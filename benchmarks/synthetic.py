@@ -32,7 +32,6 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -478,5 +477,3 @@ def load(args: argparse.Namespace) -> dict:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)  # see tests/workers/common.py: skip an occasional abort in C++ teardown

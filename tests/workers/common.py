@@ -1,13 +1,11 @@
-"""What every test worker shares: `--each` (several runs in one launch), the teardown workaround, and the path to
-the reference scripts in `launch/` (megatron-core's CPU shims, the GPT the GPT worker trains)."""
+"""What every test worker shares: `--each` (several runs in one launch) and the path to the reference scripts in
+`launch/` (megatron-core's CPU shims, the GPT the GPT worker trains)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
@@ -33,12 +31,3 @@ def runs(parser: argparse.ArgumentParser) -> list[argparse.Namespace]:
     if any(run.each for run in out[1:]):
         parser.error("--each runs cannot nest")
     return out
-
-
-def main_then_exit(main: Callable[[], None]) -> None:
-    """Run `main`, then leave at once: a C++ thread (gloo or DeepSpeed's shm op) occasionally aborts interpreter
-    teardown with "terminate called without an active exception" after all work is done and written."""
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import common  # tests/workers/common.py, next to this script
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -169,4 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    common.main_then_exit(main)
+    main()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -756,11 +755,7 @@ def main() -> None:
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()
-    # dist_checkpointing's writers report through a spawned multiprocessing Manager, which would outlive the
-    # os._exit below and keep the launch's output pipes open
-    for child in multiprocessing.active_children():
-        child.terminate()
 
 
 if __name__ == "__main__":
-    common.main_then_exit(main)
+    main()

@@ -274,4 +274,4 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    common.main_then_exit(main)
+    main()

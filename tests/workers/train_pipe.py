@@ -517,4 +517,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    common.main_then_exit(main)
+    main()

@@ -72,7 +72,7 @@ def _coordinated(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def run(self: UniversalCheckpointer, *args: Any, **kwargs: Any) -> Any:
-        with coordinated(self.group):
+        with coordinated(self.group()):
             return method(self, *args, **kwargs)
 
     return run
@@ -91,9 +91,9 @@ class UniversalCheckpointer:
         compat.store_recovery_scripts(engine, st.is_url, st.write)
         self.gate = Gate()  # closed by a load that failed after it began writing into the engine
         compat.before_model_step(engine, lambda: self.gate.check("step"))
-        self.group = coordination_group(options.wait_minutes)
+        self.group = coordination_group(options.wait_minutes)  # weak: released at exit
         # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
-        with coordinated(self.group):
+        with coordinated(self.group()):
             self._run_id = from_rank0(uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None)
         self._saves = itertools.count(1)
         self.planner = LoadPlanner(engine, options, self.group)

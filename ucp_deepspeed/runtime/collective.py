@@ -8,12 +8,17 @@ while the others wait for its answer. Under NCCL a collective that waits longer 
 timeout (10 minutes by default) kills the job, so these object collectives run on a gloo group of our own
 (`coordination_group`) whose timeout the user sets (`"wait_minutes"`), independent of the training backend;
 `coordinated` makes it the group every helper here uses.
+
+That group is ours to tear down: at interpreter exit (`release_groups`, an atexit hook) each one still registered is
+destroyed while the interpreter is whole, instead of whenever finalization's garbage collection reaches it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -29,12 +34,31 @@ _GROUP: ContextVar[Any] = ContextVar("ucp_coordination_group", default=None)
 _IN_PROCESS = ("fake", "threaded")
 
 
-def coordination_group(minutes: float) -> Any:
-    """A gloo group over every rank whose collectives wait up to `minutes`; None in an in-process world
-    (collective: every rank calls it, in the same order)."""
+# the only strong references to the groups `coordination_group` made: their users hold weak ones, so that
+# `release_groups` leaves nothing that keeps a destroyed group's gloo threads and sockets alive
+_MADE: list[Any] = []
+
+
+def coordination_group(minutes: float) -> Callable[[], Any]:
+    """A gloo group over every rank whose collectives wait up to `minutes`, as a weak reference (None from it in an
+    in-process world, or once `release_groups` has run) (collective: every rank calls it, in the same order)."""
     if dist.get_backend() in _IN_PROCESS:
-        return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
+        return lambda: None
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
+    _MADE.append(group)
+    return weakref.ref(group)
+
+
+@atexit.register
+def release_groups() -> None:
+    """At exit, destroy the groups `coordination_group` made while the interpreter is whole: a gloo group's teardown
+    is local to this rank and waits for no other, whatever the training backend, so it cannot hang an exit."""
+    while _MADE:
+        group = _MADE.pop()
+        if not dist.is_initialized():
+            continue  # the user's destroy_process_group() unregistered it; dropping it is what remains
+        with contextlib.suppress(ValueError):  # unregistered already
+            dist.destroy_process_group(group)
 
 
 @contextlib.contextmanager
