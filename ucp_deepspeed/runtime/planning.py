@@ -115,12 +115,13 @@ class Source:
 class LoadPlanner:
     """Which `Source` a load of one engine reads (see the module docstring); every method is collective."""
 
-    def __init__(self, engine: Engine, options: UniversalConfig, group: Any):
+    def __init__(self, engine: Engine, options: UniversalConfig, group: Callable[[], Any]):
+        """`group` gives the checkpointer's coordination group (`collective.coordination_group`)."""
         self.engine, self.options, self.group = engine, options, group
 
     def folder(self, load_dir: str) -> Source | None:
         """A foreign folder or a universal folder, if `load_dir` names one; None for a folder of tags."""
-        with coordinated(self.group):
+        with coordinated(self.group()):
             live = topology(self.engine).describe()
             for fmt in foreign_formats():
                 folder = fmt.find(self.engine, load_dir)
@@ -138,7 +139,7 @@ class LoadPlanner:
     def tag(self, load_dir: str, tag: str, checked: bool, flags: LoadFlags) -> Source:
         """How to load `tag` of `load_dir`: an extension's tag, DeepSpeed's own load (same layout) or a reshard.
         `checked` when picking the tag has already opened and checked every file of it."""
-        with coordinated(self.group):
+        with coordinated(self.group()):
             kind = kind_of(st.join(load_dir, tag))
             if kind is not None:
                 return self._extension(kind, load_dir, tag)
