@@ -133,7 +133,7 @@ def _stage_files(folder: str) -> list[str]:
     return [st.join(folder, n) for n in names]
 
 
-class _ModuleTensors:
+class _ModuleTensors(st.Closeable):
     """Buffers and frozen parameters of a DeepSpeed universal folder, which `ds_to_universal` does not convert:
     from the copied model-states files, or for a `PipelineModule` from its layer files when they are in the folder
     (`ucp convert --format deepspeed` copies them; DeepSpeed's converter does not)."""
