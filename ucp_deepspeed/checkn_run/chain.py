@@ -11,6 +11,7 @@ universal checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -250,7 +251,9 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
     st.write(st.join(out, INTENT), json.dumps({"source": st.join(ckpt_dir, tag), "chain": fingerprint}).encode())
     params = {}
     with UniversalWriter(root=out) as writer:
-        try:
+        with contextlib.ExitStack() as opened:
+            for _, folder, _ in folders:
+                opened.enter_context(folder)
             for name, record in target.params.items():
                 if "table" in record.extra:
                     record = _whole_table(name, record)
@@ -261,9 +264,6 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
                 params[name] = record
             for relpath in (BUFFERS, STATE):
                 writer.copy(here, relpath)
-        finally:
-            for _, folder, _ in folders:
-                folder.close()
         writer.commit(_full_manifest(target, fingerprint, params))
     st.delete(st.join(out, INTENT))
     return out

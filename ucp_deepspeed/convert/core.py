@@ -140,12 +140,9 @@ def _share(
     procs: int,
 ) -> tuple[list[FileRecord], dict[str, dict[str, list[tuple[int, int, int]]]]]:
     """One child process's share of a conversion: the files it wrote, and what it read (for the CRC check)."""
-    src = NativeCheckpoint(ckpt_dir, tag, layout_rules, check=False, verify=verify)
-    try:
+    with NativeCheckpoint(ckpt_dir, tag, layout_rules, check=False, verify=verify) as src:
         jobs = shard_jobs(plan_jobs(src), index, procs)
         return run_jobs(src, out, jobs, reusable, workers, progress=False), src.pieces()
-    finally:
-        src.close()
 
 
 def _run_in_processes(
@@ -267,8 +264,7 @@ def convert(
         out = st.normalize(output or st.join(ckpt_dir, f"{tag}.universal"))
         with claimed(out, [st.join(ckpt_dir, tag)]):
             return kind.materialize(ckpt_dir, tag, out)
-    src = NativeCheckpoint(ckpt_dir, tag, layout_rules, verify=verify)
-    try:
+    with NativeCheckpoint(ckpt_dir, tag, layout_rules, verify=verify) as src:
         out = st.normalize(output or default_output(src))
         with claimed(out, [src.tag_dir]):
             reusable = prepare_output(src, out)
@@ -282,5 +278,3 @@ def convert(
                     _check_source(src, reusable, verify, [])
                 finish(src, out, records)
         return out
-    finally:
-        src.close()

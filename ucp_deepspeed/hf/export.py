@@ -254,50 +254,50 @@ def export_hf(
     check_output(out, [locate(path).path])
     if not st.isfile(st.join(path, MANIFEST)):
         path = convert(path, progress=progress)
-    ckpt = UniversalCheckpoint(path)
-    hf_config = hf_config or ckpt.manifest.hf_config
-    torch_dtype = DTYPES[dtype]
-    size = torch_dtype.itemsize
+    with UniversalCheckpoint(path) as ckpt:
+        hf_config = hf_config or ckpt.manifest.hf_config
+        torch_dtype = DTYPES[dtype]
+        size = torch_dtype.itemsize
 
-    @functools.lru_cache(maxsize=1)  # q/k/v and gate/up come from one fused tensor: read it once, not 2-3 times
-    def read(name: str) -> torch.Tensor:
-        record = ckpt.params[name]
-        key = FP32 if FP32 in record.keys else VALUE
-        return ckpt.read(name, key).reshape(record.shape).to(torch.float32)
+        @functools.lru_cache(maxsize=1)  # q/k/v and gate/up come from one fused tensor: read it once, not 2-3 times
+        def read(name: str) -> torch.Tensor:
+            record = ckpt.params[name]
+            key = FP32 if FP32 in record.keys else VALUE
+            return ckpt.read(name, key).reshape(record.shape).to(torch.float32)
 
-    if ckpt.manifest.model is None and hf_config is not None and not overrides.arch:
-        config, tensors = own_names(ckpt, hf_config, read, dtype_name(torch_dtype))
-    else:
-        spec = model_of(ckpt, overrides)
-        arch = overrides.arch or arch_for(spec, hf_config)
-        config = config_of(spec, arch, hf_config, dtype_name(torch_dtype), ckpt.root)
-        tensors = entries(arch, read, ckpt, spec)
-    shards = plan_shards(tensors, shard_bytes, size)
-    st.makedirs(out)
-    weight_map, total = {}, 0
-    bar = tqdm(
-        total=sum(math.prod(e.shape) * size for e in tensors),
-        unit="B",
-        unit_scale=True,
-        desc="ucp export-hf",
-        disable=not progress,
-    )
-    for index, shard in enumerate(shards, 1):
-        fname = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        makers = {e.name: e for e in shard}
+        if ckpt.manifest.model is None and hf_config is not None and not overrides.arch:
+            config, tensors = own_names(ckpt, hf_config, read, dtype_name(torch_dtype))
+        else:
+            spec = model_of(ckpt, overrides)
+            arch = overrides.arch or arch_for(spec, hf_config)
+            config = config_of(spec, arch, hf_config, dtype_name(torch_dtype), ckpt.root)
+            tensors = entries(arch, read, ckpt, spec)
+        shards = plan_shards(tensors, shard_bytes, size)
+        st.makedirs(out)
+        weight_map, total = {}, 0
+        bar = tqdm(
+            total=sum(math.prod(e.shape) * size for e in tensors),
+            unit="B",
+            unit_scale=True,
+            desc="ucp export-hf",
+            disable=not progress,
+        )
+        for index, shard in enumerate(shards, 1):
+            fname = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            makers = {e.name: e for e in shard}
 
-        def produce(name: str, makers: dict[str, Entry] = makers) -> torch.Tensor:
-            tensor = makers[name].make().to(torch_dtype)
-            if tuple(tensor.shape) != makers[name].shape:
-                raise CheckpointError(
-                    ckpt.root, f"{name}: made shape {tuple(tensor.shape)}, expected {makers[name].shape}"
-                )
-            bar.update(tensor.numel() * size)
-            return tensor
+            def produce(name: str, makers: dict[str, Entry] = makers) -> torch.Tensor:
+                tensor = makers[name].make().to(torch_dtype)
+                if tuple(tensor.shape) != makers[name].shape:
+                    raise CheckpointError(
+                        ckpt.root, f"{name}: made shape {tuple(tensor.shape)}, expected {makers[name].shape}"
+                    )
+                bar.update(tensor.numel() * size)
+                return tensor
 
-        stream_tensors(out, fname, [(e.name, torch_dtype, e.shape) for e in shard], produce, {"format": "pt"})
-        total += sum(math.prod(e.shape) * size for e in shard)
-        weight_map.update({e.name: fname for e in shard})
+            stream_tensors(out, fname, [(e.name, torch_dtype, e.shape) for e in shard], produce, {"format": "pt"})
+            total += sum(math.prod(e.shape) * size for e in shard)
+            weight_map.update({e.name: fname for e in shard})
     bar.close()
     st.write(
         st.join(out, "model.safetensors.index.json"),

@@ -122,8 +122,7 @@ def import_dcp(folder: str, output: str) -> str:
     """Write a DCP checkpoint of a model and its `torch.optim` state as a universal folder; return it."""
     folder = st.normalize(folder)
     check_output(output, [folder])
-    ckpt = DcpCheckpoint(folder)
-    try:
+    with DcpCheckpoint(folder) as ckpt:
         layout = _Layout(ckpt)
         group_names, hypers = _groups(ckpt, layout)
         group_of = {n: g for g, names in enumerate(group_names) for n in names}
@@ -188,8 +187,6 @@ def import_dcp(folder: str, output: str) -> str:
                 },
             )
         return output
-    finally:
-        ckpt.close()
 
 
 def _entries(ckpt: UniversalCheckpoint, model_key: str, optim_key: str) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -245,8 +242,7 @@ def export_dcp(
     check_output(output, [locate(path).path])
     if not st.isfile(st.join(path, MANIFEST)):
         path = convert(path, progress=progress)
-    ckpt = UniversalCheckpoint(path)
-    try:
+    with UniversalCheckpoint(path) as ckpt:
         writer = compat.DcpWriter(output)
         try:
             client = ckpt.load_state().get("client_state") or {}
@@ -263,8 +259,6 @@ def export_dcp(
             raise
         writer.finish()
         return output
-    finally:
-        ckpt.close()
 
 
 def _loaded_folder(engine: Engine, load_dir: str) -> str | None:

@@ -73,8 +73,7 @@ def export_deepspeed(
     ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1, progress: bool = True
 ) -> str:
     """Write a native checkpoint in DeepSpeed's universal layout; return the output folder."""
-    src = NativeCheckpoint(ckpt_dir, tag)
-    try:
+    with NativeCheckpoint(ckpt_dir, tag) as src:
         out = st.normalize(output or default_deepspeed_output(src))
         check_output(out, [src.tag_dir])
         if st.exists(out) and st.listdir(out):
@@ -109,8 +108,6 @@ def export_deepspeed(
                 st.copy(path, st.join(out, st.basename(path)))
         st.write(st.join(st.dirname(out), LATEST_UNIVERSAL), st.basename(out).encode())
         return out
-    finally:
-        src.close()
 
 
 def deepspeed_universal_folder(path: str) -> str | None:
@@ -133,7 +130,7 @@ def _stage_files(folder: str) -> list[str]:
     return [st.join(folder, n) for n in names]
 
 
-class _ModuleTensors:
+class _ModuleTensors(st.Closeable):
     """Buffers and frozen parameters of a DeepSpeed universal folder, which `ds_to_universal` does not convert:
     from the copied model-states files, or for a `PipelineModule` from its layer files when they are in the folder
     (`ucp convert --format deepspeed` copies them; DeepSpeed's converter does not)."""
@@ -202,8 +199,7 @@ def _frozen_names(model: ModelStatesFile, trainable: set[str], buffers: list[str
 def import_deepspeed(folder: str, output: str) -> str:
     """Rewrite a DeepSpeed universal folder in our format (with a manifest saying what was inferred)."""
     check_output(output, [folder])
-    module = _ModuleTensors(folder, [])
-    try:
+    with _ModuleTensors(folder, []) as module:
         for path in _stage_files(folder):
             module.models.append(ModelStatesFile(path))
         models = module.models
@@ -309,8 +305,6 @@ def import_deepspeed(folder: str, output: str) -> str:
                 },
             )
         return output
-    finally:
-        module.close()
 
 
 def _loaded_folder(engine: Engine, load_dir: str) -> str | None:

@@ -373,8 +373,7 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
     if not isinstance(common, dict):
         raise CheckpointError(st.join(folder, COMMON), "does not hold a dict")
     chain, buckets = _optimizers(common, st.join(folder, COMMON))
-    ckpt = DcpCheckpoint(folder)
-    try:
+    with DcpCheckpoint(folder) as ckpt:
         fused = compat.megatron_fused_norms()
         model_keys = [k for k in ckpt.tensors if not k.startswith("optimizer.") and not _CHAINED.match(k)]
         optimizer: _WholeStates | BucketStates | None = None
@@ -468,8 +467,6 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
                 },
             )
         return output
-    finally:
-        ckpt.close()
 
 
 def _consumed(args: Any, path: str) -> int:
@@ -544,8 +541,7 @@ def export_megatron(
     check_output(output, [locate(path).path])
     if not st.isfile(st.join(path, MANIFEST)):
         path = convert(path, progress=False)
-    ckpt = UniversalCheckpoint(path)
-    try:
+    with UniversalCheckpoint(path) as ckpt:
         manifest = ckpt.manifest
         if any(not r.trainable for r in manifest.params.values()) or manifest.buffers:
             raise CheckpointError(path, "holds frozen parameters or buffers, which a megatron-core GPT does not have")
@@ -596,8 +592,6 @@ def export_megatron(
         st.write(st.join(output, COMMON), to_bytes(common))
         st.write(st.join(output, METADATA_JSON), json.dumps(TORCH_DIST).encode())
         return output
-    finally:
-        ckpt.close()
 
 
 TORCH_DIST = {

@@ -278,7 +278,7 @@ def zip_directory(blob: Blob) -> list[zipfile.ZipInfo]:
         raise CheckpointError(blob.path, f"truncated or corrupt torch file ({exc})") from None
 
 
-class IndexedArchive:
+class IndexedArchive(Closeable):
     """A torch archive read at the offsets another rank recorded (`StorageSpan`s), after that rank checked its zip
     directory, pickle and save id; what is read here is noted for that rank's CRC check (`pieces`) like any read."""
 

@@ -51,8 +51,7 @@ def safe_load(
 
     A damaged record raises, or is passed to `on_damage(error)` if given (the load then completes).
     """
-    reader = VerifyingReader(path, verify)
-    try:
+    with VerifyingReader(path, verify) as reader:
         if save_id and reader.save_id != save_id:
             found = f"save id {reader.save_id}" if reader.save_id else "no save id"
             raise CheckpointError(
@@ -77,8 +76,6 @@ def safe_load(
                     raise
                 on_damage(exc)
         return obj
-    finally:
-        reader.close()
 
 
 class Guard:

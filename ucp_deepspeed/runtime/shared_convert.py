@@ -41,8 +41,8 @@ def convert_across_ranks(
     src: NativeCheckpoint = guarded(
         lambda: NativeCheckpoint(ckpt_dir, tag, layout_rules, check=rank == 0, verify=verify)
     )
-    lock = contextlib.ExitStack()  # rank 0 holds the output lock from preparing the folder to the manifest
-    try:
+    # rank 0 holds the output lock (`lock`) from preparing the folder to the manifest; it is released before `src`
+    with src, contextlib.ExitStack() as lock:
 
         def prepare() -> tuple[Any, str]:
             out = st.normalize(output or default_output(src))  # one folder for all ranks, whatever each was told
@@ -69,6 +69,3 @@ def convert_across_ranks(
 
         on_rank0(check_and_finish)
         return out
-    finally:
-        lock.close()
-        src.close()

@@ -130,7 +130,7 @@ def _ints(value: Any, what: str, path: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-class DcpCheckpoint:
+class DcpCheckpoint(st.Closeable):
     """One DCP folder: its table of tensors and objects, read item by item on demand.
 
     Args:

@@ -69,12 +69,9 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
     paths = _model_states_paths(tag_dir)
     if not paths:
         raise CheckpointError(tag_dir, "no DeepSpeed model-states file (mp_rank_XX_model_states.pt)")
-    first = ModelStatesFile(paths[min(paths)])
-    try:
+    with ModelStatesFile(paths[min(paths)]) as first:
         tp, pp, sp = first.parallel_sizes()
         layered = first.layers_apart()
-    finally:
-        first.close()
     if pp > 1 and not layered:
         raise CheckpointError(
             tag_dir,
@@ -106,8 +103,7 @@ def _autotp_layouts(paths: dict[int, str], tp: int) -> dict[str, Layout]:
     shapes: list[dict[str, tuple[int, ...]]] = []
     info: dict[str, Any] = {}
     for rank in range(tp):
-        states = ModelStatesFile(paths[rank])
-        try:
+        with ModelStatesFile(paths[rank]) as states:
             if rank == 0:
                 record = states.entry("universal_checkpoint_info")
                 if not is_autotp_record(record, states.entry("ds_config") or {}):
@@ -121,8 +117,6 @@ def _autotp_layouts(paths: dict[int, str], tp: int) -> dict[str, Layout]:
                 if name not in others:
                     local.setdefault(name, tuple(tensor.shape))
             shapes.append(local)
-        finally:
-            states.close()
     return autotp_layouts(info, shapes, paths[0])
 
 
@@ -144,8 +138,7 @@ def _layer_extras(
         file = next((n for n in names if st.isfile(st.join(tag_dir, n))), None)
         if file is None:
             raise CheckpointError(st.join(tag_dir, names[-1]), "pipeline layer file is missing")
-        states = LayerStatesFile(st.join(tag_dir, file))
-        try:
+        with LayerStatesFile(st.join(tag_dir, file)) as states:
             for key in states.keys():
                 name = f"{layer}.{key}"
                 if name in trainable:
@@ -154,8 +147,6 @@ def _layer_extras(
                 kind = "buffer" if name in known else "frozen"
                 dtype = dtype_name(tensor.dtype)
                 extras.append(ExtraTensor(name, tuple(tensor.shape), dtype, kind, file=file, key=key))
-        finally:
-            states.close()
     layouts = _layouts([e.name for e in extras if e.kind == "frozen"], tp, rules, path)
     extras = [dataclasses.replace(e, layout=layouts[e.name]) if e.name in layouts else e for e in extras]
     unplaced = sorted(set(buffers) - {e.name for e in extras})
@@ -180,8 +171,7 @@ def _infer_rank(
 ) -> SaveMeta:
     """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files;
     `autotp`: layouts AutoTP recorded, which rules override."""
-    states = ModelStatesFile(model_path)
-    try:
+    with ModelStatesFile(model_path) as states:
         ds_config = states.entry("ds_config") or {}
         dp = int(states.entry("dp_world_size"))
         stage = (
@@ -213,8 +203,6 @@ def _infer_rank(
         module = states.module_tensors()
         client_keys = tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS)
         version = str(states.entry("ds_version", ""))
-    finally:
-        states.close()
     if (ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         raise CheckpointError(
             model_path,
@@ -232,8 +220,7 @@ def _infer_rank(
     optim_path = st.join(tag_dir, f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
     if not st.isfile(optim_path):
         raise CheckpointError(optim_path, "optimizer file of data-parallel rank 0 is missing")
-    optim = OptimRankFile(optim_path, stage)
-    try:
+    with OptimRankFile(optim_path, stage) as optim:
         if any((g or {}).get("moe") for g in optim.hyperparams() or []):
             raise CheckpointError(
                 optim_path,
@@ -255,8 +242,6 @@ def _infer_rank(
                 slots += _zero12_slots(
                     group, i, groups[i], sizes[i], dp, layouts, mappings[i] if mappings else None, optim_path
                 )
-    finally:
-        optim.close()
     extras = _layer_extras(tag_dir, mp_rank, tp, trainable, buffers, rules, model_path) if layered else []
     for name in frozen:
         tensor = frozen_z3[name] if stage == 3 else module[name]

@@ -15,7 +15,7 @@ _MODEL_STATES = re.compile(r"(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt"
 _OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_\d+_mp_rank_(\d+)_optim_states\.pt")
 
 
-class ModelStatesFile:
+class ModelStatesFile(st.Closeable):
     """One `*model_states.pt` file, opened lazily."""
 
     def __init__(self, path: str, verify: bool = True):
@@ -157,7 +157,7 @@ class ModelStatesFile:
         self._file.close()
 
 
-class LayerStatesFile:
+class LayerStatesFile(st.Closeable):
     """One `PipelineModule` layer file (`layer_XX[-model_YY]-model_states.pt`): a layer's state dict, opened lazily."""
 
     def __init__(self, path: str, verify: bool = True):

@@ -88,7 +88,7 @@ def named_by_sp_rank(tag_dir: str, topo: Topology) -> bool:
     return not st.isfile(st.join(tag_dir, name.format(0))) and st.isfile(st.join(tag_dir, name.format(1)))
 
 
-class RankFiles:
+class RankFiles(st.Closeable):
     """The files of one model-parallel rank (one tensor/pipeline coordinate), opened lazily."""
 
     def __init__(self, tag_dir: str, mp_rank: int, meta: SaveMeta, verify: bool = True):

@@ -17,6 +17,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.swap import SwapRecord
+from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.swap_file import SwapTensor
 from ucp_deepspeed.io.torch_file import LazyTensor, StorageSpan, TorchFile, materialize, plain
 from ucp_deepspeed.sources.keys import OPTIMIZER_WRAPPER_KEYS
@@ -29,7 +30,7 @@ def _swap_tensor(folder: str, record: SwapRecord, file: str, verify: bool) -> Sw
     return SwapTensor(f"{folder}/{file}", getattr(torch, record.dtype), entry.numel, entry.nbytes, entry.blocks, verify)
 
 
-class OptimRankFile:
+class OptimRankFile(st.Closeable):
     """The optimizer file of one data-parallel rank, opened lazily."""
 
     def __init__(

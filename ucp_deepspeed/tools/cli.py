@@ -84,8 +84,8 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
     if found.kind == "checkn_run" and found.tag is not None:
         return _manifest_summary("check-n-run", found.path, read_element(found.root, found.tag))
     if found.kind == "universal":
-        ckpt = UniversalCheckpoint(found.path)
-        return _manifest_summary("universal", ckpt.root, ckpt.manifest)
+        with UniversalCheckpoint(found.path) as ckpt:
+            return _manifest_summary("universal", ckpt.root, ckpt.manifest)
     if found.kind == "ds_universal":
         raise CheckpointError(
             found.path,
@@ -178,7 +178,8 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
     """Problems with every file of any kind of checkpoint, and what was checked."""
     found = locate(path, tag)
     if found.kind == "universal":
-        return UniversalCheckpoint(found.path).verify(), "every file matches the manifest's block CRCs"
+        with UniversalCheckpoint(found.path) as ckpt:
+            return ckpt.verify(), "every file matches the manifest's block CRCs"
     if found.kind == "ds_universal":
         raise CheckpointError(found.path, "is in DeepSpeed's universal layout, which records no checksums")
     if found.kind == "native":
@@ -194,7 +195,8 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
     copy = st.join(found.root, f"{found.tag}.universal")
     what = f"every file of the {kind.name} tag and the tags it needs matches its manifest"
     if st.isfile(st.join(copy, MANIFEST)):  # loads with "direct": false reuse this full copy
-        problems += UniversalCheckpoint(copy).verify()
+        with UniversalCheckpoint(copy) as full:
+            problems += full.verify()
         what += ", and so does its full copy " + copy
     return problems, what
 
