@@ -23,6 +23,7 @@ class ModelStatesFile(st.Closeable):
         self._file = TorchFile(path, verify)
         self.save_id = self._file.save_id
         if not isinstance(self._file.obj, dict) or "module" not in self._file.obj:
+            self._file.close()  # the caller gets no object to close
             raise CheckpointError(path, "no 'module' entry; not a DeepSpeed model-states file")
         self._obj: dict[str, Any] = self._file.obj
 
@@ -165,6 +166,7 @@ class LayerStatesFile(st.Closeable):
         self._file = TorchFile(path, verify)
         self.save_id = self._file.save_id
         if not isinstance(self._file.obj, dict):
+            self._file.close()  # the caller gets no object to close
             raise CheckpointError(path, "not a pipeline layer file: it holds no state dict")
         self._obj: dict[str, Any] = self._file.obj
 
