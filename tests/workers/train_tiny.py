@@ -447,21 +447,21 @@ def fault(name: str):
     if not name:
         yield
         return
-    from ucp_deepspeed.runtime import checkpointer, restore
+    from ucp_deepspeed.runtime import planning, restore
 
     if name == "slow":
-        real = checkpointer.tag_metas
+        real = planning.tag_metas
 
         def slow_metas(*a, **k):
             time.sleep(4)
             return real(*a, **k)
 
-        checkpointer.tag_metas = slow_metas if dist.get_rank() == 0 else real
+        planning.tag_metas = slow_metas if dist.get_rank() == 0 else real
         c10d._set_pg_timeout(datetime.timedelta(seconds=1), None)
         try:
             yield
         finally:
-            checkpointer.tag_metas = real
+            planning.tag_metas = real
             c10d._set_pg_timeout(datetime.timedelta(minutes=10), None)
         return
     real_reader = restore._reader
