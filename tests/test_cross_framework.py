@@ -123,6 +123,7 @@ def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, 
     assert torch.equal(torch.load(tmp_path / "rng_resumed.pt", weights_only=False), saved_rng)
 
 
+@pytest.mark.slow  # the suite's budget; Ulysses resumes stay in the default run (test_hf_parallel.py)
 def test_alst_trainer_resumes_at_another_sequence_and_data_parallel_size(trainer_runs, tmp_path):
     """A Trainer job with `ParallelismConfig(sp_backend="deepspeed", sp_size=2)` (Accelerate registers Ulysses and
     shards every sequence) saved at SP 2 x DP 1 resumes at SP 1 x DP 2 with the same global batch."""

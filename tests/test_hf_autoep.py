@@ -133,6 +133,7 @@ def test_autoep_with_autotp_or_ulysses_is_refused_by_name(monkeypatch, tp, sp):
     assert capture.unsupported(engine) is None
 
 
+@pytest.mark.slow  # the suite's budget; AutoEP resumes stay in the default run (the test above)
 def test_autoep_spreads_a_ranks_experts_over_more_ranks_and_refuses_plain_saves(autoep_sources, tmp_path):
     """EP 2 at 2 ranks resumed at EP 2 x expert-DP 2 and at EP 4 on 4 ranks: each expert keeps its global id (before
     AutoEP's layout was read, a save recorded rank 0's stack as the whole tensor, and every such load was refused).
