@@ -106,6 +106,16 @@ def test_an_unnamed_damaged_tag_falls_back_to_the_older_one(saved, tmp_path):
     assert report.refused == (TAG3,) and report.mode == "resharded" and engine.global_steps == 2, report
 
 
+def test_when_every_tag_is_damaged_the_newest_tags_damage_is_raised(saved, tmp_path):
+    """With no tag named and no older tag left to fall back to, the error is what was wrong with the newest tag
+    (naming its file), not that nothing older loaded; the engine is as it was."""
+    ckpt = _damaged(saved, tmp_path)
+    _flip_mid_tensor(ckpt / TAG2 / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    engine = build(2, seed=1)
+    train(engine, 3)
+    _refused_and_untouched(engine, str(ckpt), None, f"{TAG3}/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
 def test_a_native_load_that_fails_part_way_closes_the_engine_until_a_load_succeeds(saved, tmp_path):
     """DeepSpeed's own load (same layout) writes as it reads, so it cannot be staged: after it fails the engine
     refuses to step or save, and a successful load opens it again."""

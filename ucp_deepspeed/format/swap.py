@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.checksum import BLOCK
 from ucp_deepspeed.io.swap_file import file_block_crcs
+
+if TYPE_CHECKING:  # the record's only use of it is the annotation
+    from ucp_deepspeed import compat
 
 OFFLOADED = "offloaded_tensors"
 SWAP_RECORD = "ucp_swap_files.json"

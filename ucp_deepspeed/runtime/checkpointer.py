@@ -16,7 +16,8 @@ A load is one pipeline:
    named that turns out damaged leaves the engine as it was, and the next older one is planned instead;
 4. one report (`last_load`, also `engine.ucp_last_load`) and one notice to the saver.
 
-Every public method waits on the checkpointer's own gloo group (`_coordinated`), never on the training group.
+Every public method waits for other ranks' unbounded work (rank 0 picking, checking, importing) in object
+collectives on the checkpointer's own gloo group (`_coordinated`), never on the training group.
 """
 
 from __future__ import annotations
@@ -241,12 +242,9 @@ class UniversalCheckpointer:
         failures: list[CheckpointError] = []
         rank0 = tdist.get_rank() == 0  # one rank opens the tags
         while True:
-            try:
-                picked = from_rank0(guarded(lambda: fallback_tag(load_dir, refused) if rank0 else None))
-            except CheckpointError:
-                if failures:
-                    raise failures[0] from None  # what was wrong with the newest tag, not that no older one loaded
-                raise
+            picked = from_rank0(guarded(lambda: fallback_tag(load_dir, refused) if rank0 else None))
+            if picked is None:
+                raise failures[0]  # what was wrong with the newest tag, not that no older one loaded
             try:
                 loaded = self._read(self.planner.tag(load_dir, resolve_tag(load_dir, picked), True, flags), flags)
             except CheckpointError as exc:

@@ -25,6 +25,7 @@ from ucp_deepspeed import compat
 from ucp_deepspeed.convert.core import build_manifest
 from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.convert.output import claimed
+from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
 from ucp_deepspeed.format.swap import OFFLOADED
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
@@ -85,6 +86,8 @@ class LoadReport:
         """How the load ran, in words (for a job's log)."""
         if self.mode is LoadMode.SAME_LAYOUT:
             return f"same layout {self.live}, read in place by byte range (DeepSpeed's own load reads local files only)"
+        if self.mode is LoadMode.EXTENSION:
+            return f"{self.kind} tag, " + ("read in place" if self.in_place else "via a copy")
         if self.mode is not LoadMode.RESHARDED:
             return f"{self.mode} load"
         return f"resharded {self.saved} -> {self.live}, " + ("read in place" if self.in_place else "via a copy")
@@ -220,7 +223,11 @@ class LoadPlanner:
             src.refuse_fp8_state()
             return build_manifest(src), src.file_index()
 
-        manifest, index = from_rank0(guarded(plan if rank0 else lambda: None))
+        try:
+            manifest, index = from_rank0(guarded(plan if rank0 else lambda: None))
+        except CheckpointError:
+            src.close()  # a refused tag leaves no file open while the load falls back to an older one
+            raise
         if not rank0:
             src.use_index(index)
         mode = LoadMode.SAME_LAYOUT if saved.same_layout(live) and st.is_url(load_dir) else LoadMode.RESHARDED

@@ -86,14 +86,13 @@ def resume_tag(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
     return newest_complete(ckpt_dir)
 
 
-def fallback_tag(ckpt_dir: str, refused: Sequence[str]) -> str:
-    """The tag to resume from after the `refused` ones failed to load (none, at first): `resume_tag`, or a
-    `CheckpointError` saying why there is none (the newest tag's problem)."""
+def fallback_tag(ckpt_dir: str, refused: Sequence[str]) -> str | None:
+    """The tag to resume from after the `refused` ones failed to load (none, at first): `resume_tag`; None when
+    every complete tag was refused (the caller reports why the first failed); with none refused and no complete tag,
+    a `CheckpointError` saying what is wrong with the newest."""
     tag = resume_tag(ckpt_dir, refused)
-    if tag is not None:
+    if tag is not None or refused:
         return tag
-    if refused:
-        raise CheckpointError(ckpt_dir, f"holds no complete checkpoint older than {refused[-1]} to fall back to")
     newest = latest_tag(ckpt_dir) or next(reversed(list_tags(ckpt_dir)), None)
     if newest is None:
         raise CheckpointError(st.join(ckpt_dir, LATEST), "'latest' is empty and there are no tag folders")
