@@ -229,7 +229,7 @@ class UniversalCheckpointer:
         if folder is not None:
             return self._read(folder, flags)
         if tag is not None:
-            return self._read(self.planner.tag(load_dir, resolve_tag(load_dir, tag), False, flags), flags)
+            return self._read(self.planner.tag(load_dir, resolve_tag(load_dir, tag), checked=False, flags=flags), flags)
         if not st.isfile(st.join(load_dir, LATEST)) and not list_tags(load_dir):
             path, client = self._deepspeed_load(load_dir, None, flags)  # DeepSpeed's own answer to an empty folder
             return _Loaded(path=path, client=client)
@@ -246,7 +246,8 @@ class UniversalCheckpointer:
             if picked is None:
                 raise failures[0]  # what was wrong with the newest tag, not that no older one loaded
             try:
-                loaded = self._read(self.planner.tag(load_dir, resolve_tag(load_dir, picked), True, flags), flags)
+                source = self.planner.tag(load_dir, resolve_tag(load_dir, picked), checked=True, flags=flags)
+                loaded = self._read(source, flags)
             except CheckpointError as exc:
                 failures.append(exc)
                 refused.append(picked)
