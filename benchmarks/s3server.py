@@ -1,19 +1,29 @@
-"""A local S3-compatible server for the tests and benchmarks: moto's server mode on 127.0.0.1.
+"""Local S3-compatible servers for the tests and benchmarks, on 127.0.0.1.
 
-The server speaks S3's HTTP API (ranged GETs, PUTs, listings, multipart uploads) from memory, as s3fs's own CI uses
-it. It checks no credentials by default; `S3Server.env` holds fake ones, so a secret value can be looked for in
-everything the code under test writes. A launch finds the server through `AWS_ENDPOINT_URL`, as a job finds MinIO or
-any other S3-compatible store.
+- `s3_server()`: moto's server mode, for the tests. It speaks S3's HTTP API (ranged GETs, PUTs, listings, multipart
+  uploads) from memory, as s3fs's own CI uses it, and can throttle and check signatures. It checks no credentials
+  by default; `S3Server.env` holds fake ones, so a secret value can be looked for in everything the code under test
+  writes. A ranged GET costs it time in proportion to the whole object, so its timings describe moto.
+- `s3rver_server()`: s3rver (the npm package), for the benchmarks' timings: objects in files, a ranged GET costs
+  what the range costs. `benchmarks/setup.sh` installs it into `benchmarks/.tools`; `S3RVER_BIN` names another.
+
+A launch finds either server through `AWS_ENDPOINT_URL`, as a job finds MinIO or any other S3-compatible store.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SECRET = "ucp-test-secret-9f3c1e7a"
@@ -40,6 +50,11 @@ class S3Server:
     def stop(self) -> None:
         """Stop serving (what a store that went down looks like to a client)."""
         self.server.stop()
+
+    @property
+    def name(self) -> str:
+        """What serves, for a table: "moto" or "s3rver"."""
+        return "s3rver" if isinstance(self.server, _Process) else "moto"
 
     def throttle(self, requests: int) -> None:
         """Answer the next `requests` GETs with 503 SlowDown, as S3 does when a prefix gets more than it serves."""
@@ -95,6 +110,91 @@ def s3_server() -> Iterator[S3Server]:
             server.stop()
         except Exception:  # already stopped by a test of a store that went down
             pass
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+S3RVER_VERSION = "3.7.1"
+S3RVER_KEY = "S3RVER"
+"""s3rver's fixed access key id and secret (it accepts no others)."""
+
+
+def s3rver_binary() -> Path | None:
+    """s3rver's command: `S3RVER_BIN`, else what `benchmarks/setup.sh` installed, else one on PATH; None if none."""
+    named = os.environ.get("S3RVER_BIN")
+    local = Path(__file__).resolve().parent / ".tools" / "node_modules" / ".bin" / "s3rver"
+    for candidate in (named, str(local), shutil.which("s3rver")):
+        if candidate and Path(candidate).is_file() and shutil.which("node"):
+            return Path(candidate)
+    return None
+
+
+@dataclass
+class _Process:
+    """A server run as a child process, stopped by terminating it."""
+
+    process: subprocess.Popen[bytes]
+    data: tempfile.TemporaryDirectory[str]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.data.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def s3rver_server(data_dir: Path | None = None) -> Iterator[S3Server]:
+    """Start s3rver on a free port of 127.0.0.1, its objects in a temporary folder (under `data_dir` if given), and
+    point this process's AWS environment at it until the block ends; launches inherit it."""
+    binary = s3rver_binary()
+    if binary is None:
+        raise RuntimeError("s3rver is not installed: run benchmarks/setup.sh (it needs Node.js and npm)")
+    port = _free_port()
+    data = tempfile.TemporaryDirectory(prefix="s3rver-", dir=data_dir)
+    process = subprocess.Popen(
+        [str(binary), "-d", data.name, "-a", "127.0.0.1", "-p", str(port), "-s"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    server = _Process(process, data)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                error = process.stderr.read().decode(errors="replace")[-2000:] if process.stderr else ""
+                server.stop()
+                raise RuntimeError(f"s3rver did not start on port {port}: {error}") from None
+            time.sleep(0.05)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ACCESS_KEY_ID": S3RVER_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3RVER_KEY,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield S3Server(endpoint, server, env)
+    finally:
+        server.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
