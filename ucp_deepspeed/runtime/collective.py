@@ -27,7 +27,10 @@ import torch.distributed as dist
 
 from ucp_deepspeed.errors import CheckpointError
 
-_GROUP: ContextVar[Any] = ContextVar("ucp_coordination_group", default=None)
+_GROUP: ContextVar[Callable[[], Any] | None] = ContextVar("ucp_coordination_group", default=None)
+"""The group the helpers use, held weakly: a context copied while it is set outlives the block in other threads
+(s3fs's event loop keeps the context of every call it ran), and one that held the group would let that daemon
+thread drop the last reference during interpreter shutdown, where the group's teardown aborts the process."""
 
 # torch's in-process test worlds (one rank at a time, or ranks as threads) have no peer to wait for and no store a
 # gloo group could meet over
@@ -64,16 +67,22 @@ def release_groups() -> None:
 @contextlib.contextmanager
 def coordinated(group: Any) -> Iterator[None]:
     """The helpers here use `group` (None: the default group) until the block ends."""
-    token = _GROUP.set(group)
+    token = _GROUP.set(None if group is None else weakref.ref(group))
     try:
         yield
     finally:
         _GROUP.reset(token)
 
 
+def _group() -> Any:
+    """The group of the enclosing `coordinated` block (None: the default group)."""
+    held = _GROUP.get()
+    return None if held is None else held()
+
+
 def barrier() -> None:
     """Every rank has got here (collective)."""
-    dist.barrier(group=_GROUP.get())
+    dist.barrier(group=_group())
 
 
 def failure_of(exc: BaseException) -> tuple[str, str]:
@@ -87,7 +96,7 @@ def failure_of(exc: BaseException) -> tuple[str, str]:
 def all_ok(failure: tuple[str, str] | None) -> None:
     """Raise the same error on every rank if any rank failed (collective)."""
     failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure, group=_GROUP.get())
+    dist.all_gather_object(failures, failure, group=_group())
     first = next((f for f in failures if f), None)
     if first:
         raise CheckpointError(*first)
@@ -117,19 +126,19 @@ def to_rank0(obj: Any) -> list[Any] | None:
     """Every rank's `obj`, in rank order, on rank 0 and None elsewhere: what only rank 0 acts on (the pieces to
     CRC-check, the names to compare) crosses the network once, not once per rank (collective)."""
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0, group=_GROUP.get())
+    dist.gather_object(obj, gathered, dst=0, group=_group())
     return gathered
 
 
 def from_rank0(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (collective)."""
     box = [obj if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=_GROUP.get())
+    dist.broadcast_object_list(box, src=0, group=_group())
     return box[0]
 
 
 def everywhere(flag: bool) -> bool:
     """True when `flag` holds on every rank (collective)."""
     flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, flag, group=_GROUP.get())
+    dist.all_gather_object(flags, flag, group=_group())
     return all(flags)
