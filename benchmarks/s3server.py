@@ -12,8 +12,10 @@ A launch finds either server through `AWS_ENDPOINT_URL`, as a job finds MinIO or
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +40,8 @@ class S3Server:
     server: Any = field(repr=False)
     env: dict[str, str] = field(default_factory=dict)
     _throttled: list[int] = field(default_factory=lambda: [0], repr=False)
+    log: Path | None = None
+    """s3rver's log (`s3rver_server(log=True)`), one line per request among its other messages."""
 
     def bucket(self, prefix: str = "ucp") -> str:
         """A new, empty bucket's name."""
@@ -55,6 +59,13 @@ class S3Server:
     def name(self) -> str:
         """What serves, for a table: "moto" or "s3rver"."""
         return "s3rver" if isinstance(self.server, _Process) else "moto"
+
+    def requests(self) -> int:
+        """The HTTP requests served so far (what a client costs the store beyond bytes); needs `log=True`. s3rver logs a
+        request once its response is sent: wait a moment after the client has it."""
+        if self.log is None:
+            raise RuntimeError("requests are counted only for s3rver_server(log=True)")
+        return logged_requests(self.log)[0]
 
     def throttle(self, requests: int) -> None:
         """Answer the next `requests` GETs with 503 SlowDown, as S3 does when a prefix gets more than it serves."""
@@ -120,6 +131,25 @@ def s3_server() -> Iterator[S3Server]:
 S3RVER_VERSION = "3.7.1"
 S3RVER_KEY = "S3RVER"
 """s3rver's fixed access key id and secret (it accepts no others)."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_REQUEST_LINE = re.compile(r"\b(\d+) \d+ms (?:([\d.]+)([kmgtp]?)b|-)\s*$")
+"""How s3rver (koa-logger) ends the line it logs for each response: `STATUS 12ms 3.45kb` (or `-`: no length)."""
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
+
+
+def logged_requests(log: Path) -> tuple[int, int]:
+    """The requests s3rver has logged in `log` so far, and the bytes its ranged GETs (206) sent: a worker counts its
+    own from the file the server names. The bytes are as s3rver rounds them (3 digits); its log names no method,
+    so a HEAD's 200 (the object's length, sent no body) cannot be told from a GET's."""
+    requests = ranged = 0
+    with open(log, errors="replace") as f:
+        for line in f:
+            found = _REQUEST_LINE.search(_ANSI.sub("", line))
+            if found:
+                requests += 1
+                if found[1] == "206" and found[2]:
+                    ranged += round(float(found[2]) * _UNITS[found[3]])
+    return requests, ranged
 
 
 def s3rver_binary() -> Path | None:
@@ -138,6 +168,7 @@ class _Process:
 
     process: subprocess.Popen[bytes]
     data: tempfile.TemporaryDirectory[str]
+    log: Path | None = None
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -148,6 +179,8 @@ class _Process:
                 self.process.kill()
                 self.process.wait()
         self.data.cleanup()
+        if self.log is not None:
+            self.log.unlink(missing_ok=True)
 
 
 def _free_port() -> int:
@@ -157,20 +190,29 @@ def _free_port() -> int:
 
 
 @contextmanager
-def s3rver_server(data_dir: Path | None = None) -> Iterator[S3Server]:
+def s3rver_server(data_dir: Path | None = None, log: bool = False) -> Iterator[S3Server]:
     """Start s3rver on a free port of 127.0.0.1, its objects in a temporary folder (under `data_dir` if given), and
-    point this process's AWS environment at it until the block ends; launches inherit it."""
+    point this process's AWS environment at it until the block ends; launches inherit it. With `log`, it logs each
+    request to a file beside that folder, so `S3Server.requests()` can count them (silent otherwise: logging costs
+    it time)."""
     binary = s3rver_binary()
     if binary is None:
         raise RuntimeError("s3rver is not installed: run benchmarks/setup.sh (it needs Node.js and npm)")
     port = _free_port()
     data = tempfile.TemporaryDirectory(prefix="s3rver-", dir=data_dir)
-    process = subprocess.Popen(
-        [str(binary), "-d", data.name, "-a", "127.0.0.1", "-p", str(port), "-s"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    server = _Process(process, data)
+    # the log stays out of the objects' folder, where s3rver would take a file for a bucket's
+    log_path = Path(data.name + ".log") if log else None
+    with open(log_path, "wb") if log_path else contextlib.nullcontext(subprocess.DEVNULL) as out:
+        process = subprocess.Popen(
+            [str(binary), "-d", data.name, "-a", "127.0.0.1", "-p", str(port), *([] if log else ["-s"])],
+            # s3rver's ListObjectsV2 continuation tokens use DES, which Node 17+ (OpenSSL 3) has only in its legacy
+            # provider: without it any truncated listing (max-keys below the count, as `exists` asks) is a 500
+            env={**os.environ, "NODE_OPTIONS": f"{os.environ.get('NODE_OPTIONS', '')} --openssl-legacy-provider"},
+            stdout=out,
+            # an unread pipe would stall a server that logs: its errors go to the log with the rest
+            stderr=subprocess.STDOUT if log_path else subprocess.PIPE,
+        )
+    server = _Process(process, data, log_path)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -178,7 +220,10 @@ def s3rver_server(data_dir: Path | None = None) -> Iterator[S3Server]:
             break
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
-                error = process.stderr.read().decode(errors="replace")[-2000:] if process.stderr else ""
+                if process.stderr:
+                    error = process.stderr.read().decode(errors="replace")[-2000:]
+                else:
+                    error = log_path.read_text(errors="replace")[-2000:] if log_path else ""
                 server.stop()
                 raise RuntimeError(f"s3rver did not start on port {port}: {error}") from None
             time.sleep(0.05)
@@ -192,7 +237,7 @@ def s3rver_server(data_dir: Path | None = None) -> Iterator[S3Server]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        yield S3Server(endpoint, server, env)
+        yield S3Server(endpoint, server, env, log=log_path)
     finally:
         server.stop()
         for k, v in saved.items():
