@@ -29,6 +29,7 @@ from ucp_deepspeed.format.metadata import VALUE, ParamSlot
 from ucp_deepspeed.format.universal import TensorReader, torch_dtype
 from ucp_deepspeed.geometry.layout import Layout
 from ucp_deepspeed.io.stats import record as record_io
+from ucp_deepspeed.io.torch_file import read_spans
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.sources.native import RankFiles
 from ucp_deepspeed.sources.plan import FullTensor, refuse_drift
@@ -166,7 +167,8 @@ class DirectCheckpoint(TensorReader):
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Hold the block's reads, then read them by archive in file order, runs of adjacent bytes merged."""
+        """Hold the block's reads, then read them all at once: runs of adjacent bytes merged, every archive's
+        requests in flight together on a store."""
         if getattr(self._batch, "pending", None) is not None:  # nested: the outer block reads
             yield
             return
@@ -176,8 +178,7 @@ class DirectCheckpoint(TensorReader):
             pending, checks = self._batch.pending, self._batch.checks
         finally:
             self._batch.pending = self._batch.checks = None
-        for tfile, spans in pending.items():
-            tfile.read_spans(spans)
+        read_spans(pending)
         self._check(checks)
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:

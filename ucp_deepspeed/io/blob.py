@@ -37,6 +37,9 @@ class Blob(Closeable):
     path: str
     concurrency = 1
     """How many of its requests a reader may have in flight at once."""
+    request_size: int | None = None
+    """The longest request worth sending alone: a reader cuts a longer run into requests of this size and sends
+    them side by side (None: one request a run, as a disk's preads)."""
 
     @property
     @abc.abstractmethod
@@ -70,7 +73,7 @@ class Window(Blob):
         if start < 0 or length < 0 or start + length > blob.size:
             raise CheckpointError(blob.path, f"truncated: an item at bytes {start}..{start + length} is past its end")
         self._blob, self._start, self._length, self.path = blob, start, length, path
-        self.concurrency = blob.concurrency
+        self.concurrency, self.request_size = blob.concurrency, blob.request_size
 
     @property
     def size(self) -> int:

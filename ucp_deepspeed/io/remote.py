@@ -211,6 +211,7 @@ class StoreBlob(Blob):
     """An object in a store, read by ranged GETs; it holds nothing open, and its size costs one HEAD on first use."""
 
     concurrency = 16
+    request_size = MAX_REQUEST
 
     def __init__(self, store: FsspecStorage, path: str):
         self.path, self._store = path, store

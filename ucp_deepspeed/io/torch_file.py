@@ -21,6 +21,7 @@ import math
 import struct
 import threading
 import zipfile
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -200,6 +201,34 @@ store a request costs more than reading 64 KiB more."""
 def _read_spans(records: _Records, spans: list[Span]) -> None:
     """Read spans in file order, each run of spans less than `MERGE_GAP` apart in one request, noting each span for
     the CRC check."""
+    read_archives([(records, spans)])
+
+
+def read_spans(work: Mapping[TorchFile | IndexedArchive, list[Span]]) -> None:
+    """`TorchFile.read_spans` of several archives, all at once (see `read_archives`)."""
+    read_archives([(archive._records, spans) for archive, spans in work.items()])
+
+
+def read_archives(work: Sequence[tuple[_Records, list[Span]]]) -> None:
+    """Read the spans of several archives at once: each archive's spans in runs (see `_runs`), and on a store the
+    runs of every archive cut into requests of at most the blob's `request_size`, all of them in flight together up
+    to the blobs' `concurrency`, so that one rank's load keeps a store busy across its files, not one file at a
+    time."""
+    requests = [piece for records, spans in work for run in _runs(spans) for piece in _requests(records, run)]
+    parallel = min(max((records.blob.concurrency for records, _ in work), default=1), len(requests))
+    if parallel <= 1:  # a disk: preads in file order, nothing to overlap
+        for one in requests:
+            one.send()
+        return
+    # a store answers each request after a round trip: many in flight hide it
+    with ThreadPoolExecutor(parallel, thread_name_prefix="ucp-read") as pool:
+        done = [pool.submit(contextvars.copy_context().run, one.send) for one in requests]
+        for future in done:
+            future.result()
+
+
+def _runs(spans: list[Span]) -> list[list[Span]]:
+    """Spans in file order, grouped into runs less than `MERGE_GAP` apart: one request each, gap included."""
     runs: list[list[Span]] = []
     end = 0
     for span in sorted(spans, key=lambda s: s[2]):
@@ -208,16 +237,7 @@ def _read_spans(records: _Records, spans: list[Span]) -> None:
             runs.append([])
         runs[-1].append(span)
         end = span[2] + span[3].nbytes
-    parallel = min(records.blob.concurrency, len(runs))
-    if parallel <= 1:
-        for run in runs:
-            _read_run(records, run)
-        return
-    # a store answers each request after a round trip: several in flight hide it (a disk's preads need none)
-    with ThreadPoolExecutor(parallel, thread_name_prefix="ucp-read") as pool:
-        done = [pool.submit(contextvars.copy_context().run, _read_run, records, run) for run in runs]
-        for future in done:
-            future.result()
+    return runs
 
 
 def _bytes_of(out: torch.Tensor) -> memoryview:
@@ -229,12 +249,28 @@ def _scratch(nbytes: int) -> memoryview:
     return torch.empty(nbytes, dtype=torch.uint8).numpy().data
 
 
-def _read_run(records: _Records, run: list[Span]) -> None:
-    """One request for a run of non-overlapping spans in file order, straight into their targets: the bytes between
+@dataclass
+class _Request:
+    """One ranged read: the file's bytes from `offset` into `views`, in order, then each view that is a record's
+    bytes noted for the CRC check."""
+
+    records: _Records
+    offset: int
+    views: list[memoryview] = field(default_factory=list)
+    notes: list[tuple[str, int, memoryview]] = field(default_factory=list)
+
+    def send(self) -> None:
+        self.records.pread_into(self.views, self.offset)
+        for name, begin, view in self.notes:
+            self.records.note(name, begin, view)
+
+
+def _requests(records: _Records, run: list[Span]) -> list[_Request]:
+    """The requests for a run of non-overlapping spans in file order, straight into their targets: the bytes between
     two spans (a zip record header, or elements nobody asked for) land in scratch views of the same scatter list. A
-    gap inside one record is noted for the CRC check too, so that the check need not read it again."""
-    views: list[memoryview] = []
-    notes: list[tuple[str, int, memoryview]] = []
+    gap inside one record is noted for the CRC check too, so that the check need not read it again. A run longer
+    than the blob's `request_size` is cut into requests of that size, to be sent side by side."""
+    segments: list[tuple[memoryview, tuple[str, int] | None]] = []
     previous: Span | None = None
     for span in run:
         name, begin, at, out = span
@@ -242,17 +278,35 @@ def _read_run(records: _Records, run: list[Span]) -> None:
             p_name, p_begin, p_at, p_out = previous
             gap = at - (p_at + p_out.nbytes)
             if gap:
-                scratch = _scratch(gap)
-                views.append(scratch)
-                if p_name == name and p_at - p_begin == at - begin:  # both spans in the same record: data between
-                    notes.append((name, p_begin + p_out.nbytes, scratch))
-        view = _bytes_of(out)
-        views.append(view)
-        notes.append((name, begin, view))
+                same = p_name == name and p_at - p_begin == at - begin  # both spans in one record: data between
+                segments.append((_scratch(gap), (name, p_begin + p_out.nbytes) if same else None))
+        segments.append((_bytes_of(out), (name, begin)))
         previous = span
-    records.pread_into(views, run[0][2])
-    for name, begin, view in notes:
-        records.note(name, begin, view)
+    limit = records.blob.request_size or sum(len(view) for view, _ in segments) or 1
+    requests = [_Request(records, run[0][2])]
+    room = limit
+    for view, note in segments:
+        at = 0
+        while True:
+            take = min(room, len(view) - at)
+            if take or not len(view):
+                piece = view[at : at + take]
+                requests[-1].views.append(piece)
+                if note is not None:
+                    requests[-1].notes.append((note[0], note[1] + at, piece))
+            at += take
+            room -= take
+            if at >= len(view):
+                break
+            requests.append(_Request(records, requests[-1].offset + limit))
+            room = limit
+    return requests
+
+
+def _read_run(records: _Records, run: list[Span]) -> None:
+    """One run of spans, read now (see `_requests`)."""
+    for one in _requests(records, run):
+        one.send()
 
 
 @dataclass(frozen=True)

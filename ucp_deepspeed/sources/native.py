@@ -25,7 +25,7 @@ from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import fragments_in
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.swap_file import SwapTensor
-from ucp_deepspeed.io.torch_file import IndexedArchive, LazyTensor, Span, StorageSpan, TorchFile
+from ucp_deepspeed.io.torch_file import IndexedArchive, LazyTensor, Span, StorageSpan, TorchFile, read_spans
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.sources.consistency import (
     check_model_states,
@@ -187,8 +187,7 @@ class RankFiles(st.Closeable):
         """Elements [start, start+numel) of one state of this rank's share of a parameter, flattened: only the
         fragments that overlap them are read, and only their overlapping part."""
         out = torch.empty(numel, dtype=torch.float32)
-        for tfile, spans in self.param_range_spans(slot, state, start, out).items():
-            tfile.read_spans(spans)
+        read_spans(self.param_range_spans(slot, state, start, out))
         return out
 
     def param_range_spans(
