@@ -12,7 +12,7 @@ import torch
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io import stats
 from ucp_deepspeed.io.local import LocalBlob
-from ucp_deepspeed.io.torch_file import TorchFile
+from ucp_deepspeed.io.torch_file import TorchFile, read_spans
 
 
 def _address(view: memoryview) -> int:
@@ -53,6 +53,36 @@ def test_a_run_with_gaps_is_read_in_one_request_straight_into_its_targets(archiv
     assert all(out.data_ptr() in sent[0] for out in outs), "a target was filled through another buffer"
     assert torch.equal(outs[0], tensors["a"][100:1100]) and torch.equal(outs[1], tensors["a"][1500:3500])
     assert torch.equal(outs[2], tensors["b"][:500])
+    tfile.close()
+
+
+def test_a_long_run_on_a_store_is_cut_into_requests_sent_side_by_side(archive, monkeypatch):
+    """On a store (a blob with a `request_size` and `concurrency`), one run longer than a request is sent as
+    several requests of at most that size, in flight together; every target gets its bytes, and the pieces they
+    leave for the CRC check (record a's gap among them) make the check pass without reading them again."""
+    path, tensors = archive
+    tfile = TorchFile(str(path))
+    monkeypatch.setattr(LocalBlob, "request_size", 3000)
+    monkeypatch.setattr(LocalBlob, "concurrency", 4)
+    sizes: list[int] = []
+    original = LocalBlob.readinto
+
+    def readinto(self, views, offset, data=True):
+        if data:  # not the zip headers
+            sizes.append(sum(len(v) for v in views))
+        original(self, views, offset, data)
+
+    monkeypatch.setattr(LocalBlob, "readinto", readinto)
+    outs = [torch.empty(1000), torch.empty(2000), torch.empty(500)]
+    spans = [_span(tfile, "a", 100, outs[0]), _span(tfile, "a", 1500, outs[1]), _span(tfile, "b", 0, outs[2])]
+    read_spans({tfile: spans})
+    run = spans[2][2] + 500 * 4 - spans[0][2]  # from the first target's first byte to the last's last
+    assert sum(sizes) == run and max(sizes) == 3000 and len(sizes) == -(-run // 3000)
+    assert torch.equal(outs[0], tensors["a"][100:1100]) and torch.equal(outs[1], tensors["a"][1500:3500])
+    assert torch.equal(outs[2], tensors["b"][:500])
+    with stats.counting() as counted:
+        tfile.check_reads()
+    assert counted.data_bytes + counted.metadata_bytes == (100 + 6500 + 29_500) * 4  # what no request covered
     tfile.close()
 
 
