@@ -1,131 +1,238 @@
-"""Checkpoints on an S3-compatible store against local disk: the save's stall, the load and the reshard.
+"""Checkpoints on a real S3 server against its own floor and against local disk: saves, loads, reshards, and the
+readers users would pick instead.
 
-    python benchmarks/bench_object_store.py                # 75M parameters, ZeRO-1 and ZeRO-3, 4 ranks
-    python benchmarks/bench_object_store.py --smoke        # tiny sizes on 2 ranks: checks that everything still runs
-    python benchmarks/bench_object_store.py --update-docs  # also rewrite the table in docs/benchmarks.md
-    python benchmarks/bench_object_store.py --table        # the table of the last full run (object_store.json)
+    python benchmarks/bench_object_store.py                     # 75M and 300M parameters, ZeRO-1 and ZeRO-3, 4 ranks
+    python benchmarks/bench_object_store.py --params-m 75       # one size
+    python benchmarks/bench_object_store.py --smoke             # tiny sizes on 2 ranks: checks that everything runs
+    python benchmarks/bench_object_store.py --update-docs       # also rewrite the tables in docs/benchmarks.md
+    python benchmarks/bench_object_store.py --table             # the tables of the last full run (object_store.json)
 
-The store is moto's S3 server on 127.0.0.1 (`s3server.py`), started here; the same jobs run against a local folder
-beside it. Per ZeRO stage and storage, one launch of `--ranks` ranks trains a step and saves twice
-(`synthetic.py stall`): synchronously, which keeps training waiting until every object is written and, on the
-store, committed; then asynchronously, which keeps it waiting only for the copy to host memory. One launch then
-loads every saved checkpoint at its own layout, and one reshards each to half the ranks at the other ZeRO stage
-(1 <-> 3), straight from the rank files. A load's requests and bytes fetched are what every rank asked of storage
-(`io.stats`): ranged GETs on the store, preads on disk.
+The server is s3rver on 127.0.0.1 (`s3server.py`; `benchmarks/setup.sh` installs it), whose ranged GETs cost what
+the range costs; moto, the tests' server, costs the whole object for any range, so its timings describe moto. Per size:
+
+1. Per ZeRO stage and storage (s3rver, a local folder), one launch of `--ranks` ranks trains a step and saves
+   synchronously, then asynchronously (`synthetic.py stall`).
+2. The server's floor, with obstore (Rust, many requests in flight, no Python per byte; `s3floor.py`): ranged GETs of
+   every byte of the saved tag, 8 MiB each, 16 in flight; and PUTs of objects of the sizes the save wrote, all at
+   once. A row's "x floor" is its time over the floor's time for the same bytes.
+3. One launch loads every checkpoint at its own layout, one reshards each to half the ranks at the other stage.
+4. At the first size, the side-by-side: the ZeRO-1 checkpoint exported to DCP on the same server (`ucp export-dcp`),
+   loaded into half the ranks by torch's FsspecReader and by s3torchconnector's S3StorageReader
+   (`dcp_reader.py`), beside our direct reshard of the same checkpoint to half the ranks.
+
+Requests, round trips and bytes: what every rank asked of storage (`io.stats`): ranged GETs, and the HEADs and
+listings before and between them; the side-by-side counts what the server logged, for every reader alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import s3floor
 from docs_table import update_doc
 from launching import ROOT, each, env, torchrun_command
-from s3server import s3_server
+from s3server import S3Server, s3rver_server
 
 WORKER = ROOT / "benchmarks" / "synthetic.py"
+DCP_WORKER = ROOT / "benchmarks" / "dcp_reader.py"
 RESULTS = ROOT / "benchmarks" / "object_store.json"
-STORES = ("local disk", "S3 (moto)")
+STORES = ("local disk", "S3 (s3rver)")
 
 
-def launch(nproc: int, jobs: list[list[str]]) -> list[dict]:
-    """One launch of the synthetic worker running `jobs` in turn; its RESULT lines."""
-    cmd = torchrun_command(nproc, WORKER, *each(jobs))
+def launch(nproc: int, argv: list[str], script: Path = WORKER) -> list[dict]:
+    """One launch of a worker; its RESULT lines."""
+    cmd = torchrun_command(nproc, script, *argv)
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=7200)
     if proc.returncode != 0:
         sys.exit(f"launch failed: {' '.join(map(str, cmd))}\n{(proc.stdout + proc.stderr)[-4000:]}")
     return [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
-def run(params_m: float, ranks: int, work: Path) -> dict:
-    """Every row, measured: {"saves": [...], "loads": [...]}."""
-    with s3_server() as s3:
-        bases = {STORES[0]: str(work / "local"), STORES[1]: f"s3://{s3.bucket()}/bench"}
-        saves, loads = [], []
+def _served(s3: S3Server) -> int:
+    time.sleep(0.3)  # s3rver logs a request once its response is sent
+    return s3.requests()
+
+
+def one_size(s3: S3Server, params_m: float, ranks: int, work: Path, side_by_side: bool) -> dict:
+    """Every row of one model size."""
+    bucket = s3.bucket()
+    bases = {STORES[0]: str(work / f"local{params_m:g}"), STORES[1]: f"s3://{bucket}/bench"}
+    saves, loads, floors = [], [], {}
+    for zero in (1, 3):
+        for store, base in bases.items():
+            (result,) = launch(
+                ranks, ["stall", "--params-m", str(params_m), "--zero", str(zero), "--out", f"{base}/z{zero}"]
+            )
+            saves.append({"zero": zero, "store": store, **result})
+        tag = f"{bases[STORES[1]]}/z{zero}/sync/" + read_latest(f"{bases[STORES[1]]}/z{zero}/sync")
+        sizes = object_sizes(tag)
+        floors[zero] = {
+            "get": s3floor.get_floor(tag).record(),
+            "put": s3floor.put_floor(f"s3://{bucket}/floor", sizes, in_flight=len(sizes)).record(),
+        }
+    for world, other in ((ranks, False), (max(1, ranks // 2), True)):
+        jobs = []
         for zero in (1, 3):
-            for store, base in bases.items():
-                (result,) = launch(
-                    ranks, [["stall", "--params-m", str(params_m), "--zero", str(zero), "--out", f"{base}/z{zero}"]]
-                )
-                saves.append({"zero": zero, "store": store, **result})
-        for world, other in ((ranks, False), (max(1, ranks // 2), True)):
-            jobs = []
-            for zero in (1, 3):
-                target = 4 - zero if other else zero
-                for base in bases.values():
-                    source = f"{base}/z{zero}/sync"
-                    jobs.append(["load", "--params-m", str(params_m), "--zero", str(target), "--direct"])
-                    jobs[-1] += ["--source", source]
-            results = launch(world, jobs)
-            i = 0
-            for zero in (1, 3):
-                for store in bases:
-                    target = f"DP {world}, ZeRO-{4 - zero if other else zero}"
-                    loads.append({"zero": zero, "store": store, "target": target, "reshard": other, **results[i]})
-                    i += 1
-    return {"params_m": params_m, "ranks": ranks, "saves": saves, "loads": loads}
+            target = 4 - zero if other else zero
+            for base in bases.values():
+                jobs.append(["load", "--params-m", str(params_m), "--zero", str(target), "--direct"])
+                jobs[-1] += ["--source", f"{base}/z{zero}/sync"]
+        results = iter(launch(world, each(jobs)))
+        for zero in (1, 3):
+            for store in bases:
+                target = f"DP {world}, ZeRO-{4 - zero if other else zero}"
+                loads.append({"zero": zero, "store": store, "target": target, "reshard": other, **next(results)})
+    found = {"params_m": params_m, "ranks": ranks, "saves": saves, "loads": loads, "floors": floors}
+    if side_by_side:
+        found["side_by_side"] = compare_readers(s3, bases[STORES[1]], params_m, ranks)
+    return found
+
+
+def read_latest(ckpt: str) -> str:
+    from ucp_deepspeed.io import storage as st
+
+    return st.read_text(st.join(ckpt, "latest")).strip()
+
+
+def object_sizes(tag: str) -> list[int]:
+    from ucp_deepspeed.io import storage as st
+
+    return [st.stat(st.join(tag, rel))[0] for rel in st.find(tag)]
+
+
+def compare_readers(s3: S3Server, base: str, params_m: float, ranks: int) -> list[dict]:
+    """The ZeRO-1 checkpoint resharded to half the ranks: ours straight from the rank files, and DCP's readers on its
+    export; requests as the server logged them."""
+    world = max(1, ranks // 2)
+    source, folder = f"{base}/z1/sync", f"{base}/dcp"
+    subprocess.run(
+        [sys.executable, "-m", "ucp_deepspeed.tools.cli", "export-dcp", source, folder, "--no-progress"],
+        env=env(),
+        check=True,
+        capture_output=True,
+    )
+    before = _served(s3)
+    (ours,) = launch(world, ["load", "--params-m", str(params_m), "--zero", "1", "--direct", "--source", source])
+    ours.update(reader="ours, direct reshard", requests_served=_served(s3) - before)
+    loads = [["--source", folder, "--reader", r, "--requests-log", str(s3.log)] for r in ("fsspec", "s3torchconnector")]
+    theirs = launch(world, each(loads), DCP_WORKER)
+    for one in theirs:
+        one["reader"] = {"fsspec": "DCP FsspecReader (s3fs)", "s3torchconnector": "s3torchconnector S3StorageReader"}[
+            one["reader"]
+        ]
+    return [ours, *theirs]
+
+
+def run(sizes: list[float], ranks: int, work: Path) -> dict:
+    """Every row, measured."""
+    with s3rver_server(data_dir=work, log=True) as s3:
+        return {"runs": [one_size(s3, p, ranks, work, side_by_side=i == 0) for i, p in enumerate(sizes)]}
 
 
 def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"
+    return f"{n / 1e6:,.1f}"
 
 
 def table(found: dict) -> str:
-    """The results as a Markdown table, store rows beside disk rows."""
-    lines = [
-        f"{found['params_m']:g}M parameters, fp32 AdamW, saved by {found['ranks']} ranks.",
-        "",
-        "| ZeRO | storage | what | time s | requests (all ranks / worst rank) | MB fetched or written "
-        "| sync save stall s | async save stall s (rest in background s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for zero in (1, 3):
-        for store in STORES:
-            save = next(s for s in found["saves"] if s["zero"] == zero and s["store"] == store)
-            lines.append(
-                f"| {zero} | {store} | save, DP {found['ranks']} | {save['sync_save_s']:.2f} "
-                f"| {save['objects']} objects | {_mb(save['bytes'])} written | {save['sync_save_s']:.2f} "
-                f"| {save['async_stall_s']:.2f} ({save['async_rest_s']:.2f}) |"
+    """The results as Markdown tables."""
+    lines: list[str] = []
+    for one in found["runs"]:
+        ranks = one["ranks"]
+        lines += [
+            f"**{one['params_m']:g}M parameters**, fp32 AdamW, saved by {ranks} ranks. Server floor (obstore): "
+            + "; ".join(
+                f"ZeRO-{z}: GET {f['get']['mb_s']:,.0f} MB/s ({f['get']['requests_s']:,.0f} requests/s), "
+                f"PUT {f['put']['mb_s']:,.0f} MB/s"
+                for z, f in sorted(one["floors"].items())
             )
-            for load in (x for x in found["loads"] if x["zero"] == zero and x["store"] == store):
-                what = f"{'reshard' if load['reshard'] else 'load'} to {load['target']} ({load['mode']})"
+            + ".",
+            "",
+            "| ZeRO | storage | what | time s | x floor | GETs (all ranks / worst rank) | HEADs + listings (all ranks)"
+            " | round trips, worst rank | MB fetched or written | async stall s (rest in background s) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for zero in (1, 3):
+            floor = one["floors"][str(zero)] if str(zero) in one["floors"] else one["floors"][zero]
+            for store in STORES:
+                on_store = store == STORES[1]
+                save = next(s for s in one["saves"] if s["zero"] == zero and s["store"] == store)
+                put_s = save["bytes"] / 1e6 / floor["put"]["mb_s"]
                 lines.append(
-                    f"| {zero} | {store} | {what} | {load['load_s']:.2f} "
-                    f"| {load['requests']:g} / {load['max_rank_requests']} | {_mb(load['fetched'])} fetched | | |"
+                    f"| {zero} | {store} | save, DP {ranks} | {save['sync_save_s']:.2f} "
+                    f"| {save['sync_save_s'] / put_s:.2f} |"
+                    if on_store
+                    else f"| {zero} | {store} | save, DP {ranks} | {save['sync_save_s']:.2f} | |"
                 )
-    for zero in (1, 3):
-        local, store = (
-            next(x for x in found["loads"] if x["zero"] == zero and x["reshard"] and x["store"] == s) for s in STORES
-        )
+                lines[-1] += (
+                    f" {save['objects']} PUTs | | | {_mb(save['bytes'])} written "
+                    f"| {save['async_stall_s']:.2f} ({save['async_rest_s']:.2f}) |"
+                )
+                for load in (x for x in one["loads"] if x["zero"] == zero and x["store"] == store):
+                    what = f"{'reshard' if load['reshard'] else 'load'} to {load['target']} ({load['mode']})"
+                    ratio = load["load_s"] / (load["fetched"] / 1e6 / floor["get"]["mb_s"]) if on_store else None
+                    lines.append(
+                        f"| {zero} | {store} | {what} | {load['load_s']:.2f} | {f'{ratio:.2f}' if ratio else ''} "
+                        f"| {load['requests']:g} / {load['max_rank_requests']} "
+                        f"| {load.get('lookups', 0):g} | {load.get('max_rank_round_trips', '')} "
+                        f"| {_mb(load['fetched'])} fetched | |"
+                    )
         lines.append("")
-        lines.append(
-            f"ZeRO-{zero} reshard: the store fetched {store['fetched'] / local['fetched']:.3f}x the bytes the same "
-            f"reshard read from disk, and took {store['load_s'] / local['load_s']:.2f}x the time."
-        )
-    return "\n".join(lines)
+        for zero in (1, 3):
+            local, store = (
+                next(x for x in one["loads"] if x["zero"] == zero and x["reshard"] and x["store"] == s) for s in STORES
+            )
+            lines.append(
+                f"ZeRO-{zero} reshard, {one['params_m']:g}M: the store fetched "
+                f"{store['fetched'] / local['fetched']:.3f}x the bytes the same reshard read from disk, and took "
+                f"{store['load_s'] / local['load_s']:.2f}x the time."
+            )
+            lines.append("")
+        if "side_by_side" in one:
+            lines += [
+                f"Side by side, {one['params_m']:g}M: the ZeRO-1 checkpoint of {ranks} ranks into {max(1, ranks // 2)}"
+                " ranks, from the same server (DCP's readers load its `ucp export-dcp` folder).",
+                "",
+                "| reader | time s | MB received | requests (server's count) | peak extra memory, all ranks MB |",
+                "|---|---|---|---|---|",
+            ]
+            for row in one["side_by_side"]:
+                received = row.get("fetched", row.get("served", 0))
+                requests = row.get("requests_served", row.get("requests", 0))
+                lines.append(
+                    f"| {row['reader']} | {row['load_s']:.2f} | {_mb(received)} | {requests:g} "
+                    f"| {_mb(row['extra_rss'])} |"
+                )
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="0.5M parameters on 2 ranks")
-    parser.add_argument("--params-m", type=float, default=75.0)
+    parser.add_argument("--params-m", type=float, action="append", help="a model size (repeatable; 75 and 300)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ucp_bench_object_store"))
     parser.add_argument("--update-docs", action="store_true")
     parser.add_argument("--table", action="store_true", help="print (and with --update-docs write) the last run's")
     args = parser.parse_args()
-    params_m, ranks = (0.5, 2) if args.smoke else (args.params_m, args.ranks)
-    found = json.loads(RESULTS.read_text()) if args.table else run(params_m, ranks, args.work)
+    sizes, ranks = ([0.5], 2) if args.smoke else (args.params_m or [75.0, 300.0], args.ranks)
+    args.work.mkdir(parents=True, exist_ok=True)
+    found = json.loads(RESULTS.read_text()) if args.table else run(sizes, ranks, args.work)
     text = table(found)
     print(text)
     if not args.smoke and not args.table:
+        found["measured"] = time.strftime("%Y-%m-%d")
         RESULTS.write_text(json.dumps(found, indent=1) + "\n")
     if args.update_docs:
-        update_doc("benchmarks.md", "object-store", text + "\n")
+        update_doc("benchmarks.md", "object-store", text)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -99,7 +99,9 @@ def put_floor(url: str, sizes: list[int], in_flight: int = IN_FLIGHT) -> Floor:
     bucket, prefix = _split(url)
     client = store(bucket)
     under = f"{prefix}/floor-{uuid.uuid4().hex[:8]}"
-    payloads = [os.urandom(min(size, 64 << 20)) * (size // (64 << 20)) + os.urandom(size % (64 << 20)) for size in sizes]
+    payloads = [
+        os.urandom(min(size, 64 << 20)) * (size // (64 << 20)) + os.urandom(size % (64 << 20)) for size in sizes
+    ]
     start = time.perf_counter()
     with ThreadPoolExecutor(in_flight) as pool:
         list(pool.map(lambda i: obstore.put(client, f"{under}/{i}", payloads[i]), range(len(sizes))))

@@ -443,6 +443,8 @@ def load(args: argparse.Namespace) -> dict:
         run, mode = lambda: engine.load_checkpoint(args.source, tag=args.deepspeed_universal), "deepspeed-universal"
     else:
         run, mode = lambda: engine.load_checkpoint(args.source), None
+    # the store's client (s3fs, its HTTP session) is made before the timing, as DCP's readers are made before dcp.load
+    st.storage_of(args.source)
     try:
         with Usage() as usage, stats.counting() as counted:
             seconds = timed(run)
@@ -466,6 +468,9 @@ def load(args: argparse.Namespace) -> dict:
         counted.requests, counted.data_bytes + counted.metadata_bytes, counted.copied_bytes
     )
     result["max_rank_requests"] = max(gathered_ints(counted.requests))
+    # round trips before and between the reads: HEADs and listings on a store
+    result["lookups"] = summed(counted.lookups)[0]
+    result["max_rank_round_trips"] = max(gathered_ints(counted.requests + counted.lookups))
     if mode is None:
         result["kind"] = engine.ucp_last_load.kind
         result["in_place"] = engine.ucp_last_load.in_place

@@ -8,9 +8,11 @@ import errno
 import io
 import posixpath
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, BinaryIO, TypeVar
 
 from ucp_deepspeed.errors import CheckpointError
@@ -28,6 +30,30 @@ BACKOFF = 0.25
 
 MAX_REQUEST = 8 << 20
 """The largest ranged GET sent to a store: a longer run is split, so that one slow request delays little."""
+
+
+_LISTINGS: ContextVar[dict[str, dict[str, dict[str, Any]]] | None] = ContextVar("ucp_store_listings", default=None)
+_LISTINGS_LOCK = threading.Lock()
+
+
+@contextmanager
+def listed() -> Iterator[None]:
+    """Within the block, a store answers lookups (is there an object, its size and time, a folder's names) from one
+    listing per folder, taken at first use, instead of a HEAD per object: a load reads a finished save, whose
+    objects do not change under it, and a HEAD costs a round trip. Reads are not cached, and each is checked."""
+    if _LISTINGS.get() is not None:
+        yield
+        return
+    token = _LISTINGS.set({})
+    try:
+        yield
+    finally:
+        _LISTINGS.reset(token)
+
+
+def _stamp(info: dict[str, Any]) -> float:
+    stamp = info.get("LastModified") or info.get("mtime") or 0
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -142,7 +168,26 @@ class FsspecStorage(Storage):
                     raise
                 return []
 
+        record(lookups=1)
         return self._call(path, "listing", ls)
+
+    def _listed(self, path: str) -> dict[str, Any] | None:
+        """What the folder's listing says of `path` inside a `listed` block: its entry, or {} when the folder does
+        not list it; None outside such a block."""
+        cache = _LISTINGS.get()
+        if cache is None:
+            return None
+        parent, name = posixpath.split(self._key(path).rstrip("/"))
+        if not parent:  # a bucket: looked up as always
+            return None
+        folder = f"{self.protocol}://{parent}"
+        with _LISTINGS_LOCK:
+            entries = cache.get(folder)
+        if entries is None:
+            entries = {posixpath.basename(e["name"].rstrip("/")): e for e in self._ls(folder, detail=True)}
+            with _LISTINGS_LOCK:
+                cache[folder] = entries
+        return dict(entries.get(name) or {})
 
     def listdir(self, path: str) -> list[str]:
         return sorted({posixpath.basename(p.rstrip("/")) for p in self._ls(path, detail=False)})
@@ -156,19 +201,25 @@ class FsspecStorage(Storage):
 
     def find(self, path: str) -> list[str]:
         key = self._key(path).rstrip("/") + "/"
+        record(lookups=1)
         found = self._call(path, "listing", lambda: self.fs.find(key, withdirs=False))
         return sorted(p[len(key) :] for p in found if p.startswith(key))
 
     def stat(self, path: str) -> tuple[int, int]:
-        info = self._call(path, "looking up", lambda: self.fs.info(self._key(path), refresh=True))
-        stamp = info.get("LastModified") or info.get("mtime") or 0
-        seconds = stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
-        return int(info["size"]), int(seconds * 1e9)
+        info = self._listed(path)
+        if info is None or info.get("type") != "file":
+            record(lookups=1)
+            info = self._call(path, "looking up", lambda: self.fs.info(self._key(path), refresh=True))
+        return int(info["size"]), int(_stamp(info) * 1e9)
 
     def exists(self, path: str) -> bool:
         return self.isfile(path) or self.isdir(path)
 
     def isfile(self, path: str) -> bool:
+        info = self._listed(path)
+        if info is not None:
+            return info.get("type") == "file"
+
         def probe() -> bool:
             try:
                 return bool(self.fs.info(self._key(path), refresh=True).get("type") == "file")
@@ -177,18 +228,23 @@ class FsspecStorage(Storage):
                     raise
                 return False
 
+        record(lookups=1)
         return self._call(path, "looking up", probe)
 
     def isdir(self, path: str) -> bool:
+        info = self._listed(path)
+        if info is not None:
+            return info.get("type") == "directory"
         return bool(self.listdir(path))
 
     def mtime(self, path: str) -> float:
-        def probe() -> float:
-            info = self.fs.info(self._key(path))
-            stamp = info.get("LastModified") or info.get("mtime") or 0
-            return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
-
-        return self._call(path, "looking up", probe) if self.isfile(path) else 0.0
+        if not self.isfile(path):
+            return 0.0
+        info = self._listed(path)
+        if info is not None:
+            return _stamp(info)
+        record(lookups=1)
+        return self._call(path, "looking up", lambda: _stamp(self.fs.info(self._key(path))))
 
     def delete(self, path: str) -> None:
         key = self._key(path)
@@ -203,7 +259,11 @@ class FsspecStorage(Storage):
         return data
 
     def size(self, path: str) -> int:
-        """An object's length (one HEAD)."""
+        """An object's length (one HEAD, or the folder's listing inside a `listed` block)."""
+        info = self._listed(path)
+        if info is not None and info.get("type") == "file":
+            return int(info["size"])
+        record(lookups=1)
         return int(self._call(path, "opening", lambda: self.fs.info(self._key(path))["size"]))
 
 

@@ -29,6 +29,8 @@ class ReadStats:
     """Zip directories, pickles, metadata files: everything read to plan."""
     data_bytes: int = 0
     """Tensor bytes."""
+    lookups: int = 0
+    """HEADs and listings sent to a store: round trips before (or between) the reads."""
     write_requests: int = 0
     """Whole objects written through `io.storage` (one PUT each on a store)."""
     bytes_written: int = 0
@@ -70,6 +72,7 @@ def record(
     writes: int = 0,
     written: int = 0,
     copied: int = 0,
+    lookups: int = 0,
 ) -> None:
     """Report operations to the enclosing `counting` block, if any (cheap when none is open); worker threads started
     in a copy of its context (`contextvars.copy_context`) count into it too."""
@@ -83,3 +86,4 @@ def record(
             stats.write_requests += writes
             stats.bytes_written += written
             stats.copied_bytes += copied
+            stats.lookups += lookups

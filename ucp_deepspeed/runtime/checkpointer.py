@@ -214,7 +214,8 @@ class UniversalCheckpointer:
             module_only=load_module_only,
             custom_load_fn=custom_load_fn,
         )
-        loaded = self._load(_location(load_dir), tag, flags)
+        with st.listed():  # a finished save does not change under its load: one listing per folder, not a HEAD each
+            loaded = self._load(_location(load_dir), tag, flags)
         if loaded.report is not None:
             self.last_load = self.engine.ucp_last_load = loaded.report
         if self.saver is not None and loaded.path is not None:
