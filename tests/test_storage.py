@@ -155,3 +155,36 @@ def test_a_secret_a_library_puts_in_its_error_is_scrubbed(bucket: str, monkeypat
     with pytest.raises(CheckpointError) as caught:
         st.read(st.join(bucket, "o"))
     assert "signature mismatch for *** with token ***" in str(caught.value)
+
+
+def test_inside_listed_lookups_are_answered_from_one_listing_per_folder(bucket: str) -> None:
+    """A load's lookups (is there an object, its size and time, a folder) cost one listing per folder, and answer
+    what the HEADs answer; outside the block each costs its own round trip again."""
+    root = st.join(bucket, "run")
+    st.write(st.join(root, "tag", "a.pt"), b"x" * 100)
+    st.write(st.join(root, "tag", "b.pt"), b"y" * 7)
+    st.write(st.join(root, "latest"), b"tag")
+    questions = [
+        lambda: st.isfile(st.join(root, "tag", "a.pt")),
+        lambda: st.isfile(st.join(root, "tag", "missing")),
+        lambda: st.size(st.join(root, "tag", "b.pt")),
+        lambda: st.stat(st.join(root, "tag", "a.pt")),
+        lambda: st.mtime(st.join(root, "tag", "b.pt")) > 0,
+        lambda: st.isdir(st.join(root, "tag")),
+        lambda: st.isfile(st.join(root, "latest")),
+        lambda: st.exists(st.join(root, "nothing")),
+    ]
+    with stats.counting() as plain:
+        expected = [ask() for ask in questions]
+    with stats.counting() as counted, st.listed():
+        answers = [ask() for ask in questions]
+    assert answers == expected == [True, False, 7, expected[3], True, True, True, False]
+    assert counted.lookups == 2 and plain.lookups > len(questions)  # the folders `run` and `run/tag`
+    with stats.counting() as after:
+        st.isfile(st.join(root, "tag", "a.pt"))
+    assert after.lookups == 1  # nothing outlives the block
+
+
+def test_inside_listed_a_missing_bucket_is_still_named(s3: S3Server) -> None:
+    with st.listed(), pytest.raises(CheckpointError, match=r"the bucket does not exist"):
+        st.isfile("s3://no-such-bucket-ucp/run/latest")
