@@ -148,10 +148,13 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
         dist.all_reduce(counts)
         unfinished, failed = counts.tolist()
         if failed:
-            mine = "; ".join(failures) or "this rank's files were written"
+            # every rank raises the same line, naming a file that failed and why, whichever rank wrote it
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, failures)
+            first = next(f[0] for f in everyone if f)
             raise CheckpointError(
                 st.join(str(self._pending.save_dir), str(self._pending.tag)),
-                f"async save: {failed} file(s) failed to write, so `latest` was not moved ({mine})",
+                f"async save: {failed} file(s) failed to write, so `latest` was not moved (first: {first})",
             )
         return self._pending if unfinished == 0 else None
 
