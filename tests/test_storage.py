@@ -188,3 +188,18 @@ def test_inside_listed_lookups_are_answered_from_one_listing_per_folder(bucket: 
 def test_inside_listed_a_missing_bucket_is_still_named(s3: S3Server) -> None:
     with st.listed(), pytest.raises(CheckpointError, match=r"the bucket does not exist"):
         st.isfile("s3://no-such-bucket-ucp/run/latest")
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        'ConnectionClosedError: Connection was closed before we received a valid response from endpoint URL: "x"',
+        "ClientError: An error occurred (SlowDown) when calling the PutObject operation: Please reduce your rate",
+        "ServerDisconnectedError: Server disconnected",
+    ],
+)
+def test_a_dropped_or_throttled_request_is_sent_again(failure: str) -> None:
+    # botocore's ConnectionClosedError: a server (s3rver, seen in the benchmark) closed a kept-alive connection just
+    # as a multipart upload began; sending it again is what every S3 client does
+    assert remote._retryable(RuntimeError(failure))
+    assert not remote._retryable(RuntimeError("AccessDenied: Forbidden"))

@@ -71,6 +71,7 @@ def _retryable(exc: BaseException) -> bool:
             "RequestTimeout",
             "Throttl",
             "ConnectionReset",
+            "ConnectionClosed",  # botocore: a kept-alive connection the server closed as the request went out
             "ServerDisconnected",
             "IncompleteRead",
             "ReadTimeout",
