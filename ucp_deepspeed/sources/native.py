@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -44,6 +47,29 @@ from ucp_deepspeed.sources.plan import full_tensors
 def resolve_tag(ckpt_dir: str, tag: str | None = None) -> str:
     """The tag to use: the one given, or the one named in `latest`; a clear error otherwise."""
     return str(tag) if tag is not None else read_latest(ckpt_dir)
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+FILES_IN_FLIGHT = 16
+"""How many rank files the rank that checks a tag on a store opens (or CRC-checks) at once: each costs round trips
+(its tail, its pickle, a zip header per record), which at a thousand ranks add up to minutes one file at a time."""
+
+
+def _spans_of(files: RankFiles, rank: int) -> dict[tuple[int, str], StorageSpan]:
+    return files.optim(rank).spans()
+
+
+def side_by_side(work: Callable[[_T], _R], items: Iterable[_T], paths: Sequence[str]) -> list[_R]:
+    """`work` of each item, in order: on a store up to `FILES_IN_FLIGHT` at once, on a disk one after another (its
+    reads need no round trips to hide). The first failure, in item order, is raised."""
+    items = list(items)
+    if len(items) <= 1 or not paths or not st.is_url(paths[0]):
+        return [work(item) for item in items]
+    with ThreadPoolExecutor(min(FILES_IN_FLIGHT, len(items)), thread_name_prefix="ucp-open") as pool:
+        futures = [pool.submit(contextvars.copy_context().run, work, item) for item in items]
+        return [future.result() for future in futures]
 
 
 @dataclass(frozen=True)
@@ -132,18 +158,31 @@ class RankFiles(st.Closeable):
     def optim(self, rank: int) -> OptimRankFile:
         """The optimizer file of data-parallel rank `rank`, opened once."""
         with self._lock:
-            if rank not in self._optim:
-                path = self.optim_paths[rank]
-                swap = self.swaps.get(st.basename(path))
-                self._optim[rank] = self._bound(OptimRankFile(path, self.meta.topology.zero_stage, self.verify, swap))
-            return self._optim[rank]
+            found = self._optim.get(rank)
+        if found is not None:
+            return found
+        # opened outside the lock: the rank checking a tag on a store opens many side by side (`side_by_side`)
+        path = self.optim_paths[rank]
+        swap = self.swaps.get(st.basename(path))
+        opened = self._bound(OptimRankFile(path, self.meta.topology.zero_stage, self.verify, swap))
+        with self._lock:
+            found = self._optim.setdefault(rank, opened)
+        if found is not opened:
+            opened.close()
+        return found
 
     def model_states(self, rank: int = 0) -> ModelStatesFile:
         """The model-states file of data-parallel rank `rank` (there is only one below ZeRO-3)."""
         with self._lock:
-            if rank not in self._model:
-                self._model[rank] = self._bound(ModelStatesFile(self.model_paths[rank], self.verify))
-            return self._model[rank]
+            found = self._model.get(rank)
+        if found is not None:
+            return found
+        opened = self._bound(ModelStatesFile(self.model_paths[rank], self.verify))  # outside the lock, as `optim`
+        with self._lock:
+            found = self._model.setdefault(rank, opened)
+        if found is not opened:
+            opened.close()
+        return found
 
     def layer(self, path: str) -> LayerStatesFile:
         """A pipeline layer file of this rank, opened once."""
@@ -403,8 +442,10 @@ class NativeCheckpoint(st.Closeable):
             topo = rank.meta.topology
             problems = [
                 (rank.model_paths[d], p)
-                for d in range(len(rank.model_paths))
-                for p in check_model_states(rank.meta, rank.model_states(d), len(self.ranks))
+                for d, states in enumerate(
+                    side_by_side(rank.model_states, range(len(rank.model_paths)), rank.model_paths)
+                )
+                for p in check_model_states(rank.meta, states, len(self.ranks))
             ]
             in_layers: list[tuple[ExtraTensor | ParamSlot, str]] = [
                 (t, t.dtype) for t in rank.meta.extras if t.file
@@ -427,7 +468,7 @@ class NativeCheckpoint(st.Closeable):
             if topo.unpartitioned:
                 problems += [(rank.model_paths[0], p) for p in check_whole(rank.meta, rank.model_states(0))]
             else:
-                optims = [rank.optim(d) for d in range(topo.dp)]
+                optims = side_by_side(rank.optim, range(topo.dp), rank.optim_paths)
                 try:
                     layouts = flat_layouts(rank.meta)
                     problems += [
@@ -448,8 +489,8 @@ class NativeCheckpoint(st.Closeable):
         for mp_rank, rank in enumerate(self.ranks):
             if rank.meta.topology.unpartitioned:
                 continue
-            for d, path in enumerate(rank.optim_paths):
-                spans = rank.optim(d).spans()
+            found = side_by_side(functools.partial(_spans_of, rank), range(len(rank.optim_paths)), rank.optim_paths)
+            for path, spans in zip(rank.optim_paths, found):
                 out.setdefault(mp_rank, {})[st.basename(path)] = FileIndex(path, spans)
         return out
 
@@ -470,9 +511,13 @@ class NativeCheckpoint(st.Closeable):
             for path, records in part.items():
                 for name, pieces in records.items():
                     extra.setdefault(path, {}).setdefault(name, []).extend(pieces)
-        for path in sorted(set(opened) | set(extra)):
+        paths = sorted(set(opened) | set(extra))
+
+        def check(path: str) -> None:
             handle = opened.get(path) or self._open_path(path)
             handle.file.check_reads(extra.get(path))
+
+        side_by_side(check, paths, paths)
 
     def _open_path(self, path: str) -> Any:
         for rank in self.ranks:
