@@ -212,6 +212,63 @@ def table(found: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# AWS's documented rates: per connection about 85-90 MB/s, per partitioned prefix about 3,500 PUT and 5,500 GET
+# requests a second, and 100-200 ms to the first byte of a small object
+CONNECTION_MB_S = 85.0
+GETS_PER_S, PUTS_PER_S = 5500, 3500
+FIRST_BYTE_S = 0.1
+IN_FLIGHT = 16
+REQUEST, PART = 8 << 20, 50 << 20  # our ranged GETs; s3fs's multipart part size
+PROJECTED = (("7B", 7e9), ("70B", 70e9))
+
+
+def projection(scale: dict) -> str:
+    """Per-rank bytes, requests and round trips of a 1,024-rank resume, from the scale simulation's counts (ZeRO-1
+    saved by 1,024 ranks, resumed at ZeRO-3 on 1,024), turned into seconds at AWS's documented rates."""
+    row = next(r for r in scale["resume"] if r["source"] == 1024 and r["index"] and r["scenario"] == "ZeRO-1 to ZeRO-3")
+    ranks, (runs, worst_runs), shared = row["ranks"], row["requests"], row["shared"]
+    lines = [
+        f"Simulated: each of {ranks} ranks reads from {row['files'][0]:.0f} files (at worst {row['files'][1]}) in "
+        f"{runs:.0f} runs of ranges (at worst {worst_runs}); rank 0 reads, once, {shared['files']:,} files' metadata "
+        f"in {shared['requests']:,} requests. The model sizes below set the bytes: fp32 masters and two Adam moments "
+        f"(12 bytes a parameter), each rank's 1/{ranks}.",
+        "",
+        "| model | MB a rank reads | GETs a rank (mean / worst) | a rank's transfer s (16 x 85 MB/s) "
+        "| a rank's round trips s (16 in flight, 100 ms) | GETs, all ranks | s at 5,500 GETs/s on one prefix "
+        "| rank 0 once: s of round trips (16 files in flight, 100 ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    per_file = shared["requests"] / shared["files"]  # rank 0's round trips per file, one after another
+    rank0_s = -(-shared["files"] // IN_FLIGHT) * per_file * FIRST_BYTE_S
+    for name, params in PROJECTED:
+        nbytes = 12 * params / ranks
+        gets = runs + -(-nbytes // REQUEST)
+        worst = worst_runs + -(-nbytes // REQUEST)
+        every = ranks * gets + shared["requests"]
+        lines.append(
+            f"| {name} | {nbytes / 1e6:,.0f} | {gets:,.0f} / {worst:,.0f} "
+            f"| {nbytes / 1e6 / (IN_FLIGHT * CONNECTION_MB_S):.2f} | {-(-worst // IN_FLIGHT) * FIRST_BYTE_S:.1f} "
+            f"| {every:,.0f} | {every / GETS_PER_S:.1f} | {rank0_s:.0f} |"
+        )
+    lines += [
+        "",
+        "A ZeRO-1 save of the same job: each rank PUTs its optimizer file (s3fs sends one of 50 MiB or more in 50 MiB "
+        "parts, one after another, plus a request to start and one to finish).",
+        "",
+        "| model | MB a rank writes | PUTs a rank | a rank's upload s (85 MB/s) | PUTs, all ranks "
+        "| s at 3,500 PUTs/s on one prefix |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, params in PROJECTED:
+        nbytes = 12 * params / ranks
+        puts = 1 if nbytes < PART else -(-nbytes // PART) + 2
+        lines.append(
+            f"| {name} | {nbytes / 1e6:,.0f} | {puts:.0f} | {nbytes / 1e6 / CONNECTION_MB_S:.1f} "
+            f"| {ranks * puts:,.0f} | {ranks * puts / PUTS_PER_S:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="0.5M parameters on 2 ranks")
@@ -229,8 +286,11 @@ def main() -> None:
     if not args.smoke and not args.table:
         found["measured"] = time.strftime("%Y-%m-%d")
         RESULTS.write_text(json.dumps(found, indent=1) + "\n")
+    projected = projection(json.loads((ROOT / "benchmarks" / "scale.json").read_text()))
+    print(projected)
     if args.update_docs:
         update_doc("benchmarks.md", "object-store", text)
+        update_doc("guides/object-storage.md", "object-store-projection", projected)
 
 
 if __name__ == "__main__":

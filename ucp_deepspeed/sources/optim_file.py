@@ -125,14 +125,18 @@ class OptimRankFile(st.Closeable):
     def spans(self) -> dict[tuple[int, str], StorageSpan]:
         """Where each flat buffer's fp32 master and per-element states lie in the file, for ranks that read it
         without parsing it (`IndexedArchive`); a state kept elsewhere (NVMe swap files) is left out."""
+        found = {
+            (index, state): lazy
+            for index in range(self.num_flat)
+            for state in (FP32, *self.state_keys(index))
+            for lazy in [self.flat(index, state)]
+            if isinstance(lazy, LazyTensor) and lazy.is_contiguous() and len(lazy.shape) == 1
+        }
+        self._file.locate(lazy.key for lazy in found.values())
         out = {}
-        for index in range(self.num_flat):
-            for state in (FP32, *self.state_keys(index)):
-                lazy = self.flat(index, state)
-                if isinstance(lazy, LazyTensor) and lazy.is_contiguous() and len(lazy.shape) == 1:
-                    name, begin, at = self._file.storage_span(lazy.key, lazy.dtype, lazy.storage_offset, lazy.numel())
-                    dtype = dtype_name(lazy.dtype)
-                    out[(index, state)] = StorageSpan(name, begin, at, lazy.numel(), dtype)
+        for where, lazy in found.items():
+            name, begin, at = self._file.storage_span(lazy.key, lazy.dtype, lazy.storage_offset, lazy.numel())
+            out[where] = StorageSpan(name, begin, at, lazy.numel(), dtype_name(lazy.dtype))
         return out
 
     def state_keys(self, index: int) -> list[str]:
