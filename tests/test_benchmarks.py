@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, torch_env
+from s3server import s3rver_binary
 
 PROGRESS = re.compile(r"^(== |source |  resume at |  resume |  convert )")
 
@@ -108,12 +109,18 @@ def test_scale_benchmark_smoke(capsys):
 
 
 @pytest.mark.bench
+@pytest.mark.skipif(s3rver_binary() is None, reason="s3rver is not installed (benchmarks/setup.sh; needs npm)")
 def test_object_store_benchmark_smoke(tmp_path, capsys):
-    """Every row of the object-store benchmark runs, and a reshard fetches from the store what it reads from disk."""
+    """Every row of the object-store benchmark runs on s3rver, against its floor and beside DCP's readers, and a
+    reshard fetches from the store what it reads from disk."""
     output = run_benchmark("bench_object_store.py", "--work", str(tmp_path), capsys=capsys)
     for zero, other in ((1, 3), (3, 1)):
-        for store in ("local disk", "S3 (moto)"):
+        for store in ("local disk", "S3 (s3rver)"):
             assert f"| {zero} | {store} | save, DP 2 |" in output
             assert f"| {zero} | {store} | reshard to DP 1, ZeRO-{other} (resharded) |" in output
     ratios = [float(r) for r in re.findall(r"the store fetched ([0-9.]+)x the bytes", output)]
     assert len(ratios) == 2 and all(r <= 1.1 for r in ratios), ratios
+    assert "Server floor (obstore): ZeRO-1: GET" in output
+    for reader in ("ours, direct reshard", "DCP FsspecReader (s3fs)", "s3torchconnector S3StorageReader"):
+        assert f"| {reader} |" in output
+    assert "| 7B | 82 |" in output  # the 1,024-rank projection

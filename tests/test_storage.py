@@ -185,6 +185,18 @@ def test_inside_listed_lookups_are_answered_from_one_listing_per_folder(bucket: 
     assert after.lookups == 1  # nothing outlives the block
 
 
+def test_inside_listed_a_write_is_seen_by_the_next_lookup(bucket: str) -> None:
+    """A load that imports a foreign folder or materializes a chain into the store writes during the block: what it
+    wrote is there for the reader it opens next."""
+    out = st.join(bucket, "run", "imported.ucp")
+    with st.listed():
+        assert not st.isfile(st.join(out, "manifest.json"))
+        st.write(st.join(out, "manifest.json"), b"{}")
+        assert st.isfile(st.join(out, "manifest.json")) and st.size(st.join(out, "manifest.json")) == 2
+        st.delete(out)
+        assert not st.exists(out)
+
+
 def test_inside_listed_a_missing_bucket_is_still_named(s3: S3Server) -> None:
     with st.listed(), pytest.raises(CheckpointError, match=r"the bucket does not exist"):
         st.isfile("s3://no-such-bucket-ucp/run/latest")

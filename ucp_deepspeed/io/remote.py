@@ -51,6 +51,15 @@ def listed() -> Iterator[None]:
         _LISTINGS.reset(token)
 
 
+def _forget_listings() -> None:
+    """A write inside a `listed` block (a load that imports a foreign folder or materializes a chain into the store)
+    makes the listings taken so far stale."""
+    cache = _LISTINGS.get()
+    if cache is not None:
+        with _LISTINGS_LOCK:
+            cache.clear()
+
+
 def _stamp(info: dict[str, Any]) -> float:
     stamp = info.get("LastModified") or info.get("mtime") or 0
     return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
@@ -147,7 +156,10 @@ class FsspecStorage(Storage):
         return data
 
     def write(self, path: str, data: bytes | memoryview) -> None:
-        self._call(path, "writing", lambda: self.fs.pipe_file(self._key(path), bytes(data)))
+        try:
+            self._call(path, "writing", lambda: self.fs.pipe_file(self._key(path), bytes(data)))
+        finally:
+            _forget_listings()
         record(writes=1, written=len(data))
 
     @contextmanager
@@ -248,6 +260,12 @@ class FsspecStorage(Storage):
         return self._call(path, "looking up", lambda: _stamp(self.fs.info(self._key(path))))
 
     def delete(self, path: str) -> None:
+        try:
+            self._delete(path)
+        finally:
+            _forget_listings()
+
+    def _delete(self, path: str) -> None:
         key = self._key(path)
         if self.isfile(path):
             self._call(path, "deleting", lambda: self.fs.rm_file(key))
