@@ -179,7 +179,9 @@ def test_inside_listed_lookups_are_answered_from_one_listing_per_folder(bucket: 
     with stats.counting() as counted, st.listed():
         answers = [ask() for ask in questions]
     assert answers == expected == [True, False, 7, expected[3], True, True, True, False]
-    assert counted.lookups == 2 and plain.lookups > len(questions)  # the folders `run` and `run/tag`
+    # the listings of `run/tag` and `run`, `exists` of a missing path lists it too, and `stat` is always a HEAD (a
+    # conversion's fingerprint compares HEAD times, whose precision a listing's may not share)
+    assert counted.lookups == 4 and plain.lookups > 2 * counted.lookups
     with stats.counting() as after:
         st.isfile(st.join(root, "tag", "a.pt"))
     assert after.lookups == 1  # nothing outlives the block

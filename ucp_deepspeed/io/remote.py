@@ -32,32 +32,45 @@ MAX_REQUEST = 8 << 20
 """The largest ranged GET sent to a store: a longer run is split, so that one slow request delays little."""
 
 
-_LISTINGS: ContextVar[dict[str, dict[str, dict[str, Any]]] | None] = ContextVar("ucp_store_listings", default=None)
-_LISTINGS_LOCK = threading.Lock()
+class _Listings:
+    """The folder listings one `listed` block has taken, by store and folder; `generation` moves at every write, so a
+    listing taken before a write is not kept after it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.folders: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
+        self.generation = 0
+
+    def forget(self) -> None:
+        with self.lock:
+            self.folders.clear()
+            self.generation += 1
+
+
+_LISTINGS: ContextVar[_Listings | None] = ContextVar("ucp_store_listings", default=None)
 
 
 @contextmanager
 def listed() -> Iterator[None]:
-    """Within the block, a store answers lookups (is there an object, its size and time, a folder's names) from one
-    listing per folder, taken at first use, instead of a HEAD per object: a load reads a finished save, whose
-    objects do not change under it, and a HEAD costs a round trip. Reads are not cached, and each is checked."""
+    """Within the block, a store answers lookups (is there an object, its size, a folder's names) from one listing
+    per folder, taken at first use, instead of a HEAD per object: a load reads a finished save, whose objects do not
+    change under it, and a HEAD costs a round trip. Reads are not cached, and each is checked; a write or delete in
+    the block (`forget_listings` for one made elsewhere) drops the listings taken so far."""
     if _LISTINGS.get() is not None:
         yield
         return
-    token = _LISTINGS.set({})
+    token = _LISTINGS.set(_Listings())
     try:
         yield
     finally:
         _LISTINGS.reset(token)
 
 
-def _forget_listings() -> None:
-    """A write inside a `listed` block (a load that imports a foreign folder or materializes a chain into the store)
-    makes the listings taken so far stale."""
+def forget_listings() -> None:
+    """What the enclosing `listed` block has listed is stale: another rank or process wrote into the store."""
     cache = _LISTINGS.get()
     if cache is not None:
-        with _LISTINGS_LOCK:
-            cache.clear()
+        cache.forget()
 
 
 def _stamp(info: dict[str, Any]) -> float:
@@ -159,7 +172,7 @@ class FsspecStorage(Storage):
         try:
             self._call(path, "writing", lambda: self.fs.pipe_file(self._key(path), bytes(data)))
         finally:
-            _forget_listings()
+            forget_listings()
         record(writes=1, written=len(data))
 
     @contextmanager
@@ -184,25 +197,41 @@ class FsspecStorage(Storage):
         record(lookups=1)
         return self._call(path, "listing", ls)
 
-    def _listed(self, path: str) -> dict[str, Any] | None:
-        """What the folder's listing says of `path` inside a `listed` block: its entry, or {} when the folder does
-        not list it; None outside such a block."""
+    def _folder(self, folder: str) -> dict[str, dict[str, Any]] | None:
+        """A folder's entries by name from the enclosing `listed` block's listing of it (taken now if not yet); None
+        outside such a block, or where listing it is denied (a role that may read objects but not list there)."""
         cache = _LISTINGS.get()
         if cache is None:
             return None
+        key = (id(self), folder)
+        with cache.lock:
+            entries, generation = cache.folders.get(key), cache.generation
+        if entries is not None:
+            return entries
+        try:
+            entries = {posixpath.basename(e["name"].rstrip("/")): e for e in self._ls(folder, detail=True)}
+        except StorageError as exc:
+            if "access denied" in exc.reason:
+                return None
+            raise
+        with cache.lock:
+            if cache.generation == generation:
+                cache.folders[key] = entries
+        return entries
+
+    def _listed(self, path: str) -> dict[str, Any] | None:
+        """What its folder's listing says of `path` inside a `listed` block: its entry, or {} when the folder does
+        not list it; None outside such a block (or for a bucket, or where listing is denied)."""
         parent, name = posixpath.split(self._key(path).rstrip("/"))
         if not parent:  # a bucket: looked up as always
             return None
-        folder = f"{self.protocol}://{parent}"
-        with _LISTINGS_LOCK:
-            entries = cache.get(folder)
-        if entries is None:
-            entries = {posixpath.basename(e["name"].rstrip("/")): e for e in self._ls(folder, detail=True)}
-            with _LISTINGS_LOCK:
-                cache[folder] = entries
-        return dict(entries.get(name) or {})
+        entries = self._folder(f"{self.protocol}://{parent}")
+        return None if entries is None else dict(entries.get(name) or {})
 
     def listdir(self, path: str) -> list[str]:
+        entries = self._folder(path.rstrip("/"))
+        if entries is not None:
+            return sorted(entries)
         return sorted({posixpath.basename(p.rstrip("/")) for p in self._ls(path, detail=False)})
 
     def sizes(self, path: str) -> dict[str, int]:
@@ -219,10 +248,10 @@ class FsspecStorage(Storage):
         return sorted(p[len(key) :] for p in found if p.startswith(key))
 
     def stat(self, path: str) -> tuple[int, int]:
-        info = self._listed(path)
-        if info is None or info.get("type") != "file":
-            record(lookups=1)
-            info = self._call(path, "looking up", lambda: self.fs.info(self._key(path), refresh=True))
+        # always a HEAD: a listing's time may carry another precision than a HEAD's (MinIO's has milliseconds), and
+        # a conversion's fingerprint, recorded from HEADs, compares them
+        record(lookups=1)
+        info = self._call(path, "looking up", lambda: self.fs.info(self._key(path), refresh=True))
         return int(info["size"]), int(_stamp(info) * 1e9)
 
     def exists(self, path: str) -> bool:
@@ -245,10 +274,8 @@ class FsspecStorage(Storage):
         return self._call(path, "looking up", probe)
 
     def isdir(self, path: str) -> bool:
-        info = self._listed(path)
-        if info is not None:
-            return info.get("type") == "directory"
-        return bool(self.listdir(path))
+        entries = self._folder(path.rstrip("/"))  # its own listing, which the lookups inside it use next
+        return bool(entries) if entries is not None else bool(self.listdir(path))
 
     def mtime(self, path: str) -> float:
         if not self.isfile(path):
@@ -263,7 +290,7 @@ class FsspecStorage(Storage):
         try:
             self._delete(path)
         finally:
-            _forget_listings()
+            forget_listings()
 
     def _delete(self, path: str) -> None:
         key = self._key(path)

@@ -25,7 +25,7 @@ from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, BlobFile, Closeable, Window
 from ucp_deepspeed.io.local import LocalStorage, append, lock_folder
 from ucp_deepspeed.io.policy import SCHEME, StorageError, check_url, is_url, scrub, shown
-from ucp_deepspeed.io.remote import MAX_REQUEST, FsspecStorage, listed
+from ucp_deepspeed.io.remote import MAX_REQUEST, FsspecStorage, forget_listings, listed
 
 __all__ = [
     "MAX_REQUEST",
@@ -44,6 +44,7 @@ __all__ = [
     "dirname",
     "exists",
     "find",
+    "forget_listings",
     "glob",
     "is_url",
     "isdir",

@@ -77,7 +77,12 @@ def coordinated(group: Any) -> Iterator[None]:
 def _group() -> Any:
     """The group of the enclosing `coordinated` block (None: the default group)."""
     held = _GROUP.get()
-    return None if held is None else held()
+    if held is None:
+        return None
+    group = held()
+    if group is None:  # the default group would drop the coordination group's timeout without a word
+        raise RuntimeError("ucp: the coordination group was released (at exit) while a checkpoint call still ran")
+    return group
 
 
 def barrier() -> None:

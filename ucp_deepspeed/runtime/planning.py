@@ -278,6 +278,7 @@ class LoadPlanner:
                     fmt.import_to(folder, out, self.options)
 
         on_rank0(work)  # every rank takes part: the check above runs on rank 0 only, so no rank skips the collective
+        st.forget_listings()  # rank 0 wrote the copy: what any rank listed before is stale
         return out
 
     def _materialized(self, kind: TagKind, load_dir: str, tag: str) -> str:
@@ -291,6 +292,7 @@ class LoadPlanner:
                 kind.materialize(load_dir, tag, out)
 
         on_rank0(work)
+        st.forget_listings()
         return out
 
 
