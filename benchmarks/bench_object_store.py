@@ -39,6 +39,8 @@ from docs_table import update_doc
 from launching import ROOT, each, env, torchrun_command
 from s3server import S3Server, s3rver_server
 
+from ucp_deepspeed.io.remote import MAX_REQUEST, PART
+
 WORKER = ROOT / "benchmarks" / "synthetic.py"
 DCP_WORKER = ROOT / "benchmarks" / "dcp_reader.py"
 RESULTS = ROOT / "benchmarks" / "object_store.json"
@@ -230,8 +232,8 @@ CONNECTION_MB_S = 85.0
 GETS_PER_S, PUTS_PER_S = 5500, 3500
 FIRST_BYTE_S = 0.1
 IN_FLIGHT = 16
-REQUEST = 8 << 20  # our ranged GETs
-PART, PARTS_IN_FLIGHT = 50 << 20, 10  # s3fs sends an object of 2 parts or more in parts, 10 at a time
+REQUEST = MAX_REQUEST  # our ranged GETs
+PARTS_IN_FLIGHT = 10  # s3fs sends an object of 2 parts or more in parts, 10 at a time
 PROJECTED = (("7B", 7e9), ("70B", 70e9))
 
 

@@ -4,7 +4,9 @@ and every fault with one clear line that names the object or bucket and never a 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -217,3 +219,59 @@ def test_a_dropped_or_throttled_request_is_sent_again(failure: str) -> None:
     # as a multipart upload began; sending it again is what every S3 client does
     assert remote._retryable(RuntimeError(failure))
     assert not remote._retryable(RuntimeError("AccessDenied: Forbidden"))
+
+
+def _upload_parts(monkeypatch: pytest.MonkeyPatch, fail: Callable[[int], str | None]) -> list[str]:
+    """Parts of 5 MiB (S3's least) and s3fs's calls to the store recorded; `fail(n)` may name an error for the nth
+    part sent."""
+    import s3fs
+
+    monkeypatch.setattr(remote, "PART", 5 << 20)
+    monkeypatch.setattr(remote, "BACKOFF", 0.001)
+    calls: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def call_s3(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(method)
+        if method == "upload_part" and (error := fail(calls.count("upload_part"))):
+            raise RuntimeError(error)
+        return await real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
+    return calls
+
+
+def test_a_large_object_streams_through_a_local_spool_and_goes_up_in_parts(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's writer is a file on local disk, not memory; what it holds goes up as a multipart upload; a part the
+    store throttles sends the upload again from the spool, and the object is whole."""
+    calls = _upload_parts(monkeypatch, lambda n: "SlowDown: reduce your request rate" if n == 2 else None)
+    data = torch.randint(0, 256, (13 << 20,), dtype=torch.uint8).numpy().tobytes()
+    with st.writer(st.join(bucket, "big.bin")) as out:
+        out.write(data[:1000])
+        out.write(data[1000:])
+        spool = out.name
+        assert os.path.isfile(spool) and os.path.getsize(spool) == len(data)
+    assert not os.path.exists(spool)  # the spool is gone once sent
+    assert calls.count("create_multipart_upload") == 2 and calls.count("complete_multipart_upload") == 1
+    assert calls.count("upload_part") == 3 + 3  # 13 MiB in parts of 5: once cut short at the second, then whole
+    assert st.read(st.join(bucket, "big.bin")) == data
+
+
+def test_a_failed_upload_or_writer_leaves_no_object(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part refused, or a writer whose block raises: no object, no multipart upload left open, no spool left."""
+    import boto3
+
+    _upload_parts(monkeypatch, lambda n: "AccessDenied: Forbidden" if n == 2 else None)
+    with pytest.raises(CheckpointError, match=r"access denied while writing s3://.*/big.bin"):
+        with st.writer(st.join(bucket, "big.bin")) as out:
+            out.write(bytes(13 << 20))
+            spool = out.name
+    with pytest.raises(ValueError, match="cut short"), st.writer(st.join(bucket, "cut.bin")) as out:
+        out.write(b"partial")
+        raise ValueError("cut short")
+    assert not os.path.exists(spool) and not os.path.exists(out.name)
+    assert st.listdir(bucket) == []
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    assert not client.list_multipart_uploads(Bucket=bucket.removeprefix("s3://")).get("Uploads")

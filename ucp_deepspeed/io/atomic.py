@@ -31,7 +31,7 @@ def atomic_path(path: str) -> Iterator[str]:
 @contextlib.contextmanager
 def atomic_file(path: str) -> Iterator[BinaryIO]:
     """An open file written under a temporary name and moved into place whole (see `atomic_path`)."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "w+b") as f:
         yield f
 
 

@@ -46,7 +46,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def writer(self, path: str) -> AbstractContextManager[BinaryIO]:
-        """A file to stream one object into: it appears only if the block succeeds (then as `write`)."""
+        """A file to stream one object into, readable and seekable (a save id is stamped into an archive just
+        written): the object appears only if the block succeeds (then as `write`)."""
 
     @abc.abstractmethod
     def listdir(self, path: str) -> list[str]:

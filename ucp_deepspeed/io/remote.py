@@ -1,6 +1,6 @@
 """Any filesystem fsspec serves (S3, GCS, Azure, ...) as a `Storage`: ranged GETs of at most `MAX_REQUEST` bytes,
-whole-object PUTs, bounded retries with backoff when the store throttles, and errors that name the object and the
-reason with every secret scrubbed (`io/policy.py`)."""
+whole-object PUTs (multipart past two `PART`s, sent from a local spool file), bounded retries with backoff when the
+store throttles, and errors that name the object and the reason with every secret scrubbed (`io/policy.py`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import errno
 import io
 import posixpath
 import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, cast
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.backend import Storage
@@ -30,6 +31,10 @@ BACKOFF = 0.25
 
 MAX_REQUEST = 8 << 20
 """The largest ranged GET sent to a store: a longer run is split, so that one slow request delays little."""
+
+PART = 50 << 20
+"""The part size of an S3 multipart upload (s3fs's own): s3fs sends 10 parts at a time, so an upload holds at most
+500 MiB of its file in memory; smaller parts would cost more PUTs of the requests a prefix serves a second."""
 
 
 class _Listings:
@@ -177,10 +182,26 @@ class FsspecStorage(Storage):
 
     @contextmanager
     def writer(self, path: str) -> Iterator[BinaryIO]:
-        # held in memory and sent whole: a streamed multipart upload would publish a partial object on error
-        buffer = io.BytesIO()
-        yield buffer
-        self.write(path, buffer.getbuffer())
+        # spooled to a local temporary file (`TMPDIR`), not held in memory: a rank's optimizer file can be as large as
+        # its share of the model's states; a streamed multipart upload could not be sent again when the store throttles
+        with tempfile.NamedTemporaryFile(prefix="ucp-upload-") as spool:
+            yield cast(BinaryIO, spool)
+            size = spool.seek(0, io.SEEK_END)
+            spool.flush()
+            try:
+                self._call(path, "writing", lambda: self._put_file(spool.name, path, size))
+            finally:
+                forget_listings()
+        record(writes=1, written=size)
+
+    def _put_file(self, local: str, path: str, size: int) -> None:
+        """Upload a local file whole: one PUT, or (S3, past two parts) a multipart upload that s3fs aborts on error,
+        so that the object appears only complete."""
+        if self.protocol in ("s3", "s3a"):
+            # S3 takes at most 10,000 parts
+            self.fs.put_file(local, self._key(path), chunksize=max(PART, -(-size // 10_000)))
+        else:
+            self.fs.put_file(local, self._key(path))
 
     def _ls(self, path: str, detail: bool) -> list[Any]:
         """One listing of a prefix (`fs.ls`); a prefix with nothing under it is empty, a missing bucket an error."""

@@ -56,23 +56,21 @@ def snapshot(obj: Any, storages: dict[tuple, torch.UntypedStorage] | None = None
     return copy.deepcopy(obj)
 
 
-def serialized(state: Any, save_id: str = "", zipfile_serialization: bool = True) -> memoryview:
-    """One checkpoint file's bytes, made in host memory and stamped with its save id: what an object store is sent
-    whole."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer, _use_new_zipfile_serialization=zipfile_serialization)
-    if save_id:
-        stamp(buffer, save_id)
-    return buffer.getbuffer()
+def upload_file(path: str, state: Any, save_id: str = "", zipfile_serialization: bool = True) -> int:
+    """`torch.save` one checkpoint file to an object store, stamped with its save id; returns its size. The archive
+    streams into the store's writer (a local spool, not memory) and is sent whole once stamped."""
+    with st.writer(path) as out:
+        torch.save(state, out, _use_new_zipfile_serialization=zipfile_serialization)
+        if save_id:
+            stamp(out, save_id)
+        return out.seek(0, io.SEEK_END)
 
 
 def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str = "") -> int:
     """`torch.save` one checkpoint file atomically, stamped with its save id; returns its size (module-level so
     tests can interrupt it)."""
     if st.is_url(path):
-        data = serialized(state, save_id, zipfile_serialization)
-        st.write(path, data)
-        return len(data)
+        return upload_file(path, state, save_id, zipfile_serialization)
     with atomic_path(path) as tmp:
         torch.save(state, tmp, _use_new_zipfile_serialization=zipfile_serialization)
         if save_id:

@@ -38,7 +38,7 @@ from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
 from ucp_deepspeed.protocols import Engine
-from ucp_deepspeed.runtime.async_save import serialized
+from ucp_deepspeed.runtime.async_save import upload_file
 from ucp_deepspeed.runtime.collective import all_ok, on_rank0, to_rank0
 
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
@@ -136,16 +136,15 @@ class BoundEngine:
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write one file through the wrapped engine; it is stamped at commit, once it is surely on disk. A file for
-        an object store is made in host memory, stamped and sent whole (an asynchronous engine does that itself)."""
+        an object store is spooled locally, stamped and sent whole (an asynchronous engine does that itself)."""
         guard = self.ucp_guard
         if st.is_url(path) and not getattr(self.inner, "stamps_itself", False):
             try:
-                data = serialized(state_dict, guard.save_id)
-                st.write(path, data)
+                size = upload_file(path, state_dict, guard.save_id)
             except Exception as exc:  # noted, raised on every rank at the commit
                 guard.upload_failed(path, exc)
             else:
-                guard.uploaded(path, len(data))
+                guard.uploaded(path, size)
             return
         self.inner.save(state_dict, path)
         if self.ucp_guard.save_id and not getattr(self.inner, "stamps_itself", False):
