@@ -137,15 +137,19 @@ files it uploads in host memory, pass this machine's 24 GiB."""
 
 
 def run(sizes: list[float], ranks: int, work: Path, keep: Path | None) -> dict:
-    """Every row, measured; each size's rows are kept in `keep` as soon as they are (a later size that fails loses
-    no earlier one)."""
-    found: dict = {"runs": []}
+    """Every row, measured; each size's rows are kept in `keep` as soon as they are, beside the rows kept there of
+    the sizes not measured now (a later size that fails, or a run of one size, loses no other size's)."""
+    kept = json.loads(keep.read_text())["runs"] if keep is not None and keep.exists() else []
+    found: dict = {"runs": [one for one in kept if one["params_m"] not in sizes]}
     with s3rver_server(data_dir=work, log=True) as s3:
         for i, params_m in enumerate(sizes):
             world = min(ranks, 2) if params_m > BIG_M else ranks
-            found["runs"].append(one_size(s3, params_m, world, work, side_by_side=i == 0))
+            measured = one_size(s3, params_m, world, work, side_by_side=i == 0)
+            found["runs"] = sorted(
+                [*found["runs"], {**measured, "measured": time.strftime("%Y-%m-%d")}], key=lambda one: one["params_m"]
+            )
             if keep is not None:
-                keep.write_text(json.dumps({**found, "measured": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
+                keep.write_text(json.dumps(found, indent=1) + "\n")
     return found
 
 
@@ -159,7 +163,8 @@ def table(found: dict) -> str:
     for one in found["runs"]:
         ranks = one["ranks"]
         lines += [
-            f"**{one['params_m']:g}M parameters**, fp32 AdamW, saved by {ranks} ranks. Server floor (obstore): "
+            f"**{one['params_m']:g}M parameters** (measured {one.get('measured', '?')}), fp32 AdamW, saved by {ranks} "
+            "ranks. Server floor (obstore): "
             + "; ".join(
                 f"ZeRO-{z}: GET {f['get']['mb_s']:,.0f} MB/s ({f['get']['requests_s']:,.0f} requests/s), "
                 f"PUT {f['put']['mb_s']:,.0f} MB/s"
