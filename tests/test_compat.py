@@ -619,3 +619,21 @@ def test_autoep_stack_and_groups():
     )
     assert compat.autoep_stack(p) == compat.ExpertStack(ep_size=2, ep_rank=1, experts=(2, 3))
     assert compat.autoep_groups(torch.nn.Linear(2, 2)) == {}
+
+
+def test_s3_read_into() -> None:
+    """`s3_read_into` sends s3fs's `_call_s3("get_object", ...)` and fills the views by aiobotocore's
+    `StreamingBody.readinto`: the bytes asked for, across views, and fewer where the object ends."""
+    from s3server import s3_server
+
+    from ucp_deepspeed.io import storage as st
+
+    with s3_server() as s3:
+        bucket = s3.bucket()
+        data = bytes(range(256)) * 64
+        st.write(f"s3://{bucket}/o", data)
+        fs = st.storage_of(f"s3://{bucket}").fs  # type: ignore[attr-defined]
+        first, second = bytearray(100), bytearray(300)
+        assert compat.s3_read_into(fs, f"{bucket}/o", 1000, [memoryview(first), memoryview(second)]) == 400
+        assert bytes(first + second) == data[1000:1400]
+        assert compat.s3_read_into(fs, f"{bucket}/o", len(data) - 5, [memoryview(bytearray(50))]) == 5

@@ -64,6 +64,9 @@ def test_objects_round_trip_with_ranged_reads_and_listings(bucket: str) -> None:
         blob.readinto([memoryview(out)[:400], memoryview(out)[400:]], 5000)
     assert bytes(out) == data[5000:6000]
     assert (counted.requests, counted.data_bytes) == (1, 1000)  # one ranged GET of exactly the bytes asked for
+    assert counted.copied_bytes == 0  # received into the two views, not through a bytes object copied into them
+    with pytest.raises(CheckpointError, match=r"a\.bin: truncated: the object ends before byte 1048586"):
+        blob.readinto([memoryview(bytearray(20))], len(data) - 10)
     st.delete(st.join(root, "tag"))
     assert st.listdir(root) == ["latest"]
 
@@ -212,6 +215,7 @@ def test_inside_listed_a_missing_bucket_is_still_named(s3: S3Server) -> None:
         'ConnectionClosedError: Connection was closed before we received a valid response from endpoint URL: "x"',
         "ClientError: An error occurred (SlowDown) when calling the PutObject operation: Please reduce your rate",
         "ServerDisconnectedError: Server disconnected",
+        "ResponseStreamingError: An error occurred while reading from response stream: Connection reset",
     ],
 )
 def test_a_dropped_or_throttled_request_is_sent_again(failure: str) -> None:

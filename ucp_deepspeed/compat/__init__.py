@@ -1,4 +1,4 @@
-"""Every reach into DeepSpeed, megatron-core, transformers, accelerate and torch's DCP internals, each behind one
+"""Every reach into DeepSpeed, megatron-core, transformers, accelerate, torch's DCP and s3fs internals, each behind one
 small named function, one module per library reached into.
 
 The rest of the package reads and writes framework state only through here (`from ucp_deepspeed import compat;
@@ -14,6 +14,7 @@ frameworks are imported inside the functions that need them, so the `ucp` comman
 - `megatron`: megatron-core modules, their tensor-parallel attributes, a GPTModel's architecture
 - `transformers`: transformers and accelerate: a model's config, the per-process restores `install()` widens
 - `torch`: the globals `torch.load` may build, and the DCP writer
+- `s3fs`: a ranged GET received straight into the caller's buffers
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from ucp_deepspeed.compat.optimizers import (
     optimizer_kernel,
     scalar_device,
 )
+from ucp_deepspeed.compat.s3fs import s3_read_into
 from ucp_deepspeed.compat.torch import (
     DcpWriter,
     user_safe_globals,
@@ -164,6 +166,7 @@ __all__ = [
     "rebuild",
     "register_expert_groups",
     "relink_optimizer_states",
+    "s3_read_into",
     "scalar_device",
     "sequence_parallel_size",
     "storage_dtype",
