@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -62,9 +63,27 @@ def _served(s3: S3Server) -> int:
 
 
 def one_size(s3: S3Server, params_m: float, ranks: int, work: Path, side_by_side: bool) -> dict:
-    """Every row of one model size."""
+    """Every row of one model size; its local folder and its bucket are emptied afterwards (at 300M they hold 17 GB
+    each, and a save to the store spools its largest file to local disk)."""
     bucket = s3.bucket()
-    bases = {STORES[0]: str(work / f"local{params_m:g}"), STORES[1]: f"s3://{bucket}/bench"}
+    local = work / f"local{params_m:g}"
+    shutil.rmtree(local, ignore_errors=True)
+    try:
+        return _one_size(s3, params_m, ranks, {STORES[0]: str(local), STORES[1]: f"s3://{bucket}/bench"}, side_by_side)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        _empty(f"s3://{bucket}")
+
+
+def _empty(bucket: str) -> None:
+    from ucp_deepspeed.io import storage as st
+
+    for name in st.listdir(bucket):
+        st.delete(st.join(bucket, name))
+
+
+def _one_size(s3: S3Server, params_m: float, ranks: int, bases: dict[str, str], side_by_side: bool) -> dict:
+    bucket = bases[STORES[1]].removeprefix("s3://").split("/")[0]
     saves, loads, floors = [], [], {}
     for zero in (1, 3):
         for store, base in bases.items():
@@ -113,12 +132,14 @@ def compare_readers(s3: S3Server, base: str, params_m: float, ranks: int) -> lis
     export; requests as the server logged them."""
     world = max(1, ranks // 2)
     source, folder = f"{base}/z1/sync", f"{base}/dcp"
-    subprocess.run(
+    exported = subprocess.run(
         [sys.executable, "-m", "ucp_deepspeed.tools.cli", "export-dcp", source, folder, "--no-progress"],
         env=env(),
-        check=True,
         capture_output=True,
+        text=True,
     )
+    if exported.returncode:
+        raise RuntimeError(f"ucp export-dcp {source} failed: {exported.stderr.strip()[-2000:]}")
     before = _served(s3)
     (ours,) = launch(world, ["load", "--params-m", str(params_m), "--zero", "1", "--direct", "--source", source])
     ours.update(reader="ours, direct reshard", requests_served=_served(s3) - before)
