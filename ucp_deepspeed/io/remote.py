@@ -119,13 +119,14 @@ class FsspecStorage(Storage):
         import fsspec  # imported here: a run that never names a URL needs none of it
 
         self.protocol, self.options = protocol, dict(options)
+        self.is_s3 = protocol in ("s3", "s3a")
         kwargs = dict(options)
-        if protocol in ("s3", "s3a"):  # `_call` retries, with its own bound and backoff: no retries under it
+        if self.is_s3:  # `_call` retries, with its own bound and backoff: no retries under it
             config = dict(kwargs.get("config_kwargs") or {})
             config.setdefault("retries", {"total_max_attempts": 1})
             kwargs["config_kwargs"] = config
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **kwargs)
-        if protocol in ("s3", "s3a"):
+        if self.is_s3:
             self.fs.retries = 1
 
     def _key(self, path: str) -> str:
@@ -198,7 +199,7 @@ class FsspecStorage(Storage):
     def _put_file(self, local: str, path: str, size: int) -> None:
         """Upload a local file whole: one PUT, or (S3, past two parts) a multipart upload that s3fs aborts on error,
         so that the object appears only complete."""
-        if self.protocol in ("s3", "s3a"):
+        if self.is_s3:
             # S3 takes at most 10,000 parts
             self.fs.put_file(local, self._key(path), chunksize=max(PART, -(-size // 10_000)))
         else:
@@ -326,12 +327,26 @@ class FsspecStorage(Storage):
         data: bytes = self._call(path, "reading", lambda: self.fs.cat_file(self._key(path), start=start, end=end))
         return data
 
-    def receive(self, path: str, start: int, views: list[memoryview]) -> int:
-        """Bytes of an S3 object from `start` received into `views`, with no copy in between: one ranged GET;
-        returns the bytes received (fewer where the object ends sooner)."""
-        from ucp_deepspeed import compat  # compat reaches back into io: imported at first use
+    def receive(self, path: str, start: int, views: list[memoryview], data: bool = True) -> None:
+        """Bytes of an object from `start` into `views`, filled whole: one ranged GET. On S3 the response is received
+        straight into them (`compat.s3_read_into`); elsewhere it arrives as one `bytes`, copied into them."""
+        want = sum(len(v) for v in views)
+        if self.is_s3:
+            from ucp_deepspeed import compat  # compat reaches back into io: imported at first use
 
-        return self._call(path, "reading", lambda: compat.s3_read_into(self.fs, self._key(path), start, views))
+            got = self._call(path, "reading", lambda: compat.s3_read_into(self.fs, self._key(path), start, views))
+            record(requests=1, **{"data" if data else "metadata": got})
+        else:
+            body = self.cat_range(path, start, start + want)
+            got = len(body)
+            record(requests=1, copied=got if data else 0, **{"data" if data else "metadata": got})
+            at = 0
+            for view in views:
+                n = min(len(view), got - at)
+                view[:n] = body[at : at + n]
+                at += n
+        if got < want:
+            raise CheckpointError(shown(path), f"truncated: the object ends before byte {start + want}")
 
     def size(self, path: str) -> int:
         """An object's length (one HEAD, or the folder's listing inside a `listed` block)."""
@@ -360,38 +375,11 @@ class StoreBlob(Blob):
 
     def readinto(self, views: list[memoryview], offset: int, data: bool = True) -> None:
         total = sum(len(v) for v in views)
-        done = 0
-        while done < total:
-            want = min(MAX_REQUEST, total - done)
-            if self._store.protocol in ("s3", "s3a"):
-                self._receive(views_after(views, done), offset + done, want, data)
-                done += want
-                continue
-            got = self._store.cat_range(self.path, offset + done, offset + done + want)
-            record(requests=1, copied=len(got) if data else 0, **{"data" if data else "metadata": len(got)})
-            if len(got) < want:
-                raise CheckpointError(
-                    shown(self.path), f"truncated: the object ends before byte {offset + done + want}"
-                )
-            at = 0
+        for done in range(0, total, MAX_REQUEST):
+            out, left = [], min(MAX_REQUEST, total - done)
             for view in views_after(views, done):
-                n = min(len(view), len(got) - at)
-                view[:n] = got[at : at + n]
-                at += n
-                if at == len(got):
+                if not left:
                     break
-            done += want
-
-    def _receive(self, views: list[memoryview], offset: int, want: int, data: bool) -> None:
-        """One ranged GET of `want` bytes at `offset` received straight into the first `want` bytes of `views`: no
-        whole-response copy between the socket and them (see `compat.s3_read_into`)."""
-        out, left = [], want
-        for view in views:
-            if not left:
-                break
-            out.append(view[: min(len(view), left)])
-            left -= len(out[-1])
-        got = self._store.receive(self.path, offset, out)
-        record(requests=1, **{"data" if data else "metadata": got})
-        if got < want:
-            raise CheckpointError(shown(self.path), f"truncated: the object ends before byte {offset + want}")
+                out.append(view[: min(len(view), left)])
+                left -= len(out[-1])
+            self._store.receive(self.path, offset + done, out, data)
