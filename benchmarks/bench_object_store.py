@@ -261,6 +261,7 @@ IN_FLIGHT = 16
 REQUEST = MAX_REQUEST  # our ranged GETs
 PARTS_IN_FLIGHT = 10  # s3fs sends an object of 2 parts or more in parts, 10 at a time
 PROJECTED = (("7B", 7e9), ("70B", 70e9))
+SPREAD_OVER = 16  # `key_prefixes`: a save's objects, and so a load's GETs, over this many prefixes
 
 
 def projection(scale: dict) -> str:
@@ -276,8 +277,9 @@ def projection(scale: dict) -> str:
         "",
         "| model | MB a rank reads | GETs a rank (mean / worst) | a rank's transfer s (16 x 85 MB/s) "
         "| a rank's round trips s (16 in flight, 100 ms) | GETs, all ranks | s at 5,500 GETs/s on one prefix "
+        f"| s over {SPREAD_OVER} prefixes (`key_prefixes: {SPREAD_OVER}`) "
         "| rank 0 once: s of round trips (16 files in flight, 100 ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     per_file = shared["requests"] / shared["files"]  # rank 0's round trips per file, one after another
     rank0_s = -(-shared["files"] // IN_FLIGHT) * per_file * FIRST_BYTE_S
@@ -289,7 +291,7 @@ def projection(scale: dict) -> str:
         lines.append(
             f"| {name} | {nbytes / 1e6:,.0f} | {gets:,.0f} / {worst:,.0f} "
             f"| {nbytes / 1e6 / (IN_FLIGHT * CONNECTION_MB_S):.2f} | {-(-worst // IN_FLIGHT) * FIRST_BYTE_S:.1f} "
-            f"| {every:,.0f} | {every / GETS_PER_S:.1f} | {rank0_s:.0f} |"
+            f"| {every:,.0f} | {every / GETS_PER_S:.1f} | {every / GETS_PER_S / SPREAD_OVER:.1f} | {rank0_s:.0f} |"
         )
     lines += [
         "",
@@ -297,8 +299,8 @@ def projection(scale: dict) -> str:
         "parts, 10 at a time, plus a request to start and one to finish.",
         "",
         "| model | MB a rank writes | PUTs a rank | a rank's upload s (85 MB/s a connection) | PUTs, all ranks "
-        "| s at 3,500 PUTs/s on one prefix |",
-        "|---|---|---|---|---|---|",
+        f"| s at 3,500 PUTs/s on one prefix | s over {SPREAD_OVER} prefixes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, params in PROJECTED:
         nbytes = 12 * params / ranks
@@ -307,7 +309,7 @@ def projection(scale: dict) -> str:
         upload = nbytes / 1e6 / (CONNECTION_MB_S * min(parts, PARTS_IN_FLIGHT))
         lines.append(
             f"| {name} | {nbytes / 1e6:,.0f} | {puts:.0f} | {upload:.1f} | {ranks * puts:,.0f} "
-            f"| {ranks * puts / PUTS_PER_S:.1f} |"
+            f"| {ranks * puts / PUTS_PER_S:.1f} | {ranks * puts / PUTS_PER_S / SPREAD_OVER:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -24,6 +24,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import read_commit
 from ucp_deepspeed.io import remote
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.spread import KEYS, SPREAD, Spread
 from ucp_deepspeed.io.torch_file import load_file
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine, snapshot
 from ucp_deepspeed.runtime.native_io import BoundEngine, Guard
@@ -138,6 +139,10 @@ def test_an_upload_to_the_store_runs_behind_training_and_commits_only_when_ackno
             guard.pending[tag_dir] = (f"save-{step}", True)
             guard.save_id = f"save-{step}"
             bound.create(info)
+            if not fail:  # spread over key prefixes, as the checkpointer asks with `key_prefixes`
+                st.place(tag_dir, Spread(2))
+                st.write(f"{tag_dir}/{KEYS}", Spread(2).to_json())
+                guard.uploaded(f"{tag_dir}/{KEYS}", len(Spread(2).to_json()))
             path = f"{tag_dir}/mp_rank_00_model_states.pt" if not fail else f"s3://no-such-bucket-ucp/x/{step}.pt"
             state = _state()
             started = time.perf_counter()
@@ -157,6 +162,11 @@ def test_an_upload_to_the_store_runs_behind_training_and_commits_only_when_ackno
         assert record is not None and record.save_id == "save-2"
         size = dict(record.objects)["mp_rank_00_model_states.pt"]
         assert size == st.stat(f"{run}/global_step2/mp_rank_00_model_states.pt")[0]
+        # the upload, sent from another thread, went where the placement puts it; the commit ended the placement
+        where = (
+            f"{run}/{SPREAD}/{Spread(2).prefix('mp_rank_00_model_states.pt')}/global_step2/mp_rank_00_model_states.pt"
+        )
+        assert st.isfile(where) and not st.storage_of(run)._saving  # type: ignore[attr-defined]
         loaded = load_file(f"{run}/global_step2/mp_rank_00_model_states.pt")
         assert torch.equal(loaded["fp32_flat_groups"][0], torch.arange(12, dtype=torch.float32))  # the snapshot
         with caplog.at_level(logging.ERROR, logger="ucp_deepspeed"):

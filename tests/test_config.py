@@ -35,6 +35,8 @@ def test_boolean_and_object_forms():
         ({"workrs": 2}, "workrs"),
         ({"workers": 0}, "greater than or equal to 1"),
         ("yes", "must be true/false or an object"),
+        ({"key_prefixes": 1}, "one key prefix spreads nothing"),
+        ({"key_prefixes": 2048}, "less than or equal to 1024"),
     ],
 )
 def test_bad_options_are_clear_errors(bad, message):

@@ -16,8 +16,10 @@ from s3server import SECRET, S3Server, s3_server
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import COMMIT, read_commit
+from ucp_deepspeed.format.paths import list_tags
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.spread import KEYS, SPREAD, Spread
 from ucp_deepspeed.sources.tags import incomplete_reason, resume_tag
 from ucp_deepspeed.tools import cli
 
@@ -32,11 +34,14 @@ def s3() -> Iterator[S3Server]:
 
 @pytest.fixture(scope="module")
 def saved(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    """A ZeRO-1 job (saved at steps 2 and 3) and a ZeRO-2 job on 2 ranks, saved to the store, then loaded back into
-    fresh engines, the first at the same layout and the second at ZeRO-1, in one launch."""
+    """A ZeRO-1 job (saved at steps 2 and 3) and a ZeRO-2 job on 2 ranks, saved to the store (the second spread over 4
+    key prefixes), then loaded back into fresh engines, the first at the same layout and the second at ZeRO-1
+    (configured without key prefixes: the tag says where its objects are), in one launch."""
     run = f"s3://{s3.bucket()}/run"
     reloaded = tmp_path_factory.mktemp("store") / "reloaded.json"
-    torchrun(2, "save", "--out", run, "--variant", "z1b", "z2", "--reload", str(reloaded), "--reload-as", "z2=z1")
+    torchrun(
+        2, "save", "--out", run, "--variant", "z1b", "z2keys", "--reload", str(reloaded), "--reload-as", "z2keys=z1"
+    )
     return run, json.loads(reloaded.read_text())
 
 
@@ -49,7 +54,7 @@ def test_a_job_saved_to_the_store_resumes_at_the_same_layout_and_another_stage(s
     run, found = saved
     assert [(r["source"], r["target"], r["mode"]) for r in found] == [
         (f"{run}/z1b", "z1b", "same-layout"),  # the same layout, read from the store by our reader
-        (f"{run}/z2", "z1", "resharded"),
+        (f"{run}/z2keys", "z1", "resharded"),
     ]
     for r in found:
         assert r["diffs"] == [] and r["max_rel_loss"] < 1e-5, r
@@ -59,7 +64,7 @@ def test_a_job_saved_to_the_store_resumes_at_the_same_layout_and_another_stage(s
 @pytest.mark.slow
 def test_a_job_saved_to_the_store_resumes_at_another_size_and_stage(run: str, tmp_path: Path) -> None:
     results = tmp_path / "results.json"
-    cases = [["--case", "z3", f"{run}/z1b"], ["--case", "z1", f"{run}/z2"]]
+    cases = [["--case", "z3", f"{run}/z1b"], ["--case", "z1", f"{run}/z2keys"]]
     torchrun(3, "load", *(a for c in cases for a in c), "--results", str(results))
     found = json.loads(results.read_text())
     assert [(r["target"], r["mode"], r["saved"], r["live"]) for r in found] == [
@@ -83,6 +88,23 @@ def test_a_save_commits_every_object_and_then_latest(run: str) -> None:
     sizes = st.storage_of(ckpt).sizes(st.join(ckpt, tag))
     assert all(sizes[name] == size for name, size in names.items())
     assert st.isfile(st.join(ckpt, "zero_to_fp32.py"))  # DeepSpeed's recovery script, sent through the store
+
+
+def test_a_save_spread_over_key_prefixes_keeps_only_its_keys_object_in_the_tag_folder(run: str) -> None:
+    ckpt = f"{run}/z2keys"
+    tag = st.read_text(st.join(ckpt, "latest"))
+    fs, key = st.storage_of(ckpt).fs, ckpt[len("s3://") :]  # type: ignore[attr-defined]
+    assert fs.ls(f"{key}/{tag}", detail=False) == [f"{key}/{tag}/{KEYS}"]
+    record = read_commit(st.join(ckpt, tag))
+    assert record is not None and KEYS in dict(record.objects)
+    spread = Spread(4)
+    placed = {p.rsplit("/", 1)[1]: p for p in fs.find(f"{key}/{SPREAD}")}
+    assert set(placed) == set(dict(record.objects)) - {KEYS} | {COMMIT}  # the metadata and commit object too
+    for name, where in placed.items():
+        assert where == f"{key}/{SPREAD}/{spread.prefix(name)}/{tag}/{name}"
+    assert len({spread.prefix(n) for n in placed}) > 1
+    assert {"global_step3", SPREAD} <= set(st.listdir(ckpt)) and list_tags(ckpt) == ["global_step3"]
+    assert cli.main(["verify", ckpt]) == 0  # one lookup at a time, outside a load
 
 
 def test_no_secret_reaches_an_object(run: str, s3: S3Server) -> None:
@@ -216,8 +238,8 @@ def test_a_check_n_run_save_that_fails_on_the_store_commits_nothing(
 
 
 def test_a_torn_or_damaged_save_on_the_store_is_never_complete(run: str) -> None:
-    """Runs last: it damages the saved tags."""
-    ckpt = f"{run}/z2"
+    """Runs last: it damages the saved tags (the first one's objects spread over key prefixes)."""
+    ckpt = f"{run}/z2keys"
     tag = st.read_text(st.join(ckpt, "latest"))
     tag_dir = st.join(ckpt, tag)
     assert incomplete_reason(ckpt, tag) is None

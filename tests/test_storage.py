@@ -3,6 +3,7 @@ and every fault with one clear line that names the object or bucket and never a 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from s3server import SECRET, S3Server, s3_server
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io import remote, stats
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.spread import KEYS, SPREAD, Spread
 from ucp_deepspeed.io.torch_file import TorchFile, load_file
 
 
@@ -297,3 +299,61 @@ def test_a_failed_upload_or_writer_leaves_no_object(bucket: str, monkeypatch: py
     assert st.listdir(bucket) == []
     client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
     assert not client.list_multipart_uploads(Bucket=bucket.removeprefix("s3://")).get("Uploads")
+
+
+def test_a_spread_tag_folder_reads_as_one_folder_and_is_deleted_whole(bucket: str) -> None:
+    root, spread = st.join(bucket, "spread"), Spread(4)
+    tag = st.join(root, "global_step3")
+    names = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(6)] + ["mp_rank_00_model_states.pt"]
+    st.place(tag, spread)
+    try:
+        st.write(st.join(tag, KEYS), spread.to_json())
+        for i, name in enumerate(names):
+            with st.writer(st.join(tag, name)) as out:
+                out.write(bytes([i]) * (100 + i))
+    finally:
+        st.place(tag, None)
+    st.write(st.join(root, "latest"), "global_step3")
+    fs = st.storage_of(root).fs  # type: ignore[attr-defined]
+    key = bucket.split("://")[1]
+    # where the objects are: only the keys object in the tag folder, the rest under the prefixes beside it
+    assert fs.ls(f"{key}/spread/global_step3", detail=False) == [f"{key}/spread/global_step3/{KEYS}"]
+    placed = sorted(fs.find(f"{key}/spread/{SPREAD}"))
+    assert placed == sorted(f"{key}/spread/{SPREAD}/{spread.prefix(n)}/global_step3/{n}" for n in names)
+    assert len({spread.prefix(n) for n in names}) > 1
+    for listed in (st.listed, contextlib.nullcontext):  # a load's block, and one lookup at a time
+        st.storage_of(root)._learned.clear()  # type: ignore[attr-defined]
+        with listed():
+            assert st.listdir(tag) == sorted([KEYS, *names])
+            assert st.storage_of(tag).sizes(tag) == {
+                KEYS: len(spread.to_json()),
+                **{n: 100 + i for i, n in enumerate(names)},
+            }
+            assert st.isfile(st.join(tag, names[2])) and st.size(st.join(tag, names[2])) == 102
+            assert st.read(st.join(tag, names[5])) == bytes([5]) * 105
+            out = bytearray(3)
+            st.open_blob(st.join(tag, names[1])).readinto([memoryview(out)], 10)
+            assert bytes(out) == b"\x01\x01\x01"
+    assert st.find(tag) == sorted([KEYS, *names])
+    assert st.listdir(root) == sorted(["global_step3", "latest", SPREAD])
+    st.delete(tag)
+    assert fs.find(f"{key}/spread/{SPREAD}") == [] and st.listdir(root) == ["latest"]
+
+
+def test_a_spread_tag_with_a_misplaced_object_or_a_bad_keys_object_is_refused(bucket: str) -> None:
+    root, spread = st.join(bucket, "misplaced"), Spread(2)
+    tag = st.join(root, "t")
+    st.write(st.join(tag, KEYS), spread.to_json())
+    wrong = "1" if spread.prefix("a.pt") == "0" else "0"
+    st.write(st.join(root, SPREAD, wrong, "t", "a.pt"), b"x")
+    with st.listed(), pytest.raises(CheckpointError, match=rf"{SPREAD}/{wrong}/t/a\.pt: is not where .*t/{KEYS}"):
+        st.listdir(tag)
+    fs, key = st.storage_of(root).fs, root[len("s3://") :]  # type: ignore[attr-defined]
+    fs.rm_file(f"{key}/{SPREAD}/{wrong}/t/a.pt")
+    st.write(st.join(tag, "a.pt"), b"x")  # where the keys object places it
+    fs.pipe_file(f"{key}/t/a.pt", b"y")  # and a second one in the tag folder itself
+    with st.listed(), pytest.raises(CheckpointError, match=r"t/a\.pt: .*t holds a a\.pt of its own"):
+        st.listdir(tag)
+    st.write(st.join(tag, KEYS), b'{"format": "ucp_deepspeed/keys", "version": 1, "prefixes": 0}')
+    with pytest.raises(CheckpointError, match=rf"t/{KEYS}: keys object: prefixes must be an integer from 2"):
+        st.read(st.join(tag, "a.pt"))

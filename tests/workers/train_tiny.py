@@ -52,6 +52,7 @@ VARIANTS = {
     "z1": {"stage": 1, "dtype": "fp32"},
     "z1b": {"stage": 1, "dtype": "fp32", "seed": 99, "early": 2},  # another run of z1; also saved at step 2
     "z2": {"stage": 2, "dtype": "fp32"},
+    "z2keys": {"stage": 2, "dtype": "fp32", "key_prefixes": 4},  # on a store: objects spread over 4 key prefixes
     "z3": {"stage": 3, "dtype": "fp32"},
     "bf16z1": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True},
     # a target: low-precision weights rebuilt by all-gathering the partitions, as on NCCL (`"refresh": "gather"`)
@@ -161,6 +162,8 @@ def ds_config(variant: dict, dp: int, swap_dir: str = "") -> dict:
     }
     if variant.get("refresh"):
         cfg["checkpoint"]["universal"]["refresh"] = variant["refresh"]
+    if variant.get("key_prefixes"):
+        cfg["checkpoint"]["universal"]["key_prefixes"] = variant["key_prefixes"]
     if variant["stage"] == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     if variant.get("optimizer") in ("sgd", "adagrad"):

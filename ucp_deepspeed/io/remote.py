@@ -4,6 +4,7 @@ store throttles, and errors that name the object and the reason with every secre
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import io
 import posixpath
@@ -12,6 +13,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, BinaryIO, TypeVar, cast
@@ -20,6 +22,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, views_after
 from ucp_deepspeed.io.policy import StorageError, scrub, shown
+from ucp_deepspeed.io.spread import KEYS, Spread
 from ucp_deepspeed.io.stats import record
 
 _T = TypeVar("_T")
@@ -113,6 +116,9 @@ class FsspecStorage(Storage):
 
     Credentials come from where the filesystem's own library finds them (for S3: the AWS environment variables,
     `AWS_ENDPOINT_URL` for an S3-compatible store, the AWS config files) and from `options`.
+
+    Paths name objects as a checkpoint sees them; a tag folder spread over key prefixes (`io/spread.py`) keeps its
+    objects elsewhere, and every call here maps a path to where its object lives and lists the folder as a whole.
     """
 
     def __init__(self, protocol: str, options: dict[str, Any]):
@@ -128,12 +134,70 @@ class FsspecStorage(Storage):
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **kwargs)
         if self.is_s3:
             self.fs.retries = 1
+        self._lock = threading.Lock()
+        # by tag folder (its key): the placement of a save in progress here, and what the folder's keys object said
+        # (None: it has none) when last listed or looked up
+        self._saving: dict[str, Spread] = {}
+        self._learned: dict[str, Spread | None] = {}
 
-    def _key(self, path: str) -> str:
-        return path.split("://", 1)[1]
+    def _raw(self, path: str) -> str:
+        """The key a path names, before placement: a folder's, or an object's outside any spread tag folder."""
+        return path.split("://", 1)[1].rstrip("/")
+
+    def _key(self, path: str, lookup: bool = True) -> str:
+        """The key of the object `path` names: where its tag folder's placement puts it. Unless `lookup` is off (a
+        write, placed only by a save in progress), an unknown folder's keys object is looked up once."""
+        raw = self._raw(path)
+        folder, name = posixpath.split(raw)
+        if not folder or name == KEYS:
+            return raw
+        spread = self._placement(folder, lookup)
+        return spread.location(folder, name) if spread is not None else raw
+
+    def _placement(self, folder: str, lookup: bool) -> Spread | None:
+        with self._lock:
+            if folder in self._saving:
+                return self._saving[folder]
+            if folder in self._learned or not lookup:
+                return self._learned.get(folder)
+        url = f"{self.protocol}://{folder}"
+        try:
+            if self._folder(url) is None:  # outside a `listed` block (whose listing learns it): one HEAD
+                self._learn(folder, self._read_keys(url) if self.isfile(posixpath.join(url, KEYS)) else None)
+        except StorageError as exc:
+            if "keys object" in exc.reason:
+                raise
+            # the store failed the lookup: the request for the object itself goes out and fails with its own line;
+            # a role that may read objects but not look for absent ones (S3 answers 403 without s3:ListBucket)
+            # reads folders as unspread
+            if "access denied" in exc.reason:
+                self._learn(folder, None)
+            return None
+        with self._lock:
+            return self._learned.get(folder)
+
+    def _learn(self, folder: str, spread: Spread | None) -> None:
+        with self._lock:
+            self._learned[folder] = spread
+
+    def _read_keys(self, folder: str) -> Spread:
+        path = posixpath.join(folder, KEYS)
+        try:
+            return Spread.from_json(self.read(path))
+        except ValueError as exc:
+            raise StorageError(shown(path), f"keys object: {exc}") from None
+
+    def place(self, folder: str, spread: Spread | None) -> None:
+        """Objects written into the tag folder `folder` go where `spread` places them (a save in progress), until
+        called again with None."""
+        with self._lock:
+            if spread is None:
+                self._saving.pop(self._raw(folder), None)
+            else:
+                self._saving[self._raw(folder)] = spread
 
     def _bucket(self, path: str) -> str:
-        return f"{self.protocol}://{self._key(path).split('/', 1)[0]}"
+        return f"{self.protocol}://{self._raw(path).split('/', 1)[0]}"
 
     def _error(self, path: str, exc: BaseException, doing: str) -> StorageError:
         """One clear line for a failed request: the object (or bucket) and the reason, no secret."""
@@ -171,15 +235,18 @@ class FsspecStorage(Storage):
     def read(self, path: str, limit: int | None = None) -> bytes:
         if limit is not None:
             return super().read(path, limit)
-        data: bytes = self._call(path, "reading", lambda: self.fs.cat_file(self._key(path)))
+        key = self._key(path)
+        data: bytes = self._call(path, "reading", lambda: self.fs.cat_file(key))
         record(files=1, requests=1, metadata=len(data))
         return data
 
     def write(self, path: str, data: bytes | memoryview) -> None:
+        key = self._key(path, lookup=False)
         try:
-            self._call(path, "writing", lambda: self.fs.pipe_file(self._key(path), bytes(data)))
+            self._call(path, "writing", lambda: self.fs.pipe_file(key, bytes(data)))
         finally:
             forget_listings()
+            self._forget_keys(path)
         record(writes=1, written=len(data))
 
     @contextmanager
@@ -190,27 +257,36 @@ class FsspecStorage(Storage):
             yield cast(BinaryIO, spool)
             size = spool.seek(0, io.SEEK_END)
             spool.flush()
+            key = self._key(path, lookup=False)
             try:
-                self._call(path, "writing", lambda: self._put_file(spool.name, path, size))
+                self._call(path, "writing", lambda: self._put_file(spool.name, key, size))
             finally:
                 forget_listings()
+                self._forget_keys(path)
         record(writes=1, written=size)
 
-    def _put_file(self, local: str, path: str, size: int) -> None:
-        """Upload a local file whole: one PUT, or (S3, past two parts) a multipart upload that s3fs aborts on error,
-        so that the object appears only complete."""
+    def _forget_keys(self, path: str) -> None:
+        """A keys object written or deleted: its folder's placement is looked up again at next use."""
+        folder, name = posixpath.split(self._raw(path))
+        if name == KEYS:
+            with self._lock:
+                self._learned.pop(folder, None)
+
+    def _put_file(self, local: str, key: str, size: int) -> None:
+        """Upload a local file whole to `key`: one PUT, or (S3, past two parts) a multipart upload that s3fs aborts on
+        error, so that the object appears only complete."""
         if self.is_s3:
             # S3 takes at most 10,000 parts
-            self.fs.put_file(local, self._key(path), chunksize=max(PART, -(-size // 10_000)))
+            self.fs.put_file(local, key, chunksize=max(PART, -(-size // 10_000)))
         else:
-            self.fs.put_file(local, self._key(path))
+            self.fs.put_file(local, key)
 
     def _ls(self, path: str, detail: bool) -> list[Any]:
         """One listing of a prefix (`fs.ls`); a prefix with nothing under it is empty, a missing bucket an error."""
 
         def ls() -> list[Any]:
             try:
-                found: list[Any] = self.fs.ls(self._key(path), detail=detail, refresh=True)
+                found: list[Any] = self.fs.ls(self._raw(path), detail=detail, refresh=True)
                 return found
             except FileNotFoundError as exc:
                 if "bucket" in str(exc).lower():
@@ -232,7 +308,7 @@ class FsspecStorage(Storage):
         if entries is not None:
             return entries
         try:
-            entries = {posixpath.basename(e["name"].rstrip("/")): e for e in self._ls(folder, detail=True)}
+            entries = self._merged(folder)
         except StorageError as exc:
             if "access denied" in exc.reason:
                 return None
@@ -242,10 +318,37 @@ class FsspecStorage(Storage):
                 cache.folders[key] = entries
         return entries
 
+    def _merged(self, folder: str) -> dict[str, dict[str, Any]]:
+        """A folder's entries by name; a spread tag folder's objects are listed from their prefixes (one listing
+        each, side by side), and one found under another prefix than its name's, or in both places, is refused."""
+        raw = self._raw(folder)
+        entries = {posixpath.basename(e["name"].rstrip("/")): e for e in self._ls(folder, detail=True)}
+        keys = entries.get(KEYS)
+        spread = self._read_keys(folder) if keys is not None and keys.get("type") == "file" else None
+        self._learn(raw, spread)
+        if spread is None:
+            return entries
+        subs = spread.folders(raw)
+        with ThreadPoolExecutor(min(16, len(subs)), thread_name_prefix="ucp-list") as pool:
+            listings = [
+                pool.submit(contextvars.copy_context().run, self._ls, f"{self.protocol}://{sub}", True)
+                for sub in subs.values()
+            ]
+            for prefix, listing in zip(subs, listings):
+                for entry in listing.result():
+                    name = posixpath.basename(entry["name"].rstrip("/"))
+                    where = shown(f"{self.protocol}://{entry['name']}")
+                    if spread.prefix(name) != prefix:
+                        raise StorageError(where, f"is not where {shown(folder)}/{KEYS} places it")
+                    if name in entries:
+                        raise StorageError(where, f"{shown(folder)} holds a {name} of its own: which one is the tag's?")
+                    entries[name] = entry
+        return entries
+
     def _listed(self, path: str) -> dict[str, Any] | None:
         """What its folder's listing says of `path` inside a `listed` block: its entry, or {} when the folder does
         not list it; None outside such a block (or for a bucket, or where listing is denied)."""
-        parent, name = posixpath.split(self._key(path).rstrip("/"))
+        parent, name = posixpath.split(self._raw(path))
         if not parent:  # a bucket: looked up as always
             return None
         entries = self._folder(f"{self.protocol}://{parent}")
@@ -255,26 +358,26 @@ class FsspecStorage(Storage):
         entries = self._folder(path.rstrip("/"))
         if entries is not None:
             return sorted(entries)
-        return sorted({posixpath.basename(p.rstrip("/")) for p in self._ls(path, detail=False)})
+        return sorted(self._merged(path))
 
     def sizes(self, path: str) -> dict[str, int]:
-        return {
-            posixpath.basename(e["name"].rstrip("/")): int(e["size"])
-            for e in self._ls(path, detail=True)
-            if e.get("type") == "file"
-        }
+        return {name: int(e["size"]) for name, e in self._merged(path).items() if e.get("type") == "file"}
 
     def find(self, path: str) -> list[str]:
-        key = self._key(path).rstrip("/") + "/"
+        key = self._raw(path) + "/"
         record(lookups=1)
         found = self._call(path, "listing", lambda: self.fs.find(key, withdirs=False))
-        return sorted(p[len(key) :] for p in found if p.startswith(key))
+        names = {p[len(key) :] for p in found if p.startswith(key)}
+        if KEYS in names:  # a spread tag folder: its objects live under their prefixes
+            names |= {n for n, e in self._merged(path).items() if e.get("type") == "file"}
+        return sorted(names)
 
     def stat(self, path: str) -> tuple[int, int]:
         # always a HEAD: a listing's time may carry another precision than a HEAD's (MinIO's has milliseconds), and
         # a conversion's fingerprint, recorded from HEADs, compares them
         record(lookups=1)
-        info = self._call(path, "looking up", lambda: self.fs.info(self._key(path), refresh=True))
+        key = self._key(path)
+        info = self._call(path, "looking up", lambda: self.fs.info(key, refresh=True))
         return int(info["size"]), int(_stamp(info) * 1e9)
 
     def exists(self, path: str) -> bool:
@@ -285,9 +388,11 @@ class FsspecStorage(Storage):
         if info is not None:
             return info.get("type") == "file"
 
+        key = self._key(path)
+
         def probe() -> bool:
             try:
-                return bool(self.fs.info(self._key(path), refresh=True).get("type") == "file")
+                return bool(self.fs.info(key, refresh=True).get("type") == "file")
             except FileNotFoundError as exc:
                 if "bucket" in str(exc).lower():
                     raise
@@ -306,8 +411,9 @@ class FsspecStorage(Storage):
         info = self._listed(path)
         if info is not None:
             return _stamp(info)
+        key = self._key(path)
         record(lookups=1)
-        return self._call(path, "looking up", lambda: _stamp(self.fs.info(self._key(path))))
+        return self._call(path, "looking up", lambda: _stamp(self.fs.info(key)))
 
     def delete(self, path: str) -> None:
         try:
@@ -316,15 +422,23 @@ class FsspecStorage(Storage):
             forget_listings()
 
     def _delete(self, path: str) -> None:
-        key = self._key(path)
         if self.isfile(path):
+            key = self._key(path)
             self._call(path, "deleting", lambda: self.fs.rm_file(key))
+            self._forget_keys(path)
         elif self.isdir(path):
-            self._call(path, "deleting", lambda: self.fs.rm(key, recursive=True))
+            folder = self._raw(path)
+            # a spread tag's objects first: while its keys object is there, what is left can still be found
+            spread = [e["name"] for e in self._merged(path).values() if not e["name"].startswith(folder + "/")]
+            if spread:
+                self._call(path, "deleting", lambda: self.fs.rm(spread))
+            self._call(path, "deleting", lambda: self.fs.rm(folder, recursive=True))
+            self._learn(folder, None)
 
     def cat_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object: one ranged GET."""
-        data: bytes = self._call(path, "reading", lambda: self.fs.cat_file(self._key(path), start=start, end=end))
+        key = self._key(path)
+        data: bytes = self._call(path, "reading", lambda: self.fs.cat_file(key, start=start, end=end))
         return data
 
     def receive(self, path: str, start: int, views: list[memoryview], data: bool = True) -> None:
@@ -334,7 +448,8 @@ class FsspecStorage(Storage):
         if self.is_s3:
             from ucp_deepspeed import compat  # compat reaches back into io: imported at first use
 
-            got = self._call(path, "reading", lambda: compat.s3_read_into(self.fs, self._key(path), start, views))
+            key = self._key(path)
+            got = self._call(path, "reading", lambda: compat.s3_read_into(self.fs, key, start, views))
             record(requests=1, **{"data" if data else "metadata": got})
         else:
             body = self.cat_range(path, start, start + want)
@@ -353,8 +468,9 @@ class FsspecStorage(Storage):
         info = self._listed(path)
         if info is not None and info.get("type") == "file":
             return int(info["size"])
+        key = self._key(path)
         record(lookups=1)
-        return int(self._call(path, "opening", lambda: self.fs.info(self._key(path))["size"]))
+        return int(self._call(path, "opening", lambda: self.fs.info(key)["size"]))
 
 
 class StoreBlob(Blob):

@@ -26,6 +26,7 @@ from ucp_deepspeed.io.blob import Blob, BlobFile, Closeable, Window
 from ucp_deepspeed.io.local import LocalStorage, append, lock_folder
 from ucp_deepspeed.io.policy import SCHEME, StorageError, check_url, is_url, scrub, shown
 from ucp_deepspeed.io.remote import MAX_REQUEST, FsspecStorage, forget_listings, listed
+from ucp_deepspeed.io.spread import Spread
 
 __all__ = [
     "MAX_REQUEST",
@@ -59,6 +60,7 @@ __all__ = [
     "mtime",
     "normalize",
     "open_blob",
+    "place",
     "read",
     "read_text",
     "realpath",
@@ -94,6 +96,14 @@ def set_default_options(options: dict[str, Any] | None) -> None:
     """Make `options` the process's storage options outside any `storage_options` block (an engine's config)."""
     _DEFAULT_OPTIONS.clear()
     _DEFAULT_OPTIONS.update(options or {})
+
+
+def place(tag_dir: str, spread: Spread | None) -> None:
+    """Spread the objects a save writes into `tag_dir` on a store over key prefixes (`io/spread.py`), or stop (None);
+    a local folder is never spread."""
+    store = storage_of(tag_dir)
+    if isinstance(store, FsspecStorage):
+        store.place(tag_dir, spread)
 
 
 def storage_of(location: str) -> Storage:

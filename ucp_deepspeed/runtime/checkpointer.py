@@ -42,6 +42,7 @@ from ucp_deepspeed.format.metadata import write_meta
 from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.format.swap import OFFLOADED, record_swap_files
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.spread import KEYS, Spread
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.capture import describe
@@ -155,6 +156,8 @@ class UniversalCheckpointer:
         tag_dir = st.join(save_dir, tag)
         if url:  # the commit object, then `latest`, are written once every rank's objects are acknowledged
             self.files.pending[tag_dir] = (save_id, save_latest)
+            if self.options.key_prefixes:
+                self._spread(tag_dir, Spread(self.options.key_prefixes))
         if compat.data_parallel_rank(engine) == 0:
             try:
                 path = write_meta(meta, tag_dir, engine.checkpoint_mp_rank)
@@ -183,6 +186,19 @@ class UniversalCheckpointer:
         else:
             self._retain(save_dir)
         return saved
+
+    def _spread(self, tag_dir: str, spread: Spread) -> None:
+        """Every rank's objects of this save go under the key prefixes, until the commit; rank 0 first writes the
+        keys object that tells a load where they are."""
+        st.place(tag_dir, spread)
+        if tdist.get_rank() == 0:
+            keys, data = st.join(tag_dir, KEYS), spread.to_json()
+            try:
+                st.write(keys, data)
+            except Exception as exc:
+                self.files.upload_failed(keys, exc)  # raised on every rank at the commit
+            else:
+                self.files.uploaded(keys, len(data))
 
     def _retain(self, save_dir: str) -> None:
         """Keep the `keep_last` newest complete tags (and what they need), never the one `latest` names (collective)."""

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
+from ucp_deepspeed.io.spread import MAX_PREFIXES
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.runtime.plugins import sections
 
@@ -52,6 +53,10 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Passed to the fsspec filesystem of a checkpoint URL (`s3://...`): e.g. `{"endpoint_url": ...}` or
     `{"profile": ...}`. Credentials are best left to the AWS environment variables and config files; given here, they
     reach no file, log line or error."""
+    key_prefixes: int = Field(0, ge=0, le=MAX_PREFIXES)
+    """On an object store, spread each save's objects over this many key prefixes (`<dir>/ucp-keys/<p>/<tag>/`), so
+    that S3 serves a large job's requests from as many partitions (docs/guides/object-storage.md); 0 keeps them in
+    the tag folder. Loads find either layout without it."""
     extensions: dict[str, Any] = Field(default_factory=dict)
     """Sections extensions registered (`plugins.register_section`), e.g. Check-N-Run's `differential`, by name."""
     vocab_size: int = Field(0, ge=0)
@@ -61,6 +66,13 @@ class UniversalConfig(DeepSpeedConfigModel):
     rename: dict[str, str] = Field(default_factory=dict)
     """Name prefixes of this engine's model -> the prefixes its checkpoints use (longest match wins), at save and
     load: e.g. `{"0.": "tied_modules.embed."}` lets a plain module resume a `PipelineModule` checkpoint."""
+
+    @field_validator("key_prefixes")
+    @classmethod
+    def _prefixes_are_several(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("one key prefix spreads nothing: 0 (off) or 2 to 1024")
+        return value
 
     @field_validator("rename")
     @classmethod

@@ -165,7 +165,10 @@ class BoundEngine:
             failure, guard.upload_failure = guard.upload_failure, None
             tag_dir = st.join(str(info.save_dir), str(info.tag))
             save_id, latest = guard.pending.pop(tag_dir, ("", False))
-            commit_to_store(tag_dir, save_id, uploads, failure, latest)
+            try:
+                commit_to_store(tag_dir, save_id, uploads, failure, latest)
+            finally:
+                st.place(tag_dir, None)  # the save's placement ends with it; a load learns it from the keys object
         return result
 
     def load(self, path: str, map_location: Any = None) -> Any:
