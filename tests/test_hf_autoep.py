@@ -81,34 +81,39 @@ def check(results: list[dict], arch: str, expected: int) -> None:
         assert r["max_rel_loss"] < LOSS_RTOL, f"{label}: {r['losses']} vs {r['reference_losses']}"
 
 
-def test_autoep_checkpoints_resume_at_any_ep_dp_and_stage(autoep_sources, tmp_path):
+# One launch at 2 ranks loads the cases of the two tests below: first AutoEP turned on and off (AutoEP renames a MoE
+# block, Hugging Face's fused `experts.gate_up_proj` being its `w1` over `w3`, and gives the experts a param group
+# of their own), then resumes from 4 ranks at EP 2 and EP 1, every stage
+ON_AND_OFF = [
+    ("z1", ("w4/mixtral/ep2z1", "w4/mixtral/ep4z2")),  # AutoEP on -> off
+    ("z3", ("w4/mixtral/ep2z3",)),
+    ("ep2z2", ("w4/mixtral/z1",)),  # off -> on
+    ("ep1z3", ("w4/mixtral/z1",)),
+]
+AT_TWO = [
+    ("ep2z2", ("w4/mixtral/ep2z1", "w4/mixtral/ep4z2")),  # expert-DP 2 -> 1 at EP 2 (a rank's experts move)
+    ("ep1z3", ("w4/mixtral/ep4z2", "w4/mixtral/ep2z3")),  # EP 4 -> 1 into ZeRO-3; ZeRO-3's expert partitions
+    ("ep2z1", ("w4/mixtral/ep2z3",)),
+]
+QWEN_AT_TWO = [("ep2z3", ("w4/qwen3moe/ep4z1",)), ("ep1z2", ("w4/qwen3moe/ep4z1",))]
+
+
+@pytest.fixture(scope="module")
+def loaded_at_two(autoep_sources, tmp_path_factory) -> list[dict]:
+    cases = {"mixtral": ON_AND_OFF + AT_TWO, "qwen3moe": QWEN_AT_TWO}
+    return load(autoep_sources, tmp_path_factory.mktemp("autoep_w2"), 2, cases)
+
+
+def test_autoep_checkpoints_resume_at_any_ep_dp_and_stage(loaded_at_two):
     """Saved at 4 ranks (EP 2 x expert-DP 2, EP 4, EP 2 at ZeRO-3), resumed at 2: EP 2 and EP 1, every stage."""
-    cases = {
-        "mixtral": [
-            ("ep2z2", ("w4/mixtral/ep2z1", "w4/mixtral/ep4z2")),  # expert-DP 2 -> 1 at EP 2 (a rank's experts move)
-            ("ep1z3", ("w4/mixtral/ep4z2", "w4/mixtral/ep2z3")),  # EP 4 -> 1 into ZeRO-3; ZeRO-3's expert partitions
-            ("ep2z1", ("w4/mixtral/ep2z3",)),
-        ],
-        "qwen3moe": [("ep2z3", ("w4/qwen3moe/ep4z1",)), ("ep1z2", ("w4/qwen3moe/ep4z1",))],
-    }
-    results = load(autoep_sources, tmp_path, 2, cases)
-    check(results[:5], "mixtral", 5)
-    check(results[5:], "qwen3moe", 2)
+    check(loaded_at_two[5:10], "mixtral", 5)
+    check(loaded_at_two[10:], "qwen3moe", 2)
 
 
-def test_autoep_turns_on_and_off_at_a_resume(autoep_sources, tmp_path):
-    """AutoEP renames a MoE block (Hugging Face's fused `experts.gate_up_proj` is its `w1` over `w3`) and gives the
-    experts a param group of their own: a job without AutoEP resumes from an AutoEP save and the other way round.
-    At AutoEP size 1 and the same DP size the topology is the same; DeepSpeed's own load would not find the names."""
-    cases = {
-        "mixtral": [
-            ("z1", ("w4/mixtral/ep2z1", "w4/mixtral/ep4z2")),  # AutoEP on -> off
-            ("z3", ("w4/mixtral/ep2z3",)),
-            ("ep2z2", ("w4/mixtral/z1",)),  # off -> on
-            ("ep1z3", ("w4/mixtral/z1",)),
-        ]
-    }
-    check(load(autoep_sources, tmp_path, 2, cases), "mixtral", 5)
+def test_autoep_turns_on_and_off_at_a_resume(loaded_at_two):
+    """A job without AutoEP resumes from an AutoEP save and the other way round. At AutoEP size 1 and the same DP
+    size the topology is the same; DeepSpeed's own load would not find the names."""
+    check(loaded_at_two[:5], "mixtral", 5)
 
 
 def test_autoep_resumes_at_a_world_its_experts_do_not_divide(autoep_sources, tmp_path):
