@@ -43,9 +43,10 @@ from s3server import S3Server, s3rver_server
 from ucp_deepspeed.io.remote import MAX_REQUEST, PART
 
 WORKER = ROOT / "benchmarks" / "synthetic.py"
+SPREAD_OVER = 16  # `key_prefixes`: a save's objects, and so a load's GETs, over this many prefixes
 DCP_WORKER = ROOT / "benchmarks" / "dcp_reader.py"
 RESULTS = ROOT / "benchmarks" / "object_store.json"
-STORES = ("local disk", "S3 (s3rver)")
+STORES = ("local disk", "S3 (s3rver)", f"S3, {SPREAD_OVER} key prefixes")
 
 
 def launch(nproc: int, argv: list[str], script: Path = WORKER) -> list[dict]:
@@ -69,7 +70,8 @@ def one_size(s3: S3Server, params_m: float, ranks: int, work: Path, side_by_side
     local = work / f"local{params_m:g}"
     shutil.rmtree(local, ignore_errors=True)
     try:
-        return _one_size(s3, params_m, ranks, {STORES[0]: str(local), STORES[1]: f"s3://{bucket}/bench"}, side_by_side)
+        bases = {STORES[0]: str(local), STORES[1]: f"s3://{bucket}/bench", STORES[2]: f"s3://{bucket}/spread"}
+        return _one_size(s3, params_m, ranks, bases, side_by_side)
     finally:
         shutil.rmtree(local, ignore_errors=True)
         _empty(f"s3://{bucket}")
@@ -87,8 +89,9 @@ def _one_size(s3: S3Server, params_m: float, ranks: int, bases: dict[str, str], 
     saves, loads, floors = [], [], {}
     for zero in (1, 3):
         for store, base in bases.items():
+            spread = ["--key-prefixes", str(SPREAD_OVER)] if store == STORES[2] else []
             (result,) = launch(
-                ranks, ["stall", "--params-m", str(params_m), "--zero", str(zero), "--out", f"{base}/z{zero}"]
+                ranks, ["stall", "--params-m", str(params_m), "--zero", str(zero), "--out", f"{base}/z{zero}", *spread]
             )
             saves.append({"zero": zero, "store": store, **result})
         tag = f"{bases[STORES[1]]}/z{zero}/sync/" + read_latest(f"{bases[STORES[1]]}/z{zero}/sync")
@@ -200,8 +203,10 @@ def table(found: dict) -> str:
         for zero in (1, 3):
             floor = one["floors"][str(zero)] if str(zero) in one["floors"] else one["floors"][zero]
             for store in STORES:
-                on_store = store == STORES[1]
-                save = next(s for s in one["saves"] if s["zero"] == zero and s["store"] == store)
+                on_store = store != STORES[0]
+                save = next((s for s in one["saves"] if s["zero"] == zero and s["store"] == store), None)
+                if save is None:  # measured before that store was
+                    continue
                 put_s = save["bytes"] / 1e6 / floor["put"]["mb_s"]
                 lines.append(
                     f"| {zero} | {store} | save, DP {ranks} | {save['sync_save_s']:.2f} "
@@ -225,7 +230,8 @@ def table(found: dict) -> str:
         lines.append("")
         for zero in (1, 3):
             local, store = (
-                next(x for x in one["loads"] if x["zero"] == zero and x["reshard"] and x["store"] == s) for s in STORES
+                next(x for x in one["loads"] if x["zero"] == zero and x["reshard"] and x["store"] == s)
+                for s in STORES[:2]
             )
             lines.append(
                 f"ZeRO-{zero} reshard, {one['params_m']:g}M: the store fetched "
@@ -261,7 +267,6 @@ IN_FLIGHT = 16
 REQUEST = MAX_REQUEST  # our ranged GETs
 PARTS_IN_FLIGHT = 10  # s3fs sends an object of 2 parts or more in parts, 10 at a time
 PROJECTED = (("7B", 7e9), ("70B", 70e9))
-SPREAD_OVER = 16  # `key_prefixes`: a save's objects, and so a load's GETs, over this many prefixes
 
 
 def projection(scale: dict) -> str:

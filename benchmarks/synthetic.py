@@ -204,6 +204,7 @@ def build(args: argparse.Namespace) -> deepspeed.DeepSpeedEngine:
                 "direct": bool(getattr(args, "direct", False)),
                 "refresh": getattr(args, "refresh", "auto"),
                 "layout_rules": [{"match": r"norm\..*", "layout": "replicated"}],
+                "key_prefixes": getattr(args, "key_prefixes", 0),
             }
         },
     }
@@ -323,6 +324,7 @@ def main() -> None:
     parser.add_argument(
         "--refresh", default="auto", choices=["auto", "read", "gather"], help='load: the "refresh" option'
     )
+    parser.add_argument("--key-prefixes", type=int, default=0, help="save: the \"key_prefixes\" option (on a store)")
     parser.add_argument("--repeat", type=int, default=3, help="save: timed saves of each kind before the kept one")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--pp", type=int, default=1, help="a DeepSpeed PipelineModule of this many stages")

@@ -115,7 +115,7 @@ def test_object_store_benchmark_smoke(tmp_path, capsys):
     reshard fetches from the store what it reads from disk."""
     output = run_benchmark("bench_object_store.py", "--work", str(tmp_path), capsys=capsys)
     for zero, other in ((1, 3), (3, 1)):
-        for store in ("local disk", "S3 (s3rver)"):
+        for store in ("local disk", "S3 (s3rver)", "S3, 16 key prefixes"):
             assert f"| {zero} | {store} | save, DP 2 |" in output
             assert f"| {zero} | {store} | reshard to DP 1, ZeRO-{other} (resharded) |" in output
     ratios = [float(r) for r in re.findall(r"the store fetched ([0-9.]+)x the bytes", output)]
