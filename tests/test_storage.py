@@ -14,6 +14,7 @@ import torch
 from s3server import SECRET, S3Server, s3_server
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.paths import is_tag_folder
 from ucp_deepspeed.io import remote, stats
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.spread import KEYS, SPREAD, Spread
@@ -312,7 +313,7 @@ def test_a_spread_tag_folder_reads_as_one_folder_and_is_deleted_whole(bucket: st
             with st.writer(st.join(tag, name)) as out:
                 out.write(bytes([i]) * (100 + i))
     finally:
-        st.place(tag, None)
+        st.unplace(tag)
     st.write(st.join(root, "latest"), "global_step3")
     fs = st.storage_of(root).fs  # type: ignore[attr-defined]
     key = bucket.split("://")[1]
@@ -322,7 +323,7 @@ def test_a_spread_tag_folder_reads_as_one_folder_and_is_deleted_whole(bucket: st
     assert placed == sorted(f"{key}/spread/{SPREAD}/{spread.prefix(n)}/global_step3/{n}" for n in names)
     assert len({spread.prefix(n) for n in names}) > 1
     for listed in (st.listed, contextlib.nullcontext):  # a load's block, and one lookup at a time
-        st.storage_of(root)._learned.clear()  # type: ignore[attr-defined]
+        st.storage_of(root)._learned.clear()  # type: ignore[attr-defined]  # looked up afresh each time
         with listed():
             assert st.listdir(tag) == sorted([KEYS, *names])
             assert st.storage_of(tag).sizes(tag) == {
@@ -340,20 +341,34 @@ def test_a_spread_tag_folder_reads_as_one_folder_and_is_deleted_whole(bucket: st
     assert fs.find(f"{key}/spread/{SPREAD}") == [] and st.listdir(root) == ["latest"]
 
 
-def test_a_spread_tag_with_a_misplaced_object_or_a_bad_keys_object_is_refused(bucket: str) -> None:
+def test_a_spread_tag_lists_only_what_its_keys_object_places_and_a_bad_one_is_refused(bucket: str) -> None:
     root, spread = st.join(bucket, "misplaced"), Spread(2)
     tag = st.join(root, "t")
+    fs, key = st.storage_of(root).fs, root[len("s3://") :]  # type: ignore[attr-defined]
     st.write(st.join(tag, KEYS), spread.to_json())
     wrong = "1" if spread.prefix("a.pt") == "0" else "0"
-    st.write(st.join(root, SPREAD, wrong, "t", "a.pt"), b"x")
-    with st.listed(), pytest.raises(CheckpointError, match=rf"{SPREAD}/{wrong}/t/a\.pt: is not where .*t/{KEYS}"):
-        st.listdir(tag)
-    fs, key = st.storage_of(root).fs, root[len("s3://") :]  # type: ignore[attr-defined]
-    fs.rm_file(f"{key}/{SPREAD}/{wrong}/t/a.pt")
-    st.write(st.join(tag, "a.pt"), b"x")  # where the keys object places it
-    fs.pipe_file(f"{key}/t/a.pt", b"y")  # and a second one in the tag folder itself
-    with st.listed(), pytest.raises(CheckpointError, match=r"t/a\.pt: .*t holds a a\.pt of its own"):
-        st.listdir(tag)
+    fs.pipe_file(f"{key}/{SPREAD}/{wrong}/t/a.pt", b"misplaced")
+    fs.pipe_file(f"{key}/t/b.pt", b"beside the keys object")
+    st.write(st.join(tag, "c.pt"), b"placed")  # where the keys object places it
+    fs.pipe_file(f"{key}/t/c.pt", b"a second one, in the tag folder")
+    with st.listed():
+        assert st.listdir(tag) == ["c.pt", KEYS]  # what a read reaches, and nothing else
+        assert st.read(st.join(tag, "c.pt")) == b"placed"
+        with pytest.raises(CheckpointError, match=r"misplaced/t/a\.pt: object is missing"):
+            st.read(st.join(tag, "a.pt"))
     st.write(st.join(tag, KEYS), b'{"format": "ucp_deepspeed/keys", "version": 1, "prefixes": 0}')
-    with pytest.raises(CheckpointError, match=rf"t/{KEYS}: keys object: prefixes must be an integer from 2"):
-        st.read(st.join(tag, "a.pt"))
+    with pytest.raises(st.PlacementError, match=rf"t/{KEYS}: keys object: prefixes must be an integer from 2"):
+        st.read(st.join(tag, "c.pt"))
+    assert is_tag_folder(tag) and st.isdir(tag)  # ours, never complete, and still deleted whole
+    st.delete(tag)
+    assert fs.find(key) == []
+
+
+def test_a_bucket_is_never_spread(bucket: str) -> None:
+    with pytest.raises(CheckpointError, match="a bucket is not a tag folder"):
+        st.place(bucket, Spread(2))
+    st.write(st.join(bucket, KEYS), Spread(2).to_json())
+    st.write(st.join(bucket, "latest"), "t")
+    assert st.read_text(st.join(bucket, "latest")) == "t"
+    fs, key = st.storage_of(bucket).fs, bucket[len("s3://") :]  # type: ignore[attr-defined]
+    assert fs.isfile(f"{key}/latest")

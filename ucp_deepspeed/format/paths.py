@@ -30,7 +30,11 @@ def is_tag_folder(path: str) -> bool:
     if not st.isdir(path):
         return False
     marks = markers()
-    return any(f.endswith("model_states.pt") or f in marks for f in st.listdir(path))
+    try:
+        names = st.listdir(path)
+    except st.PlacementError:
+        return True  # our save spread over key prefixes, with a bad keys object: a tag, never complete
+    return any(f.endswith("model_states.pt") or f in marks for f in names)
 
 
 def tag_kind_name(tag_dir: str) -> str:

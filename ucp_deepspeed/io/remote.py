@@ -22,7 +22,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, views_after
 from ucp_deepspeed.io.policy import StorageError, scrub, shown
-from ucp_deepspeed.io.spread import KEYS, Spread
+from ucp_deepspeed.io.spread import KEYS, SPREAD, Spread
 from ucp_deepspeed.io.stats import record
 
 _T = TypeVar("_T")
@@ -31,6 +31,9 @@ RETRIES = 5
 """Attempts after the first for a request a store throttled (503 SlowDown) or dropped; backoff doubles from
 `BACKOFF` seconds, jittered down to half, capped at 8 s: at most 7.75 s of waiting per request."""
 BACKOFF = 0.25
+
+LEARNED_FOR = 5.0
+"""Seconds a folder's placement, looked up outside a load, is trusted before it is looked up again."""
 
 MAX_REQUEST = 8 << 20
 """The largest ranged GET sent to a store: a longer run is split, so that one slow request delays little."""
@@ -111,6 +114,10 @@ def _retryable(exc: BaseException) -> bool:
     )
 
 
+class PlacementError(StorageError):
+    """A tag folder's keys object (`io/spread.py`) is not one: where its objects are cannot be known."""
+
+
 class FsspecStorage(Storage):
     """Any filesystem fsspec serves, reached with ranged GETs and whole-object PUTs.
 
@@ -137,64 +144,88 @@ class FsspecStorage(Storage):
         self._lock = threading.Lock()
         # by tag folder (its key): the placement of a save in progress here, and what the folder's keys object said
         # (None: it has none) when last listed or looked up
-        self._saving: dict[str, Spread] = {}
-        self._learned: dict[str, Spread | None] = {}
+        self._saving: dict[str, Spread | None] = {}
+        self._learned: dict[str, tuple[Spread | None, float]] = {}
 
     def _raw(self, path: str) -> str:
         """The key a path names, before placement: a folder's, or an object's outside any spread tag folder."""
         return path.split("://", 1)[1].rstrip("/")
 
-    def _key(self, path: str, lookup: bool = True) -> str:
-        """The key of the object `path` names: where its tag folder's placement puts it. Unless `lookup` is off (a
-        write, placed only by a save in progress), an unknown folder's keys object is looked up once."""
+    def _key(self, path: str) -> str:
+        """The key of the object `path` names: where its tag folder's placement puts it (a save in progress says;
+        otherwise the folder's keys object, looked up once)."""
         raw = self._raw(path)
         folder, name = posixpath.split(raw)
-        if not folder or name == KEYS:
+        if "/" not in folder or name == KEYS:  # a bucket's own objects are never placed: a tag has a parent folder
             return raw
-        spread = self._placement(folder, lookup)
+        spread = self._placement(folder)
         return spread.location(folder, name) if spread is not None else raw
 
-    def _placement(self, folder: str, lookup: bool) -> Spread | None:
+    def _placement(self, folder: str) -> Spread | None:
+        """A save in progress here says; inside a `listed` block, the block's listing of the folder (taken once);
+        outside, the folder's keys object, looked up again once what was learned is `LEARNED_FOR` seconds old (another
+        process may have saved the tag again since: a stale placement finds objects missing, never wrong ones, as a
+        save deletes an earlier one of the same tag first)."""
         with self._lock:
             if folder in self._saving:
                 return self._saving[folder]
-            if folder in self._learned or not lookup:
-                return self._learned.get(folder)
         url = f"{self.protocol}://{folder}"
         try:
-            if self._folder(url) is None:  # outside a `listed` block (whose listing learns it): one HEAD
-                self._learn(folder, self._read_keys(url) if self.isfile(posixpath.join(url, KEYS)) else None)
+            if self._folder(url) is None:
+                with self._lock:
+                    spread, when = self._learned.get(folder, (None, -LEARNED_FOR))
+                if time.monotonic() - when < LEARNED_FOR:
+                    return spread
+                self._learn(folder, self._probe_keys(url))
+        except PlacementError:
+            raise
         except StorageError as exc:
-            if "keys object" in exc.reason:
-                raise
             # the store failed the lookup: the request for the object itself goes out and fails with its own line;
-            # a role that may read objects but not look for absent ones (S3 answers 403 without s3:ListBucket)
-            # reads folders as unspread
+            # a role denied the keys object reads the folder as unspread
             if "access denied" in exc.reason:
                 self._learn(folder, None)
             return None
         with self._lock:
-            return self._learned.get(folder)
+            return self._learned.get(folder, (None, 0.0))[0]
+
+    def _probe_keys(self, folder: str) -> Spread | None:
+        """A folder's keys object, read with one GET (absent: None); for folders no listing has shown."""
+        path = posixpath.join(folder, KEYS)
+
+        def get() -> bytes | None:
+            try:
+                return cast(bytes, self.fs.cat_file(self._raw(path)))
+            except FileNotFoundError as exc:
+                if "bucket" in str(exc).lower():
+                    raise
+                return None
+
+        record(lookups=1)
+        data = self._call(path, "looking up", get)
+        return None if data is None else self._parse_keys(path, data)
 
     def _learn(self, folder: str, spread: Spread | None) -> None:
         with self._lock:
-            self._learned[folder] = spread
+            self._learned[folder] = (spread, time.monotonic())
 
-    def _read_keys(self, folder: str) -> Spread:
-        path = posixpath.join(folder, KEYS)
+    def _parse_keys(self, path: str, data: bytes) -> Spread:
         try:
-            return Spread.from_json(self.read(path))
+            return Spread.from_json(data)
         except ValueError as exc:
-            raise StorageError(shown(path), f"keys object: {exc}") from None
+            raise PlacementError(shown(path), f"keys object: {exc}") from None
 
     def place(self, folder: str, spread: Spread | None) -> None:
-        """Objects written into the tag folder `folder` go where `spread` places them (a save in progress), until
-        called again with None."""
+        """A save into the tag folder `folder` has begun: its objects go where `spread` places them (None: in the
+        folder itself), with no lookup, until `unplace`."""
+        if spread is not None and "/" not in self._raw(folder):
+            raise StorageError(shown(folder), "a bucket is not a tag folder: its objects cannot be spread")
         with self._lock:
-            if spread is None:
-                self._saving.pop(self._raw(folder), None)
-            else:
-                self._saving[self._raw(folder)] = spread
+            self._saving[self._raw(folder)] = spread
+
+    def unplace(self, folder: str) -> None:
+        """The save into `folder` is over: its placement is looked up again (the keys object says)."""
+        with self._lock:
+            self._saving.pop(self._raw(folder), None)
 
     def _bucket(self, path: str) -> str:
         return f"{self.protocol}://{self._raw(path).split('/', 1)[0]}"
@@ -241,7 +272,7 @@ class FsspecStorage(Storage):
         return data
 
     def write(self, path: str, data: bytes | memoryview) -> None:
-        key = self._key(path, lookup=False)
+        key = self._key(path)
         try:
             self._call(path, "writing", lambda: self.fs.pipe_file(key, bytes(data)))
         finally:
@@ -257,7 +288,7 @@ class FsspecStorage(Storage):
             yield cast(BinaryIO, spool)
             size = spool.seek(0, io.SEEK_END)
             spool.flush()
-            key = self._key(path, lookup=False)
+            key = self._key(path)
             try:
                 self._call(path, "writing", lambda: self._put_file(spool.name, key, size))
             finally:
@@ -319,31 +350,37 @@ class FsspecStorage(Storage):
         return entries
 
     def _merged(self, folder: str) -> dict[str, dict[str, Any]]:
-        """A folder's entries by name; a spread tag folder's objects are listed from their prefixes (one listing
-        each, side by side), and one found under another prefix than its name's, or in both places, is refused."""
+        """A folder's entries by name. A spread tag folder lists what reads reach: its keys object, its sub-folders,
+        and from each prefix (one listing each, side by side) the objects its keys object places there; an object
+        anywhere else (another prefix, the tag folder itself) is not the tag's, and is not listed."""
         raw = self._raw(folder)
         entries = {posixpath.basename(e["name"].rstrip("/")): e for e in self._ls(folder, detail=True)}
         keys = entries.get(KEYS)
-        spread = self._read_keys(folder) if keys is not None and keys.get("type") == "file" else None
+        spread = None
+        if "/" in raw and keys is not None and keys.get("type") == "file":
+            path = posixpath.join(folder, KEYS)
+            spread = self._parse_keys(path, self.read(path))
         self._learn(raw, spread)
         if spread is None:
             return entries
-        subs = spread.folders(raw)
-        with ThreadPoolExecutor(min(16, len(subs)), thread_name_prefix="ucp-list") as pool:
-            listings = [
-                pool.submit(contextvars.copy_context().run, self._ls, f"{self.protocol}://{sub}", True)
-                for sub in subs.values()
-            ]
-            for prefix, listing in zip(subs, listings):
-                for entry in listing.result():
-                    name = posixpath.basename(entry["name"].rstrip("/"))
-                    where = shown(f"{self.protocol}://{entry['name']}")
-                    if spread.prefix(name) != prefix:
-                        raise StorageError(where, f"is not where {shown(folder)}/{KEYS} places it")
-                    if name in entries:
-                        raise StorageError(where, f"{shown(folder)} holds a {name} of its own: which one is the tag's?")
+        entries = {n: e for n, e in entries.items() if n == KEYS or e.get("type") != "file"}
+        for prefix, found in self._prefix_listings(spread.folders(raw)).items():
+            for entry in found:
+                name = posixpath.basename(entry["name"].rstrip("/"))
+                if entry.get("type") == "file" and spread.prefix(name) == prefix and name not in entries:
                     entries[name] = entry
         return entries
+
+    def _prefix_listings(self, folders: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+        """Each prefix's listing of its folder (prefix -> folder key), side by side."""
+        if not folders:
+            return {}
+        with ThreadPoolExecutor(min(16, len(folders)), thread_name_prefix="ucp-list") as pool:
+            listings = {
+                p: pool.submit(contextvars.copy_context().run, self._ls, f"{self.protocol}://{sub}", True)
+                for p, sub in folders.items()
+            }
+            return {p: listing.result() for p, listing in listings.items()}
 
     def _listed(self, path: str) -> dict[str, Any] | None:
         """What its folder's listing says of `path` inside a `listed` block: its entry, or {} when the folder does
@@ -402,8 +439,11 @@ class FsspecStorage(Storage):
         return self._call(path, "looking up", probe)
 
     def isdir(self, path: str) -> bool:
-        entries = self._folder(path.rstrip("/"))  # its own listing, which the lookups inside it use next
-        return bool(entries) if entries is not None else bool(self.listdir(path))
+        try:
+            entries = self._folder(path.rstrip("/"))  # its own listing, which the lookups inside it use next
+        except PlacementError:
+            return True  # a tag folder whose keys object is bad: there, and what it holds unknown
+        return bool(entries) if entries is not None else bool(self._ls(path, detail=False))
 
     def mtime(self, path: str) -> float:
         if not self.isfile(path):
@@ -428,10 +468,19 @@ class FsspecStorage(Storage):
             self._forget_keys(path)
         elif self.isdir(path):
             folder = self._raw(path)
-            # a spread tag's objects first: while its keys object is there, what is left can still be found
-            spread = [e["name"] for e in self._merged(path).values() if not e["name"].startswith(folder + "/")]
-            if spread:
-                self._call(path, "deleting", lambda: self.fs.rm(spread))
+            names = {posixpath.basename(e.rstrip("/")) for e in self._ls(path, detail=False)}
+            if KEYS in names and "/" in folder:
+                # a spread tag's objects first, while its keys object still marks the folder as one; every prefix
+                # beside it is looked in, whatever the keys object says (it may be what is wrong)
+                parent, tag = posixpath.split(folder)
+                found = self._ls(f"{self.protocol}://{posixpath.join(parent, SPREAD)}", detail=False)
+                prefixes = {
+                    p: posixpath.join(parent, SPREAD, p, tag)
+                    for p in (posixpath.basename(e.rstrip("/")) for e in found)
+                }
+                spread = [e["name"] for found in self._prefix_listings(prefixes).values() for e in found]
+                if spread:
+                    self._call(path, "deleting", lambda: self.fs.rm(spread, recursive=True))
             self._call(path, "deleting", lambda: self.fs.rm(folder, recursive=True))
             self._learn(folder, None)
 

@@ -25,7 +25,7 @@ from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, BlobFile, Closeable, Window
 from ucp_deepspeed.io.local import LocalStorage, append, lock_folder
 from ucp_deepspeed.io.policy import SCHEME, StorageError, check_url, is_url, scrub, shown
-from ucp_deepspeed.io.remote import MAX_REQUEST, FsspecStorage, forget_listings, listed
+from ucp_deepspeed.io.remote import MAX_REQUEST, FsspecStorage, PlacementError, forget_listings, listed
 from ucp_deepspeed.io.spread import Spread
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Closeable",
     "FsspecStorage",
     "LocalStorage",
+    "PlacementError",
     "Storage",
     "StorageError",
     "Window",
@@ -70,6 +71,7 @@ __all__ = [
     "stat",
     "storage_of",
     "storage_options",
+    "unplace",
     "write",
     "writer",
 ]
@@ -99,11 +101,18 @@ def set_default_options(options: dict[str, Any] | None) -> None:
 
 
 def place(tag_dir: str, spread: Spread | None) -> None:
-    """Spread the objects a save writes into `tag_dir` on a store over key prefixes (`io/spread.py`), or stop (None);
-    a local folder is never spread."""
+    """A save into `tag_dir` has begun: on a store, its objects go over key prefixes (`io/spread.py`), or into the
+    folder itself (None), with no lookup, until `unplace`; a local folder is never spread."""
     store = storage_of(tag_dir)
     if isinstance(store, FsspecStorage):
         store.place(tag_dir, spread)
+
+
+def unplace(tag_dir: str) -> None:
+    """The save into `tag_dir` is over (committed or failed)."""
+    store = storage_of(tag_dir)
+    if isinstance(store, FsspecStorage):
+        store.unplace(tag_dir)
 
 
 def storage_of(location: str) -> Storage:

@@ -154,10 +154,10 @@ class UniversalCheckpointer:
                 meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"), frozen_excluded=True
             )
         tag_dir = st.join(save_dir, tag)
+        if url:
+            self._start_on_store(tag_dir, Spread(self.options.key_prefixes) if self.options.key_prefixes else None)
         if url:  # the commit object, then `latest`, are written once every rank's objects are acknowledged
             self.files.pending[tag_dir] = (save_id, save_latest)
-            if self.options.key_prefixes:
-                self._spread(tag_dir, Spread(self.options.key_prefixes))
         if compat.data_parallel_rank(engine) == 0:
             try:
                 path = write_meta(meta, tag_dir, engine.checkpoint_mp_rank)
@@ -187,18 +187,24 @@ class UniversalCheckpointer:
             self._retain(save_dir)
         return saved
 
-    def _spread(self, tag_dir: str, spread: Spread) -> None:
-        """Every rank's objects of this save go under the key prefixes, until the commit; rank 0 first writes the
-        keys object that tells a load where they are."""
-        st.place(tag_dir, spread)
-        if tdist.get_rank() == 0:
-            keys, data = st.join(tag_dir, KEYS), spread.to_json()
-            try:
+    def _start_on_store(self, tag_dir: str, spread: Spread | None) -> None:
+        """Where this save's objects go, until the commit: over the key prefixes, or into the tag folder (`io/spread`).
+        First rank 0 deletes an earlier save of the same tag when either save is spread (overwritten, as on disk: its
+        objects would not be where this one's are looked for), and writes the keys object that tells a load where
+        they are; a failure there fails the save on every rank before anything else is written (collective)."""
+        keys = st.join(tag_dir, KEYS)
+        data = spread.to_json() if spread is not None else b""
+
+        def start() -> None:
+            if (spread is not None and st.isdir(tag_dir)) or st.isfile(keys):
+                st.delete(tag_dir)
+            if spread is not None:
                 st.write(keys, data)
-            except Exception as exc:
-                self.files.upload_failed(keys, exc)  # raised on every rank at the commit
-            else:
-                self.files.uploaded(keys, len(data))
+
+        on_rank0(start)
+        st.place(tag_dir, spread)
+        if spread is not None and tdist.get_rank() == 0:
+            self.files.uploaded(keys, len(data))
 
     def _retain(self, save_dir: str) -> None:
         """Keep the `keep_last` newest complete tags (and what they need), never the one `latest` names (collective)."""

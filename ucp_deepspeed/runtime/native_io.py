@@ -168,7 +168,7 @@ class BoundEngine:
             try:
                 commit_to_store(tag_dir, save_id, uploads, failure, latest)
             finally:
-                st.place(tag_dir, None)  # the save's placement ends with it; a load learns it from the keys object
+                st.unplace(tag_dir)  # a load learns the placement from the keys object
         return result
 
     def load(self, path: str, map_location: Any = None) -> Any:

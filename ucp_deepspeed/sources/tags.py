@@ -26,7 +26,10 @@ _STEP = re.compile(r"(\d+)$")
 
 def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
     """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete."""
-    kind = kind_of(st.join(ckpt_dir, tag))
+    try:
+        kind = kind_of(st.join(ckpt_dir, tag))
+    except CheckpointError as exc:
+        return str(exc)
     if kind is not None:
         try:
             kind.needs(ckpt_dir, tag)
@@ -52,7 +55,10 @@ def _order(ckpt_dir: str, tag: str) -> tuple[int, float]:
     # a store's folder has no time of its own: its commit object's is when the save finished
     folder = st.join(ckpt_dir, tag)
     when = st.join(folder, COMMIT) if st.is_url(folder) else folder
-    return (int(found.group(1)) if found else -1, st.mtime(when) if st.exists(when) else 0.0)
+    try:
+        return (int(found.group(1)) if found else -1, st.mtime(when) if st.exists(when) else 0.0)
+    except st.PlacementError:  # a spread tag whose keys object is bad: no time of its own, and never complete
+        return (int(found.group(1)) if found else -1, 0.0)
 
 
 def newest_complete(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
