@@ -152,8 +152,7 @@ class FsspecStorage(Storage):
         return path.split("://", 1)[1].rstrip("/")
 
     def _key(self, path: str) -> str:
-        """The key of the object `path` names: where its tag folder's placement puts it (a save in progress says;
-        otherwise the folder's keys object, looked up once)."""
+        """The key of the object `path` names: where its tag folder's placement puts it (`_placement`)."""
         raw = self._raw(path)
         folder, name = posixpath.split(raw)
         if "/" not in folder or name == KEYS:  # a bucket's own objects are never placed: a tag has a parent folder

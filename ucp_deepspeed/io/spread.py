@@ -2,8 +2,8 @@
 
 S3 serves about 5,500 GETs and 3,500 PUTs a second per partitioned prefix, and a checkpoint's objects all share one
 (`<dir>/<tag>/`): at a thousand ranks a load's GETs wait on that rate, not on bandwidth. A tag saved with
-`key_prefixes: N` keeps one small object in its folder, `ucp_keys.json` (`{"prefixes": N}`), and every other object
-of the folder at
+`key_prefixes: N` keeps one small object in its folder, `ucp_keys.json` (its format, version and N), and every other
+object of the folder at
 
     <dir>/ucp-keys/<p>/<tag>/<name>
 
@@ -11,7 +11,7 @@ where `<p>` is one of N prefixes picked from the name's CRC-32 and written in re
 ...), so that any point where S3 splits the key range divides the objects evenly. The prefix comes before the tag:
 the next checkpoint's objects land in the partitions S3 has already split for this one. Placement is a function of
 the tag folder, the name and N alone, so a reader that knows N (from the keys object) finds every object without a
-table, and a misplaced object is refused by name.
+table; an object anywhere else is not the tag's.
 """
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ class Spread:
 
     def prefix(self, name: str) -> str:
         """The prefix of an object of the folder, by its name."""
-        width = max(1, (self.prefixes - 1).bit_length())
-        return format(crc32(name.encode()) % self.prefixes, f"0{width}b")[::-1]
+        return self._label(crc32(name.encode()) % self.prefixes)
+
+    def _label(self, index: int) -> str:
+        """Prefix `index` in reversed binary, as wide as the largest needs."""
+        return format(index, f"0{max(1, (self.prefixes - 1).bit_length())}b")[::-1]
 
     def location(self, folder: str, name: str) -> str:
         """Where the object `name` of the tag folder `folder` lives."""
@@ -49,11 +52,7 @@ class Spread:
     def folders(self, folder: str) -> dict[str, str]:
         """Each prefix -> the folder that holds the tag's objects under it."""
         parent, tag = posixpath.split(folder.rstrip("/"))
-        width = max(1, (self.prefixes - 1).bit_length())
-        return {
-            p: posixpath.join(parent, SPREAD, p, tag)
-            for p in (format(i, f"0{width}b")[::-1] for i in range(self.prefixes))
-        }
+        return {p: posixpath.join(parent, SPREAD, p, tag) for p in map(self._label, range(self.prefixes))}
 
     def to_json(self) -> bytes:
         """The keys object's content."""
