@@ -113,6 +113,7 @@ def _one_size(s3: S3Server, params_m: float, ranks: int, bases: dict[str, str], 
                 target = f"DP {world}, ZeRO-{4 - zero if other else zero}"
                 loads.append({"zero": zero, "store": store, "target": target, "reshard": other, **next(results)})
     found = {"params_m": params_m, "ranks": ranks, "saves": saves, "loads": loads, "floors": floors}
+    found["cpus"] = os.cpu_count()  # the ranks and the server share them
     if side_by_side:
         found["side_by_side"] = compare_readers(s3, bases[STORES[1]], params_m, ranks)
     return found
@@ -166,6 +167,7 @@ def run(sizes: list[float], ranks: int, work: Path, keep: Path | None) -> dict:
     kept = json.loads(keep.read_text())["runs"] if keep is not None and keep.exists() else []
     found: dict = {"runs": [one for one in kept if one["params_m"] not in sizes]}
     with s3rver_server(data_dir=work, log=True) as s3:
+        os.environ[s3floor.SERVER_PID] = str(s3.server.process.pid)  # the launches inherit it (`launching.env`)
         for i, params_m in enumerate(sizes):
             world = min(ranks, 2) if params_m > BIG_M else ranks
             measured = one_size(s3, params_m, world, work, side_by_side=i == 0)
@@ -175,6 +177,16 @@ def run(sizes: list[float], ranks: int, work: Path, keep: Path | None) -> dict:
             if keep is not None:
                 keep.write_text(json.dumps(found, indent=1) + "\n")
     return found
+
+
+def _cpu(load: dict, cpus: int | None) -> str:
+    """A load's CPU seconds, its ranks' and the server's, and the least time they allow on `cpus` cores."""
+    if "cpu_s" not in load or not cpus:  # measured before CPU time was
+        return ""
+    ranks, server = load["cpu_s"], load.get("server_cpu_s", 0.0)
+    return (
+        f"{ranks:.2f} + {server:.2f} ({(ranks + server) / cpus:.2f})" if server else f"{ranks:.2f} ({ranks / cpus:.2f})"
+    )
 
 
 def _mb(n: float) -> str:
@@ -190,15 +202,19 @@ def table(found: dict) -> str:
             f"**{one['params_m']:g}M parameters** (measured {one.get('measured', '?')}), fp32 AdamW, saved by {ranks} "
             "ranks. Server floor (obstore): "
             + "; ".join(
-                f"ZeRO-{z}: GET {f['get']['mb_s']:,.0f} MB/s ({f['get']['requests_s']:,.0f} requests/s), "
+                f"ZeRO-{z}: GET {f['get']['mb_s']:,.0f} MB/s ({f['get']['requests_s']:,.0f} requests/s"
+                + (f", {f['get']['cpu_s']:.2f} CPU s" if f["get"].get("cpu_s") else "")
+                + "), "
                 f"PUT {f['put']['mb_s']:,.0f} MB/s"
                 for z, f in sorted(one["floors"].items())
             )
             + ".",
             "",
             "| ZeRO | storage | what | time s | x floor | GETs (all ranks / worst rank) | HEADs + listings (all ranks)"
-            " | round trips, worst rank | MB fetched or written | async stall s (rest in background s) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            " | round trips, worst rank | MB fetched or written | async stall s (rest in background s) "
+            "| CPU s, ranks + server ("
+            + (f"their bound on {one['cpus']} cores, s) |" if one.get("cpus") else "not measured in this run) |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for zero in (1, 3):
             floor = one["floors"][str(zero)] if str(zero) in one["floors"] else one["floors"][zero]
@@ -216,7 +232,7 @@ def table(found: dict) -> str:
                 )
                 lines[-1] += (
                     f" {save['objects']} PUTs | | | {_mb(save['bytes'])} written "
-                    f"| {save['async_stall_s']:.2f} ({save['async_rest_s']:.2f}) |"
+                    f"| {save['async_stall_s']:.2f} ({save['async_rest_s']:.2f}) | |"
                 )
                 for load in (x for x in one["loads"] if x["zero"] == zero and x["store"] == store):
                     what = f"{'reshard' if load['reshard'] else 'load'} to {load['target']} ({load['mode']})"
@@ -225,7 +241,7 @@ def table(found: dict) -> str:
                         f"| {zero} | {store} | {what} | {load['load_s']:.2f} | {f'{ratio:.2f}' if ratio else ''} "
                         f"| {load['requests']:g} / {load['max_rank_requests']} "
                         f"| {load.get('lookups', 0):g} | {load.get('max_rank_round_trips', '')} "
-                        f"| {_mb(load['fetched'])} fetched | |"
+                        f"| {_mb(load['fetched'])} fetched | | {_cpu(load, one.get('cpus'))} |"
                     )
         lines.append("")
         for zero in (1, 3):

@@ -41,6 +41,7 @@ import psutil
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from s3floor import SERVER_PID
 
 import ucp_deepspeed
 from ucp_deepspeed.io import stats
@@ -253,6 +254,7 @@ class Usage:
     def __init__(self) -> None:
         self.process = psutil.Process()
         self.extra_rss = self.held_rss = self.written = self.read = self.sockets = self.from_disk = 0
+        self.cpu_s = 0.0
         self._done = threading.Event()
 
     def __enter__(self) -> Usage:
@@ -260,6 +262,7 @@ class Usage:
         io = self.process.io_counters()
         self._written, self._read, self._disk = io.write_chars, io.read_chars, io.read_bytes
         self._sockets = socket_bytes()
+        self._cpu = sum(self.process.cpu_times()[:2])
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
@@ -277,6 +280,7 @@ class Usage:
         self.written, self.read = io.write_chars - self._written, io.read_chars - self._read
         self.from_disk = io.read_bytes - self._disk
         self.sockets = socket_bytes() - self._sockets
+        self.cpu_s = sum(self.process.cpu_times()[:2]) - self._cpu
 
 
 def gathered_ints(value: int) -> list[int]:
@@ -324,7 +328,7 @@ def main() -> None:
     parser.add_argument(
         "--refresh", default="auto", choices=["auto", "read", "gather"], help='load: the "refresh" option'
     )
-    parser.add_argument("--key-prefixes", type=int, default=0, help="save: the \"key_prefixes\" option (on a store)")
+    parser.add_argument("--key-prefixes", type=int, default=0, help='save: the "key_prefixes" option (on a store)')
     parser.add_argument("--repeat", type=int, default=3, help="save: timed saves of each kind before the kept one")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--pp", type=int, default=1, help="a DeepSpeed PipelineModule of this many stages")
@@ -447,9 +451,12 @@ def load(args: argparse.Namespace) -> dict:
         run, mode = lambda: engine.load_checkpoint(args.source), None
     # the store's client (s3fs, its HTTP session) is made before the timing, as DCP's readers are made before dcp.load
     st.storage_of(args.source)
+    server = psutil.Process(int(os.environ[SERVER_PID])) if os.environ.get(SERVER_PID) else None
     try:
+        server_cpu = sum(server.cpu_times()[:2]) if server else 0.0
         with Usage() as usage, stats.counting() as counted:
             seconds = timed(run)
+        server_cpu = sum(server.cpu_times()[:2]) - server_cpu if server else 0.0
     except Exception as exc:  # recorded: a load DeepSpeed cannot do raises alike on every rank, and is a result
         engine.destroy()
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "mode": mode}
@@ -465,6 +472,10 @@ def load(args: argparse.Namespace) -> dict:
         "held_rss": held_rss,
     }
     result.update(written=written, read=read, from_disk=summed(usage.from_disk)[0])
+    # CPU seconds of every thread, summed over the ranks: on a machine that also runs the store, they share its cores
+    result["cpu_s"] = summed(usage.cpu_s)[0]
+    if server is not None:  # every rank timed the same window
+        result["server_cpu_s"] = server_cpu
     # what every rank asked of storage: requests (ranged GETs on a store, preads on disk) and bytes fetched
     result["requests"], result["fetched"], result["copied"] = summed(
         counted.requests, counted.data_bytes + counted.metadata_bytes, counted.copied_bytes

@@ -121,6 +121,8 @@ def test_object_store_benchmark_smoke(tmp_path, capsys):
     ratios = [float(r) for r in re.findall(r"the store fetched ([0-9.]+)x the bytes", output)]
     assert len(ratios) == 2 and all(r <= 1.1 for r in ratios), ratios
     assert "Server floor (obstore): ZeRO-1: GET" in output
+    # a load from the store has its ranks' and the server's CPU seconds, and the least time they allow
+    assert len(re.findall(r"\| [0-9.]+ \+ [0-9.]+ \([0-9.]+\) \|$", output, re.M)) == 8, output
     for reader in ("ours, direct reshard", "DCP FsspecReader (s3fs)", "s3torchconnector S3StorageReader"):
         assert f"| {reader} |" in output
     assert "| 7B | 82 |" in output  # the 1,024-rank projection
