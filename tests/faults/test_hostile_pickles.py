@@ -110,6 +110,10 @@ def payloads(tmp_path: Path) -> dict[str, bytes]:
         ),
         "a codec that imports a module": _program(_global("_codecs", "encode"), _args("x", "zlib_codec"), b"R"),
         "a numpy object array": _program(_global("numpy", "dtype"), _args("O8", False, True), b"R"),
+        # a flexible dtype takes its flags from the state: these say it holds objects, so bytes would be pointers
+        "a void dtype given object flags": _program(
+            _global("numpy", "dtype"), _args("V8", False, True), b"R", _args(3, "|", None, None, None, 8, 1, 63), b"b"
+        ),
         "a huge bytes allocation": _program(_global("builtins", "bytearray"), _args(10**12), b"R"),
         "a text persistent id": _program(b"Pcanary\n"),
     }
@@ -144,6 +148,8 @@ def test_every_payload_is_refused_by_the_archive_reader(tmp_path):
         "the canary by STACK_GLOBAL",
         "the canary's class by NEWOBJ",
         "state set on an allowed class",
+        "a numpy object array",
+        "a void dtype given object flags",
     ],
 )
 def test_deepspeeds_own_load_refuses_payloads(tmp_path, label):

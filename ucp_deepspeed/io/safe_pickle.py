@@ -194,10 +194,15 @@ def _numpy() -> Any:
     return numpy
 
 
+_NUMERIC = "biufc"
+"""The numpy dtype kinds a pickle may build (bool, integers, floats, complex): a flexible dtype (void, string) takes
+its flags from the pickle's state, and one whose flags say it holds objects reads raw bytes as pointers."""
+
+
 def _np_dtype(*args: Any) -> Any:
     dtype = _numpy().dtype(*args)
-    if dtype.hasobject:
-        _refuse(f"numpy dtype {dtype} holds Python objects")
+    if dtype.kind not in _NUMERIC:
+        _refuse(f"numpy dtype {dtype} is not a number type")
     return dtype
 
 
@@ -211,8 +216,8 @@ def _np_reconstruct(subtype: Any, shape: Any, code: Any) -> Any:
 
 def _np_scalar(dtype: Any, data: Any = None) -> Any:
     np = _numpy()
-    if not isinstance(dtype, np.dtype) or dtype.hasobject or type(data) is not bytes:
-        _refuse("numpy scalar of an object dtype")
+    if not isinstance(dtype, np.dtype) or dtype.kind not in _NUMERIC or type(data) is not bytes:
+        _refuse("numpy scalar of a type that is not a number")
     return np.frombuffer(data, dtype=dtype, count=1)[0]
 
 
@@ -266,6 +271,17 @@ _LAZY: dict[tuple[str, str], Callable[[], Any]] = {
     ("numpy", "dtype"): lambda: _np_dtype,
     ("numpy", "ndarray"): lambda: _numpy().ndarray,
 }
+
+
+def numpy_safe_globals() -> list[Any]:
+    """numpy's value types for `torch.load(weights_only=True)`, each under the name a pickle gives it and through the
+    same checked wrappers as here (no object dtypes): DeepSpeed's data sampler saves numpy integers and the numpy
+    random state beside the model. The concrete dtype classes are listed because torch builds (`BUILD`) only
+    instances of allowed types."""
+    np = _numpy()
+    wrappers = [(f, f"{m}.{n}") for (m, n), get in _LAZY.items() if m != "numpy" for f in [get()]]
+    kinds = {type(np.dtype(code)) for code in np.typecodes["All"] if np.dtype(code).kind in _NUMERIC}
+    return [*wrappers, (_np_dtype, "numpy.dtype"), (np.ndarray, "numpy.ndarray"), *sorted(kinds, key=str)]
 
 
 def user_allowed() -> set[str]:
@@ -373,6 +389,8 @@ class SafeUnpickler(pickle._Unpickler):  # the pure-Python machine, whose opcode
             return
         np = sys.modules.get("numpy")
         if np is not None and (kind is np.ndarray or isinstance(inst, np.dtype)):
+            if isinstance(inst, np.dtype) and inst.kind not in _NUMERIC:
+                _refuse(f"setting state on numpy dtype {inst}")
             inst.__setstate__(state)  # numpy checks its own state against the shape and dtype
             return
         plain = kind in (types.SimpleNamespace, collections.OrderedDict)
