@@ -360,6 +360,30 @@ def test_base_optimizer_and_unpartitioned(zero12):
     assert compat.data_parallel_rank(plain) == 0 and compat.data_parallel_rank(zero12) == 0
 
 
+def test_data_sampler(zero3, tmp_path):
+    """DeepSpeed's curriculum sampler is found on an engine that has one, and its state and generator, put back,
+    draw the same next batch again."""
+    import copy
+    import importlib.util
+
+    worker = Path(__file__).parent / "workers" / "data_sampler.py"
+    spec = importlib.util.spec_from_file_location("data_sampler_worker", worker)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    engine, loader = module.engine_and_loader(tmp_path)
+    sampler = compat.data_sampler(engine)
+    assert sampler is loader.data_sampler and compat.data_sampler(zero3) is None
+    batches = iter(loader)
+    next(batches)
+    state, rng = copy.deepcopy(sampler.state_dict()), compat.sampler_rng(sampler)  # it shares lists it mutates
+    drawn = next(batches)[1].tolist()
+    next(batches)
+    compat.restore_sampler(sampler, state, rng)
+    assert next(iter(loader))[1].tolist() == drawn
+    engine.destroy()
+
+
 def test_pipeline_layer_files():
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 

@@ -104,6 +104,32 @@ def before_model_step(engine: Engine, check: Callable[[], None]) -> None:
     engine._take_model_step = take_model_step
 
 
+def data_sampler(engine: Engine) -> Any:
+    """The engine's own data sampler, where DeepSpeed saves and loads one (`deepspeed_io` with data efficiency's
+    curriculum learning: `DeepSpeedDataSampler`, whose state is one global position); None otherwise."""
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is None or not engine.curriculum_learning_enabled():
+        return None
+    return loader.data_sampler
+
+
+def sampler_rng(sampler: Any) -> dict[str, Any]:
+    """The sampler's own numpy generator state (`np_rng`, which draws its clusters and shuffles its batches): its
+    `state_dict` saves the process-wide numpy state instead."""
+    state: dict[str, Any] = sampler.np_rng.bit_generator.state
+    return state
+
+
+def restore_sampler(sampler: Any, state: dict[str, Any] | None, rng: dict[str, Any] | None) -> None:
+    """Put a sampler where `state` (its `state_dict`) and `rng` (`sampler_rng`, where saved) say the data stands."""
+    if state is not None:
+        if getattr(sampler, "data_clusters", None):  # rank 0's open clusters: its `load_state_dict` appends to them
+            sampler.data_clusters, sampler.data_cluster_sizes = [], []
+        sampler.load_state_dict(state)
+    if rng is not None:
+        sampler.np_rng.bit_generator.state = rng  # numpy checks the generator's name and fields
+
+
 def base_optimizer(engine: Engine) -> Any:
     """The torch optimizer DeepSpeed steps: ZeRO and bf16 wrap it (`.optimizer`); ZeRO-0 in fp32 uses it as is."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)

@@ -87,6 +87,8 @@ def _run_job(src: NativeCheckpoint, files: UniversalFiles, job: Job) -> FileReco
             client_state=state["client_state"],
             client_states=list(state["client_states"]),
             optimizer_wrapper=state["optimizer_wrapper"],
+            data_sampler=state.get("data_sampler"),
+            data_sampler_rng=state.get("data_sampler_rng"),
         )
     )
 

@@ -143,6 +143,9 @@ class SaveMeta:
     model: ModelSpec | None = None
     hf_config: dict[str, Any] | None = None
     optimizer: dict[str, Any] | None = None
+    data_sampler_rng: dict[str, Any] | None = None
+    """The numpy generator state of DeepSpeed's data sampler (`np_rng`), which DeepSpeed's own `data_sampler` entry
+    leaves out: without it a resumed sampler shuffles from its seed again."""
     version: int = META_VERSION
 
     def to_json(self) -> str:
@@ -177,6 +180,7 @@ class SaveMeta:
                 model=ModelSpec.decode(raw["model"]) if raw.get("model") is not None else None,
                 hf_config=_object(raw.get("hf_config"), "hf_config"),
                 optimizer=check_optimizer_record(raw.get("optimizer")),
+                data_sampler_rng=_object(raw.get("data_sampler_rng"), "data_sampler_rng"),
                 version=raw["version"],
             )
         except (KeyError, TypeError, ValueError) as exc:

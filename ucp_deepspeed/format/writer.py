@@ -55,6 +55,11 @@ class TrainingState:
     """The ZeRO or mixed-precision wrapper's own state (loss scaler, overflow counters)."""
     client_states: Sequence[Any] | None = None
     """Each model-parallel rank's client state, by model-states file index, where the source kept one per rank."""
+    data_sampler: Any = None
+    """DeepSpeed's data sampler state (`engine.deepspeed_io` with data efficiency's curriculum learning): where the
+    data stands, one global position that every data-parallel size continues from; None when the source had none."""
+    data_sampler_rng: Any = None
+    """That sampler's own numpy generator state (`SaveMeta.data_sampler_rng`)."""
 
     def encode(self) -> dict[str, Any]:
         """The object `state.pt` pickles (its keys in the order every reader has seen them)."""
@@ -62,6 +67,9 @@ class TrainingState:
         if self.client_states is not None:
             body["client_states"] = list(self.client_states)
         body["optimizer_wrapper"] = self.optimizer_wrapper
+        if self.data_sampler is not None:
+            body["data_sampler"] = self.data_sampler
+            body["data_sampler_rng"] = self.data_sampler_rng
         return body
 
 

@@ -110,6 +110,8 @@ class Source:
     client_keys: tuple[str, ...] = ()
     """DeepSpeed's own load: the user's client_state keys (DeepSpeed mixes its bookkeeping in)."""
     hf_config: dict[str, Any] | None = None
+    sampler_rng: dict[str, Any] | None = None
+    """DeepSpeed's own load: its data sampler's generator state, which DeepSpeed does not restore."""
     expect_save_id: str = ""
     discard: str | None = None
     """A converted copy to remove after the load (`keep: false`)."""
@@ -179,6 +181,7 @@ class LoadPlanner:
                 report=report,
                 client_keys=meta.client_state_keys,
                 hf_config=meta.hf_config,
+                sampler_rng=meta.data_sampler_rng,
                 expect_save_id=meta.save_id,
             )
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())

@@ -580,6 +580,8 @@ def _stage_training_state(engine: Engine, ckpt: TensorReader, load_lr_scheduler_
         for key, value in wrapper_state(ckpt, engine_dtype(engine), state).items()
         if hasattr(engine.optimizer, key)
     }
+    # where the data stands: DeepSpeed's sampler keeps one global position, which any data-parallel size continues
+    sampler, position, rng = compat.data_sampler(engine), state.get("data_sampler"), state.get("data_sampler_rng")
 
     def install() -> None:
         engine.global_steps = counters.global_steps
@@ -589,6 +591,8 @@ def _stage_training_state(engine: Engine, ckpt: TensorReader, load_lr_scheduler_
             engine.lr_scheduler.load_state_dict(scheduler)
         for key, value in wrapper.items():
             setattr(engine.optimizer, key, value)
+        if sampler is not None and position is not None:
+            compat.restore_sampler(sampler, position, rng)
 
     out.installs.append(install)
     out.client = client_state(engine, ckpt, state)

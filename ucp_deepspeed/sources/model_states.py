@@ -141,6 +141,11 @@ class ModelStatesFile(st.Closeable):
         """The LR scheduler state dict, if one was saved."""
         return plain(self._obj.get("lr_scheduler"))
 
+    def data_sampler(self) -> Any:
+        """DeepSpeed's data sampler state (data efficiency's curriculum learning), if one was saved: one global
+        position, the same on every data-parallel rank."""
+        return plain(self._obj.get("data_sampler"))
+
     def client_state(self, keys: tuple[str, ...]) -> dict[str, Any]:
         """The user's `client_state` entries, which DeepSpeed merges into the top level."""
         missing = [k for k in keys if k not in self._obj]

@@ -590,14 +590,17 @@ class NativeCheckpoint(st.Closeable):
         return self.ranks[0].optim(rank)
 
     def training_state(self) -> dict[str, Any]:
-        """The non-tensor training state: the LR scheduler, the optimizer wrapper's state, and the client state of
-        each model-parallel rank (`client_states`, by model-states file index; `client_state` is rank 0's)."""
+        """The non-tensor training state: the LR scheduler, the optimizer wrapper's state, DeepSpeed's data sampler
+        state, and the client state of each model-parallel rank (`client_states`, by model-states file index;
+        `client_state` is rank 0's)."""
         clients = ClientStates(self.ranks)
         return {
             "lr_scheduler": self.model_states(0).lr_scheduler(),
             "client_state": clients[0],
             "client_states": clients,
             "optimizer_wrapper": self.optim(0).wrapper_state() if self.meta.topology.zero_stage > 0 else {},
+            "data_sampler": self.model_states(0).data_sampler(),
+            "data_sampler_rng": self.meta.data_sampler_rng,
         }
 
     def state_keys(self) -> list[str]:

@@ -1,0 +1,145 @@
+"""A job whose data comes from DeepSpeed's own pipeline (`deepspeed_io` with data efficiency's curriculum learning,
+`DeepSpeedDataSampler`), saved mid-epoch and resumed at another data-parallel size; the sample ids every step trains
+on are recorded.
+
+    save --out DIR: train STEPS steps, save, train CONT more (the uninterrupted run); then, in the same launch, a
+        fresh engine resumes the checkpoint at this size and trains CONT steps. Rank 0 writes DIR/saved.json.
+    load --out DIR [--source PATH --name NAME]: resume the checkpoint (or PATH: a universal folder made from it) at
+        this launch's size, train CONT steps; rank 0 writes DIR/NAME<N>.json (NAME: resumed). `--each 'ARGS'` adds
+        another load to the launch.
+
+A step's ids are the global batch as the ranks' micro-batches in rank order: the sampler shuffles each global batch
+and hands each rank a contiguous piece, so at any size the concatenation is the batch it drew. Its loss is the mean
+of the ranks' (equal batches): the loss of the whole global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import common  # tests/workers/common.py, next to this script
+import deepspeed
+import torch
+import torch.distributed as dist
+
+import ucp_deepspeed
+
+SAMPLES = 48  # an epoch is 6 steps of 8: a save after 3 resumes mid-epoch
+GLOBAL_BATCH = 8  # divides evenly over 1, 2 and 4 ranks
+STEPS = CONT = 3
+
+
+class Samples(torch.utils.data.Dataset):
+    """Sample i: a fixed random input, and its id."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8, generator=torch.Generator().manual_seed(i)), torch.tensor(i)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x) ** 2).mean()
+
+
+def config(world: int, clusters: Path) -> dict:
+    """ZeRO-1, the same global batch at every size, and a curriculum over one cluster of every sample: the sampler
+    draws each global batch from it and shuffles it with its own generator."""
+    metric = {
+        "difficulty_type": "value",
+        "clustering_type": "single_cluster",
+        "min_difficulty": 2,
+        "max_difficulty": 8,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 1},
+    }
+    curriculum = {"enabled": True, "data_cluster_path": str(clusters), "curriculum_metrics": {"seqlen": metric}}
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 1},
+        "checkpoint": {"universal": True},
+        "data_efficiency": {
+            "enabled": True,
+            "seed": 1234,
+            "data_sampling": {"enabled": True, "num_epochs": 2, "num_workers": 0, "curriculum_learning": curriculum},
+        },
+    }
+
+
+def engine_and_loader(out: Path) -> tuple[deepspeed.DeepSpeedEngine, object]:
+    torch.manual_seed(0)
+    net = Net()
+    engine, _, loader, _ = ucp_deepspeed.initialize(
+        model=net,
+        model_parameters=net.parameters(),
+        config=config(dist.get_world_size(), out / "clusters"),
+        training_data=Samples(),
+    )
+    return engine, loader
+
+
+def train(engine: deepspeed.DeepSpeedEngine, batches, steps: int) -> list[dict]:
+    """`steps` steps; each one's global batch ids (in rank order) and loss."""
+    out = []
+    for _ in range(steps):
+        x, ids = next(batches)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        every: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, ids.tolist())
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out.append({"ids": [i for ids in every for i in ids], "loss": mean.item() / dist.get_world_size()})
+    return out
+
+
+def resume(out: Path, source: Path | None = None) -> list[dict]:
+    engine, loader = engine_and_loader(out)
+    engine.load_checkpoint(str(source or out / "ckpt"))
+    try:
+        return train(engine, iter(loader), CONT)
+    finally:
+        engine.destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--source", type=Path, help="load: this checkpoint instead of OUT/ckpt")
+    parser.add_argument("--name", default="resumed", help="load: the result's name")
+    common.add_each(parser)
+    runs = common.runs(parser)
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    for args in runs:
+        if args.mode == "save":
+            engine, loader = engine_and_loader(args.out)
+            batches = iter(loader)
+            before = train(engine, batches, STEPS)
+            engine.save_checkpoint(str(args.out / "ckpt"))
+            after = train(engine, batches, CONT)
+            engine.destroy()
+            result = {"world": world, "before": before, "after": after, "resumed": resume(args.out)}
+            name = "saved.json"
+        else:
+            result, name = {"world": world, "resumed": resume(args.out, args.source)}, f"{args.name}{world}.json"
+        if dist.get_rank() == 0:
+            (args.out / name).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
