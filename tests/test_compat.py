@@ -371,7 +371,10 @@ def test_data_sampler(zero3, tmp_path):
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    engine, loader = module.engine_and_loader(tmp_path)
+    net = module.Net()  # DeepSpeed's own initialize: ucp_deepspeed's would take up a megatron-core state left here
+    engine, _, loader, _ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=module.config(1, tmp_path), training_data=module.Samples()
+    )
     sampler = compat.data_sampler(engine)
     assert sampler is loader.data_sampler and compat.data_sampler(zero3) is None
     batches = iter(loader)

@@ -23,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 import canary
+import numpy as np
 import pytest
 import torch
 from conftest import swap_pickle
@@ -110,6 +111,22 @@ def payloads(tmp_path: Path) -> dict[str, bytes]:
         ),
         "a codec that imports a module": _program(_global("_codecs", "encode"), _args("x", "zlib_codec"), b"R"),
         "a numpy object array": _program(_global("numpy", "dtype"), _args("O8", False, True), b"R"),
+        # a number dtype given a sub-array: a scalar of 8 bytes would read a megabyte past them
+        "an int64 dtype given a sub-array": _program(
+            _global("numpy._core.multiarray", "scalar"),
+            b"(",
+            _global("numpy", "dtype"),
+            _args("i8", False, True),
+            b"R",
+            _args(3, "<", (np.dtype("i8"), (1 << 17,)), None, None, -1, -1, 0),
+            b"b",
+            pickle.dumps(b"\0" * 8, protocol=2)[2:-1],
+            b"tR",
+        ),
+        # a number dtype given the flags of one that holds objects: its array's bytes would be pointers
+        "an int64 dtype given object flags": _program(
+            _global("numpy", "dtype"), _args("i8", False, True), b"R", _args(3, "<", None, None, None, -1, -1, 63), b"b"
+        ),
         # a flexible dtype takes its flags from the state: these say it holds objects, so bytes would be pointers
         "a void dtype given object flags": _program(
             _global("numpy", "dtype"), _args("V8", False, True), b"R", _args(3, "|", None, None, None, 8, 1, 63), b"b"
@@ -148,8 +165,6 @@ def test_every_payload_is_refused_by_the_archive_reader(tmp_path):
         "the canary by STACK_GLOBAL",
         "the canary's class by NEWOBJ",
         "state set on an allowed class",
-        "a numpy object array",
-        "a void dtype given object flags",
     ],
 )
 def test_deepspeeds_own_load_refuses_payloads(tmp_path, label):

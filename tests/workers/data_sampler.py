@@ -7,6 +7,8 @@ on are recorded.
     load --out DIR [--source PATH --name NAME]: resume the checkpoint (or PATH: a universal folder made from it) at
         this launch's size, train CONT steps; rank 0 writes DIR/NAME<N>.json (NAME: resumed). `--each 'ARGS'` adds
         another load to the launch.
+    load --out DIR --clusters EMPTY --name NAME: the same resume with a cluster folder that lacks the saved clusters:
+        rank 0 writes the error and whether the engine kept its state.
 
 A step's ids are the global batch as the ranks' micro-batches in rank order: the sampler shuffles each global batch
 and hands each rank a contiguous piece, so at any size the concatenation is the batch it drew. Its loss is the mean
@@ -76,16 +78,31 @@ def config(world: int, clusters: Path) -> dict:
     }
 
 
-def engine_and_loader(out: Path) -> tuple[deepspeed.DeepSpeedEngine, object]:
+def engine_and_loader(out: Path, clusters: Path | None = None) -> tuple[deepspeed.DeepSpeedEngine, object]:
     torch.manual_seed(0)
     net = Net()
     engine, _, loader, _ = ucp_deepspeed.initialize(
         model=net,
         model_parameters=net.parameters(),
-        config=config(dist.get_world_size(), out / "clusters"),
+        config=config(dist.get_world_size(), clusters or out / "clusters"),
         training_data=Samples(),
     )
     return engine, loader
+
+
+def refused(out: Path, clusters: Path) -> dict:
+    """A resume whose config names a cluster folder without the saved clusters: the error, and whether the engine
+    kept its weights and step count."""
+    engine, _ = engine_and_loader(out, clusters)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(str(out / "ckpt"))
+        error = None
+    except ucp_deepspeed.CheckpointError as exc:
+        error = str(exc)
+    kept = engine.global_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    engine.destroy()
+    return {"error": error, "kept": kept}
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches, steps: int) -> list[dict]:
@@ -119,6 +136,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--source", type=Path, help="load: this checkpoint instead of OUT/ckpt")
     parser.add_argument("--name", default="resumed", help="load: the result's name")
+    parser.add_argument("--clusters", type=Path, help="load: a cluster folder without the saved clusters (refused)")
     common.add_each(parser)
     runs = common.runs(parser)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -133,6 +151,8 @@ def main() -> None:
             engine.destroy()
             result = {"world": world, "before": before, "after": after, "resumed": resume(args.out)}
             name = "saved.json"
+        elif args.clusters:
+            result, name = refused(args.out, args.clusters), f"{args.name}{world}.json"
         else:
             result, name = {"world": world, "resumed": resume(args.out, args.source)}, f"{args.name}{world}.json"
         if dist.get_rank() == 0:

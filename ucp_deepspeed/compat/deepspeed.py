@@ -120,6 +120,26 @@ def sampler_rng(sampler: Any) -> dict[str, Any]:
     return state
 
 
+def check_sampler(sampler: Any, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
+    """Raise, naming the file or value, if `restore_sampler` would fail with these: the rank that draws the batches
+    reopens the saved clusters from the live config's `data_cluster_path`, and both random states must be valid."""
+    import numpy as np
+
+    if hasattr(sampler, "data_clusters"):  # the rank that reads the clusters
+        root = sampler.data_efficiency_config["data_sampling"]["curriculum_learning"]["data_cluster_path"]
+        for name in state.get("data_cluster_paths") or ():
+            for ext in (".bin", ".idx"):
+                path = os.path.join(root, str(name).split("/")[-1] + ext)
+                if not os.path.isfile(path):
+                    raise CheckpointError(path, "a data cluster the saved data sampler reads is missing")
+    try:
+        np.random.RandomState().set_state(state["np_rng_state"])
+        if rng is not None:
+            type(sampler.np_rng.bit_generator)().state = rng
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError("data_sampler", f"a saved random state does not fit the sampler ({exc})") from None
+
+
 def restore_sampler(sampler: Any, state: dict[str, Any] | None, rng: dict[str, Any] | None) -> None:
     """Put a sampler where `state` (its `state_dict`) and `rng` (`sampler_rng`, where saved) say the data stands."""
     if state is not None:

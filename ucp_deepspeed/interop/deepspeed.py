@@ -263,7 +263,12 @@ def import_deepspeed(folder: str, output: str) -> str:
             client = model.client_state(tuple(k for k in model.keys() if k not in DEEPSPEED_KEYS))
             wrapper = {k: plain(optim_state[k]) for k in OPTIMIZER_WRAPPER_KEYS if k in optim_state}
             writer.set_state(
-                TrainingState(lr_scheduler=model.lr_scheduler(), client_state=client, optimizer_wrapper=wrapper)
+                TrainingState(
+                    lr_scheduler=model.lr_scheduler(),
+                    client_state=client,
+                    optimizer_wrapper=wrapper,
+                    data_sampler=model.data_sampler(),  # its generator's state is DeepSpeed's to lose: not there
+                )
             )
             hyper = optim_state.get("param_groups") or []
             try:

@@ -214,10 +214,26 @@ def _np_reconstruct(subtype: Any, shape: Any, code: Any) -> Any:
     return np.ndarray.__new__(np.ndarray, shape, _np_dtype(code))
 
 
+def _plain_dtype_state(state: Any) -> bool:
+    """Whether `state` is what numpy pickles for a plain number dtype: a byte order and nothing else. Anything more
+    (a sub-array shape, fields, flags, metadata) would make the dtype describe bytes it does not have, or objects."""
+    return (
+        isinstance(state, tuple)
+        and len(state) in (8, 9)
+        and state[0] in (3, 4)
+        and state[1] in ("<", ">", "|", "=")
+        and state[2:5] == (None, None, None)
+        and state[5:8] == (-1, -1, 0)
+        and (len(state) == 8 or state[8] is None)
+    )
+
+
 def _np_scalar(dtype: Any, data: Any = None) -> Any:
     np = _numpy()
     if not isinstance(dtype, np.dtype) or dtype.kind not in _NUMERIC or type(data) is not bytes:
         _refuse("numpy scalar of a type that is not a number")
+    if dtype.subdtype is not None or dtype.names is not None or dtype.metadata or dtype.itemsize != len(data):
+        _refuse(f"numpy scalar of {len(data)} bytes with a dtype that does not describe them")
     return np.frombuffer(data, dtype=dtype, count=1)[0]
 
 
@@ -271,17 +287,6 @@ _LAZY: dict[tuple[str, str], Callable[[], Any]] = {
     ("numpy", "dtype"): lambda: _np_dtype,
     ("numpy", "ndarray"): lambda: _numpy().ndarray,
 }
-
-
-def numpy_safe_globals() -> list[Any]:
-    """numpy's value types for `torch.load(weights_only=True)`, each under the name a pickle gives it and through the
-    same checked wrappers as here (no object dtypes): DeepSpeed's data sampler saves numpy integers and the numpy
-    random state beside the model. The concrete dtype classes are listed because torch builds (`BUILD`) only
-    instances of allowed types."""
-    np = _numpy()
-    wrappers = [(f, f"{m}.{n}") for (m, n), get in _LAZY.items() if m != "numpy" for f in [get()]]
-    kinds = {type(np.dtype(code)) for code in np.typecodes["All"] if np.dtype(code).kind in _NUMERIC}
-    return [*wrappers, (_np_dtype, "numpy.dtype"), (np.ndarray, "numpy.ndarray"), *sorted(kinds, key=str)]
 
 
 def user_allowed() -> set[str]:
@@ -389,8 +394,8 @@ class SafeUnpickler(pickle._Unpickler):  # the pure-Python machine, whose opcode
             return
         np = sys.modules.get("numpy")
         if np is not None and (kind is np.ndarray or isinstance(inst, np.dtype)):
-            if isinstance(inst, np.dtype) and inst.kind not in _NUMERIC:
-                _refuse(f"setting state on numpy dtype {inst}")
+            if isinstance(inst, np.dtype) and (inst.kind not in _NUMERIC or not _plain_dtype_state(state)):
+                _refuse(f"setting state {state!r} on numpy dtype {inst}")
             inst.__setstate__(state)  # numpy checks its own state against the shape and dtype
             return
         plain = kind in (types.SimpleNamespace, collections.OrderedDict)

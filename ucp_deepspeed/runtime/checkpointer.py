@@ -287,9 +287,6 @@ class UniversalCheckpointer:
             self.files.expect(source.path, source.expect_save_id)
             with self.gate.writing(source.path):  # DeepSpeed writes as it reads: it cannot be staged
                 path, client = self._deepspeed_load(st.dirname(source.path), st.basename(source.path), flags)
-                sampler = compat.data_sampler(self.engine)
-                if sampler is not None and source.sampler_rng is not None:  # DeepSpeed restored all of it but this
-                    compat.restore_sampler(sampler, None, source.sampler_rng)
             self.hf_config = source.hf_config
             kept = {k: v for k, v in (client or {}).items() if k in source.client_keys}
             return _Loaded(path=path, client=kept, report=source.report)

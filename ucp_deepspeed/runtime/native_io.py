@@ -35,7 +35,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import CommitRecord, write_commit
 from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.safe_pickle import hint, numpy_safe_globals
+from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.async_save import upload_file
@@ -60,8 +60,7 @@ def safe_load(
                 f"tag records save id {save_id} (a file copied from another run or step?)",
             )
         try:
-            allowed = deepspeed_safe_globals() + numpy_safe_globals() + user_safe_globals()
-            with torch.serialization.safe_globals(allowed):
+            with torch.serialization.safe_globals(deepspeed_safe_globals() + user_safe_globals()):
                 obj = torch.load(cast(IO[bytes], reader), map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
             match = _UNSUPPORTED.search(str(exc))

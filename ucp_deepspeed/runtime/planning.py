@@ -110,8 +110,6 @@ class Source:
     client_keys: tuple[str, ...] = ()
     """DeepSpeed's own load: the user's client_state keys (DeepSpeed mixes its bookkeeping in)."""
     hf_config: dict[str, Any] | None = None
-    sampler_rng: dict[str, Any] | None = None
-    """DeepSpeed's own load: its data sampler's generator state, which DeepSpeed does not restore."""
     expect_save_id: str = ""
     discard: str | None = None
     """A converted copy to remove after the load (`keep: false`)."""
@@ -181,7 +179,6 @@ class LoadPlanner:
                 report=report,
                 client_keys=meta.client_state_keys,
                 hf_config=meta.hf_config,
-                sampler_rng=meta.data_sampler_rng,
                 expect_save_id=meta.save_id,
             )
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
@@ -261,6 +258,10 @@ class LoadPlanner:
         # DeepSpeed's own load of a ZeRO-3 NVMe checkpoint leaves the swapped optimizer states and the sub-groups kept
         # in memory at their fresh values (measured: 13 of 16 tensors wrong); ours reads the swap files
         if compat.nvme_offload(engine) or st.isdir(st.join(path, OFFLOADED)):
+            return False
+        # DeepSpeed's data sampler keeps numpy values, which torch's weights-only unpickler can build only without
+        # checking a dtype's state (`io/safe_pickle.py`), and DeepSpeed's load leaves out the sampler's generator
+        if meta.data_sampler_rng is not None:
             return False
         # DeepSpeed's own load looks for experts only in its MoE layers; megatron-core's always go through ours. Every
         # rank answers (a stage may hold MoE layers or fail alone): the collective runs everywhere or nowhere

@@ -582,6 +582,8 @@ def _stage_training_state(engine: Engine, ckpt: TensorReader, load_lr_scheduler_
     }
     # where the data stands: DeepSpeed's sampler keeps one global position, which any data-parallel size continues
     sampler, position, rng = compat.data_sampler(engine), state.get("data_sampler"), state.get("data_sampler_rng")
+    if sampler is not None and position is not None:  # refused here, not in the commit: the engine stays as it was
+        compat.check_sampler(sampler, position, rng)
 
     def install() -> None:
         engine.global_steps = counters.global_steps
