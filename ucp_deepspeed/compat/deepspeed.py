@@ -140,12 +140,11 @@ def check_sampler(sampler: Any, state: dict[str, Any], rng: dict[str, Any] | Non
         raise CheckpointError("data_sampler", f"a saved random state does not fit the sampler ({exc})") from None
 
 
-def restore_sampler(sampler: Any, state: dict[str, Any] | None, rng: dict[str, Any] | None) -> None:
+def restore_sampler(sampler: Any, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
     """Put a sampler where `state` (its `state_dict`) and `rng` (`sampler_rng`, where saved) say the data stands."""
-    if state is not None:
-        if getattr(sampler, "data_clusters", None):  # rank 0's open clusters: its `load_state_dict` appends to them
-            sampler.data_clusters, sampler.data_cluster_sizes = [], []
-        sampler.load_state_dict(state)
+    if getattr(sampler, "data_clusters", None):  # rank 0's open clusters: its `load_state_dict` appends to them
+        sampler.data_clusters, sampler.data_cluster_sizes = [], []
+    sampler.load_state_dict(state)
     if rng is not None:
         sampler.np_rng.bit_generator.state = rng  # numpy checks the generator's name and fields
 

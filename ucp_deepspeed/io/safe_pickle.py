@@ -195,8 +195,9 @@ def _numpy() -> Any:
 
 
 _NUMERIC = "biufc"
-"""The numpy dtype kinds a pickle may build (bool, integers, floats, complex): a flexible dtype (void, string) takes
-its flags from the pickle's state, and one whose flags say it holds objects reads raw bytes as pointers."""
+"""The numpy dtype kinds a pickle may build (bool, integers, floats, complex), each only from the state numpy pickles
+for a plain number (`_plain_dtype_state`): a dtype takes flags, sub-arrays and fields from a pickle's state, and one
+that says it holds objects, or more bytes than it has, reads raw bytes as pointers or past their end."""
 
 
 def _np_dtype(*args: Any) -> Any:
