@@ -664,3 +664,29 @@ def test_s3_read_into() -> None:
         assert compat.s3_read_into(fs, f"{bucket}/o", 1000, [memoryview(first), memoryview(second)]) == 400
         assert bytes(first + second) == data[1000:1400]
         assert compat.s3_read_into(fs, f"{bucket}/o", len(data) - 5, [memoryview(bytearray(50))]) == 5
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_loader_position(workers):
+    """torchdata's loader state: the indices taken are where `samples_taken` reads them, and `state_at` starts a
+    fresh loader after exactly that many, over a plain and a stateful `DistributedSampler`, with and without
+    workers."""
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    data = list(range(48))
+    for kind in (DistributedSampler, StatefulDistributedSampler):
+
+        def build(kind=kind) -> StatefulDataLoader:
+            sampler = kind(data, num_replicas=2, rank=1, seed=5)
+            return StatefulDataLoader(data, batch_size=3, sampler=sampler, num_workers=workers)
+
+        loader = build()
+        batches = iter(loader)
+        next(batches), next(batches)
+        assert compat.samples_taken(loader.state_dict()) == (6, False), kind
+        assert compat.distributed_sampler(loader) is loader.sampler and compat.is_stateful_loader(loader)
+        fresh = build()
+        fresh.load_state_dict(compat.state_at(fresh, 7))
+        assert [x for b in fresh for x in b.tolist()] == list(kind(data, num_replicas=2, rank=1, seed=5))[7:], kind

@@ -24,14 +24,23 @@ LOSS_RTOL = 1e-5  # the same batches; only the reduction over ranks differs
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("data_sampler")
-    torchrun(2, "save", "--out", str(out), worker=WORKER)
+    torchrun(2, "save", "--out", str(out), "--each", f"loader-save --out {out}", worker=WORKER)
     universal = out / "universal"
     assert cli_main(["convert", str(out / "ckpt"), "--output", str(universal), "--no-progress"]) == 0
     converted = f"load --out {out} --source {universal} --name converted"
     (out / "empty").mkdir()
     refused = f"load --out {out} --clusters {out / 'empty'} --name refused"
-    torchrun(1, "load", "--out", str(out), "--each", converted, "--each", refused, worker=WORKER)
-    torchrun(4, "load", "--out", str(out), worker=WORKER)
+    loaders = f"loader-load --out {out}"
+    loader_universal = out / "loader-universal"
+    to_universal = ["convert", str(out / "loader-ckpt"), "--tag", "map", "--output", str(loader_universal)]
+    assert cli_main([*to_universal, "--no-progress"]) == 0
+    torchrun(
+        1,
+        *("load", "--out", str(out), "--each", converted, "--each", refused),
+        *("--each", f"{loaders} --source {loader_universal}"),
+        worker=WORKER,
+    )
+    torchrun(4, "load", "--out", str(out), "--each", loaders, worker=WORKER)
     saved = json.loads((out / "saved.json").read_text())
     resumed = {
         label: json.loads((out / f"{name}{world}.json").read_text())["resumed"]
@@ -39,6 +48,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     }
     found = {"2": saved, **{label: {**saved, "resumed": r} for label, r in resumed.items()}}
     found["refused"] = json.loads((out / "refused1.json").read_text())
+    found["loaders"] = {
+        "saved": json.loads((out / "loader-saved.json").read_text()),
+        **{str(w): json.loads((out / f"loader{w}.json").read_text()) for w in (1, 4)},
+    }
     return found
 
 
@@ -59,3 +72,48 @@ def test_missing_clusters_are_refused_before_anything_changes(runs):
     found = runs["refused"]
     assert found["error"] and "cluster_seqlen" in found["error"] and "missing" in found["error"], found
     assert found["kept"], found
+
+
+def _steps(run: list[dict]) -> list[list[int]]:
+    """Each step's samples: a `DistributedSampler` interleaves its ranks, so the order within a step depends on the
+    size; which samples a step trains on does not."""
+    return [sorted(step["ids"]) for step in run]
+
+
+@pytest.mark.parametrize("world", ["1", "2", "4", "1, converted"])
+def test_stateful_dataloader_continues_the_global_order(runs, world):
+    """torchdata's `StatefulDataLoader` over a `DistributedSampler`, saved at 2 ranks mid-epoch in its second epoch
+    and resumed at 1, 2 and 4 with the same global batch (and at 1 from `ucp convert`'s folder of the tag): the next
+    steps train on the samples the uninterrupted run did, with its losses, and the epoch covers every sample once (a
+    sampler restarted at epoch 0, or at sample 0 of its share, fails this)."""
+    saved = runs["loaders"]["saved"]["map"]
+    resumed = {
+        "2": saved["resumed"],
+        "1, converted": runs["loaders"]["1"]["converted"],
+    }.get(world) or runs["loaders"][world]["map"]
+    assert _steps(resumed) == _steps(saved["after"]), f"at {world} ranks"
+    for mine, theirs in zip(resumed, saved["after"]):
+        assert abs(mine["loss"] - theirs["loss"]) <= LOSS_RTOL * abs(theirs["loss"]), (world, mine, theirs)
+    seen = [i for step in saved["before"] + resumed for i in step["ids"]]
+    assert sorted(seen) == list(range(SAMPLES)), f"the epoch at {world} ranks repeats or skips samples"
+
+
+@pytest.mark.parametrize("world", ["1", "4"])
+def test_stateful_dataloader_at_another_global_batch(runs, world):
+    """Resumed with half the global batch: twice the steps, over exactly the samples the uninterrupted run had left,
+    in the same global order."""
+    saved = runs["loaders"]["saved"]["map"]
+    half = runs["loaders"][world]["half"]
+    pairs = [sorted(half[2 * k]["ids"] + half[2 * k + 1]["ids"]) for k in range(len(half) // 2)]
+    assert pairs == _steps(saved["after"]), f"at {world} ranks"
+
+
+def test_iterable_loader_resumes_at_its_size_and_is_refused_at_another(runs):
+    """An iterable dataset's position is its own state: at the saved size each rank continues exactly; at another
+    the load is refused naming the loader, with the engine as it was."""
+    saved = runs["loaders"]["saved"]["iterable"]
+    assert [s["ids"] for s in saved["resumed"]] == [s["ids"] for s in saved["after"]]
+    refused = runs["loaders"]["1"]["refused"]
+    assert refused["error"] and "StatefulDataLoader over Stream" in refused["error"], refused
+    assert "data_loader/rank_" in refused["error"] or "iterable" in refused["error"], refused
+    assert refused["kept"], refused

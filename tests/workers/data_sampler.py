@@ -10,9 +10,18 @@ on are recorded.
     load --out DIR --clusters EMPTY --name NAME: the same resume with a cluster folder that lacks the saved clusters:
         rank 0 writes the error and whether the engine kept its state.
 
-A step's ids are the global batch as the ranks' micro-batches in rank order: the sampler shuffles each global batch
-and hands each rank a contiguous piece, so at any size the concatenation is the batch it drew. Its loss is the mean
-of the ranks' (equal batches): the loss of the whole global batch.
+The same for torchdata's `StatefulDataLoader`, passed to `save_checkpoint` / `load_checkpoint` as `data_loader`:
+
+    loader-save --out DIR: as save, for a map-style loader over a `DistributedSampler` in its second epoch, and for
+        an iterable dataset; rank 0 writes DIR/loader-saved.json.
+    loader-load --out DIR [--source PATH]: resume both at this size: the map-style one with the same global batch
+        and with half of it (and from PATH: a universal folder of its tag); rank 0 writes DIR/loader<N>.json (an
+        iterable one resumed at another size is refused: the error, and whether the engine kept its state).
+
+A step's ids are the global batch as the ranks' micro-batches in rank order: DeepSpeed's sampler shuffles each global
+batch and hands each rank a contiguous piece, so at any size the concatenation is the batch it drew (a
+`DistributedSampler` interleaves its ranks instead: the same samples, in another order within the step). Its loss is
+the mean of the ranks' (equal batches): the loss of the whole global batch.
 """
 
 from __future__ import annotations
@@ -130,9 +139,93 @@ def resume(out: Path, source: Path | None = None) -> list[dict]:
         engine.destroy()
 
 
+LOADER_SEED, LOADER_EPOCH = 7, 1  # the second epoch: a resumed sampler left at epoch 0 draws another permutation
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset that says where it stands: rank r of N yields samples r, r+N, ... in order."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __iter__(self):
+        while self.next * dist.get_world_size() + dist.get_rank() < SAMPLES:
+            i = self.next * dist.get_world_size() + dist.get_rank()
+            self.next += 1
+            yield Samples()[i]
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next = state["next"]
+
+
+def plain_engine() -> deepspeed.DeepSpeedEngine:
+    torch.manual_seed(0)
+    net = Net()
+    cfg = {k: v for k, v in config(dist.get_world_size(), Path(".")).items() if k != "data_efficiency"}
+    engine, *_ = ucp_deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    return engine
+
+
+def stateful_loader(kind: str, micro_batch: int):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if kind == "iterable":
+        return StatefulDataLoader(Stream(), batch_size=micro_batch)
+    sampler = torch.utils.data.DistributedSampler(Samples(), shuffle=True, seed=LOADER_SEED)
+    return StatefulDataLoader(Samples(), batch_size=micro_batch, sampler=sampler)
+
+
+def loader_resume(ckpt: Path, tag: str | None, kind: str, micro_batch: int, steps: int) -> list[dict]:
+    engine = plain_engine()
+    loader = stateful_loader(kind, micro_batch)
+    engine.load_checkpoint(str(ckpt), tag=tag, data_loader=loader)
+    try:
+        return train(engine, iter(loader), steps)
+    finally:
+        engine.destroy()
+
+
+def loader_refused(out: Path) -> dict:
+    """An iterable loader saved at another size: refused, naming the loader, with the engine as it was."""
+    engine = plain_engine()
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(str(out / "loader-ckpt"), tag="iterable", data_loader=stateful_loader("iterable", 4))
+        error = None
+    except ucp_deepspeed.CheckpointError as exc:
+        error = str(exc)
+    kept = engine.global_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    engine.destroy()
+    return {"error": error, "kept": kept}
+
+
+def loader_save(out: Path) -> dict:
+    """Both loaders: STEPS steps, a save, CONT more (the uninterrupted run); then the resume at this size."""
+    found = {}
+    micro = GLOBAL_BATCH // dist.get_world_size()
+    for kind in ("map", "iterable"):
+        engine, loader = plain_engine(), stateful_loader(kind, micro)
+        if kind == "map":
+            loader.sampler.set_epoch(LOADER_EPOCH)
+        batches = iter(loader)
+        before = train(engine, batches, STEPS)
+        engine.save_checkpoint(str(out / "loader-ckpt"), tag=kind, data_loader=loader)
+        after = train(engine, batches, CONT)
+        engine.destroy()
+        found[kind] = {
+            "before": before,
+            "after": after,
+            "resumed": loader_resume(out / "loader-ckpt", kind, kind, micro, CONT),
+        }
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "loader-save", "loader-load"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--source", type=Path, help="load: this checkpoint instead of OUT/ckpt")
     parser.add_argument("--name", default="resumed", help="load: the result's name")
@@ -142,7 +235,19 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     for args in runs:
-        if args.mode == "save":
+        if args.mode == "loader-save":
+            result, name = loader_save(args.out), "loader-saved.json"
+        elif args.mode == "loader-load":
+            micro = GLOBAL_BATCH // world
+            ckpt = args.out / "loader-ckpt"
+            result = {
+                "map": loader_resume(ckpt, "map", "map", micro, CONT),
+                "half": loader_resume(ckpt, "map", "map", max(micro // 2, 1), 2 * CONT),
+                "refused": loader_refused(args.out),
+                "converted": loader_resume(args.source, None, "map", micro, CONT) if args.source else None,
+            }
+            name = f"loader{world}.json"
+        elif args.mode == "save":
             engine, loader = engine_and_loader(args.out)
             batches = iter(loader)
             before = train(engine, batches, STEPS)

@@ -87,7 +87,15 @@ class DifferentialSaver:
         return 8 if exceeded else self.bits
 
     def save(
-        self, engine: Engine, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
+        self,
+        engine: Engine,
+        save_dir: str,
+        tag: str,
+        client_state: dict[str, Any],
+        save_latest: bool,
+        save_id: str,
+        *,
+        data_loaders: list[dict[str, Any]] | None = None,
     ) -> int:
         """Write checkpoint `tag` under the policy (collective); returns the bytes written (rank 0)."""
         changed = self.tracker.take() if self.tracker is not None else {}
@@ -127,7 +135,7 @@ class DifferentialSaver:
                 "changed_fraction": self._fraction(changed) if changed else None,
             },
         }
-        _, nbytes = write_live(engine, out, client_state, tables, extra)
+        _, nbytes = write_live(engine, out, client_state, tables, extra, data_loaders)
         if save_latest:
             on_rank0(lambda: st.write(st.join(save_dir, "latest"), tag.encode()))
         else:

@@ -105,7 +105,12 @@ def _dtype(p: torch.Tensor) -> str:
 
 
 def write_live(
-    engine: Engine, out: str, client_state: dict[str, Any], tables: dict[str, TableSave], extra: dict[str, Any]
+    engine: Engine,
+    out: str,
+    client_state: dict[str, Any],
+    tables: dict[str, TableSave],
+    extra: dict[str, Any],
+    data_loaders: list[dict[str, Any]] | None = None,
 ) -> tuple[str | None, int]:
     """Write `out` from the live engine (collective); returns the manifest path on rank 0 and bytes written.
 
@@ -152,11 +157,15 @@ def write_live(
                     extra=None if spec is None else {"table": _table_record(spec, shape[0])},
                 )
         all_ok(failed[0] if failed else None)
-        return guarded(lambda: _finish(engine, writer, client_state, extra) if rank0 else (None, 0))
+        return guarded(lambda: _finish(engine, writer, client_state, extra, data_loaders) if rank0 else (None, 0))
 
 
 def _finish(
-    engine: Engine, writer: UniversalWriter, client_state: dict[str, Any], extra: dict[str, Any]
+    engine: Engine,
+    writer: UniversalWriter,
+    client_state: dict[str, Any],
+    extra: dict[str, Any],
+    data_loaders: list[dict[str, Any]] | None,
 ) -> tuple[str, int]:
     """Rank 0's part after the gathers: buffers, the scheduler and client state, then the manifest, last."""
     to_global = namer(engine)
@@ -171,6 +180,7 @@ def _finish(
             },
             data_sampler=sampler.state_dict() if (sampler := compat.data_sampler(engine)) is not None else None,
             data_sampler_rng=compat.sampler_rng(sampler) if sampler is not None else None,
+            data_loaders=data_loaders,
         )
     )
     path = writer.finish(

@@ -14,6 +14,7 @@ frameworks are imported inside the functions that need them, so the `ucp` comman
 - `megatron`: megatron-core modules, their tensor-parallel attributes, a GPTModel's architecture
 - `transformers`: transformers and accelerate: a model's config, the per-process restores `install()` widens
 - `torch`: the globals `torch.load` may build, and the DCP writer
+- `torchdata`: where a `StatefulDataLoader`'s state keeps a map-style loader's position
 - `s3fs`: a ranged GET received straight into the caller's buffers
 """
 
@@ -76,6 +77,13 @@ from ucp_deepspeed.compat.s3fs import s3_read_into
 from ucp_deepspeed.compat.torch import (
     DcpWriter,
     user_safe_globals,
+)
+from ucp_deepspeed.compat.torchdata import (
+    distributed_sampler,
+    is_stateful_loader,
+    loader_name,
+    samples_taken,
+    state_at,
 )
 from ucp_deepspeed.compat.transformers import (
     Hook,
@@ -144,6 +152,7 @@ __all__ = [
     "data_sampler",
     "deepspeed_safe_globals",
     "deepspeed_sees_megatron_moe",
+    "distributed_sampler",
     "engine_config",
     "expert_container",
     "expert_parallel",
@@ -154,9 +163,11 @@ __all__ = [
     "is_megatron_module",
     "is_megatron_moe",
     "is_megatron_transformer_layer",
+    "is_stateful_loader",
     "is_ulysses_mpu",
     "is_unpartitioned",
     "is_zero3_param",
+    "loader_name",
     "megatron_fused_norms",
     "megatron_gpt_architecture",
     "megatron_grouped_experts",
@@ -175,8 +186,10 @@ __all__ = [
     "restore_sampler",
     "s3_read_into",
     "sampler_rng",
+    "samples_taken",
     "scalar_device",
     "sequence_parallel_size",
+    "state_at",
     "storage_dtype",
     "store_recovery_scripts",
     "trainer_rng_restore",

@@ -89,6 +89,7 @@ def _run_job(src: NativeCheckpoint, files: UniversalFiles, job: Job) -> FileReco
             optimizer_wrapper=state["optimizer_wrapper"],
             data_sampler=state.get("data_sampler"),
             data_sampler_rng=state.get("data_sampler_rng"),
+            data_loaders=state.get("data_loaders"),
         )
     )
 

@@ -60,6 +60,9 @@ class TrainingState:
     data stands, one global position that every data-parallel size continues from; None when the source had none."""
     data_sampler_rng: Any = None
     """That sampler's own numpy generator state (`SaveMeta.data_sampler_rng`)."""
+    data_loaders: Sequence[dict[str, Any]] | None = None
+    """Each saving rank's data-loader record (`format.data_position.LoaderRecord.encode`), by rank; None when the
+    save was given no data loader."""
 
     def encode(self) -> dict[str, Any]:
         """The object `state.pt` pickles (its keys in the order every reader has seen them)."""
@@ -70,6 +73,8 @@ class TrainingState:
         if self.data_sampler is not None:
             body["data_sampler"] = self.data_sampler
             body["data_sampler_rng"] = self.data_sampler_rng
+        if self.data_loaders is not None:
+            body["data_loaders"] = list(self.data_loaders)
         return body
 
 

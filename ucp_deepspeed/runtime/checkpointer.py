@@ -37,6 +37,7 @@ import torch.distributed as tdist
 from ucp_deepspeed import compat
 from ucp_deepspeed.convert.output import remove_output
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.data_position import loader_file
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import write_meta
 from ucp_deepspeed.format.paths import LATEST
@@ -54,14 +55,17 @@ from ucp_deepspeed.runtime.collective import (
     from_rank0,
     guarded,
     on_rank0,
+    to_rank0,
 )
 from ucp_deepspeed.runtime.config import UniversalConfig
+from ucp_deepspeed.runtime.data_position import capture, resume_plan
 from ucp_deepspeed.runtime.gate import Gate
 from ucp_deepspeed.runtime.native_io import bind, unbound
 from ucp_deepspeed.runtime.planning import LoadMode, LoadPlanner, LoadReport, Source
 from ucp_deepspeed.runtime.plugins import make_saver
 from ucp_deepspeed.runtime.restore import LoadFlags, restore
 from ucp_deepspeed.sources import list_tags, resolve_tag
+from ucp_deepspeed.sources.data_loaders import read_loader_records
 from ucp_deepspeed.sources.tags import fallback_tag, prune
 
 log = logging.getLogger("ucp_deepspeed")
@@ -127,8 +131,10 @@ class UniversalCheckpointer:
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        data_loader: Any = None,
     ) -> bool:
-        """DeepSpeed's save (or an extension's), with our metadata and every file bound to this save."""
+        """DeepSpeed's save (or an extension's), with our metadata and every file bound to this save; with
+        `data_loader` (each rank's own), where it stands too (`runtime.data_position`)."""
         engine = self.engine
         self.wait()
         self.gate.check("save")
@@ -143,8 +149,11 @@ class UniversalCheckpointer:
         client_state = client_state or {}
         tag = str(f"global_step{engine.global_steps}" if tag is None else tag)
         save_id = f"{self._run_id}-{next(self._saves)}"
+        loader = capture(data_loader) if data_loader is not None else None
         if self.saver is not None:
-            self.saver.save(engine, save_dir, tag, client_state, save_latest, save_id)
+            records = to_rank0(loader.encode() if loader is not None else None)
+            kept = records if records is not None and all(r is not None for r in records) else None
+            self.saver.save(engine, save_dir, tag, client_state, save_latest, save_id, data_loaders=kept)
             self._retain(save_dir)
             return True
         self.files.save_id = save_id
@@ -169,6 +178,10 @@ class UniversalCheckpointer:
                 if url:
                     self.files.uploaded(path, st.size(path))
         try:
+            if loader is not None:  # through the checkpoint engine: bound to the save, on a store or async alike
+                path = st.join(tag_dir, loader_file(loader.rank))
+                engine.checkpoint_engine.makedirs(st.dirname(path), exist_ok=True)
+                engine.checkpoint_engine.save(loader.encode(), path)
             saved = self._native_save(
                 save_dir,
                 tag=tag,
@@ -226,8 +239,11 @@ class UniversalCheckpointer:
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         custom_load_fn: Any = None,
+        data_loader: Any = None,
     ) -> tuple:
-        """Load a checkpoint of any layout into the engine, all or nothing; returns (path, client_state)."""
+        """Load a checkpoint of any layout into the engine, all or nothing; returns (path, client_state). With
+        `data_loader` (each rank's own), it continues where the saved ranks' loaders stood, at any data-parallel
+        size where that is exact, and is refused, with the engine as it was, where it is not."""
         self.wait()
         flags = LoadFlags(
             module_strict=load_module_strict,
@@ -235,6 +251,7 @@ class UniversalCheckpointer:
             lr_scheduler_states=load_lr_scheduler_states,
             module_only=load_module_only,
             custom_load_fn=custom_load_fn,
+            data_loader=None if load_module_only else data_loader,
         )
         with st.listed():  # a finished save does not change under its load: one listing per folder, not a HEAD each
             loaded = self._load(_location(load_dir), tag, flags)
@@ -285,22 +302,37 @@ class UniversalCheckpointer:
         """Load `source` into the engine: DeepSpeed's own load behind the gate, or ours (open, stage, commit)."""
         if source.mode is LoadMode.NATIVE:
             self.files.expect(source.path, source.expect_save_id)
+            place = self._data_plan(
+                flags, lambda: read_loader_records(source.path, source.expect_save_id, self.options.verify), source.path
+            )
             with self.gate.writing(source.path):  # DeepSpeed writes as it reads: it cannot be staged
                 path, client = self._deepspeed_load(st.dirname(source.path), st.basename(source.path), flags)
             self.hf_config = source.hf_config
             kept = {k: v for k, v in (client or {}).items() if k in source.client_keys}
+            place()
             return _Loaded(path=path, client=kept, report=source.report)
         assert source.open is not None, source.mode  # every other mode has a reader
         opener = source.open
         with contextlib.ExitStack() as opened:
             # a reader one rank failed to open fails the load on every rank (and this rank's is closed)
             reader = guarded(lambda: opened.enter_context(opener()))
+            place = self._data_plan(flags, lambda: reader.load_state().get("data_loaders"), source.path)
             client = restore(self.engine, reader, flags, check_reads=source.check_reads, gate=self.gate)
+            place()
         self.hf_config = reader.manifest.hf_config
         barrier()
         if source.discard is not None and tdist.get_rank() == 0:
             remove_output(source.discard)
         return _Loaded(path=source.path, client=client, report=source.report, manifest=reader.manifest)
+
+    def _data_plan(self, flags: LoadFlags, saved: Callable[[], Any], where: str) -> Callable[[], None]:
+        """What the load does to the caller's data loader once the engine has loaded, decided before anything is
+        loaded; a refusal on any rank refuses the load on every rank (collective when there is a loader)."""
+        loader = flags.data_loader
+        if loader is None:
+            return lambda: None
+        plan: Callable[[], None] = guarded(lambda: resume_plan(saved(), loader, where))
+        return plan
 
     def _deepspeed_load(self, load_dir: str, tag: str | None, flags: LoadFlags) -> Any:
         """DeepSpeed's own load, then on every rank the first damaged record any rank read, if one did."""

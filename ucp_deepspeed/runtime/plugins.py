@@ -29,9 +29,18 @@ class Saver(Protocol):
     """Writes checkpoints in place of DeepSpeed's `save_checkpoint`."""
 
     def save(
-        self, engine: Engine, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool, save_id: str
+        self,
+        engine: Engine,
+        save_dir: str,
+        tag: str,
+        client_state: dict[str, Any],
+        save_latest: bool,
+        save_id: str,
+        *,
+        data_loaders: list[dict[str, Any]] | None = None,
     ) -> Any:
-        """Write checkpoint `tag` (collective)."""
+        """Write checkpoint `tag` (collective); `data_loaders` (rank 0 only) are every rank's data-loader records,
+        for the training state."""
 
     def restored(self, manifest: Manifest | None) -> None:
         """After a load: `manifest` of the restored tag when it was one of this saver's, else None."""

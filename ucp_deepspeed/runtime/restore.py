@@ -56,6 +56,8 @@ class LoadFlags:
     lr_scheduler_states: bool = True
     module_only: bool = False
     custom_load_fn: Any = None
+    data_loader: Any = None
+    """This rank's data loader, to continue where the saved ranks' loaders stood (`runtime.data_position`)."""
 
     def native(self) -> dict[str, Any]:
         """The keyword arguments of DeepSpeed's own `load_checkpoint`."""

@@ -38,6 +38,7 @@ from ucp_deepspeed.sources.consistency import (
     fail,
     flat_layouts,
 )
+from ucp_deepspeed.sources.data_loaders import read_loader_records
 from ucp_deepspeed.sources.infer import infer_metas
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
@@ -591,8 +592,8 @@ class NativeCheckpoint(st.Closeable):
 
     def training_state(self) -> dict[str, Any]:
         """The non-tensor training state: the LR scheduler, the optimizer wrapper's state, DeepSpeed's data sampler
-        state, and the client state of each model-parallel rank (`client_states`, by model-states file index;
-        `client_state` is rank 0's)."""
+        state, each rank's data-loader record (`format.data_position`), and the client state of each model-parallel
+        rank (`client_states`, by model-states file index; `client_state` is rank 0's)."""
         clients = ClientStates(self.ranks)
         return {
             "lr_scheduler": self.model_states(0).lr_scheduler(),
@@ -601,6 +602,7 @@ class NativeCheckpoint(st.Closeable):
             "optimizer_wrapper": self.optim(0).wrapper_state() if self.meta.topology.zero_stage > 0 else {},
             "data_sampler": self.model_states(0).data_sampler(),
             "data_sampler_rng": self.meta.data_sampler_rng,
+            "data_loaders": read_loader_records(self.tag_dir, self.meta.save_id, self.ranks[0].verify),
         }
 
     def state_keys(self) -> list[str]:
