@@ -27,8 +27,8 @@ from ucp_deepspeed.sources.tags import prune, resume_tag
 DLRM = ROOT / "tests" / "workers" / "train_dlrm.py"
 TABLES = ("tables.0.weight", "tables.1.weight", "tables.2.weight")
 CASES = {  # name: (policy, extra options, saved at (dp, zero), resumed at (dp, zero))
-    "one_shot": ("one_shot", [], (2, 1), (1, 2)),
-    "incremental": ("incremental", [], (2, 2), (3, 1)),
+    "one_shot": ("one_shot", ["--loader", "480"], (2, 1), (1, 2)),  # an epoch of 10 steps, from a data loader
+    "incremental": ("incremental", ["--loader", "480"], (2, 2), (3, 1)),
     "intermittent": ("intermittent", [], (2, 1), (2, 3)),
     "quantized": ("intermittent", ["--bits", "4", "--method", "adaptive"], (2, 3), (1, 1)),  # saved from ZeRO-3
 }
@@ -36,7 +36,7 @@ CASES = {  # name: (policy, extra options, saved at (dp, zero), resumed at (dp, 
 
 def _job(ckpt: Path, policy: str, extra: list[str], zero: int, steps: int) -> list[str]:
     options = ["--policy", policy, "--zero", str(zero), "--steps", str(steps), "--keep", "10", "--snapshots"]
-    return ["train", "--ckpt-dir", str(ckpt), *options, *extra]
+    return ["train", "--ckpt-dir", str(ckpt), *options, "--results", f"{ckpt}.json", *extra]
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +83,18 @@ def resumed(saved: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
 
 # the default run resumes the cases that resume at one rank (one launch); the others take a launch per world size
 RESUMES = [pytest.param(n, marks=[pytest.mark.slow] if CASES[n][3][0] != 1 else []) for n in CASES]
+
+
+@pytest.mark.parametrize("name", [n for n in RESUMES if "--loader" in CASES[n.values[0]][1]])
+def test_resumed_dlrm_continues_its_data_at_another_size(saved, resumed, name):
+    """Check-N-Run's DLRM job reading a StatefulDataLoader over a DistributedSampler, saved at 2 ranks after 8 of an
+    epoch's 10 steps and resumed at 1 (3 with -m slow): every step, before and after, trains on the next global batch
+    of the sampler's permutation, so the epoch covers each of its 480 samples once."""
+    before = json.loads(Path(f"{saved[name]}.json").read_text())["log"]
+    after = json.loads(Path(f"{resumed(name, False)}.json").read_text())["log"]
+    order = torch.randperm(480, generator=torch.Generator().manual_seed(11)).tolist()  # DistributedSampler's, epoch 0
+    expected = [sorted(order[s * 48 : (s + 1) * 48]) for s in range(10)]
+    assert [sorted(e["ids"]) for e in before + after] == expected
 
 
 @pytest.mark.parametrize("name", RESUMES)

@@ -9,6 +9,10 @@ follow a Zipf law (so a few rows are hot and most are rarely touched), and the l
 fixed random "teacher" over the same features, so the model has something to learn. Every
 data-parallel size sees the same global batches.
 
+With --loader N the samples come from a dataset of N instead, through torchdata's `StatefulDataLoader` over a
+`DistributedSampler`, whose position every save keeps and every resume continues; the log records each step's sample
+ids.
+
 Rank 0 logs `step N loss L auc A world W` and, with --results, writes a JSON report. With
 --snapshots it stores the full fp32 weights and optimizer states at every save and after a resume.
 """
@@ -32,6 +36,7 @@ from ucp_deepspeed.sources import list_tags
 
 DENSE = 8
 BAG = 3  # lookups per table per sample
+LOADER_SEED = 11
 
 
 class DLRM(torch.nn.Module):
@@ -62,10 +67,9 @@ def zipf_ids(g: torch.Generator, n: int, rows: int, alpha: float) -> torch.Tenso
     return (ranks * 2654435761) % rows  # a fixed permutation (the multiplier is prime): spreads hot rows
 
 
-def batch(step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's share of global batch `step`: dense features, ids, labels."""
-    g = torch.Generator().manual_seed(10_000 + step)
-    n = args.batch
+def draw(seed: int, n: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`n` samples from a generator seeded with `seed`: dense features, ids, labels."""
+    g = torch.Generator().manual_seed(seed)
     dense = torch.randn(n, DENSE, generator=g)
     ids = torch.stack([torch.stack([zipf_ids(g, n, rows, args.alpha) for _ in range(BAG)], 1) for rows in args.rows], 1)
     teacher = torch.Generator().manual_seed(7)
@@ -75,10 +79,38 @@ def batch(step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tens
         row_value = torch.randn(rows, generator=teacher)
         score = score + row_value[ids[:, t]].sum(1) * 0.5
     labels = (score + 0.5 * torch.randn(n, generator=g) > 0).float()
+    return dense, ids, labels
+
+
+def batch(step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's share of global batch `step`: dense features, ids, labels."""
+    dense, ids, labels = draw(10_000 + step, args.batch, args)
     dp, rank = dist.get_world_size(), dist.get_rank()
-    per = n // dp
+    per = args.batch // dp
     part = slice(rank * per, (rank + 1) * per)
     return dense[part], ids[part], labels[part]
+
+
+class Records(torch.utils.data.Dataset):
+    """--loader N: N samples, sample i drawn from its own seed, with its index."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def __len__(self) -> int:
+        return self.args.loader
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        dense, ids, labels = draw(3_000_000 + i, 1, self.args)
+        return dense[0], ids[0], labels[0], torch.tensor(i)
+
+
+def data_loader(args: argparse.Namespace):
+    """torchdata's StatefulDataLoader over a shuffling DistributedSampler: each rank's share of each global batch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sampler = torch.utils.data.DistributedSampler(Records(args), shuffle=True, seed=LOADER_SEED)
+    return StatefulDataLoader(Records(args), batch_size=args.batch // dist.get_world_size(), sampler=sampler)
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -174,6 +206,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="train without checkpoints (reference runs)")
     parser.add_argument("--stop-at", type=int, default=0, help="exit after this step (a simulated failure)")
     parser.add_argument("--results")
+    parser.add_argument("--loader", type=int, default=0, help="samples of a dataset read through a StatefulDataLoader")
     parser.add_argument("--local_rank", type=int, help="set by the deepspeed launcher; unused")
     common.add_each(parser)
     jobs = common.runs(parser)
@@ -193,9 +226,10 @@ def put(obj: object, location: str) -> None:
 def run(args: argparse.Namespace) -> None:
     """Train (resuming from the newest complete tag of --ckpt-dir if there is one), saving as configured."""
     engine = build(args)
+    loader = data_loader(args) if args.loader else None
     resumed = None
     if not args.no_save and list_tags(args.ckpt_dir):
-        engine.load_checkpoint(args.ckpt_dir)
+        engine.load_checkpoint(args.ckpt_dir, data_loader=loader)
         report = engine.ucp_last_load
         resumed = {
             "step": engine.global_steps,
@@ -212,8 +246,15 @@ def run(args: argparse.Namespace) -> None:
                 put(snap, st.join(args.ckpt_dir, f"resumed_step{engine.global_steps}.pt"))
     log, saves = [], []
     step_time = 0.0
+    batches = iter(loader) if loader is not None else None
     while engine.global_steps < args.steps:
-        dense, ids, labels = batch(engine.global_steps, args)
+        seen: list[list[int]] = []
+        if loader is not None:
+            dense, ids, labels, index = next(batches)
+            seen = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(seen, index.tolist())
+        else:
+            dense, ids, labels = batch(engine.global_steps, args)
         start = time.perf_counter()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(engine(dense, ids), labels)
         engine.backward(loss)
@@ -222,7 +263,7 @@ def run(args: argparse.Namespace) -> None:
         total = loss.detach().clone()
         dist.all_reduce(total)
         mean = total.item() / dist.get_world_size()
-        log.append({"step": engine.global_steps, "loss": mean})
+        log.append({"step": engine.global_steps, "loss": mean, "ids": [i for part in seen for i in part]})
         if dist.get_rank() == 0:
             print(f"step {engine.global_steps} loss {mean:.6f} world {dist.get_world_size()}", flush=True)
         if not args.no_save and engine.global_steps % args.ckpt_every == 0:
@@ -232,7 +273,7 @@ def run(args: argparse.Namespace) -> None:
                     st.makedirs(args.ckpt_dir)
                     put(snap, st.join(args.ckpt_dir, f"saved_step{engine.global_steps}.pt"))
             start = time.perf_counter()
-            engine.save_checkpoint(args.ckpt_dir)
+            engine.save_checkpoint(args.ckpt_dir, data_loader=loader)
             seconds = time.perf_counter() - start
             tag_dir = st.join(args.ckpt_dir, f"global_step{engine.global_steps}")
             if dist.get_rank() == 0:
