@@ -89,3 +89,24 @@ def test_a_record_is_checked_field_by_field():
         resume_plan(bad, loader(), "ckpt/tag")
     with pytest.raises(TypeError, match="StatefulDataLoader"):
         capture(torch.utils.data.DataLoader(DATA))
+
+
+@pytest.mark.parametrize(
+    ("batch", "named"), [(32, "samples 256-383 are trained on again"), (64, "samples 384-511 are skipped")]
+)
+def test_a_changed_global_batch_names_the_samples_a_step_skipping_loader_misplaces(caplog, batch, named):
+    """8 steps of 48 saved, resumed at another global batch without a data_loader: one warning naming the samples a
+    loader that skips whole steps repeats (a smaller batch) or skips (a larger one)."""
+    import types
+
+    from ucp_deepspeed.runtime.checkpointer import _warn_if_steps_move
+
+    engine = types.SimpleNamespace(global_steps=8, global_samples=384, train_batch_size=lambda: batch)
+    with caplog.at_level("WARNING", logger="ucp_deepspeed"):
+        _warn_if_steps_move(engine)
+        _warn_if_steps_move(
+            types.SimpleNamespace(global_steps=8, global_samples=8 * batch, train_batch_size=lambda: batch)
+        )
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "a global batch of 48" in messages[0], messages
+    assert named in messages[0], messages

@@ -257,6 +257,8 @@ class UniversalCheckpointer:
             loaded = self._load(_location(load_dir), tag, flags)
         if loaded.report is not None:
             self.last_load = self.engine.ucp_last_load = loaded.report
+        if loaded.path is not None and flags.data_loader is None and tdist.get_rank() == 0:
+            _warn_if_steps_move(self.engine)
         if self.saver is not None and loaded.path is not None:
             # the weights now match the saver's chain only when the load restored one of its own tags
             self.saver.restored(loaded.manifest if loaded.report and loaded.report.kind is not None else None)
@@ -351,6 +353,33 @@ class _Loaded:
     report: LoadReport | None = None
     manifest: Manifest | None = None
     """The restored manifest, for the saver (ours loaded it)."""
+
+
+def _warn_if_steps_move(engine: Engine) -> None:
+    """Name the samples a loader that skips whole steps (the Hugging Face Trainer, Accelerate's `skip_first_batches`)
+    repeats or skips when the global batch changed: it starts at `steps * new batch` of the run's order, where the
+    saved run had consumed `global_samples`. DeepSpeed's own data sampler and a `data_loader` keep the sample
+    position instead."""
+    steps, consumed, batch = int(engine.global_steps), int(engine.global_samples), int(engine.train_batch_size())
+    if steps <= 0 or consumed == steps * batch or compat.data_sampler(engine) is not None:
+        return
+    start = steps * batch
+    lost = (
+        f"samples {consumed}-{start - 1} are skipped"
+        if start > consumed
+        else f"samples {start}-{consumed - 1} are trained on again"
+    )
+    log.warning(
+        "ucp: the checkpoint consumed %d samples in %d steps (a global batch of %d); this job's global batch is %d: a "
+        "data loader that skips whole steps (the Hugging Face Trainer, Accelerate's skip_first_batches) starts at "
+        "sample %d of the run's order, so %s; keep the global batch, or pass a StatefulDataLoader as data_loader",
+        consumed,
+        steps,
+        consumed // steps,
+        batch,
+        start,
+        lost,
+    )
 
 
 def checkpointer_of(engine: Engine) -> UniversalCheckpointer | None:
