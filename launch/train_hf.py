@@ -1,16 +1,19 @@
 """An unmodified Hugging Face Trainer (or Accelerate) job on DeepSpeed, with ucp_deepspeed installed.
 
-    train --out DIR --zero Z --steps N --save-steps K [--resume CHECKPOINT] [--arch llama --sp P] [--no-install]
+    train --out DIR --zero Z --steps N --save-steps K [--resume CHECKPOINT] [--global-batch B]
+          [--arch llama --sp P] [--no-install]
     accelerate --out DIR --zero Z --steps N --save-at K [--resume STATE_DIR]
 
 The script is an ordinary Trainer script except for `ucp_deepspeed.install()` at the top (and the
 probes the tests read). A tiny GPT-2 built from a config (no hub) trains on deterministic
-Markov-chain tokens. The global batch is 6 sequences at every world size: per-device batch
-6 / (world x gradient accumulation steps).
+Markov-chain tokens. The global batch is 6 sequences at every world size (--global-batch):
+per-device batch 6 / (world x gradient accumulation steps).
 
 Probes, written by rank 0 into DIR: `losses.json` (global-mean loss per step), and a snapshot of
 the full fp32 weights, every Adam state and counters at each save (`saved_step<K>.pt`) and right
 after a resume (`resumed_step<K>.pt`), gathered over ZeRO partitions with DeepSpeed's own helpers.
+Each rank of a Trainer job writes `samples_rank<R>.json`: the dataset index of every sequence it
+trained on, by step.
 """
 
 from __future__ import annotations
@@ -126,6 +129,14 @@ def do_train(args: argparse.Namespace) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     losses: dict[int, float] = {}
+    data = dataset()
+    index = {tuple(row["input_ids"].tolist()): i for i, row in enumerate(data)}
+    samples: list[tuple[int, list[int]]] = []
+
+    def record(module, positional, kwargs):  # which sequences each forward trains on (-1: a sequence shard)
+        if module.training and kwargs.get("input_ids") is not None:
+            rows = [index.get(tuple(r.tolist()), -1) for r in kwargs["input_ids"]]
+            samples.append((trainer.state.global_step + 1, rows))
 
     class Probe(TrainerCallback):
         def on_log(self, targs, state, control, logs=None, **kw):
@@ -159,7 +170,7 @@ def do_train(args: argparse.Namespace) -> None:
         **extra,
         output_dir=args.out,
         # the sequence-parallel ranks of a group share one sample: the data-parallel size is world / sp
-        per_device_train_batch_size=GLOBAL_BATCH // (world // args.sp * args.grad_accum),
+        per_device_train_batch_size=args.global_batch // (world // args.sp * args.grad_accum),
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps,
         save_strategy="steps",
@@ -177,10 +188,14 @@ def do_train(args: argparse.Namespace) -> None:
         save_only_model=False,
         accelerator_config={"use_configured_state": configure_cpu_state()},
     )
-    trainer = Trainer(model=model(args.arch), args=targs, train_dataset=dataset(), callbacks=[Probe()])
+    net = model(args.arch)
+    net.register_forward_pre_hook(record, with_kwargs=True)
+    trainer = Trainer(model=net, args=targs, train_dataset=data, callbacks=[Probe()])
     trainer.train(resume_from_checkpoint=args.resume)
     import torch.distributed as dist
 
+    with open(os.path.join(args.out, f"samples_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(samples, f)
     if dist.get_rank() == 0:
         engine = trainer.model_wrapped
         report = getattr(engine, "ucp_last_load", None)
@@ -275,6 +290,7 @@ def main() -> None:
         default=1,
         help="train: gradient accumulation steps; the per-device batch shrinks to keep the global batch",
     )
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="train: sequences per step")
     parser.add_argument("--sp", type=int, default=1, help="train: Ulysses sequence-parallel size (ALST)")
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="train: the tiny model's kind")
     parser.add_argument("--no-install", action="store_true", help="leave ucp_deepspeed out (plain DeepSpeed)")

@@ -84,7 +84,20 @@ def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
     assert run["global_step"] == 8 and sorted(run["losses"], key=int) == ["5", "6", "7", "8"]
     for step, loss in run["losses"].items():
         assert abs(loss - uninterrupted[step]) <= LOSS_TOL, (step, loss, uninterrupted[step])
+    expected = _samples(source)
+    seen = [i for step in range(1, 9) for i in expected[step]]
+    assert len(set(seen)) == len(seen) == 48 and min(seen) >= 0, "the probe missed sequences, or saw one twice"
+    assert _samples(resumed) == {step: expected[step] for step in (5, 6, 7, 8)}, "other samples after the resume"
     return run
+
+
+def _samples(run: Path) -> dict[int, list[int]]:
+    """The sequences each step of a Trainer run trained on, over all its ranks (launch/train_hf.py's probe)."""
+    steps: dict[int, list[int]] = {}
+    for path in run.glob("samples_rank*.json"):
+        for step, rows in json.loads(path.read_text()):
+            steps.setdefault(step, []).extend(rows)
+    return {step: sorted(rows) for step, rows in sorted(steps.items())}
 
 
 @pytest.mark.parametrize(
@@ -98,7 +111,9 @@ def _check_resume(source: Path, resumed: Path, saved: str, live: str) -> dict:
 )
 def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, world, zero, accum):
     """`trainer.train(resume_from_checkpoint=...)` at 1 or 3 ranks or ZeRO-3, from a 2-rank ZeRO-2 checkpoint;
-    at 1 rank also with 2 accumulation steps of half the batch (the same global batch)."""
+    at 1 rank also with 2 accumulation steps of half the batch (the same global batch). Each step after the resume
+    trains on the sequences the uninterrupted run's did: the Trainer's seeded sampler draws one permutation at any
+    world size, and it skips the steps already taken."""
     source = trainer_runs["installed"]
     checkpoint = source / "checkpoint-4"
     assert (checkpoint / "global_step4" / "ucp_meta_mp_rank_00.json").is_file()
@@ -121,6 +136,18 @@ def test_trainer_resumes_at_another_world_size_or_stage(trainer_runs, tmp_path, 
     # for rng_state.pth and would restore nothing
     saved_rng = torch.load(checkpoint / "rng_state_0.pth", weights_only=False)["cpu"]
     assert torch.equal(torch.load(tmp_path / "rng_resumed.pt", weights_only=False), saved_rng)
+
+
+@pytest.mark.slow
+def test_trainer_at_another_global_batch_is_warned_of_the_samples_it_repeats(trainer_runs, tmp_path):
+    """Resumed with half the global batch, the Trainer skips 4 steps of 3 sequences: it trains on sequences 12-23 of
+    the permutation again, as the one warning says, and the first step after the resume is half of step 3's."""
+    source = trainer_runs["installed"]
+    cmd = ["train", "--out", str(tmp_path), "--resume", str(source / "checkpoint-4"), "--global-batch", "3"]
+    proc = torchrun(1, *cmd, worker=HF_WORKER)
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "a global batch of 6" in line]
+    assert len(said) == 1 and "samples 12-23 are trained on again" in said[0], said
+    assert set(_samples(tmp_path)[5]) < set(_samples(source)[3])
 
 
 @pytest.mark.slow  # the suite's budget; Ulysses resumes stay in the default run (test_hf_parallel.py)
