@@ -685,7 +685,8 @@ def test_stateful_loader_position(workers):
         loader = build()
         batches = iter(loader)
         next(batches), next(batches)
-        assert compat.samples_taken(loader.state_dict()) == (6, False), kind
+        assert compat.samples_taken(loader, loader.state_dict()) == (6, False), kind
+        assert compat.state_workers(loader.state_dict()) == workers
         assert compat.distributed_sampler(loader) is loader.sampler and compat.is_stateful_loader(loader)
         fresh = build()
         fresh.load_state_dict(compat.state_at(fresh, 7))

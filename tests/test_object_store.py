@@ -180,9 +180,14 @@ def test_an_engine_reaches_the_store_through_its_config_and_refuses_an_unserved_
     s3: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In this process: `storage_options` alone reach the store (no AWS_ENDPOINT_URL), an async save commits at the
-    next step, the same layout reads it back exactly, and a URL nothing serves is refused before anything is
-    written."""
+    next step, with its data loader's position, the same layout reads both back exactly, and a URL nothing serves is
+    refused before anything is written."""
     import inprocess
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(list(range(48)), batch_size=4, sampler=DistributedSampler(range(48), 1, 0, seed=3))
 
     inprocess.one_rank()
     bucket = s3.bucket()
@@ -191,17 +196,22 @@ def test_an_engine_reaches_the_store_through_its_config_and_refuses_an_unserved_
     engine = inprocess.build(1, universal={**options, "async_save": True})
     inprocess.train(engine, 2)
     run = f"s3://{bucket}/run"
-    engine.save_checkpoint(run)
+    saving = loader()
+    next(iter(saving))
+    engine.save_checkpoint(run, data_loader=saving)
     saved = inprocess.state(engine)
     assert not st.exists(f"{run}/latest")  # not before every upload is acknowledged and committed
     engine.wait_for_checkpoint()
-    assert st.read_text(f"{run}/latest") == "global_step2" and read_commit(f"{run}/global_step2") is not None
+    assert st.read_text(f"{run}/latest") == "global_step2"
+    commit = read_commit(f"{run}/global_step2")
+    assert commit is not None and "data_loader.pt" in dict(commit.objects)
     with pytest.raises(CheckpointError, match=r"nosuch://b/run: 'nosuch://' is not a storage scheme"):
         engine.save_checkpoint("nosuch://b/run")
     assert not Path("nosuch:").exists()
-    fresh = inprocess.build(1, seed=1, universal=options)
-    fresh.load_checkpoint(run)
+    fresh, resumed = inprocess.build(1, seed=1, universal=options), loader()
+    fresh.load_checkpoint(run, data_loader=resumed)
     assert fresh.ucp_last_load.mode == "same-layout" and inprocess.differences(saved, inprocess.state(fresh)) == []
+    assert [x for b in resumed for x in b.tolist()] == list(DistributedSampler(range(48), 1, 0, seed=3))[4:]
     engine.destroy()
     fresh.destroy()
 

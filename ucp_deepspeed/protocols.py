@@ -30,6 +30,7 @@ class Engine(Protocol):
     dp_world_size: int
     seq_dp_world_size: int
     seq_data_parallel_group: Any
+    data_parallel_group: Any
     checkpoint_mp_rank: int
     # replaced by `attach` with the checkpointer's own, so attributes rather than methods here
     save_checkpoint: Callable[..., Any]

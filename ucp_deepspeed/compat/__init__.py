@@ -35,6 +35,7 @@ from ucp_deepspeed.compat.deepspeed import (
     check_sampler,
     commit_decoupled_checkpoint,
     data_parallel_rank,
+    data_place,
     data_sampler,
     deepspeed_safe_globals,
     deepspeed_sees_megatron_moe,
@@ -84,6 +85,7 @@ from ucp_deepspeed.compat.torchdata import (
     loader_name,
     samples_taken,
     state_at,
+    state_workers,
 )
 from ucp_deepspeed.compat.transformers import (
     Hook,
@@ -149,6 +151,7 @@ __all__ = [
     "check_sampler",
     "commit_decoupled_checkpoint",
     "data_parallel_rank",
+    "data_place",
     "data_sampler",
     "deepspeed_safe_globals",
     "deepspeed_sees_megatron_moe",
@@ -190,6 +193,7 @@ __all__ = [
     "scalar_device",
     "sequence_parallel_size",
     "state_at",
+    "state_workers",
     "storage_dtype",
     "store_recovery_scripts",
     "trainer_rng_restore",

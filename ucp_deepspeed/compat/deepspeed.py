@@ -200,6 +200,15 @@ def data_parallel_rank(engine: Engine) -> int:
     return dist.get_rank(group=engine.seq_data_parallel_group)
 
 
+def data_place(engine: Engine) -> tuple[int, int]:
+    """This rank's index and the size of its data-parallel group without sequence parallelism: which of the streams
+    of different samples it reads (Ulysses' ranks of one group share their samples)."""
+    import torch.distributed as dist
+
+    group = engine.data_parallel_group
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
 class LayerFile(NamedTuple):
     """Where a `PipelineModule` saves one tensor of a layer: the layer file's name, and the tensor's key in it."""
 

@@ -27,14 +27,16 @@ def loader_name(loader: Any) -> str:
 
 
 def distributed_sampler(loader: Any) -> Any:
-    """The loader's `DistributedSampler` when it is map-style and batches by `batch_size` through torchdata's
-    `BatchSampler`, the one case whose position is a count of indices; None otherwise."""
+    """The loader's `DistributedSampler` (or torchdata's `StatefulDistributedSampler`, exactly: a subclass may draw
+    another order) when it is map-style and batches by `batch_size` through torchdata's `BatchSampler`, the one case
+    whose position is a count of indices; None otherwise."""
     from torch.utils.data import DistributedSampler, IterableDataset
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
     if isinstance(getattr(loader, "dataset", None), IterableDataset) or getattr(loader, "batch_size", None) is None:
         return None
     sampler = getattr(loader, "sampler", None)
-    return sampler if isinstance(sampler, DistributedSampler) else None
+    return sampler if type(sampler) in (DistributedSampler, StatefulDistributedSampler) else None
 
 
 def _main(state: dict[str, Any]) -> dict[str, Any]:
@@ -42,13 +44,22 @@ def _main(state: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def samples_taken(state: dict[str, Any]) -> tuple[int, bool]:
-    """How many indices the loader had taken from its sampler this epoch, and whether it had finished the epoch."""
+def samples_taken(loader: Any, state: dict[str, Any]) -> tuple[int, bool]:
+    """How many indices the map-style `loader` had handed to training this epoch, and whether it had finished the
+    epoch. With workers the state is the last snapshot and the batches yielded since it (`snapshot_every_n_steps`),
+    which a load fast-forwards; each of those is a whole batch but perhaps the epoch's last."""
     it = _main(state).get("_sampler_iter_state") or {}
     taken = it.get("samples_yielded", 0)
-    if type(taken) is not int:
-        raise ValueError(f"the loader's state counts {taken!r} samples")
-    return taken, bool(state.get("_iterator_finished", False))
+    since = state.get("_steps_since_snapshot", 0)
+    if type(taken) is not int or type(since) is not int:
+        raise ValueError(f"the loader's state counts {taken!r} samples and {since!r} steps since its snapshot")
+    return min(taken + since * loader.batch_size, len(loader.sampler)), bool(state.get("_iterator_finished", False))
+
+
+def state_workers(state: dict[str, Any]) -> int:
+    """The number of worker processes the loader that saved `state` had."""
+    workers = _main(state).get("_num_workers", 0) if "_snapshot" in state else 0
+    return workers if type(workers) is int else -1
 
 
 def state_at(loader: Any, samples: int) -> dict[str, Any]:

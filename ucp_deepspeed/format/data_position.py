@@ -7,9 +7,10 @@ own `state_dict()`, which resumes that rank at the same size whatever the loader
 N ranks that each took `samples` indices consumed exactly its first `N * samples`, and M ranks continue it when each
 skips `N * samples / M` of its own.
 
-In a tag folder the records are `data_loader/rank_<rank>.pt`, one per rank, written by that rank through DeepSpeed's
-checkpoint engine (so bound to the save like every other file); a universal folder keeps the list in `state.pt`
-(`TrainingState.data_loaders`).
+In a tag folder the records are one file, `data_loader.pt` (the list, by rank), written by rank 0 through DeepSpeed's
+checkpoint engine, so bound to the save like every other file; the tag's metadata says how many ranks it holds
+(`SaveMeta.data_loaders`), so a file left by an earlier save of the same tag is never read. A universal folder keeps
+the list in `state.pt` (`TrainingState.data_loaders`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,7 @@ from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
 
-LOADER_DIR = "data_loader"
-
-
-def loader_file(rank: int) -> str:
-    """A rank's data-loader record in a tag folder, relative to the tag."""
-    return f"{LOADER_DIR}/rank_{rank:05d}.pt"
+LOADER_FILE = "data_loader.pt"
 
 
 @dataclass(frozen=True)
@@ -61,6 +57,9 @@ class LoaderRecord:
 
     rank: int
     world: int
+    dp_rank: int
+    dp_size: int
+    """The engine's data-parallel rank and size: which stream of the data this rank's loader reads."""
     loader: str
     """The loader's and its dataset's class names, for messages."""
     state: dict[str, Any]
@@ -73,6 +72,8 @@ class LoaderRecord:
         return {
             "rank": self.rank,
             "world": self.world,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
             "loader": self.loader,
             "state": self.state,
             "order": asdict(self.order) if self.order is not None else None,
@@ -83,7 +84,7 @@ class LoaderRecord:
         """A record read from `where`, checked field by field."""
         if not isinstance(raw, dict):
             raise CheckpointError(where, f"a data-loader record is a {type(raw).__name__}, not a dict")
-        for key in ("rank", "world"):
+        for key in ("rank", "world", "dp_rank", "dp_size"):
             if type(raw.get(key)) is not int or raw[key] < 0:
                 raise CheckpointError(where, f"data-loader record: {key} {raw.get(key)!r} is not a rank count")
         if not isinstance(raw.get("loader"), str) or not isinstance(raw.get("state"), dict):
@@ -91,7 +92,15 @@ class LoaderRecord:
         order = raw.get("order")
         if order is not None:
             order = _order(order, where)
-        return cls(rank=raw["rank"], world=raw["world"], loader=raw["loader"], state=raw["state"], order=order)
+        return cls(
+            rank=raw["rank"],
+            world=raw["world"],
+            dp_rank=raw["dp_rank"],
+            dp_size=raw["dp_size"],
+            loader=raw["loader"],
+            state=raw["state"],
+            order=order,
+        )
 
 
 _ORDER_TYPES = {
@@ -115,6 +124,10 @@ def _order(raw: Any, where: str) -> GlobalOrder:
         if type(raw[key]) is not kind or (kind is int and key != "seed" and raw[key] < 0):
             raise CheckpointError(where, f"data-loader record: order {key} {raw[key]!r} is not a {kind.__name__}")
     return GlobalOrder(**raw)
+
+
+class DataPositionRefused(CheckpointError):
+    """A healthy checkpoint whose data position the given loader cannot continue: an older tag would not do better."""
 
 
 def checked_records(raw: Any, where: str) -> list[LoaderRecord]:

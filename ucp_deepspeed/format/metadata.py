@@ -146,6 +146,9 @@ class SaveMeta:
     data_sampler_rng: dict[str, Any] | None = None
     """The numpy generator state of DeepSpeed's data sampler (`np_rng`), which DeepSpeed's own `data_sampler` entry
     leaves out: without it a resumed sampler shuffles from its seed again."""
+    data_loaders: int | None = None
+    """How many ranks' data-loader records the tag's `data_loader.pt` holds (`format.data_position`); None when the
+    save was given no data loader (a file an earlier save of the tag left is then not read)."""
     version: int = META_VERSION
 
     def to_json(self) -> str:
@@ -181,10 +184,17 @@ class SaveMeta:
                 hf_config=_object(raw.get("hf_config"), "hf_config"),
                 optimizer=check_optimizer_record(raw.get("optimizer")),
                 data_sampler_rng=_object(raw.get("data_sampler_rng"), "data_sampler_rng"),
+                data_loaders=_count(raw.get("data_loaders"), "data_loaders"),
                 version=raw["version"],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(path, f"metadata is missing or has malformed fields ({exc})") from None
+
+
+def _count(value: Any, what: str) -> int | None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{what} is {value!r}, not a rank count")
+    return value
 
 
 def _object(value: Any, what: str) -> dict[str, Any] | None:

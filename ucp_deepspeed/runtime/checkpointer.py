@@ -37,7 +37,7 @@ import torch.distributed as tdist
 from ucp_deepspeed import compat
 from ucp_deepspeed.convert.output import remove_output
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.data_position import loader_file
+from ucp_deepspeed.format.data_position import LOADER_FILE, DataPositionRefused
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import write_meta
 from ucp_deepspeed.format.paths import LATEST
@@ -52,6 +52,8 @@ from ucp_deepspeed.runtime.collective import (
     barrier,
     coordinated,
     coordination_group,
+    every_rank,
+    failure_of,
     from_rank0,
     guarded,
     on_rank0,
@@ -149,15 +151,16 @@ class UniversalCheckpointer:
         client_state = client_state or {}
         tag = str(f"global_step{engine.global_steps}" if tag is None else tag)
         save_id = f"{self._run_id}-{next(self._saves)}"
-        loader = capture(data_loader) if data_loader is not None else None
+        records, loaders = self._loader_records(data_loader)
         if self.saver is not None:
-            records = to_rank0(loader.encode() if loader is not None else None)
-            kept = records if records is not None and all(r is not None for r in records) else None
-            self.saver.save(engine, save_dir, tag, client_state, save_latest, save_id, data_loaders=kept)
+            extra = {"data_loaders": records} if loaders is not None else {}
+            self.saver.save(engine, save_dir, tag, client_state, save_latest, save_id, **extra)
             self._retain(save_dir)
             return True
         self.files.save_id = save_id
-        meta = dataclasses.replace(describe(engine, tuple(client_state), self.hf_config), save_id=save_id)
+        meta = dataclasses.replace(
+            describe(engine, tuple(client_state), self.hf_config), save_id=save_id, data_loaders=loaders
+        )
         if exclude_frozen_parameters:
             meta = dataclasses.replace(
                 meta, extras=tuple(e for e in meta.extras if e.kind != "frozen"), frozen_excluded=True
@@ -178,10 +181,13 @@ class UniversalCheckpointer:
                 if url:
                     self.files.uploaded(path, st.size(path))
         try:
-            if loader is not None:  # through the checkpoint engine: bound to the save, on a store or async alike
-                path = st.join(tag_dir, loader_file(loader.rank))
-                engine.checkpoint_engine.makedirs(st.dirname(path), exist_ok=True)
-                engine.checkpoint_engine.save(loader.encode(), path)
+            if loaders is not None:  # rank 0, through the checkpoint engine: bound to the save, on a store or not
+
+                def write() -> None:
+                    engine.checkpoint_engine.makedirs(tag_dir, exist_ok=True)
+                    engine.checkpoint_engine.save(records, st.join(tag_dir, LOADER_FILE))
+
+                on_rank0(write)
             saved = self._native_save(
                 save_dir,
                 tag=tag,
@@ -199,6 +205,30 @@ class UniversalCheckpointer:
         else:
             self._retain(save_dir)
         return saved
+
+    def _loader_records(self, data_loader: Any) -> tuple[list[dict[str, Any]] | None, int | None]:
+        """Every rank's data-loader record on rank 0 (None elsewhere), and on every rank how many there are (None when
+        no rank was given a loader); a rank that fails to say where its loader stands, or a loader given on some
+        ranks only, fails the save on every rank (collective)."""
+        mine: tuple[dict[str, Any] | None, tuple[str, str] | None]
+        try:
+            mine = (capture(self.engine, data_loader).encode() if data_loader is not None else None, None)
+        except Exception as exc:
+            mine = (None, failure_of(exc))
+        gathered = to_rank0(mine)
+
+        def count() -> tuple[int | None, tuple[str, str] | None]:
+            assert gathered is not None  # rank 0
+            failure = next((f for _, f in gathered if f is not None), None)
+            given = [i for i, (r, _) in enumerate(gathered) if r is not None]
+            if failure is None and given and len(given) != len(gathered):
+                failure = ("data_loader", f"given on ranks {given[:8]} only: every rank passes its own loader, or none")
+            return (len(gathered) if given else None), failure
+
+        loaders, failure = from_rank0(count() if tdist.get_rank() == 0 else None)
+        if failure is not None:
+            raise CheckpointError(*failure)
+        return ([r for r, _ in gathered] if gathered is not None and loaders is not None else None), loaders
 
     def _start_on_store(self, tag_dir: str, spread: Spread | None) -> None:
         """Where this save's objects go, until the commit: over the key prefixes, or into the tag folder (`io/spread`).
@@ -290,6 +320,8 @@ class UniversalCheckpointer:
             try:
                 source = self.planner.tag(load_dir, resolve_tag(load_dir, picked), checked=True, flags=flags)
                 loaded = self._read(source, flags)
+            except DataPositionRefused:
+                raise  # the tag is healthy: the caller's loader cannot continue it
             except CheckpointError as exc:
                 failures.append(exc)
                 refused.append(picked)
@@ -305,7 +337,11 @@ class UniversalCheckpointer:
         if source.mode is LoadMode.NATIVE:
             self.files.expect(source.path, source.expect_save_id)
             place = self._data_plan(
-                flags, lambda: read_loader_records(source.path, source.expect_save_id, self.options.verify), source.path
+                flags,
+                lambda: read_loader_records(
+                    source.path, source.data_loaders, source.expect_save_id, self.options.verify
+                ),
+                source.path,
             )
             with self.gate.writing(source.path):  # DeepSpeed writes as it reads: it cannot be staged
                 path, client = self._deepspeed_load(st.dirname(source.path), st.basename(source.path), flags)
@@ -329,11 +365,20 @@ class UniversalCheckpointer:
 
     def _data_plan(self, flags: LoadFlags, saved: Callable[[], Any], where: str) -> Callable[[], None]:
         """What the load does to the caller's data loader once the engine has loaded, decided before anything is
-        loaded; a refusal on any rank refuses the load on every rank (collective when there is a loader)."""
+        loaded (collective). Records that fail to read fail the tag, as any damaged file does; a loader that cannot
+        continue them refuses the load on every rank (`DataPositionRefused`: an older tag would do no better)."""
         loader = flags.data_loader
-        if loader is None:
+        given = every_rank(loader is not None)
+        if not any(given):
             return lambda: None
-        plan: Callable[[], None] = guarded(lambda: resume_plan(saved(), loader, where))
+        if not all(given):
+            ranks = [r for r, g in enumerate(given) if g][:8]
+            raise DataPositionRefused("data_loader", f"given on ranks {ranks} only: every rank passes its own, or none")
+        records = guarded(saved)
+        try:
+            plan: Callable[[], None] = guarded(lambda: resume_plan(records, loader, self.engine, where))
+        except CheckpointError as exc:
+            raise DataPositionRefused(exc.path, exc.reason) from exc
         return plan
 
     def _deepspeed_load(self, load_dir: str, tag: str | None, flags: LoadFlags) -> Any:
@@ -361,7 +406,8 @@ def _warn_if_steps_move(engine: Engine) -> None:
     saved run had consumed `global_samples`. DeepSpeed's own data sampler and a `data_loader` keep the sample
     position instead."""
     steps, consumed, batch = int(engine.global_steps), int(engine.global_samples), int(engine.train_batch_size())
-    if steps <= 0 or consumed == steps * batch or compat.data_sampler(engine) is not None:
+    # no samples counted: a source that keeps only steps (a PyTorch DCP import)
+    if steps <= 0 or consumed <= 0 or consumed == steps * batch or compat.data_sampler(engine) is not None:
         return
     start = steps * batch
     lost = (

@@ -142,6 +142,13 @@ def from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def every_rank(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (collective)."""
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, obj, group=_group())
+    return found
+
+
 def everywhere(flag: bool) -> bool:
     """True when `flag` holds on every rank (collective)."""
     flags: list[Any] = [None] * dist.get_world_size()

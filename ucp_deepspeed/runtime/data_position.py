@@ -3,10 +3,11 @@
 A save given `data_loader=` keeps every rank's `LoaderRecord` (`format.data_position`). A load given one decides,
 before the engine is touched, what the loader gets:
 
-- the same ranks, each with its own sampler rank: its own saved state, whatever the loader (iterable datasets too);
-- another data-parallel size, for a map-style loader over a `DistributedSampler`: a state that skips this rank's
-  share of the global order the saved ranks consumed, with the sampler's epoch;
-- anything else is refused, naming the loader, with the engine as it was.
+- a map-style loader over a `DistributedSampler`, at any data-parallel size: a state that skips this rank's share of
+  the global order the saved ranks consumed, with the sampler's epoch (the next epoch, if they had finished theirs);
+- any other loader, on a rank in the same place (the same world, data-parallel rank and size, and number of workers):
+  its own saved state;
+- anything else is refused (`DataPositionRefused`), naming the loader, with the engine as it was.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ucp_deepspeed import compat
-from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.data_position import GlobalOrder, LoaderRecord, checked_records
+from ucp_deepspeed.format.data_position import DataPositionRefused, GlobalOrder, LoaderRecord, checked_records
+from ucp_deepspeed.protocols import Engine
 
 log = logging.getLogger("ucp_deepspeed")
 
 
-def capture(loader: Any) -> LoaderRecord:
+def capture(engine: Engine, loader: Any) -> LoaderRecord:
     """This rank's loader, as a save keeps it."""
     if not compat.is_stateful_loader(loader):
         raise TypeError(
@@ -36,10 +37,17 @@ def capture(loader: Any) -> LoaderRecord:
     sampler = compat.distributed_sampler(loader)
     order = None
     if sampler is not None:
-        taken, finished = compat.samples_taken(state)
+        taken, finished = compat.samples_taken(loader, state)
         order = dataclasses.replace(_order_of(sampler), samples=taken, finished=finished)
+    dp_rank, dp_size = compat.data_place(engine)
     return LoaderRecord(
-        rank=dist.get_rank(), world=dist.get_world_size(), loader=compat.loader_name(loader), state=state, order=order
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        loader=compat.loader_name(loader),
+        state=state,
+        order=order,
     )
 
 
@@ -58,87 +66,79 @@ def _order_of(sampler: Any) -> GlobalOrder:
     )
 
 
-def resume_plan(saved: Any, loader: Any, where: str) -> Callable[[], None]:
-    """What to do to this rank's `loader` once the load has committed; raises `CheckpointError` if it cannot continue
-    where the saved ranks stood. `saved` is the checkpoint's list of records (None when the save kept none)."""
+def resume_plan(saved: Any, loader: Any, engine: Engine, where: str) -> Callable[[], None]:
+    """What to do to this rank's `loader` once the load has committed; raises `DataPositionRefused` if it cannot
+    continue where the saved ranks stood. `saved` is the checkpoint's list of records (None when the save kept none)."""
     name = compat.loader_name(loader)
     if saved is None:
         log.warning("ucp: %s holds no data-loader state; %s starts its epoch from the beginning", where, name)
         return lambda: None
-    records = checked_records(saved, where)
+    try:
+        records = checked_records(saved, where)
+    except DataPositionRefused:
+        raise
+    except Exception as exc:
+        raise DataPositionRefused(where, str(getattr(exc, "reason", exc))) from None
     sampler = compat.distributed_sampler(loader)
-    live = _order_of(sampler) if sampler is not None else None
-    if records[0].world == dist.get_world_size():
-        mine = records[dist.get_rank()]
-        if (
-            mine.order is None
-            or live is None
-            or (mine.order.num_replicas, mine.order.rank)
-            == (
-                live.num_replicas,
-                live.rank,
-            )
-        ):
-            _same_order(mine.order, live, name, where)
-            return _install(loader, sampler, mine.state, mine.order)
-    return _reshard(records, loader, sampler, live, name, where)
+    if sampler is not None and all(r.order is not None for r in records):
+        return _continue_order(records, loader, sampler, name, where)
+    mine = records[dist.get_rank()] if records[0].world == dist.get_world_size() else None
+    place = compat.data_place(engine)
+    workers = getattr(loader, "num_workers", 0)
+    if mine is not None and (mine.dp_rank, mine.dp_size) == place and compat.state_workers(mine.state) == workers:
+        return _install(loader, None, mine.state, None)
+    saved_at = (
+        f"saved by {records[0].world} ranks at data-parallel size {records[0].dp_size} with "
+        f"{compat.state_workers(records[0].state)} workers"
+    )
+    raise DataPositionRefused(
+        where,
+        f"{records[0].loader}, {saved_at}, continues only on a rank in the same place (here: data-parallel rank "
+        f"{place[0]} of {place[1]}, {workers} workers): only a map-style loader over a DistributedSampler, batched by "
+        "batch_size, has a global order to continue elsewhere (an iterable dataset's position is its own state); "
+        "resume in the saved layout, or load without data_loader to start the epoch again",
+    )
 
 
-def _reshard(
-    records: list[LoaderRecord], loader: Any, sampler: Any, live: GlobalOrder | None, name: str, where: str
+def _continue_order(
+    records: list[LoaderRecord], loader: Any, sampler: Any, name: str, where: str
 ) -> Callable[[], None]:
     """The state that continues the saved ranks' global order at this rank's sampler (see the module docstring)."""
-    saved_at = f"saved by {records[0].world} ranks"
-    orders = [r.order for r in records]
+    orders = [r.order for r in records if r.order is not None]
     first = orders[0]
-    if live is None or first is None or any(o is None for o in orders):
-        kept = records[0].loader if first is None else name
-        raise CheckpointError(
-            where,
-            f"{kept}, {saved_at}, cannot continue at another data-parallel size: only a map-style loader over a "
-            "DistributedSampler, batched by batch_size, has a global order to continue (an iterable dataset's "
-            "position is its own state); resume at the saved size, or load without data_loader to start the epoch "
-            "again",
-        )
     for record, order in zip(records, orders):
-        assert order is not None  # checked above
         differs = first.same_order(order) or (
             None if order.num_replicas == first.num_replicas else f"num_replicas {order.num_replicas}"
         )
         if differs is not None:
-            raise CheckpointError(where, f"{name}: saved rank {record.rank} drew from another order ({differs})")
+            raise DataPositionRefused(where, f"{name}: saved rank {record.rank} drew from another order ({differs})")
         if order.samples != first.samples:
-            raise CheckpointError(
+            raise DataPositionRefused(
                 where,
                 f"{name}: the saved ranks stood at different positions (rank 0 had taken {first.samples} samples, "
                 f"rank {record.rank} {order.samples}), so no global position continues them",
             )
-    _same_order(first, live, name, where)
-    if all(o.finished for o in orders if o is not None):
-        return _install(loader, sampler, None, first)  # the epoch was over: the next one starts from its beginning
+    live = _order_of(sampler)
+    differs = first.same_order(dataclasses.replace(live, epoch=first.epoch))  # the epoch is the saved one's to set
+    if differs is not None:
+        raise DataPositionRefused(where, f"{name}: saved over another data order than the live sampler's: {differs}")
     consumed = first.samples * first.num_replicas
+    if all(o.finished for o in orders) or consumed >= min(first.dataset_len, len(sampler) * live.num_replicas):
+        # the epoch was over (into the sampler's padding, or all this size's sampler hands out): the next one starts
+        return _install(loader, sampler, None, first.epoch + 1)
     if consumed % live.num_replicas:
-        raise CheckpointError(
+        raise DataPositionRefused(
             where,
             f"{name}: the {consumed} samples the {first.num_replicas} saved data-parallel ranks took do not split "
             f"evenly over {live.num_replicas} ranks, so no state continues the global order at this size",
         )
-    return _install(loader, sampler, compat.state_at(loader, consumed // live.num_replicas), first)
+    return _install(loader, sampler, compat.state_at(loader, consumed // live.num_replicas), first.epoch)
 
 
-def _same_order(saved: GlobalOrder | None, live: GlobalOrder | None, name: str, where: str) -> None:
-    """Refuse a saved order that is not the live sampler's permutation (the epoch is the saved one's to set)."""
-    if saved is None or live is None:
-        return
-    differs = saved.same_order(dataclasses.replace(live, epoch=saved.epoch))
-    if differs is not None:
-        raise CheckpointError(where, f"{name}: saved over another data order than the live sampler's: {differs}")
-
-
-def _install(loader: Any, sampler: Any, state: dict[str, Any] | None, order: GlobalOrder | None) -> Callable[[], None]:
+def _install(loader: Any, sampler: Any, state: dict[str, Any] | None, epoch: int | None) -> Callable[[], None]:
     def install() -> None:
-        if order is not None and sampler is not None:
-            sampler.set_epoch(order.epoch)
+        if epoch is not None:
+            sampler.set_epoch(epoch)
         if state is not None:
             loader.load_state_dict(state)
 

@@ -111,6 +111,8 @@ class Source:
     """DeepSpeed's own load: the user's client_state keys (DeepSpeed mixes its bookkeeping in)."""
     hf_config: dict[str, Any] | None = None
     expect_save_id: str = ""
+    data_loaders: int | None = None
+    """DeepSpeed's own load: how many ranks' data-loader records the tag holds (`SaveMeta.data_loaders`)."""
     discard: str | None = None
     """A converted copy to remove after the load (`keep: false`)."""
 
@@ -180,6 +182,7 @@ class LoadPlanner:
                 client_keys=meta.client_state_keys,
                 hf_config=meta.hf_config,
                 expect_save_id=meta.save_id,
+                data_loaders=meta.data_loaders,
             )
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
         if flags.custom_load_fn is not None:

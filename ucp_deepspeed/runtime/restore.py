@@ -49,7 +49,7 @@ _NON_PARAM_KEYS = ("params", "name", "moe")
 
 @dataclass(frozen=True)
 class LoadFlags:
-    """The `load_checkpoint` arguments that shape what is restored, as DeepSpeed names them."""
+    """The `load_checkpoint` arguments that shape what is restored, as DeepSpeed names them, and ours."""
 
     module_strict: bool = True
     optimizer_states: bool = True

@@ -5,27 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.data_position import LOADER_DIR, checked_records
+from ucp_deepspeed.format.data_position import LOADER_FILE, checked_records
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import TorchFile, plain
 
 
-def read_loader_records(tag_dir: str, save_id: str | None, verify: bool = True) -> list[dict[str, Any]] | None:
-    """Every rank's data-loader record of a tag, checked and in rank order; None when the save kept none.
+def read_loader_records(
+    tag_dir: str, ranks: int | None, save_id: str, verify: bool = True
+) -> list[dict[str, Any]] | None:
+    """Every rank's data-loader record of a tag, checked and in rank order; None when its metadata records none
+    (`ranks`: `SaveMeta.data_loaders`).
 
-    Each file must carry the tag's save id (when the save recorded one), like DeepSpeed's own files of the tag."""
-    folder = st.join(tag_dir, LOADER_DIR)
-    if not st.isdir(folder):
+    The file must carry the tag's save id (when the save recorded one), like DeepSpeed's own files of the tag."""
+    if ranks is None:
         return None
-    raw = []
-    for path in st.glob(folder, "rank_*.pt"):
-        with TorchFile(path, verify) as opened:
-            if save_id and opened.save_id != save_id:
-                found = f"save id {opened.save_id}" if opened.save_id else "no save id"
-                raise CheckpointError(
-                    path,
-                    f"belongs to another save: it carries {found}, and the metadata of this tag records save id "
-                    f"{save_id} (a file copied from another run or step?)",
-                )
-            raw.append(plain(opened.obj))
-    return [r.encode() for r in checked_records(raw, folder)]
+    path = st.join(tag_dir, LOADER_FILE)
+    if not st.isfile(path):
+        raise CheckpointError(path, f"the tag's metadata records the data loaders of {ranks} ranks, but not this file")
+    with TorchFile(path, verify) as opened:
+        if save_id and opened.save_id != save_id:
+            found = f"save id {opened.save_id}" if opened.save_id else "no save id"
+            raise CheckpointError(
+                path,
+                f"belongs to another save: it carries {found}, and the metadata of this tag records save id "
+                f"{save_id} (a file copied from another run or step?)",
+            )
+        records = checked_records(plain(opened.obj), path)
+    if len(records) != ranks:
+        raise CheckpointError(path, f"holds the data loaders of {len(records)} ranks; the metadata records {ranks}")
+    return [r.encode() for r in records]

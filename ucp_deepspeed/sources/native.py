@@ -14,6 +14,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.data_position import LOADER_FILE
 from ucp_deepspeed.format.metadata import (
     FP32,
     ExtraTensor,
@@ -535,7 +536,8 @@ class NativeCheckpoint(st.Closeable):
     def source_files(self) -> list[str]:
         """Every file conversion reads, for fingerprinting."""
         metas = [] if self.inferred else [st.join(self.tag_dir, meta_filename(r)) for r in range(len(self.ranks))]
-        return [p for rank in self.ranks for p in rank.needed] + metas
+        loaders = [st.join(self.tag_dir, LOADER_FILE)] if self.meta.data_loaders is not None else []
+        return [p for rank in self.ranks for p in rank.needed] + metas + loaders
 
     def verify(self) -> list[str]:
         """Every problem with the tag's files: missing, unreadable, a record failing its zip CRC-32, or a swap file
@@ -602,7 +604,9 @@ class NativeCheckpoint(st.Closeable):
             "optimizer_wrapper": self.optim(0).wrapper_state() if self.meta.topology.zero_stage > 0 else {},
             "data_sampler": self.model_states(0).data_sampler(),
             "data_sampler_rng": self.meta.data_sampler_rng,
-            "data_loaders": read_loader_records(self.tag_dir, self.meta.save_id, self.ranks[0].verify),
+            "data_loaders": read_loader_records(
+                self.tag_dir, self.meta.data_loaders, self.meta.save_id, self.ranks[0].verify
+            ),
         }
 
     def state_keys(self) -> list[str]:
