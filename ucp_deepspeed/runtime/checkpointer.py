@@ -374,7 +374,7 @@ class UniversalCheckpointer:
         if not all(given):
             ranks = [r for r, g in enumerate(given) if g][:8]
             raise DataPositionRefused("data_loader", f"given on ranks {ranks} only: every rank passes its own, or none")
-        records = guarded(saved)
+        records = from_rank0(guarded(saved if tdist.get_rank() == 0 else lambda: None))  # one read, not one per rank
         try:
             plan: Callable[[], None] = guarded(lambda: resume_plan(records, loader, self.engine, where))
         except CheckpointError as exc:
