@@ -4,7 +4,8 @@ on, in the same order, with the same losses; the epoch covers every sample once.
 
 One launch per world size: the 2-rank launch saves, runs on uninterrupted, and resumes at its own size; the 1- and
 4-rank launches reshard, the 1-rank one also from `ucp convert`'s universal folder of the same checkpoint and into a
-job whose cluster folder lacks the saved clusters (refused).
+job whose cluster folder lacks the saved clusters (refused). torchdata's `StatefulDataLoader` runs in the same
+launches. The 4-rank launch (M > N) runs with `-m slow`, for the suite's budget.
 """
 
 from __future__ import annotations
@@ -40,24 +41,44 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         *("--each", f"{loaders} --source {loader_universal}"),
         worker=WORKER,
     )
-    torchrun(4, "load", "--out", str(out), "--each", loaders, worker=WORKER)
     saved = json.loads((out / "saved.json").read_text())
     resumed = {
         label: json.loads((out / f"{name}{world}.json").read_text())["resumed"]
-        for label, name, world in (("1", "resumed", 1), ("4", "resumed", 4), ("1, converted", "converted", 1))
+        for label, name, world in (("1", "resumed", 1), ("1, converted", "converted", 1))
     }
-    found = {"2": saved, **{label: {**saved, "resumed": r} for label, r in resumed.items()}}
+    found = {"out": out, "2": saved, **{label: {**saved, "resumed": r} for label, r in resumed.items()}}
     found["refused"] = json.loads((out / "refused1.json").read_text())
     found["loaders"] = {
         "saved": json.loads((out / "loader-saved.json").read_text()),
-        **{str(w): json.loads((out / f"loader{w}.json").read_text()) for w in (1, 4)},
+        "1": json.loads((out / "loader1.json").read_text()),
     }
     return found
 
 
-@pytest.mark.parametrize("world", ["1", "2", "4", "1, converted"])
-def test_resumed_run_trains_on_the_batches_the_uninterrupted_run_did(runs, world):
-    run = runs[world]
+@pytest.fixture(scope="module")
+def runs4(runs: dict) -> dict[str, dict]:
+    """`runs`, with the resumes at 4 ranks (one more launch)."""
+    out = runs["out"]
+    torchrun(4, "load", "--out", str(out), "--each", f"loader-load --out {out}", worker=WORKER)
+    resumed = json.loads((out / "resumed4.json").read_text())["resumed"]
+    return {
+        **runs,
+        "4": {**runs["2"], "resumed": resumed},
+        "loaders": {**runs["loaders"], "4": json.loads((out / "loader4.json").read_text())},
+    }
+
+
+def _at(request: pytest.FixtureRequest, world: str) -> dict:
+    """The runs a check at `world` ranks reads: the 4-rank launch only when a check asks for it."""
+    return request.getfixturevalue("runs4" if world.startswith("4") else "runs")
+
+
+WORLDS = ["1", "2", pytest.param("4", marks=pytest.mark.slow), "1, converted"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_resumed_run_trains_on_the_batches_the_uninterrupted_run_did(request, world):
+    run = _at(request, world)[world]
     after, resumed = run["after"], run["resumed"]
     assert [s["ids"] for s in resumed] == [s["ids"] for s in after], f"at {world} ranks"
     for mine, theirs in zip(resumed, after):
@@ -80,12 +101,13 @@ def _steps(run: list[dict]) -> list[list[int]]:
     return [sorted(step["ids"]) for step in run]
 
 
-@pytest.mark.parametrize("world", ["1", "2", "4", "1, converted"])
-def test_stateful_dataloader_continues_the_global_order(runs, world):
+@pytest.mark.parametrize("world", WORLDS)
+def test_stateful_dataloader_continues_the_global_order(request, world):
     """torchdata's `StatefulDataLoader` over a `DistributedSampler`, saved at 2 ranks mid-epoch in its second epoch
     and resumed at 1, 2 and 4 with the same global batch (and at 1 from `ucp convert`'s folder of the tag): the next
     steps train on the samples the uninterrupted run did, with its losses, and the epoch covers every sample once (a
     sampler restarted at epoch 0, or at sample 0 of its share, fails this)."""
+    runs = _at(request, world)
     saved = runs["loaders"]["saved"]["map"]
     resumed = {
         "2": saved["resumed"],
@@ -98,22 +120,24 @@ def test_stateful_dataloader_continues_the_global_order(runs, world):
     assert sorted(seen) == list(range(SAMPLES)), f"the epoch at {world} ranks repeats or skips samples"
 
 
-@pytest.mark.parametrize("world", ["1", "4"])
-def test_stateful_dataloader_at_another_global_batch(runs, world):
+@pytest.mark.parametrize("world", ["1", pytest.param("4", marks=pytest.mark.slow)])
+def test_stateful_dataloader_at_another_global_batch(request, world):
     """Resumed with half the global batch: twice the steps, over exactly the samples the uninterrupted run had left,
     in the same global order."""
+    runs = _at(request, world)
     saved = runs["loaders"]["saved"]["map"]
     half = runs["loaders"][world]["half"]
     pairs = [sorted(half[2 * k]["ids"] + half[2 * k + 1]["ids"]) for k in range(len(half) // 2)]
     assert pairs == _steps(saved["after"]), f"at {world} ranks"
 
 
-def test_iterable_loader_resumes_at_its_size_and_is_refused_at_another(runs):
+@pytest.mark.parametrize("world", ["1", pytest.param("4", marks=pytest.mark.slow)])
+def test_iterable_loader_resumes_at_its_size_and_is_refused_at_another(request, world):
     """An iterable dataset's position is its own state: at the saved size each rank continues exactly; at 1 and 4
     ranks the load is refused naming the loader, with the engine as it was."""
+    runs = _at(request, world)
     saved = runs["loaders"]["saved"]["iterable"]
     assert [s["ids"] for s in saved["resumed"]] == [s["ids"] for s in saved["after"]]
-    for world in ("1", "4"):
-        refused = runs["loaders"][world]["refused"]
-        assert refused["error"] and "StatefulDataLoader over Stream, saved by 2 ranks" in refused["error"], refused
-        assert "iterable dataset's position is its own" in refused["error"] and refused["kept"], refused
+    refused = runs["loaders"][world]["refused"]
+    assert refused["error"] and "StatefulDataLoader over Stream, saved by 2 ranks" in refused["error"], refused
+    assert "iterable dataset's position is its own" in refused["error"] and refused["kept"], refused
