@@ -146,10 +146,10 @@ def test_a_loader_without_a_global_order_continues_only_in_its_place():
 def test_a_changed_global_batch_names_the_samples_a_step_skipping_loader_misplaces(caplog, batch, named):
     """8 steps of 48 saved, resumed at another global batch without a data_loader: one warning naming the samples a
     loader that skips whole steps repeats (a smaller batch) or skips (a larger one); none for a source that counts no
-    samples (a PyTorch DCP import)."""
+    samples (a PyTorch DCP import) or whose steps had no one size (Megatron-LM's batch ramp-up)."""
     with caplog.at_level("WARNING", logger="ucp_deepspeed"):
         _warn_if_steps_move(types.SimpleNamespace(global_steps=8, global_samples=384, train_batch_size=lambda: batch))
-        for same in (8 * batch, 0):
+        for same in (8 * batch, 0, 8 * 48 - 5):  # the same batch; no samples counted; a ramp-up (no one batch)
             _warn_if_steps_move(
                 types.SimpleNamespace(global_steps=8, global_samples=same, train_batch_size=lambda: batch)
             )

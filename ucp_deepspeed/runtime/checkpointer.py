@@ -406,8 +406,10 @@ def _warn_if_steps_move(engine: Engine) -> None:
     saved run had consumed `global_samples`. DeepSpeed's own data sampler and a `data_loader` keep the sample
     position instead."""
     steps, consumed, batch = int(engine.global_steps), int(engine.global_samples), int(engine.train_batch_size())
-    # no samples counted: a source that keeps only steps (a PyTorch DCP import)
-    if steps <= 0 or consumed <= 0 or consumed == steps * batch or compat.data_sampler(engine) is not None:
+    # no samples counted (a PyTorch DCP import keeps only steps), or no one batch size (Megatron-LM's batch ramp-up)
+    if steps <= 0 or consumed <= 0 or consumed % steps or consumed == steps * batch:
+        return
+    if compat.data_sampler(engine) is not None:
         return
     start = steps * batch
     lost = (
