@@ -24,7 +24,7 @@ WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 GPT_WORKER = ROOT / "tests" / "workers" / "gpt.py"
 SOURCE_DP = 2
 SOURCE_VARIANTS = ("z1", "z2", "z3", "bf16z1", "bf16z2", "sgdz2", "z2nofrozen", "z1b", "z0", "offz2", "offz3")
-SOURCE_VARIANTS += ("fusedz1", "adagradz0", "offadagradz2", "offlionz2")
+SOURCE_VARIANTS += ("fusedz1", "adagradz0", "offadagradz2", "offlionz2", "bf16z1pad")
 NVME_VARIANTS = ("nvmez3", "widez1")  # ZeRO-3 NVMe offload, and a model as wide in plain ZeRO-1
 
 
@@ -173,15 +173,22 @@ def sources(saved_at_dp2: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def plain_sources(saved_at_dp2: Path) -> Path:
-    """TinyLM (tied embedding, frozen parameter, buffer, client state) saved by plain DeepSpeed at dp=2, `z1`, `z3`."""
+    """TinyLM (tied embedding, frozen parameter, buffer, client state) saved by plain DeepSpeed at dp=2: `z1`, `z3`,
+    and in bf16 (how most users train) at ZeRO-1 with BF16_Optimizer, ZeRO-2 and ZeRO-3 (`bf16z*pad`)."""
     return saved_at_dp2 / "plain"
 
 
 # The tiny LM's loads at dp=3, in one launch (`dp3_loads`): test_reshard.py's default dp=3 cells, test_load_paths.py's
 # converted cells (target -> sources) and test_cross_framework.py's plain DeepSpeed checkpoints (target -> plain/...).
 CONVERTED_CASES = {"z2": ("z1", "z3", "bf16z2"), "offz2": ("offz3",), "sgdz1": ("sgdz2",)}
-PLAIN_CASES = {"z1": ("z1", "z3"), "z3": ("z1",)}
-PLAIN_VARIANTS = ("z1", "z3")
+PLAIN_CASES = {
+    "z1": ("z1", "z3"),
+    "z3": ("z1",),
+    "bf16z2pad": ("bf16z1pad", "bf16z3pad"),
+    "bf16z1pad": ("bf16z2pad",),
+    "bf16z3pad": ("bf16z1pad",),
+}
+PLAIN_VARIANTS = ("z1", "z3", "bf16z1pad", "bf16z2pad", "bf16z3pad")
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, OnDemand, load_results, popen_payload, swap_pickle, torch_env, torchrun
+from conftest import PLAIN_VARIANTS, ROOT, OnDemand, load_results, popen_payload, swap_pickle, torch_env, torchrun
 from launching import torchrun_command
 
 from ucp_deepspeed.tools.cli import main as cli_main
 
 
 def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loads, capsys):
-    """DP 2->3 and ZeRO 1->3 from checkpoints DeepSpeed saved on its own (in the session's dp=2 source launch),
-    converted with `ucp convert`, and loaded in the session's shared dp=3 launch."""
+    """DP 2->3 and ZeRO 1->3 from checkpoints DeepSpeed saved on its own (in the session's dp=2 source launch), in
+    fp32 and in bf16 (ZeRO-1 through DeepSpeed's BF16_Optimizer, whose last partition keeps its padding, ZeRO-2 and
+    ZeRO-3, every file named `bf16_zero_pp_rank_*`), converted with `ucp convert`, and loaded in the session's
+    shared dp=3 launch."""
     plain = plain_sources
-    for name in ("z1", "z3"):
+    for name in PLAIN_VARIANTS:
         assert not list((plain / name).glob("*/ucp_meta_*")), "saved through ucp_deepspeed after all"
         assert cli_main(["inspect", str(plain / name)]) == 0
         assert "metadata: rebuilt from DeepSpeed's files" in capsys.readouterr().out
@@ -38,10 +40,15 @@ def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loa
         ("zero1 dp=2 fp32", "zero1 dp=3 fp32"),
         ("zero3 dp=2 fp32", "zero1 dp=3 fp32"),
         ("zero1 dp=2 fp32", "zero3 dp=3 fp32"),
+        ("zero1 dp=2 bf16", "zero2 dp=3 bf16"),
+        ("zero3 dp=2 bf16", "zero2 dp=3 bf16"),
+        ("zero2 dp=2 bf16", "zero1 dp=3 bf16"),
+        ("zero1 dp=2 bf16", "zero3 dp=3 bf16"),
     ]
     for r in results:  # fp32 weights, Adam states, step, hyperparameters, buffer, frozen, tied, client_state
         assert r["mode"] == "resharded" and r["diffs"] == [] and r["tensors"] == 32, r
-        assert r["max_rel_loss"] < 1e-6, r
+        # bf16 forward and backward at another DP size round differently (test_reshard.py's BF16_LOSS_RTOL)
+        assert r["max_rel_loss"] < (1e-6 if r["saved"].endswith("fp32") else 5e-3), r
 
 
 HF_WORKER = ROOT / "launch" / "train_hf.py"

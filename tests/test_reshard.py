@@ -55,7 +55,8 @@ CASES = [
     pytest.param("z3", 4, ("z1", "z2", "z3"), id="z3-dp4<-z1,z2,z3", marks=SLOW),
     pytest.param("z3", 1, ("z3",), id="z3-dp1<-z3", marks=SLOW),
     pytest.param("z1", 2, ("z1",), id="z1-dp2<-z1-native", marks=SLOW),
-    pytest.param("bf16z1", 3, ("bf16z1",), id="bf16z1-dp3<-bf16z1"),
+    # BF16_Optimizer saves its last partition with the alignment padding (147 elements in 2 x 74): it was refused
+    pytest.param("bf16z1pad", 3, ("bf16z1pad",), id="bf16z1-dp3<-bf16z1-padded"),
     pytest.param("bf16z1gather", 3, ("bf16z1", "z2"), id="bf16z1-dp3-refresh-gather<-bf16z1,z2"),
     pytest.param("bf16z3", 1, ("bf16z1",), id="bf16z3-dp1<-bf16z1", marks=SLOW),
     pytest.param("bf16z2", 4, ("bf16z1",), id="bf16z2-dp4<-bf16z1", marks=SLOW),

@@ -59,6 +59,11 @@ VARIANTS = {
     "bf16z1gather": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True, "refresh": "gather"},
     "bf16z2": {"stage": 2, "dtype": "bf16"},
     "bf16z3": {"stage": 3, "dtype": "bf16"},
+    # a block 41 wide: the no-decay group's 147 elements do not divide by 2 x dp at dp=2 or 3, so BF16_Optimizer
+    # (bf16z1pad) saves its last partition with DeepSpeed's alignment padding
+    "bf16z1pad": {"stage": 1, "dtype": "bf16", "grad_accum_fp32": True, "hidden": 41},
+    "bf16z2pad": {"stage": 2, "dtype": "bf16", "hidden": 41},
+    "bf16z3pad": {"stage": 3, "dtype": "bf16", "hidden": 41},
     "sgdz2": {"stage": 2, "dtype": "fp32", "optimizer": "sgd"},
     "sgdz1": {"stage": 1, "dtype": "fp32", "optimizer": "sgd"},
     "z2nofrozen": {"stage": 2, "dtype": "fp32", "exclude_frozen": True},

@@ -25,6 +25,12 @@ LATEST_UNIVERSAL = "latest_universal"
 DS_OPTIMIZER_STATE = st.join("zero", "optimizer_state.pt")
 
 
+def optim_prefix(dtype: str) -> str:
+    """The prefix of DeepSpeed's optimizer files: every bf16 engine's are `bf16_zero_pp_rank_*`, whichever optimizer it
+    steps (ZeRO-1/2/3 or BF16_Optimizer; engine.py's `_get_zero_ckpt_prefix`)."""
+    return "bf16_" if dtype == "bf16" else ""
+
+
 def is_tag_folder(path: str) -> bool:
     """A DeepSpeed tag folder (model-states files) or a tag folder of a registered kind (e.g. Check-N-Run)."""
     if not st.isdir(path):

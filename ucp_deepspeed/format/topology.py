@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+BF16_OPTIMIZER = "BF16_Optimizer"
+"""DeepSpeed's optimizer for bf16 at ZeRO-0, and at ZeRO-1 with fp32 gradient accumulation: its files keep each flat
+partition whole, alignment padding included, where ZeRO-1/2 save them without it."""
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -36,6 +40,11 @@ class Topology:
     def unpartitioned(self) -> bool:
         """ZeRO-0 in fp32: DeepSpeed steps the torch optimizer itself and saves its state dict whole."""
         return self.zero_stage == 0 and self.dtype == "fp32"
+
+    @property
+    def padded(self) -> bool:
+        """Whether each rank's file holds its whole flat partition, alignment padding included (BF16_Optimizer)."""
+        return self.optimizer == BF16_OPTIMIZER
 
     def describe(self) -> str:
         """Short human-readable form, e.g. `zero2 dp=4 fp32`."""

@@ -112,11 +112,12 @@ def rank_fragment(slot: ParamSlot, zero_stage: int, dp: int, rank: int) -> Fragm
     return next((f for f in frags if f.rank == rank), None)
 
 
-def saved_numel(end: int, partition: int, position: int) -> int:
+def saved_numel(end: int, partition: int, position: int, padded: bool = False) -> int:
     """How many elements of a ZeRO-1/2 flat group the `position`-th rank's file holds.
 
     DeepSpeed pads a group to a multiple of twice the data-parallel size and saves each partition without the
     padding: ranks before the group's `end` save whole partitions, the rank it ends in saves the rest, and every
-    later rank saves nothing. A group smaller than the data-parallel size leaves most ranks empty.
+    later rank saves nothing. A group smaller than the data-parallel size leaves most ranks empty. With `padded`
+    (DeepSpeed's BF16_Optimizer) every rank saves its whole partition, padding included.
     """
-    return max(0, min(partition, end - position * partition))
+    return partition if padded else max(0, min(partition, end - position * partition))

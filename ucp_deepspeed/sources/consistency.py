@@ -206,7 +206,7 @@ def check_optim(
         else:
             files = slots[0].ranks or range(topo.dp)
             position = files.index(rank)
-            expected = saved_numel(layout.end, min(layout.partitions), position)
+            expected = saved_numel(layout.end, min(layout.partitions), position, topo.padded)
             if len(layout.partitions) != 1 or size != expected:
                 problems.append(
                     f"flat {index} holds {size} elements, metadata says {expected} (partitions of "

@@ -26,7 +26,8 @@ from typing import Any
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta
-from ucp_deepspeed.format.topology import Topology
+from ucp_deepspeed.format.paths import optim_prefix
+from ucp_deepspeed.format.topology import BF16_OPTIMIZER, Topology
 from ucp_deepspeed.geometry.fragments import saved_numel
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
 from ucp_deepspeed.io import storage as st
@@ -159,6 +160,81 @@ def _layer_extras(
     return extras
 
 
+@dataclasses.dataclass(frozen=True)
+class _Recorded:
+    """What one model-parallel rank's model-states file says of its parameters (DeepSpeed's own entries)."""
+
+    ds_config: dict[str, Any]
+    dp: int
+    stage: int
+    shapes: list[dict[str, tuple[int, ...]]]
+    shared: dict[str, str]
+    buffers: list[str]
+    frozen: list[str]
+    frozen_shapes: dict[str, tuple[int, ...]]
+    frozen_excluded: bool
+    frozen_tensors: dict[str, Any]
+    buffer_tensors: dict[str, Any]
+    client_keys: tuple[str, ...]
+    version: str
+
+
+def _recorded(model_path: str) -> _Recorded:
+    """Read the model-states file's own account of the parameters, refusing what it cannot tell."""
+    with ModelStatesFile(model_path) as states:
+        ds_config = states.entry("ds_config") or {}
+        zero3 = st.basename(model_path).startswith("zero_pp_rank_")
+        stage = 3 if zero3 else int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+        if stage == 0:
+            raise CheckpointError(
+                model_path,
+                "saved without ucp_deepspeed metadata at ZeRO stage 0: DeepSpeed saved the torch "
+                "optimizer's state dict, which numbers parameters instead of naming them. Save through "
+                "ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
+            )
+        shapes = [{name: tuple(shape) for name, shape in group.items()} for group in states.entry("param_shapes")]
+        shared = dict(states.entry("shared_params") or {})
+        buffers = list(states.entry("buffer_names") or [])
+        frozen_shapes = {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
+        module = states.module_tensors()
+        trainable = {n for group in shapes for n in group}
+        # ZeRO-3 saves empty placeholders for partitioned parameters; below ZeRO-3 frozen ones are in the module
+        frozen = (
+            list(frozen_shapes)
+            if stage == 3
+            else [n for n in module if n not in trainable | set(shared) | set(buffers)]
+        )
+        return _Recorded(
+            ds_config=ds_config,
+            dp=int(states.entry("dp_world_size")),
+            stage=stage,
+            shapes=shapes,
+            shared=shared,
+            buffers=buffers,
+            frozen=frozen,
+            frozen_shapes=frozen_shapes,
+            # ZeRO-2/3 record frozen parameters unless saved with exclude_frozen_parameters=True, which writes None
+            frozen_excluded=stage >= 2 and states.entry("frozen_param_shapes") is None,
+            frozen_tensors={n: states.frozen_fragment(n) if stage == 3 else module[n] for n in frozen},
+            buffer_tensors={n: module[n] for n in buffers if n in module},
+            client_keys=tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS),
+            version=str(states.entry("ds_version", "")),
+        )
+
+
+def _optimizer_class(optim: OptimRankFile, stage: int, dtype: str) -> str:
+    """The class of DeepSpeed's optimizer wrapper that wrote the file. Every bf16 engine's files are named alike; a
+    ZeRO-1/2 optimizer records its `zero_stage`, DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16 and fp32 gradient
+    accumulation) does not, and saves its partitions with the alignment padding."""
+    if stage == 3:
+        return "DeepSpeedZeroOptimizer_Stage3"
+    if optim.entry("zero_stage") is not None:
+        return "DeepSpeedZeroOptimizer"
+    if dtype == "bf16" and stage == 1:
+        return BF16_OPTIMIZER
+    raise CheckpointError(optim.path, f"records no zero_stage, as a ZeRO-{stage} optimizer file does")
+
+
 def _infer_rank(
     tag_dir: str,
     model_path: str,
@@ -171,106 +247,78 @@ def _infer_rank(
 ) -> SaveMeta:
     """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files;
     `autotp`: layouts AutoTP recorded, which rules override."""
-    with ModelStatesFile(model_path) as states:
-        ds_config = states.entry("ds_config") or {}
-        dp = int(states.entry("dp_world_size"))
-        stage = (
-            3
-            if st.basename(model_path).startswith("zero_pp_rank_")
-            else int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-        )
-        if any(n.startswith("bf16_zero_pp_rank_") for n in st.listdir(tag_dir)):
-            raise CheckpointError(
-                tag_dir,
-                "saved without ucp_deepspeed metadata and without a ZeRO optimizer (bf16's "
-                "BF16_Optimizer): its flat layout is not described by DeepSpeed's files. Save through "
-                "ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
-            )
-        if stage == 0:
-            raise CheckpointError(
-                tag_dir,
-                "saved without ucp_deepspeed metadata at ZeRO stage 0: DeepSpeed saved the torch "
-                "optimizer's state dict, which numbers parameters instead of naming them. Save through "
-                "ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
-            )
-        shapes = [{name: tuple(shape) for name, shape in group.items()} for group in states.entry("param_shapes")]
-        shared = dict(states.entry("shared_params") or {})
-        buffers = list(states.entry("buffer_names") or [])
-        # ZeRO-2/3 record frozen parameters unless saved with exclude_frozen_parameters=True, which writes None
-        frozen_excluded = stage >= 2 and states.entry("frozen_param_shapes") is None
-        frozen_shapes = dict(states.entry("frozen_param_shapes") or {})
-        frozen_z3 = {n: states.frozen_fragment(n) for n in frozen_shapes} if stage == 3 else {}
-        module = states.module_tensors()
-        client_keys = tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS)
-        version = str(states.entry("ds_version", ""))
-    if (ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
+    rec = _recorded(model_path)
+    if (rec.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         raise CheckpointError(
             model_path,
             "saved with zero_optimization.round_robin_gradients and without ucp_deepspeed "
             "metadata: the flat order differs from param_shapes and is not recorded",
         )
-    trainable = [n for group in shapes for n in group]
-    # ZeRO-3 saves empty placeholders for partitioned parameters; below ZeRO-3 frozen ones are in the module
-    frozen = (
-        list(frozen_shapes)
-        if stage == 3
-        else [n for n in module if n not in set(trainable) | set(shared) | set(buffers)]
-    )
-    layouts = _layouts(trainable + frozen, tp, rules, model_path, autotp)
-    optim_path = st.join(tag_dir, f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
+    dtype = _dtype(rec.ds_config)
+    trainable = [n for group in rec.shapes for n in group]
+    layouts = _layouts(trainable + rec.frozen, tp, rules, model_path, autotp)
+    optim_path = st.join(tag_dir, f"{optim_prefix(dtype)}zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
     if not st.isfile(optim_path):
         raise CheckpointError(optim_path, "optimizer file of data-parallel rank 0 is missing")
-    with OptimRankFile(optim_path, stage) as optim:
-        if any((g or {}).get("moe") for g in optim.hyperparams() or []):
-            raise CheckpointError(
-                optim_path,
-                "an expert-parallel (MoE) checkpoint saved without ucp_deepspeed "
-                "metadata: which files hold which experts is not recorded. Save through "
-                "ucp_deepspeed to reshard MoE checkpoints",
-            )
-        if optim.num_flat != len(shapes):
-            raise CheckpointError(optim_path, f"{optim.num_flat} flat buffers but param_shapes lists {len(shapes)}")
-        sizes = [optim.flat(i, FP32).shape[0] for i in range(optim.num_flat)]
-        groups = [optim.group_of_flat(i) for i in range(optim.num_flat)]
-        num_groups = len(optim.hyperparams() or sizes)
-        mappings = optim.entry("param_slice_mappings") if stage != 3 else None
-        slots = []
-        for i, group in enumerate(shapes):
-            if stage == 3:
-                slots += _zero3_slots(group, i, groups[i], sizes[i], dp, layouts, optim_path)
-            else:
-                slots += _zero12_slots(
-                    group, i, groups[i], sizes[i], dp, layouts, mappings[i] if mappings else None, optim_path
-                )
-    extras = _layer_extras(tag_dir, mp_rank, tp, trainable, buffers, rules, model_path) if layered else []
-    for name in frozen:
-        tensor = frozen_z3[name] if stage == 3 else module[name]
+    with OptimRankFile(optim_path, rec.stage) as optim:
+        optimizer = _optimizer_class(optim, rec.stage, dtype)
+        slots, num_groups = _slots(optim, rec, layouts, padded=optimizer == BF16_OPTIMIZER)
+    extras = _layer_extras(tag_dir, mp_rank, tp, trainable, rec.buffers, rules, model_path) if layered else []
+    for name in rec.frozen:
+        tensor = rec.frozen_tensors[name]
         extras.append(
             ExtraTensor(
                 name,
-                tuple(frozen_shapes.get(name, tensor.shape)),
+                tuple(rec.frozen_shapes.get(name, tensor.shape)),
                 dtype_name(tensor.dtype),
                 "frozen",
-                int(tensor.shape[0]) if stage == 3 else 0,
+                int(tensor.shape[0]) if rec.stage == 3 else 0,
                 layouts[name],
             )
         )
-    for name in [] if layered else buffers:
-        tensor = module[name]
+    for name in [] if layered else rec.buffers:
+        tensor = rec.buffer_tensors[name]
         extras.append(ExtraTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), "buffer"))
-    optimizer = "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
     return SaveMeta(
-        topology=Topology(dp=dp, zero_stage=stage, dtype=_dtype(ds_config), tp=tp, pp=pp, optimizer=optimizer),
+        topology=Topology(dp=rec.dp, zero_stage=rec.stage, dtype=dtype, tp=tp, pp=pp, optimizer=optimizer),
         params=tuple(slots),
         extras=tuple(extras),
-        tied=shared,
+        tied=rec.shared,
         num_groups=num_groups,
-        client_state_keys=client_keys,
+        client_state_keys=rec.client_keys,
         tp_rank=mp_rank % tp,
         pp_rank=mp_rank // tp,
-        frozen_excluded=frozen_excluded,
-        versions={"deepspeed": version, "inferred": "from DeepSpeed's files, no ucp metadata"},
+        frozen_excluded=rec.frozen_excluded,
+        versions={"deepspeed": rec.version, "inferred": "from DeepSpeed's files, no ucp metadata"},
     )
+
+
+def _slots(
+    optim: OptimRankFile, rec: _Recorded, layouts: dict[str, Layout], padded: bool
+) -> tuple[list[ParamSlot], int]:
+    """Every trainable parameter's place in the flat buffers of data-parallel rank 0's optimizer file, and how many
+    param groups the optimizer has."""
+    path = optim.path
+    if any((g or {}).get("moe") for g in optim.hyperparams() or []):
+        raise CheckpointError(
+            path,
+            "an expert-parallel (MoE) checkpoint saved without ucp_deepspeed "
+            "metadata: which files hold which experts is not recorded. Save through "
+            "ucp_deepspeed to reshard MoE checkpoints",
+        )
+    if optim.num_flat != len(rec.shapes):
+        raise CheckpointError(path, f"{optim.num_flat} flat buffers but param_shapes lists {len(rec.shapes)}")
+    sizes = [optim.flat(i, FP32).shape[0] for i in range(optim.num_flat)]
+    groups = [optim.group_of_flat(i) for i in range(optim.num_flat)]
+    mappings = optim.entry("param_slice_mappings") if rec.stage != 3 else None
+    slots = []
+    for i, group in enumerate(rec.shapes):
+        if rec.stage == 3:
+            slots += _zero3_slots(group, i, groups[i], sizes[i], rec.dp, layouts, path)
+        else:
+            mapping = mappings[i] if mappings else None
+            slots += _zero12_slots(group, i, groups[i], sizes[i], rec.dp, layouts, mapping, path, padded)
+    return slots, len(optim.hyperparams() or sizes)
 
 
 def _layouts(
@@ -306,16 +354,19 @@ def _zero12_slots(
     layouts: dict[str, Any],
     mapping: Any,
     path: str,
+    padded: bool,
 ) -> list[ParamSlot]:
     """ZeRO-1/2: parameters back to back in the flat buffer, padded to a multiple of 2 x dp elements (DeepSpeed's
-    alignment) and cut into dp partitions; rank 0's file holds `rank0` elements of it."""
+    alignment) and cut into dp partitions; rank 0's file holds `rank0` elements of it (`padded`: whole partitions,
+    as BF16_Optimizer saves them)."""
     total = sum(math.prod(shape) for shape in group.values())
     partition = -(-total // (2 * dp)) * 2
-    if rank0 != saved_numel(total, partition, 0):
+    expected = saved_numel(total, partition, 0, padded)
+    if rank0 != expected:
         raise CheckpointError(
             path,
             f"flat buffer {flat} holds {rank0} elements on rank 0, but its parameters ({total} elements) in {dp} "
-            f"partitions of {partition} put {saved_numel(total, partition, 0)} there",
+            f"partitions of {partition} put {expected} there",
         )
     slots, offset = [], 0
     for name, shape in group.items():

@@ -23,7 +23,7 @@ from ucp_deepspeed.format.metadata import (
     meta_filename,
     read_meta,
 )
-from ucp_deepspeed.format.paths import read_latest
+from ucp_deepspeed.format.paths import optim_prefix, read_latest
 from ucp_deepspeed.format.swap import SWAP_RECORD, read_swap_records
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import fragments_in
@@ -112,7 +112,7 @@ def named_by_sp_rank(tag_dir: str, topo: Topology) -> bool:
     #8226: `zero_pp_rank_1_mp_rank_01_...`) rather than model-parallel rank 0, as DeepSpeed does now."""
     if topo.sp == 1 or topo.dp == 1:
         return False
-    name = f"{'bf16_' if topo.dtype == 'bf16' else ''}zero_pp_rank_1_mp_rank_{{:02d}}_optim_states.pt"
+    name = f"{optim_prefix(topo.dtype)}zero_pp_rank_1_mp_rank_{{:02d}}_optim_states.pt"
     return not st.isfile(st.join(tag_dir, name.format(0))) and st.isfile(st.join(tag_dir, name.format(1)))
 
 
@@ -122,7 +122,7 @@ class RankFiles(st.Closeable):
     def __init__(self, tag_dir: str, mp_rank: int, meta: SaveMeta, verify: bool = True):
         self.tag_dir, self.mp_rank, self.meta, self.verify = tag_dir, mp_rank, meta, verify
         topo = meta.topology
-        prefix = "bf16_" if topo.dtype == "bf16" else ""
+        prefix = optim_prefix(topo.dtype)
         sp_named = topo.sp if named_by_sp_rank(tag_dir, topo) else 0
         mp = "{mp:02d}" if sp_named else f"{mp_rank:02d}"
         self.optim_paths = RankPaths(
