@@ -360,6 +360,16 @@ def test_base_optimizer_and_unpartitioned(zero12):
     assert compat.data_parallel_rank(plain) == 0 and compat.data_parallel_rank(zero12) == 0
 
 
+@pytest.mark.parametrize("config", [{}, {"bf16": {"enabled": True}}, {"zero_optimization": {"stage": 3}}])
+def test_trains(zero12, zero3, config):
+    """An engine built without an optimizer trains nothing: none at ZeRO-0 in fp32, DeepSpeed's parameter partitioner
+    alone at ZeRO-3, its BF16_Optimizer over a DummyOptim in bf16."""
+    assert compat.trains(zero12) and compat.trains(zero3) and compat.trains(_engine(0))
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=Net(), config={"train_micro_batch_size_per_gpu": 2, **config})
+    assert not compat.trains(engine)
+
+
 def test_data_sampler(zero3, tmp_path):
     """DeepSpeed's curriculum sampler is found on an engine that has one, and its state and generator, put back,
     draw the same next batch again."""

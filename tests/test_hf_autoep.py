@@ -132,7 +132,7 @@ def test_autoep_with_autotp_or_ulysses_is_refused_by_name(monkeypatch, tp, sp):
     monkeypatch.setattr(capture.compat, "ulysses_outside_zero", lambda engine: False)
     monkeypatch.setattr(capture.compat, "sequence_parallel_size", lambda engine: sp)
     monkeypatch.setattr(capture, "model_parallel", lambda engine: capture.ModelParallel(tp=tp))
-    engine = SimpleNamespace(module=None, zero_optimization_stage=lambda: 1)
+    engine = SimpleNamespace(module=None, zero_optimization_stage=lambda: 1, optimizer=None)
     assert "AutoEP (expert_parallel) together with AutoTP or Ulysses" in capture.unsupported(engine)
     monkeypatch.setattr(capture.compat, "autoep_groups", lambda module: {})
     assert capture.unsupported(engine) is None

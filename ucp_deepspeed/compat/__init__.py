@@ -52,6 +52,7 @@ from ucp_deepspeed.compat.deepspeed import (
     sampler_rng,
     sequence_parallel_size,
     store_recovery_scripts,
+    trains,
     ulysses_outside_zero,
     zero_world_size,
 )
@@ -197,6 +198,7 @@ __all__ = [
     "storage_dtype",
     "store_recovery_scripts",
     "trainer_rng_restore",
+    "trains",
     "ulysses_outside_zero",
     "update_lp_params",
     "user_safe_globals",

@@ -154,6 +154,22 @@ def base_optimizer(engine: Engine) -> Any:
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
+def trains(engine: Engine) -> bool:
+    """Whether the engine has an optimizer to step, and so training state to checkpoint: `deepspeed.initialize`
+    without one builds no optimizer at ZeRO-0 in fp32, only a parameter partitioner (`DeepSpeedZeRoOffload`) at
+    ZeRO-3, and a ZeRO or bf16 wrapper of a `DummyOptim` otherwise (TRL's reference and reward models, Lightning's
+    validate, test and predict)."""
+    from deepspeed.runtime.utils import DummyOptim
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    opt = engine.optimizer
+    return (
+        opt is not None
+        and not isinstance(opt, DeepSpeedZeRoOffload)
+        and not isinstance(base_optimizer(engine), DummyOptim)
+    )
+
+
 def is_unpartitioned(engine: Engine) -> bool:
     """Whether the engine steps a plain torch optimizer on whole fp32 parameters (ZeRO-0 without bf16/fp16)."""
     import torch

@@ -281,7 +281,11 @@ def zero3_resident(opt: Any, index: int) -> Iterator[None]:
 
 
 def zero3_regather(opt: Any) -> None:
-    """After partitions were rewritten: re-gather persistent parameters and drop secondary copies (collective)."""
+    """After partitions were rewritten: re-gather persistent parameters and drop secondary copies (collective). `opt`
+    is ZeRO-3's optimizer, or its parameter partitioner alone (`DeepSpeedZeRoOffload`) in an engine built without
+    one, which keeps no secondary copies."""
     if opt.persistent_parameters:
         opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
-    opt.invalidate_secondary_tensor()
+    invalidate = getattr(opt, "invalidate_secondary_tensor", None)
+    if invalidate is not None:
+        invalidate()

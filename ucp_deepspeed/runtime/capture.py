@@ -298,7 +298,8 @@ def param_groups(engine: Engine) -> dict[Any, int]:
 
 
 def unsupported(engine: Engine) -> str | None:
-    """Why universal checkpointing cannot describe or restore this engine's training state, or None when it can."""
+    """Why universal checkpointing cannot describe or restore this engine's training state, or None when it can (an
+    engine that trains nothing has none: it saves as DeepSpeed does and loads weights from any checkpoint)."""
     stage = int(engine.zero_optimization_stage())
     if compat.ulysses_outside_zero(engine):
         return (
@@ -322,7 +323,7 @@ def unsupported(engine: Engine) -> str | None:
             "out to NVMe are not restored in place; offload them to cpu (offload_param.device cpu), or keep them "
             "on the device"
         )
-    if stage in (1, 2, 3) or compat.is_bf16_optimizer(engine.optimizer):
+    if stage in (1, 2, 3) or not compat.trains(engine) or compat.is_bf16_optimizer(engine.optimizer):
         return None
     if compat.is_unpartitioned(engine):
         if expert_blocks(engine.module):  # DeepSpeed saves a MoE model's torch optimizer whole per expert rank

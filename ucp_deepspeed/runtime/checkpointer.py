@@ -92,7 +92,10 @@ class UniversalCheckpointer:
     def __init__(self, engine: Engine, options: UniversalConfig):
         self.engine, self.options = engine, options
         self._native_save, self._native_load = engine.save_checkpoint, engine.load_checkpoint
-        if options.async_save:
+        # an engine built without an optimizer (a reference model, an evaluation) has no training state: it saves as
+        # DeepSpeed does, and each load puts weights from a checkpoint of any layout into its module
+        self.trains = compat.trains(engine)
+        if options.async_save and self.trains:
             engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine))
         self.files = bind(engine, options.verify)
         st.set_default_options(options.storage_options)
@@ -105,7 +108,8 @@ class UniversalCheckpointer:
             self._run_id = from_rank0(uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None)
         self._saves = itertools.count(1)
         self.planner = LoadPlanner(engine, options, self.group)
-        self.saver = make_saver(engine, options)  # an extension's save in place of DeepSpeed's (Check-N-Run)
+        # an extension's save in place of DeepSpeed's (Check-N-Run)
+        self.saver = make_saver(engine, options) if self.trains else None
         self.last_load: LoadReport | None = None
         self.hf_config: dict[str, Any] | None = None  # the Hugging Face config of the weights loaded last
         self._prune_dir: str | None = None  # a decoupled save's folder, pruned once the save is committed
@@ -116,6 +120,8 @@ class UniversalCheckpointer:
     def wait(self) -> None:
         """Block until a pending asynchronous or decoupled checkpoint is written on every rank and `latest` names it
         (collective); then apply retention."""
+        if not self.trains:  # it saves as DeepSpeed does, which waits for nothing of ours
+            return
         inner = unbound(self.engine)
         if isinstance(inner, AsyncCheckpointEngine):
             inner.wait()
@@ -138,6 +144,14 @@ class UniversalCheckpointer:
         """DeepSpeed's save (or an extension's), with our metadata and every file bound to this save; with
         `data_loader` (each rank's own), where it stands too (`runtime.data_position`)."""
         engine = self.engine
+        if not self.trains:  # nothing of ours to record: DeepSpeed's own save of the weights
+            return self._native_save(
+                save_dir,
+                tag=tag,
+                client_state=client_state or {},
+                save_latest=save_latest,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
         self.wait()
         self.gate.check("save")
         save_dir = _location(save_dir)
@@ -279,7 +293,7 @@ class UniversalCheckpointer:
             module_strict=load_module_strict,
             optimizer_states=load_optimizer_states,
             lr_scheduler_states=load_lr_scheduler_states,
-            module_only=load_module_only,
+            module_only=load_module_only or not self.trains,
             custom_load_fn=custom_load_fn,
             data_loader=None if load_module_only else data_loader,
         )

@@ -202,6 +202,8 @@ def bind(engine: Engine, verify: bool = True) -> Guard:
     ce = engine.checkpoint_engine
     if isinstance(ce, BoundEngine):
         return ce.ucp_guard
+    if ce is None:  # DeepSpeed builds none for ZeRO-3 without an optimizer, which it cannot save
+        return Guard(verify)
     if getattr(ce, "zipfile_serialization", True) is False:
         raise NotImplementedError(
             "universal checkpointing reads torch's zip archives; remove "

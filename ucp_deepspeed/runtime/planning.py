@@ -247,6 +247,8 @@ class LoadPlanner:
         """Whether DeepSpeed's own load restores this tag exactly into the live engine (collective: every rank
         answers the same)."""
         engine = self.engine
+        if not compat.trains(engine):  # ours puts weights of any layout into an engine built without an optimizer
+            return False
         rank0 = tdist.get_rank() == 0
         # DeepSpeed's own load looks for a Ulysses rank's files under the names it gives them now, not as before #8226
         # (asked on every rank before any answer can end the question: the broadcast runs everywhere or nowhere)

@@ -70,11 +70,17 @@ class LoadFlags:
         }
 
 
-def _problems(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> tuple[list, set]:
+def _problems(
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], module_only: bool
+) -> tuple[list, set]:
     problems = []
-    live_groups = {
-        id(p): g for g, group in enumerate(compat.base_optimizer(engine).param_groups) for p in group["params"]
-    }
+    # a module-only load fills weights and nothing of the optimizer's: its groups do not matter
+    groups = not module_only and not ckpt.manifest.weights_only
+    live_groups = (
+        {id(p): g for g, group in enumerate(compat.base_optimizer(engine).param_groups) for p in group["params"]}
+        if groups
+        else {}
+    )
     stage3 = int(engine.zero_optimization_stage()) == 3
     names = set()
     for p, info in live.items():
@@ -97,15 +103,10 @@ def _problems(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter,
             ):
                 hint = " (if this is vocabulary padding, set checkpoint.universal.vocab_size to the unpadded size)"
             problems.append(f"{info.name}: checkpoint shape {stored}, model shape {shape}{hint}")
-        elif rec.trainable != p.requires_grad:
+        elif rec.trainable != p.requires_grad and not (module_only and not p.requires_grad):
+            # a frozen copy of a trained model (a reference model) takes the trained weights in a module-only load
             problems.append(f"{info.name}: trainable={rec.trainable} in checkpoint, {p.requires_grad} in model")
-        elif (
-            not stage3
-            and p.requires_grad
-            and id(p) in live_groups
-            and rec.group != live_groups[id(p)]
-            and not ckpt.manifest.weights_only
-        ):
+        elif not stage3 and p.requires_grad and id(p) in live_groups and rec.group != live_groups[id(p)]:
             problems.append(f"{info.name}: param group {rec.group} in checkpoint, {live_groups[id(p)]} in model")
     sizes = expert_groups(engine)
     for block in expert_blocks(engine.module):
@@ -121,19 +122,22 @@ def _problems(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter,
     if missing_buffers:
         problems.append(f"buffers not in checkpoint: {missing_buffers[:8]}")
     saved_groups = len(ckpt.manifest.param_groups)
-    if saved_groups != len(compat.base_optimizer(engine).param_groups) and not ckpt.manifest.weights_only:
+    if groups and saved_groups != len(compat.base_optimizer(engine).param_groups):
         problems.append(
             f"{saved_groups} param groups in checkpoint, {len(compat.base_optimizer(engine).param_groups)} in optimizer"
         )
     return problems, names
 
 
-def check_compatible(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam]) -> None:
-    """Refuse a checkpoint of another model on every rank: names, shapes, layouts and groups must match.
+def check_compatible(
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], module_only: bool = False
+) -> None:
+    """Refuse a checkpoint of another model on every rank: names, shapes, layouts and groups (not for `module_only`,
+    which loads weights alone) must match.
 
     Pipeline stages each hold part of the model, so names are compared over all ranks together.
     """
-    problems, names = guarded(lambda: _problems(engine, ckpt, live))
+    problems, names = guarded(lambda: _problems(engine, ckpt, live, module_only))
     frozen = sorted(info.name for p, info in live.items() if not p.requires_grad)
     everyone = to_rank0((problems, sorted(names), frozen))
     found = from_rank0(_all_problems(ckpt, everyone) if everyone is not None else None)
@@ -487,6 +491,8 @@ def refresh_by_gathering(engine: Engine) -> bool:
     `refresh` option) rather than reading the rank's whole share of fp32 masters again."""
     if int(engine.zero_optimization_stage()) not in (1, 2) and not compat.is_bf16_optimizer(engine.optimizer):
         return False
+    if not compat.trains(engine):  # its weights were written whole
+        return False
     options = attached_options(engine)
     mode = options.refresh if options is not None else "auto"
     return mode == "gather" or (mode == "auto" and dist.get_backend() != "gloo")
@@ -554,10 +560,39 @@ def _stage_zero3(
         keys = smap.keys if smap is not None else {}
         for sub in compat.zero3_subgroups(opt):
             _stage_subgroup(opt, sub, read, keys, ckpt, smap, out)
+    _stage_zero3_frozen(engine, ckpt, live, out)
+
+
+def _weight(ckpt: TensorReader, name: str) -> str:
+    """The saved tensor a parameter's weights come from: its fp32 master, or a frozen parameter's value."""
+    return FP32 if ckpt.params[name].trainable else VALUE
+
+
+def _stage_weights(engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], out: Staged) -> None:
+    """An engine without an optimizer (`compat.trains`): only its module's weights, each rank its own, whole or its
+    ZeRO-3 partition; the frozen parameters that a trained one's are read by `_stage_module_extras` and
+    `_stage_zero3_frozen`."""
+    read = _reader(ckpt, live)
+    for p, info in live.items():
+        if not p.requires_grad:
+            continue
+        if compat.is_zero3_param(p):
+            part = compat.zero3_partition(p)
+            value = _own(read(p, _weight(ckpt, info.name), part.start, part.numel))
+            out.copies.append((part.tensor.data.narrow(0, 0, part.numel), value))
+        else:
+            out.copies.append((p.data, _own(read(p, _weight(ckpt, info.name), 0, p.numel())).view(p.shape)))
+
+
+def _stage_zero3_frozen(
+    engine: Engine, ckpt: TensorReader, live: dict[torch.nn.Parameter, LiveParam], out: Staged
+) -> None:
+    read = _reader(ckpt, live)
     for p in engine.module.parameters():
         if not p.requires_grad and compat.is_zero3_param(p) and live[p].name in ckpt.params:
             part = compat.zero3_partition(p)
-            out.copies.append((part.tensor.data.narrow(0, 0, part.numel), _own(read(p, VALUE, part.start, part.numel))))
+            value = _own(read(p, _weight(ckpt, live[p].name), part.start, part.numel))
+            out.copies.append((part.tensor.data.narrow(0, 0, part.numel), value))
 
 
 def _stage_module_extras(
@@ -570,7 +605,7 @@ def _stage_module_extras(
     read = _reader(ckpt, live)
     for p in engine.module.parameters():
         if not p.requires_grad and not compat.is_zero3_param(p) and live[p].name in ckpt.params:
-            out.copies.append((p.data, _own(read(p, VALUE, 0, p.numel())).view(p.shape)))
+            out.copies.append((p.data, _own(read(p, _weight(ckpt, live[p].name), 0, p.numel())).view(p.shape)))
 
 
 def _stage_training_state(engine: Engine, ckpt: TensorReader, load_lr_scheduler_states: bool, out: Staged) -> None:
@@ -668,7 +703,12 @@ def stage(
 ) -> Staged:
     """Read everything this rank restores into memory apart from the engine, which is not touched."""
     out = Staged()
-    if int(engine.zero_optimization_stage()) == 3:
+    stage3 = int(engine.zero_optimization_stage()) == 3
+    if not compat.trains(engine):  # no flat partitions to fill (BF16_Optimizer builds none over a DummyOptim)
+        _stage_weights(engine, ckpt, live, out)
+        if stage3:
+            _stage_zero3_frozen(engine, ckpt, live, out)
+    elif stage3:
         _stage_zero3(engine, ckpt, live, smap, out)
     elif compat.is_unpartitioned(engine):
         _stage_whole(engine, ckpt, live, smap, out)
@@ -723,7 +763,7 @@ def restore(
     flags = flags or LoadFlags()
     live = guarded(lambda: live_params(engine))
     ckpt = guarded(lambda: _under_live_names(engine, ckpt, live))
-    check_compatible(engine, ckpt, live)
+    check_compatible(engine, ckpt, live, flags.module_only)
     # an import (e.g. from Hugging Face) carries weights only: the optimizer starts fresh
     load_optimizer_states = flags.optimizer_states and not flags.module_only and not ckpt.manifest.weights_only
     smap = guarded(lambda: state_map(engine, ckpt)) if load_optimizer_states else None
