@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ucp_deepspeed import compat
 from ucp_deepspeed.format.model import ModelSpec
 from ucp_deepspeed.hf.models import activation_func as megatron_activation
+from ucp_deepspeed.runtime.native_io import unbound
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 
@@ -368,6 +369,22 @@ def test_trains(zero12, zero3, config):
     torch.manual_seed(0)
     engine, *_ = deepspeed.initialize(model=Net(), config={"train_micro_batch_size_per_gpu": 2, **config})
     assert not compat.trains(engine)
+
+
+def test_checkpoint_writes(zero12, monkeypatch):
+    """How DeepSpeed's checkpoint engines write a file: torch's and the python writer's at once, whole, at the path
+    given; the decoupled writer's later, in its process."""
+    import inprocess
+
+    assert compat.checkpoint_writes(zero12.checkpoint_engine) is compat.Writes.WHOLE
+    for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for writer, expected in (({}, compat.Writes.WHOLE), ({"decoupled": True}, compat.Writes.LATER)):
+        engine = inprocess.build(0, writer={"type": "python", "data_parallel": "replica", **writer})
+        try:
+            assert compat.checkpoint_writes(unbound(engine)) is expected
+        finally:
+            engine.destroy()
 
 
 def test_data_sampler(zero3, tmp_path):

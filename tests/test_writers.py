@@ -1,4 +1,5 @@
-"""DeepSpeed's own checkpoint writers (`"checkpoint": {"writer": ...}`) beside `"universal"`, in one process.
+"""DeepSpeed's own checkpoint writers (`"checkpoint": {"writer": ...}`) beside `"universal"`, in one process, and the
+python writer at two ranks, where both write the replicated model-states file.
 
 Each save is bound by its save id through one hook in front of whichever checkpoint engine DeepSpeed built. The
 decoupled writer writes its files in another process after `save_checkpoint` returns, so the id is stamped at
@@ -9,8 +10,12 @@ is not tested here (docs/reference/failures.md).
 
 from __future__ import annotations
 
+import multiprocessing
+from pathlib import Path
+
 import inprocess
 import pytest
+from conftest import ROOT, torchrun
 from inprocess import build, differences, state, train
 
 from ucp_deepspeed import prune
@@ -71,3 +76,43 @@ def test_keep_last_retains_the_newest_complete_tags(one_rank, tmp_path, asynchro
     (ckpt / "latest").write_text("global_step3")  # a job pointed back at an older tag: it is never deleted
     assert prune(str(ckpt), 1) == []
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["global_step3", "global_step4"]
+
+
+PYTHON_WRITER = ROOT / "tests" / "workers" / "python_writer.py"
+SAVES = 20
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@pytest.fixture(scope="module")
+def python_writer_saves(tmp_path_factory) -> Path:
+    """20 saves in a row at 2 ranks through DeepSpeed's python writer with `"data_parallel": "replica"`, under which
+    both ranks write the 2 MB model-states file, with a CPU burner on every core; each tag verified by rank 0."""
+    out = tmp_path_factory.mktemp("python_writer")
+    burners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(multiprocessing.cpu_count())]
+    for burner in burners:
+        burner.start()
+    try:
+        torchrun(2, "save", "--out", str(out), "--saves", str(SAVES), worker=PYTHON_WRITER, timeout=600)
+    finally:
+        for burner in burners:
+            burner.terminate()
+            burner.join()
+    return out
+
+
+def test_a_python_writer_save_never_stamps_a_file_another_rank_is_writing(python_writer_saves):
+    """Both ranks wrote the replicated model-states file at the same path and each stamped it at commit: one rank
+    read it while the other was still writing it ("not a torch.save archive (no data.pkl); cannot record the save
+    id", 2 of 11 saves; the first of 20 here, every time). Each rank now writes its own temporary file, stamps it and
+    renames it into place: all 20 saves pass, and every tag verifies."""
+    assert sorted(p.name for p in python_writer_saves.glob("s*")) == sorted(f"s{i}" for i in range(SAVES))
+    assert not list(python_writer_saves.glob("s*/*.tmp.*"))  # no rank's temporary file is left behind
+
+
+@pytest.mark.slow
+def test_a_python_writer_save_resumes_exactly_at_another_size(python_writer_saves):
+    torchrun(1, "load", "--out", str(python_writer_saves), worker=PYTHON_WRITER)

@@ -283,7 +283,8 @@ def die_while_saving(step: int, background: bool) -> None:
         return (
             f"global_step{step}" in path
             and dist.get_rank() == dist.get_world_size() - 1
-            and path.endswith("optim_states.pt")
+            and ".pt" in path  # a synchronous save's file is written under a temporary name, renamed when whole
+            and "optim_states" in path
         )
 
     def die(data: memoryview, path: str, linger: float = 0.0) -> None:

@@ -8,6 +8,7 @@ the functions that need it, so the `ucp` command imports none of it.
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import os
 from collections.abc import Callable, Iterator
@@ -152,6 +153,33 @@ def restore_sampler(sampler: Any, state: dict[str, Any], rng: dict[str, Any] | N
 def base_optimizer(engine: Engine) -> Any:
     """The torch optimizer DeepSpeed steps: ZeRO and bf16 wrap it (`.optimizer`); ZeRO-0 in fp32 uses it as is."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+class Writes(enum.Enum):
+    """How a checkpoint engine writes a file it is asked to save, on this rank."""
+
+    WHOLE = "whole"
+    """Now, whole, at the path given: torch's engine and DeepSpeed's python writer."""
+    NOTHING = "nothing"
+    """Not at all: DeepSpeed's writer config gives this rank no writer, or a mock one."""
+    LATER = "later"
+    """Later or elsewhere: a decoupled writer's process, FastPersist's parts, an engine this package does not know."""
+
+
+def checkpoint_writes(ce: Any) -> Writes:
+    """How checkpoint engine `ce` writes the files DeepSpeed saves through it on this rank."""
+    from deepspeed.runtime.checkpoint_engine.fast_checkpoint_engine import FastCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.model_checkpointing.constants import CheckpointWriterType
+
+    if type(ce) is TorchCheckpointEngine:
+        return Writes.WHOLE
+    if type(ce) is FastCheckpointEngine:
+        writer = ce._writer
+        if writer is None or writer._type == CheckpointWriterType.MOCK:
+            return Writes.NOTHING
+        return Writes.WHOLE if writer._type == CheckpointWriterType.PYTHON else Writes.LATER
+    return Writes.LATER
 
 
 def trains(engine: Engine) -> bool:

@@ -9,23 +9,30 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
-    """A temporary name to write `path` under: fsynced and renamed into place if the block succeeds, else removed."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    """A temporary name to write `path` under: fsynced and renamed into place if the block succeeds, the rename made
+    durable by an fsync of the folder (a crash cannot take it back), else removed."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync(folder)
 
 
 @contextlib.contextmanager

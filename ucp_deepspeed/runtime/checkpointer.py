@@ -103,6 +103,7 @@ class UniversalCheckpointer:
         self.gate = Gate()  # closed by a load that failed after it began writing into the engine
         compat.before_model_step(engine, lambda: self.gate.check("step"))
         self.group = coordination_group(options.wait_minutes)  # weak: released at exit
+        self.files.group = self.group  # a decoupled save commits from the engine's step, outside our calls
         # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
         with coordinated(self.group()):
             self._run_id = from_rank0(uuid.uuid4().hex[:16] if tdist.get_rank() == 0 else None)

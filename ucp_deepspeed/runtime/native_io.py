@@ -8,9 +8,13 @@ whichever engine the config picks: torch's, the python writer, a decoupled write
 another process after `save` returns, or our asynchronous one. `bind` puts one `BoundEngine` in front
 of it:
 
-- save: each file written is remembered with the current save id; at `commit`, when every file of the
-  save is on disk whatever the engine, each gets the id (`torch_file.stamp`), which our metadata for
-  the tag also records (an engine that `stamps_itself`, ours, stamps each file before it appears);
+- save: a file the engine writes at once, whole (torch's engine, DeepSpeed's python writer), is written under a
+  temporary name of this rank's, gets the current save id (`torch_file.stamp`), which our metadata for the tag also
+  records, and is renamed into place: DeepSpeed's python writer has every data-parallel writer write the same
+  replicated model-states file, and no rank may read or stamp a file another is still writing. A file an engine
+  writes later or elsewhere (a decoupled writer's process) is remembered with the save id and stamped at `commit`,
+  once every rank's engine has finished its files, by one rank per file (an engine that `stamps_itself`, ours,
+  stamps each file before it appears);
 - load: `torch.load(weights_only=True)` with only DeepSpeed's own checkpoint classes allowed
   (and those the user names in `UCP_ALLOW_PICKLE`), reading through `VerifyingReader` so every
   record torch reads is checked against its CRC-32, and refusing a file whose save id differs from
@@ -26,20 +30,24 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Callable
 from typing import IO, Any, cast
 
 import torch
+import torch.distributed as tdist
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.compat import deepspeed_safe_globals, user_safe_globals
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import CommitRecord, write_commit
 from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.atomic import atomic_path
 from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.async_save import upload_file
-from ucp_deepspeed.runtime.collective import all_ok, on_rank0, to_rank0
+from ucp_deepspeed.runtime.collective import all_ok, coordinated, every_rank, failure_of, on_rank0, to_rank0
 
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
@@ -79,10 +87,12 @@ def safe_load(
 
 
 class Guard:
-    """What the bound checkpoint engine needs to know: the save in progress, and each tag's save id."""
+    """What the bound checkpoint engine needs to know: the save in progress, each tag's save id, and the group its
+    commit waits for the other ranks on (the checkpointer's own, `collective.coordination_group`)."""
 
     def __init__(self, verify: bool):
         self.verify = verify
+        self.group: Callable[[], Any] = lambda: None
         self.save_id = ""
         self.expected: dict[str, str] = {}  # tag folder -> save id its metadata records
         self.problem: CheckpointError | None = None  # the first damaged record a load read
@@ -146,36 +156,68 @@ class BoundEngine:
             else:
                 guard.uploaded(path, size)
             return
+        if getattr(self.inner, "stamps_itself", False):
+            self.inner.save(state_dict, path)
+            return
+        writes = compat.checkpoint_writes(self.inner)
+        if writes is compat.Writes.WHOLE:
+            with atomic_path(path) as tmp:  # this rank's own file, whole and stamped before it takes the name
+                self.inner.save(state_dict, tmp)
+                if guard.save_id:
+                    stamp(tmp, guard.save_id)
+            return
         self.inner.save(state_dict, path)
-        if self.ucp_guard.save_id and not getattr(self.inner, "stamps_itself", False):
-            self._written.append((path, self.ucp_guard.save_id))
+        if guard.save_id and writes is compat.Writes.LATER:
+            self._written.append((path, guard.save_id))
 
     def commit(self, info: Any) -> Any:
-        """The wrapped engine's commit (a decoupled writer finishes its files here), then each file gets its id; on
-        an object store, the tag's commit object and `latest` (collective)."""
-        uploaded = getattr(self.inner, "uploaded", None)
-        finished = uploaded() if callable(uploaded) else []
-        result = self.inner.commit(info)
-        written, self._written = self._written, []
-        for path, save_id in written:
-            stamp(path, save_id)
-        if st.is_url(str(info.save_dir)):
-            guard = self.ucp_guard
-            uploads, guard.uploads = guard.uploads + finished, []
-            failure, guard.upload_failure = guard.upload_failure, None
-            tag_dir = st.join(str(info.save_dir), str(info.tag))
-            save_id, latest = guard.pending.pop(tag_dir, ("", False))
-            try:
-                commit_to_store(tag_dir, save_id, uploads, failure, latest)
-            finally:
-                st.unplace(tag_dir)  # a load learns the placement from the keys object
+        """The wrapped engine's commit (a decoupled writer finishes its files here), then each file written later
+        gets its id; on an object store, the tag's commit object and `latest` (collective)."""
+        with coordinated(self.ucp_guard.group()):
+            uploaded = getattr(self.inner, "uploaded", None)
+            finished = uploaded() if callable(uploaded) else []
+            result = self.inner.commit(info)
+            written, self._written = self._written, []
+            _stamp_once(written)
+            if st.is_url(str(info.save_dir)):
+                self._commit_to_store(info, finished)
         return result
+
+    def _commit_to_store(self, info: Any, finished: list[tuple[str, int]]) -> None:
+        guard = self.ucp_guard
+        uploads, guard.uploads = guard.uploads + finished, []
+        failure, guard.upload_failure = guard.upload_failure, None
+        tag_dir = st.join(str(info.save_dir), str(info.tag))
+        save_id, latest = guard.pending.pop(tag_dir, ("", False))
+        try:
+            commit_to_store(tag_dir, save_id, uploads, failure, latest)
+        finally:
+            st.unplace(tag_dir)  # a load learns the placement from the keys object
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """Read one file without running code from it, every record checked."""
         guard = self.ucp_guard
         expected = guard.expected.get(st.realpath(st.dirname(path)), "")
         return safe_load(path, map_location, expected, guard.verify, guard.damaged)
+
+
+def _stamp_once(written: list[tuple[str, str]]) -> None:
+    """Give each file written later (by a decoupled writer's process) its save id, once every rank's engine has
+    committed, so every file of the save is whole: a file several ranks wrote (the replicated model states) by the
+    first of them alone; a failure on any rank fails the commit on every rank (collective)."""
+    everyone = every_rank(written)
+    first: dict[str, int] = {}
+    for rank, files in enumerate(everyone):
+        for path, _ in files:
+            first.setdefault(path, rank)
+    failure = None
+    try:
+        for path, save_id in written:
+            if first[path] == tdist.get_rank():
+                stamp(path, save_id)
+    except Exception as exc:
+        failure = failure_of(exc)
+    all_ok(failure)
 
 
 def commit_to_store(
