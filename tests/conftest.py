@@ -184,11 +184,13 @@ CONVERTED_CASES = {"z2": ("z1", "z3", "bf16z2"), "offz2": ("offz3",), "sgdz1": (
 PLAIN_CASES = {
     "z1": ("z1", "z3"),
     "z3": ("z1",),
+    "z2": ("z0",),  # a torch optimizer's numbered state, named by the loading engine's groups
+    "z0": ("z0",),
     "bf16z2pad": ("bf16z1pad", "bf16z3pad"),
     "bf16z1pad": ("bf16z2pad",),
     "bf16z3pad": ("bf16z1pad",),
 }
-PLAIN_VARIANTS = ("z1", "z3", "bf16z1pad", "bf16z2pad", "bf16z3pad")
+PLAIN_VARIANTS = ("z1", "z3", "z0", "bf16z1pad", "bf16z2pad", "bf16z3pad")
 
 
 @dataclass(frozen=True)

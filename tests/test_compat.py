@@ -371,6 +371,17 @@ def test_trains(zero12, zero3, config):
     assert not compat.trains(engine)
 
 
+def test_group_order(zero12, zero3):
+    """Each param group's parameters in the order the script gave them, as torch's state dict numbers them: ZeRO-1/2
+    and ZeRO-3 keep them in flat groups and sub-groups of their own."""
+    for engine in (zero12, zero3, _engine(0)):
+        names = {p: n for n, p in engine.module.named_parameters()}
+        assert [[names[p] for p in g] for g in compat.group_order(engine)] == [
+            ["a.weight", "b.weight"],
+            ["a.bias", "b.bias"],
+        ]
+
+
 def test_checkpoint_writes(zero12, monkeypatch):
     """How DeepSpeed's checkpoint engines write a file: torch's and the python writer's at once, whole, at the path
     given; the decoupled writer's later, in its process."""

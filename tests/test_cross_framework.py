@@ -30,6 +30,8 @@ def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loa
     shared dp=3 launch."""
     plain = plain_sources
     for name in PLAIN_VARIANTS:
+        if name == "z0":  # offline, TinyLM's numbered ZeRO-0 optimizer state cannot be named (test_faults.py)
+            continue
         assert not list((plain / name).glob("*/ucp_meta_*")), "saved through ucp_deepspeed after all"
         assert cli_main(["inspect", str(plain / name)]) == 0
         assert "metadata: rebuilt from DeepSpeed's files" in capsys.readouterr().out
@@ -40,6 +42,8 @@ def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loa
         ("zero1 dp=2 fp32", "zero1 dp=3 fp32"),
         ("zero3 dp=2 fp32", "zero1 dp=3 fp32"),
         ("zero1 dp=2 fp32", "zero3 dp=3 fp32"),
+        ("zero0 dp=2 fp32", "zero2 dp=3 fp32"),
+        ("zero0 dp=2 fp32", "zero0 dp=3 fp32"),
         ("zero1 dp=2 bf16", "zero2 dp=3 bf16"),
         ("zero3 dp=2 bf16", "zero2 dp=3 bf16"),
         ("zero2 dp=2 bf16", "zero1 dp=3 bf16"),

@@ -184,6 +184,23 @@ class SubGroup:
     lp: Any
 
 
+def group_order(engine: Engine) -> list[list[Any]]:
+    """Each optimizer param group's trainable parameters in the order the training script gave them, which is the
+    order torch's own optimizer state dict numbers them in (ZeRO-1/2 flatten them in a round-robin order of their
+    own, ZeRO-3 in sub-groups)."""
+    opt = engine.optimizer
+    if int(engine.zero_optimization_stage()) == 3:
+        groups: list[list[Any]] = [[] for _ in base_optimizer(engine).param_groups]
+        for i, params in enumerate(opt.fp16_groups):
+            groups[int(opt.sub_group_to_group_id[i])].extend(params)
+        return groups
+    if is_bf16_optimizer(opt):
+        return [list(g) for g in opt.bf16_groups]
+    if hasattr(opt, "bit16_groups"):
+        return [list(g) for g in opt.bit16_groups]
+    return [list(g["params"]) for g in opt.param_groups]  # torch's optimizer itself, frozen parameters and all
+
+
 def zero3_subgroups(opt: Any) -> list[SubGroup]:
     """The sub-groups of a ZeRO-3 optimizer, in order."""
     return [

@@ -270,6 +270,17 @@ def _zero3_slots(opt: Any, names: dict, placed: dict[str, ParamInfo]) -> list[Pa
     return slots
 
 
+def optimizer_order(engine: Engine) -> tuple[tuple[str, ...], ...] | None:
+    """The global names of each optimizer param group's parameters, in the order torch's state dict numbers them:
+    what names a plain ZeRO-0 save's numbered optimizer state. None for an engine of several model-parallel ranks,
+    whose stages number their own parameters, and for one without an optimizer."""
+    if not compat.trains(engine) or model_parallel(engine) != ModelParallel():
+        return None
+    placed = infos(engine)
+    local = {p: n for n, p in engine.module.named_parameters()}
+    return tuple(tuple(placed[local[p]].name for p in group) for group in compat.group_order(engine))
+
+
 def same_stage(engine: Engine, metas: list[SaveMeta]) -> bool:
     """Whether this rank's pipeline stage holds the parameters its saved stage held (same layer split, same names).
 

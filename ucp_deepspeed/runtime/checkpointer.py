@@ -46,7 +46,7 @@ from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.spread import KEYS, Spread
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
-from ucp_deepspeed.runtime.capture import describe
+from ucp_deepspeed.runtime.capture import describe, optimizer_order
 from ucp_deepspeed.runtime.collective import (
     all_ok,
     barrier,
@@ -328,8 +328,10 @@ class UniversalCheckpointer:
         refused: list[str] = []
         failures: list[CheckpointError] = []
         rank0 = tdist.get_rank() == 0  # one rank opens the tags
+        # what a tag saved without our metadata needs: layout rules, and this engine's optimizer groups for ZeRO-0
+        plain = {"layout_rules": self.options.layout_rules, "order": optimizer_order(self.engine) if rank0 else None}
         while True:
-            picked = from_rank0(guarded(lambda: fallback_tag(load_dir, refused) if rank0 else None))
+            picked = from_rank0(guarded(lambda: fallback_tag(load_dir, refused, **plain) if rank0 else None))
             if picked is None:
                 raise failures[0]  # what was wrong with the newest tag, not that no older one loaded
             try:

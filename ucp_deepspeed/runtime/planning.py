@@ -31,7 +31,7 @@ from ucp_deepspeed.format.swap import OFFLOADED
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.protocols import Engine
-from ucp_deepspeed.runtime.capture import optimizer_record, same_stage, topology
+from ucp_deepspeed.runtime.capture import optimizer_order, optimizer_record, same_stage, topology
 from ucp_deepspeed.runtime.collective import coordinated, everywhere, from_rank0, guarded, on_rank0, to_rank0
 from ucp_deepspeed.runtime.config import UniversalConfig
 from ucp_deepspeed.runtime.mpu import megatron_moe_layers
@@ -167,13 +167,16 @@ class LoadPlanner:
         path, live = st.join(load_dir, tag), topology(engine)
         rank0 = tdist.get_rank() == 0
         # one rank reads the metadata of every model-parallel rank; a thousand ranks reading it would each do so
-        found = from_rank0(guarded(lambda: tag_metas(path, options.layout_rules) if rank0 else None))
+        # a plain ZeRO-0 save numbers its optimizer's parameters, which this engine's optimizer groups name
+        found = from_rank0(
+            guarded(lambda: tag_metas(path, options.layout_rules, optimizer_order(engine)) if rank0 else None)
+        )
         metas = found[0]
         meta = metas[0]
         saved = meta.topology
         if self._native_can_load(load_dir, path, saved, live, meta, metas):
-            if not checked:
-                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules).close())  # opening checks it
+            if not checked:  # opening checks it
+                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules, metas=found).close())
             report = LoadReport(mode=LoadMode.NATIVE, saved=saved.describe(), live=live.describe())
             return Source(
                 mode=LoadMode.NATIVE,

@@ -37,6 +37,11 @@ from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
+INFERRED = "from DeepSpeed's files, no ucp metadata"
+
+GroupOrder = tuple[tuple[str, ...], ...]
+"""The names of each optimizer param group's parameters, in the order torch's state dict numbers them."""
+
 _LAYER_INDEX = re.compile(r"([0-9]+)\.")  # a PipelineModule names its layers' tensors `<layer index>.<name>`
 
 RULES_HINT = (
@@ -65,8 +70,9 @@ def _dtype(ds_config: dict[str, Any]) -> str:
     return "fp32"
 
 
-def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
-    """Save-time metadata of every model-parallel rank, rebuilt from DeepSpeed's own files."""
+def infer_metas(tag_dir: str, rules: Sequence[Rule] = (), order: GroupOrder | None = None) -> list[SaveMeta]:
+    """Save-time metadata of every model-parallel rank, rebuilt from DeepSpeed's own files (`order`: the names of the
+    loading engine's optimizer groups, which place a ZeRO-0 save's numbered optimizer state)."""
     paths = _model_states_paths(tag_dir)
     if not paths:
         raise CheckpointError(tag_dir, "no DeepSpeed model-states file (mp_rank_XX_model_states.pt)")
@@ -94,7 +100,7 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = ()) -> list[SaveMeta]:
             "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata",
         )
     autotp = _autotp_layouts(paths, tp) if tp > 1 and pp == 1 else {}
-    metas = [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered, autotp) for r in range(tp * pp)]
+    metas = [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered, autotp, order) for r in range(tp * pp)]
     return [dataclasses.replace(m, topology=dataclasses.replace(m.topology, sp=sp)) for m in metas]
 
 
@@ -179,47 +185,169 @@ class _Recorded:
     version: str
 
 
-def _recorded(model_path: str) -> _Recorded:
-    """Read the model-states file's own account of the parameters, refusing what it cannot tell."""
-    with ModelStatesFile(model_path) as states:
-        ds_config = states.entry("ds_config") or {}
-        zero3 = st.basename(model_path).startswith("zero_pp_rank_")
-        stage = 3 if zero3 else int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-        if stage == 0:
+def _stage(states: ModelStatesFile) -> int:
+    """The ZeRO stage of the save: ZeRO-3 names its model-states files per data-parallel rank."""
+    ds_config = states.entry("ds_config") or {}
+    zero3 = st.basename(states.path).startswith("zero_pp_rank_")
+    return 3 if zero3 else int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def _recorded(states: ModelStatesFile) -> _Recorded:
+    """Read the model-states file's own account of the parameters (ZeRO-1/2/3), refusing what it cannot tell."""
+    ds_config = states.entry("ds_config") or {}
+    stage = _stage(states)
+    shapes = [{name: tuple(shape) for name, shape in group.items()} for group in states.entry("param_shapes")]
+    shared = dict(states.entry("shared_params") or {})
+    buffers = list(states.entry("buffer_names") or [])
+    frozen_shapes = {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
+    module = states.module_tensors()
+    trainable = {n for group in shapes for n in group}
+    # ZeRO-3 saves empty placeholders for partitioned parameters; below ZeRO-3 frozen ones are in the module
+    frozen = (
+        list(frozen_shapes) if stage == 3 else [n for n in module if n not in trainable | set(shared) | set(buffers)]
+    )
+    return _Recorded(
+        ds_config=ds_config,
+        dp=int(states.entry("dp_world_size")),
+        stage=stage,
+        shapes=shapes,
+        shared=shared,
+        buffers=buffers,
+        frozen=frozen,
+        frozen_shapes=frozen_shapes,
+        # ZeRO-2/3 record frozen parameters unless saved with exclude_frozen_parameters=True, which writes None
+        frozen_excluded=stage >= 2 and states.entry("frozen_param_shapes") is None,
+        frozen_tensors={n: states.frozen_fragment(n) if stage == 3 else module[n] for n in frozen},
+        buffer_tensors={n: module[n] for n in buffers if n in module},
+        client_keys=tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS),
+        version=str(states.entry("ds_version", "")),
+    )
+
+
+def _infer_whole(states: ModelStatesFile, tp: int, pp: int, layered: bool, order: GroupOrder | None) -> SaveMeta:
+    """ZeRO-0 in fp32: DeepSpeed saved the module whole and the torch optimizer's state dict, which numbers the
+    parameters of each group by position, as torch's own `load_state_dict` reads them. The positions are named by the
+    loading engine's groups (`order`), or, without one, by shape where a shape names one parameter; the states'
+    shapes must equal the parameters' either way."""
+    path = states.path
+    if tp > 1 or pp > 1 or layered:
+        raise CheckpointError(
+            path,
+            "saved without ucp_deepspeed metadata at ZeRO stage 0 with tensor or pipeline parallelism: each stage's "
+            "torch optimizer numbers its own parameters, and which is which is not recorded. Save through "
+            "ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
+        )
+    ds_config = states.entry("ds_config") or {}
+    if _dtype(ds_config) != "fp32":
+        raise CheckpointError(path, f"saved at ZeRO stage 0 in {_dtype(ds_config)}: DeepSpeed's FP16 optimizer wrapper")
+    hyperparams, _ = states.optimizer_groups()
+    indices = states.optimizer_group_indices()
+    buffers = list(states.entry("buffer_names") or [])
+    module = states.module_tensors()
+    # tied parameters are one tensor under two names (torch.save keeps a storage once): the first name owns it
+    owners: dict[tuple[str, int, tuple[int, ...]], str] = {}
+    tied: dict[str, str] = {}
+    for name, tensor in module.items():
+        if name in buffers:
+            continue
+        where = (tensor.key, tensor.storage_offset, tuple(tensor.shape))
+        if where in owners:
+            tied[name] = owners[where]
+        else:
+            owners[where] = name
+    candidates = [n for n in owners.values()]
+    keys = states.optimizer_state_keys()
+    placed = _place_whole(states, indices, keys, candidates, module, order)
+    slots = [
+        ParamSlot(name, tuple(module[name].shape), group=g, flat=index, offset=0, partition=module[name].numel())
+        for (g, index), name in placed.items()
+    ]
+    owned = set(placed.values())
+    extras = [
+        ExtraTensor(n, tuple(module[n].shape), dtype_name(module[n].dtype), "frozen")
+        for n in candidates
+        if n not in owned
+    ]
+    extras += [ExtraTensor(n, tuple(module[n].shape), dtype_name(module[n].dtype), "buffer") for n in buffers]
+    return SaveMeta(
+        topology=Topology(dp=int(states.entry("dp_world_size")), zero_stage=0, dtype="fp32"),
+        params=tuple(slots),
+        extras=tuple(extras),
+        tied=tied,
+        num_groups=len(hyperparams),
+        client_state_keys=tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS),
+        versions={"deepspeed": str(states.entry("ds_version", "")), "inferred": INFERRED},
+    )
+
+
+def _place_whole(
+    states: ModelStatesFile,
+    indices: list[list[int]],
+    keys: list[str],
+    candidates: list[str],
+    module: dict[str, Any],
+    order: GroupOrder | None,
+) -> dict[tuple[int, int], str]:
+    """(param group, state index) -> parameter name, for every parameter of the saved torch optimizer."""
+    path = states.path
+
+    def saved_shape(index: int) -> tuple[int, ...] | None:
+        found = {tuple(states.optimizer_state(index, key).shape) for key in keys if _has_state(states, index, key)}
+        return found.pop() if len(found) == 1 else None
+
+    out: dict[tuple[int, int], str] = {}
+    if order is not None:
+        if [len(g) for g in order] != [len(g) for g in indices]:
             raise CheckpointError(
-                model_path,
-                "saved without ucp_deepspeed metadata at ZeRO stage 0: DeepSpeed saved the torch "
-                "optimizer's state dict, which numbers parameters instead of naming them. Save through "
-                "ucp_deepspeed, or use ZeRO stage 1, 2 or 3",
+                path,
+                f"the saved optimizer's groups hold {[len(g) for g in indices]} parameters, the loading engine's "
+                f"{[len(g) for g in order]}: not this model's optimizer, or its groups are built another way",
             )
-        shapes = [{name: tuple(shape) for name, shape in group.items()} for group in states.entry("param_shapes")]
-        shared = dict(states.entry("shared_params") or {})
-        buffers = list(states.entry("buffer_names") or [])
-        frozen_shapes = {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
-        module = states.module_tensors()
-        trainable = {n for group in shapes for n in group}
-        # ZeRO-3 saves empty placeholders for partitioned parameters; below ZeRO-3 frozen ones are in the module
-        frozen = (
-            list(frozen_shapes)
-            if stage == 3
-            else [n for n in module if n not in trainable | set(shared) | set(buffers)]
+        for g, (names, saved) in enumerate(zip(order, indices)):
+            for name, index in zip(names, saved):
+                shape = saved_shape(index)
+                if shape is None and name in module:  # never stepped: frozen in the saving job
+                    continue
+                if name not in module or shape != tuple(module[name].shape):
+                    have = list(module[name].shape) if name in module else "no such tensor"
+                    raise CheckpointError(
+                        path,
+                        f"the loading engine's optimizer puts '{name}' at position {index} of group {g}, where the "
+                        f"saved state is shaped {list(shape or ())} and the saved module has {have}",
+                    )
+                out[g, index] = name
+        return out
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for name in candidates:
+        by_shape.setdefault(tuple(module[name].shape), []).append(name)
+    unclear = []
+    for g, saved in enumerate(indices):
+        for index in saved:
+            shape = saved_shape(index)
+            if shape is None:  # never stepped: frozen in the saving job
+                continue
+            matches = by_shape.get(shape, [])
+            if len(matches) != 1:
+                unclear.append((index, matches or [f"no tensor of shape {list(shape)}"]))
+            else:
+                out[g, index] = matches[0]
+    if unclear:
+        shown = "; ".join(f"position {i}: {', '.join(n[:4])}" for i, n in unclear[:6])
+        raise CheckpointError(
+            path,
+            "saved without ucp_deepspeed metadata at ZeRO stage 0: the torch optimizer's state numbers its "
+            f"parameters, and their shapes do not tell which is which ({shown}). Load it into the engine with "
+            "engine.load_checkpoint (its optimizer's groups name them), or save through ucp_deepspeed",
         )
-        return _Recorded(
-            ds_config=ds_config,
-            dp=int(states.entry("dp_world_size")),
-            stage=stage,
-            shapes=shapes,
-            shared=shared,
-            buffers=buffers,
-            frozen=frozen,
-            frozen_shapes=frozen_shapes,
-            # ZeRO-2/3 record frozen parameters unless saved with exclude_frozen_parameters=True, which writes None
-            frozen_excluded=stage >= 2 and states.entry("frozen_param_shapes") is None,
-            frozen_tensors={n: states.frozen_fragment(n) if stage == 3 else module[n] for n in frozen},
-            buffer_tensors={n: module[n] for n in buffers if n in module},
-            client_keys=tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS),
-            version=str(states.entry("ds_version", "")),
-        )
+    return out
+
+
+def _has_state(states: ModelStatesFile, index: int, key: str) -> bool:
+    try:
+        states.optimizer_state(index, key)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _optimizer_class(optim: OptimRankFile, stage: int, dtype: str) -> str:
@@ -244,10 +372,14 @@ def _infer_rank(
     pp: int,
     layered: bool,
     autotp: dict[str, Layout],
+    order: GroupOrder | None,
 ) -> SaveMeta:
     """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files;
-    `autotp`: layouts AutoTP recorded, which rules override."""
-    rec = _recorded(model_path)
+    `autotp`: layouts AutoTP recorded, which rules override; `order`: the loading engine's optimizer groups."""
+    with ModelStatesFile(model_path) as states:
+        if _stage(states) == 0:
+            return _infer_whole(states, tp, pp, layered, order)
+        rec = _recorded(states)
     if (rec.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         raise CheckpointError(
             model_path,
@@ -289,7 +421,7 @@ def _infer_rank(
         tp_rank=mp_rank % tp,
         pp_rank=mp_rank // tp,
         frozen_excluded=rec.frozen_excluded,
-        versions={"deepspeed": rec.version, "inferred": "from DeepSpeed's files, no ucp metadata"},
+        versions={"deepspeed": rec.version, "inferred": INFERRED},
     )
 
 

@@ -40,7 +40,7 @@ from ucp_deepspeed.sources.consistency import (
     flat_layouts,
 )
 from ucp_deepspeed.sources.data_loaders import read_loader_records
-from ucp_deepspeed.sources.infer import infer_metas
+from ucp_deepspeed.sources.infer import GroupOrder, infer_metas
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 from ucp_deepspeed.sources.plan import full_tensors
@@ -340,14 +340,15 @@ class ClientStates(Sequence[dict[str, Any]]):
         return rank.model_states(0).client_state(rank.meta.client_state_keys)
 
 
-def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], bool]:
+def tag_metas(tag_dir: str, layout_rules: Any = None, order: GroupOrder | None = None) -> tuple[list[SaveMeta], bool]:
     """Every model-parallel rank's metadata, and whether it was inferred from DeepSpeed's files alone.
 
     A tag saved through ucp_deepspeed has our metadata files; one saved by plain DeepSpeed (or HF
     Trainer, Accelerate) gets metadata rebuilt from DeepSpeed's own bookkeeping, which needs
-    `layout_rules` when it is tensor-parallel.
+    `layout_rules` when it is tensor-parallel, and names a ZeRO-0 save's numbered optimizer state by the
+    loading engine's groups (`order`) when they are given.
     """
-    metas, inferred = _read_metas(tag_dir, layout_rules)
+    metas, inferred = _read_metas(tag_dir, layout_rules, order)
     counts = sorted({m.num_groups for m in metas})
     if len(counts) > 1:
         raise CheckpointError(
@@ -358,10 +359,10 @@ def tag_metas(tag_dir: str, layout_rules: Any = None) -> tuple[list[SaveMeta], b
     return metas, inferred
 
 
-def _read_metas(tag_dir: str, layout_rules: Any) -> tuple[list[SaveMeta], bool]:
+def _read_metas(tag_dir: str, layout_rules: Any, order: GroupOrder | None) -> tuple[list[SaveMeta], bool]:
     if not st.isfile(st.join(tag_dir, meta_filename(0))):
         try:
-            return infer_metas(tag_dir, _rules(layout_rules, tag_dir)), True
+            return infer_metas(tag_dir, _rules(layout_rules, tag_dir), order), True
         except ValueError as exc:  # a name in DeepSpeed's files that cannot be a tensor's (see check_name)
             raise CheckpointError(tag_dir, str(exc)) from None
     first = read_meta(tag_dir, 0)

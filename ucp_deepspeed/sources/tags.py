@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import COMMIT, uncommitted_reason
@@ -19,13 +20,18 @@ from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
+from ucp_deepspeed.sources.infer import GroupOrder
+from ucp_deepspeed.sources.native import tag_metas
 
 log = logging.getLogger("ucp_deepspeed")
 _STEP = re.compile(r"(\d+)$")
 
 
-def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
-    """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete."""
+def incomplete_reason(
+    ckpt_dir: str, tag: str, *, layout_rules: Any = None, order: GroupOrder | None = None
+) -> str | None:
+    """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete; `layout_rules`
+    and `order` read one saved without ucp metadata (`tag_metas`)."""
     try:
         kind = kind_of(st.join(ckpt_dir, tag))
     except CheckpointError as exc:
@@ -44,7 +50,9 @@ def incomplete_reason(ckpt_dir: str, tag: str) -> str | None:
         if reason is not None:
             return f"{st.join(ckpt_dir, tag)}: {reason}"
     try:
-        NativeCheckpoint(ckpt_dir, tag).close()
+        NativeCheckpoint(
+            ckpt_dir, tag, layout_rules, metas=tag_metas(st.join(ckpt_dir, tag), layout_rules, order)
+        ).close()
     except CheckpointError as exc:
         return str(exc)
     return None
@@ -61,48 +69,49 @@ def _order(ckpt_dir: str, tag: str) -> tuple[int, float]:
         return (int(found.group(1)) if found else -1, 0.0)
 
 
-def newest_complete(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
+def newest_complete(ckpt_dir: str, refused: Sequence[str] = (), **plain: Any) -> str | None:
     """The newest complete tag (by trailing step number, then folder time) older than every `refused` one; torn
-    ones are logged and skipped."""
+    ones are logged and skipped (`plain`: as `incomplete_reason` takes them)."""
     tags = sorted(list_tags(ckpt_dir), key=lambda t: _order(ckpt_dir, t), reverse=True)
     if refused:
         oldest = min(_order(ckpt_dir, t) for t in refused)
         tags = [t for t in tags if _order(ckpt_dir, t) < oldest]
     for tag in tags:
-        reason = incomplete_reason(ckpt_dir, tag)
+        reason = incomplete_reason(ckpt_dir, tag, **plain)
         if reason is None:
             return tag
         log.warning("ucp: skipping incomplete checkpoint %s: %s", tag, reason)
     return None
 
 
-def resume_tag(ckpt_dir: str, refused: Sequence[str] = ()) -> str | None:
+def resume_tag(ckpt_dir: str, refused: Sequence[str] = (), **plain: Any) -> str | None:
     """The tag to resume from: the one `latest` names if it is complete, else the newest complete one; after
-    `refused` tags (which failed to load), the newest complete one older than them."""
+    `refused` tags (which failed to load), the newest complete one older than them (`plain`: as `incomplete_reason`
+    takes them)."""
     if refused:
-        return newest_complete(ckpt_dir, refused)
+        return newest_complete(ckpt_dir, refused, **plain)
     latest = latest_tag(ckpt_dir)
     if latest is not None:
-        reason = incomplete_reason(ckpt_dir, latest)
+        reason = incomplete_reason(ckpt_dir, latest, **plain)
         if reason is None:
             return latest
         log.warning(
             "ucp: 'latest' names %s, which is incomplete (%s); looking for an older complete one", latest, reason
         )
-    return newest_complete(ckpt_dir)
+    return newest_complete(ckpt_dir, **plain)
 
 
-def fallback_tag(ckpt_dir: str, refused: Sequence[str]) -> str | None:
+def fallback_tag(ckpt_dir: str, refused: Sequence[str], **plain: Any) -> str | None:
     """The tag to resume from after the `refused` ones failed to load (none, at first): `resume_tag`; None when
     every complete tag was refused (the caller reports why the first failed); with none refused and no complete tag,
     a `CheckpointError` saying what is wrong with the newest."""
-    tag = resume_tag(ckpt_dir, refused)
+    tag = resume_tag(ckpt_dir, refused, **plain)
     if tag is not None or refused:
         return tag
     newest = latest_tag(ckpt_dir) or next(reversed(list_tags(ckpt_dir)), None)
     if newest is None:
         raise CheckpointError(st.join(ckpt_dir, LATEST), "'latest' is empty and there are no tag folders")
-    reason = incomplete_reason(ckpt_dir, newest) or "unreadable"
+    reason = incomplete_reason(ckpt_dir, newest, **plain) or "unreadable"
     raise CheckpointError(
         ckpt_dir, f"holds no complete checkpoint to resume from; the newest, {newest}, is not: {reason}"
     )
