@@ -33,7 +33,8 @@ LOSS_RTOL = 1e-5
 LOSS_RTOL_BF16_OTHER_DP = 1e-4
 
 # world size -> variants saved by one launch (data parallelism takes the rest of the world)
-SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "seq", "pp2z0", "tp1pp2", "tp2pp1"), 4: ("pp2u", "pp1", "tp2pp2")}
+SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "plainbf16pp2z0", "seq", "pp2z0", "tp1pp2", "tp2pp1")}
+SAVES[4] = ("pp2u", "pp1", "tp2pp2", "plainbf16pp2z0")
 
 # (world, target variant, source "world/variant", expected mode)
 CASES = [
@@ -45,6 +46,9 @@ CASES = [
     (2, "pp2u", "2/pp2", "resharded"),  # same sizes, another stage split: DeepSpeed's own load would mix stages
     (2, "bf16pp1z0", "2/bf16pp2z0", "resharded"),
     (2, "bf16pp2", "2/bf16pp2z0", "resharded"),  # ZeRO-0 -> ZeRO-1
+    # saved by plain DeepSpeed's BF16_Optimizer: no param_shapes; its param_slice_mappings place every parameter
+    (2, "bf16pp1z0", "2/plainbf16pp2z0", "resharded"),
+    (2, "bf16pp2", "4/plainbf16pp2z0", "resharded"),  # PP2 DP2: the mappings of both DP ranks, padding, to ZeRO-1
     (4, "pp2u", "2/pp2", "resharded"),  # PP2 DP1 -> PP2 DP2, another stage split
     (4, "pp2u", "4/pp1", "resharded"),  # PP1 DP4 -> PP2 DP2
     (4, "pp4", "4/pp2u", "resharded"),  # PP2 -> PP4 (split by block type)

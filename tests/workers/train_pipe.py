@@ -66,6 +66,7 @@ VARIANTS = {
     "pp4": {"pp": 4, "stage": 1, "dtype": "fp32", "partition": "type:Block"},
     "pp2ckpt": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "type:Block", "activation_checkpoint": 1},
     "bf16pp2z0": {"pp": 2, "stage": 0, "dtype": "bf16", "partition": "parameters"},
+    "plainbf16pp2z0": {"pp": 2, "stage": 0, "dtype": "bf16", "partition": "parameters", "plain": True},
     "bf16pp2": {"pp": 2, "stage": 1, "dtype": "bf16", "partition": "uniform"},
     "bf16pp1z0": {"pp": 1, "stage": 0, "dtype": "bf16", "partition": "parameters"},
     # the same layers as a plain module (no PipelineEngine); its embedding is layer 0, the checkpoints' tied module

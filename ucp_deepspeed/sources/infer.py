@@ -25,7 +25,7 @@ from typing import Any
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import dtype_name
-from ucp_deepspeed.format.metadata import FP32, ExtraTensor, ParamSlot, SaveMeta
+from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, ExtraTensor, ParamSlot, SaveMeta
 from ucp_deepspeed.format.paths import optim_prefix
 from ucp_deepspeed.format.topology import BF16_OPTIMIZER, Topology
 from ucp_deepspeed.geometry.fragments import saved_numel
@@ -224,6 +224,84 @@ def _recorded(states: ModelStatesFile) -> _Recorded:
     )
 
 
+def _recorded_bf16_stages(tag_dir: str, states: ModelStatesFile, mp_rank: int, tp: int, layered: bool) -> _Recorded:
+    """A bf16 `PipelineModule` at ZeRO-0, which DeepSpeed trains with its BF16_Optimizer: its model-states files
+    record no `param_shapes`, so each flat group's parameters and places come from the `param_slice_mappings` of every
+    data-parallel rank's optimizer file (which fragment of which parameter each partition holds) and their shapes
+    from the layer files; a tied module's weights from the layer file that holds its first copy."""
+    path = states.path
+    if not layered:
+        raise CheckpointError(path, "saved in bf16 at ZeRO stage 0 without a PipelineModule: DeepSpeed's FP16 wrapper")
+    ds_config = states.entry("ds_config") or {}
+    dp = int(states.entry("dp_world_size"))
+    fragments: dict[int, dict[str, tuple[int, int]]] = {}  # flat -> name -> (first element, elements)
+    for rank in range(dp):
+        optim_path = st.join(tag_dir, f"bf16_zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+        if not st.isfile(optim_path):
+            raise CheckpointError(optim_path, f"optimizer file of data-parallel rank {rank} is missing")
+        with OptimRankFile(optim_path, 0) as optim:
+            mappings = optim.entry("param_slice_mappings")
+            if not isinstance(mappings, list) or len(mappings) != optim.num_flat:
+                raise CheckpointError(optim_path, "records no param_slice_mappings of its flat groups")
+            for flat, mapping in enumerate(mappings):
+                partition = int(optim.flat(flat, FP32).shape[0])  # every rank's, padding included
+                for name, address in (mapping or {}).items():
+                    begin, count = rank * partition + int(address.start), int(address.numel)
+                    first, total = fragments.setdefault(flat, {}).get(name, (begin, 0))
+                    if first + total != begin:
+                        raise CheckpointError(optim_path, f"'{name}': its fragments are not contiguous in flat {flat}")
+                    fragments[flat][name] = (first, total + count)
+    shapes = _layer_shapes(tag_dir, mp_rank, tp, {n for group in fragments.values() for n in group}, path)
+    ordered = []
+    for flat in range(len(fragments)):
+        by_place = sorted(fragments[flat].items(), key=lambda item: item[1][0])
+        group = {}
+        for name, (_, count) in by_place:
+            if math.prod(shapes[name]) != count:
+                raise CheckpointError(path, f"'{name}' is {list(shapes[name])} in its layer file, {count} elements")
+            group[name] = shapes[name]
+        ordered.append(group)
+    return _Recorded(
+        ds_config=ds_config,
+        dp=dp,
+        stage=0,
+        shapes=ordered,
+        shared={},
+        buffers=list(states.entry("buffer_names") or []),
+        frozen=[],
+        frozen_shapes={},
+        frozen_excluded=False,
+        frozen_tensors={},
+        buffer_tensors={},
+        client_keys=tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS),
+        version=str(states.entry("ds_version", "")),
+    )
+
+
+def _layer_shapes(tag_dir: str, mp_rank: int, tp: int, names: set[str], path: str) -> dict[str, tuple[int, ...]]:
+    """The shape of each `PipelineModule` parameter named `<layer>.<key>` or `tied_modules.<tie>.<key>`, from the
+    layer files: a tied module's weights are in the file of the layer that holds its first copy, whichever stage."""
+    files = sorted(n for n in st.listdir(tag_dir) if LAYER_FILE.fullmatch(n))
+    mine = [n for n in files if tp == 1 or f"-model_{mp_rank % tp:02d}-" in n]
+    out: dict[str, tuple[int, ...]] = {}
+    tied = {n for n in names if n.startswith("tied_modules.")}
+    numbered = {int(m.group(1)) for n in names if (m := _LAYER_INDEX.match(n))}
+    for file in mine:
+        layer = int(file.split("_", 1)[1].split("-", 1)[0])
+        with LayerStatesFile(st.join(tag_dir, file)) as states:
+            for key in states.keys():
+                shape = tuple(states.tensor(key).shape)
+                if f"{layer}.{key}" in names:
+                    out[f"{layer}.{key}"] = shape
+                for name in tied:  # the tied module's file: a layer no numbered parameter names
+                    if layer not in numbered and name.split(".", 2)[2] == key:
+                        out.setdefault(name, shape)
+    missing = sorted(names - set(out))
+    if missing:
+        raise CheckpointError(path, f"parameters {missing[:6]} are in no pipeline layer file of this stage's rank")
+    return out
+
+
 def _infer_whole(states: ModelStatesFile, tp: int, pp: int, layered: bool, order: GroupOrder | None) -> SaveMeta:
     """ZeRO-0 in fp32: DeepSpeed saved the module whole and the torch optimizer's state dict, which numbers the
     parameters of each group by position, as torch's own `load_state_dict` reads them. The positions are named by the
@@ -358,7 +436,7 @@ def _optimizer_class(optim: OptimRankFile, stage: int, dtype: str) -> str:
         return "DeepSpeedZeroOptimizer_Stage3"
     if optim.entry("zero_stage") is not None:
         return "DeepSpeedZeroOptimizer"
-    if dtype == "bf16" and stage == 1:
+    if dtype == "bf16" and stage in (0, 1):
         return BF16_OPTIMIZER
     raise CheckpointError(optim.path, f"records no zero_stage, as a ZeRO-{stage} optimizer file does")
 
@@ -377,9 +455,12 @@ def _infer_rank(
     """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files;
     `autotp`: layouts AutoTP recorded, which rules override; `order`: the loading engine's optimizer groups."""
     with ModelStatesFile(model_path) as states:
-        if _stage(states) == 0:
+        if _stage(states) != 0:
+            rec = _recorded(states)
+        elif _dtype(states.entry("ds_config") or {}) == "fp32":
             return _infer_whole(states, tp, pp, layered, order)
-        rec = _recorded(states)
+        else:
+            rec = _recorded_bf16_stages(tag_dir, states, mp_rank, tp, layered)
     if (rec.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         raise CheckpointError(
             model_path,
