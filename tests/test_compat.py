@@ -479,6 +479,19 @@ def test_deepspeed_keys(zero12, tmp_path):
     zero12.save_checkpoint(str(tmp_path), tag="t", client_state={"mine": 1})
     keys = set(load_file(str(tmp_path / "t" / "mp_rank_00_model_states.pt")).keys())
     assert "mine" in keys and keys - {"mine"} <= DEEPSPEED_KEYS, keys - DEEPSPEED_KEYS
+    # a DeepSpeed MoE model's save writes its own (one expert-parallel rank here)
+    from deepspeed.moe.layer import MoE
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), MoE(6, torch.nn.Linear(6, 6), num_experts=2, ep_size=1))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(net.parameters()), "name": "all"}])
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=config)
+    engine.save_checkpoint(str(tmp_path), tag="moe", client_state={"mine": 1})
+    keys = set(load_file(str(tmp_path / "moe" / "mp_rank_00_model_states.pt")).keys())
+    assert "num_experts" in keys and keys - {"mine"} <= DEEPSPEED_KEYS, keys - DEEPSPEED_KEYS
 
 
 def test_kernel_table_names_deepspeed_classes():

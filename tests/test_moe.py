@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import pytest
 from conftest import OnDemand, load_results, torchrun
+from launching import each
 
 LOSS_RTOL = 1e-5
 
-# source name: (world size, expert-parallel size, variants saved by one launch)
+# source name: (world size, expert-parallel size, variants saved by one launch); the same variants saved by plain
+# DeepSpeed first in the launch, under `<source>/plain/` (no ucp metadata: the experts are placed off its own files)
 SAVES = {"ep2w2": (2, 2, ("moez1", "moez2")), "ep2w4": (4, 2, ("moez2",)), "ep1w1": (1, 1, ("moez1",))}
+PLAIN = ("ep2w2", "ep2w4")
 
 # the default run loads at one rank from the 2-rank save (two launches); the other cells need a launch per world size
 SLOW = pytest.mark.slow
 TARGETS = [
-    pytest.param(1, 1, "moez1", ("ep2w2/moez1", "ep2w2/moez2"), id="ep1-z1<-ep2-z1,z2"),
+    pytest.param(1, 1, "moez1", ("ep2w2/moez1", "ep2w2/moez2", "ep2w2/plain/moez2"), id="ep1-z1<-ep2-z1,z2,plain-z2"),
     pytest.param(2, 2, "moez1", ("ep1w1/moez1",), id="ep2-z1<-ep1", marks=SLOW),
-    pytest.param(4, 4, "moez2", ("ep2w2/moez1",), id="ep4-z2<-ep2-z1", marks=SLOW),
-    pytest.param(3, 1, "moez2", ("ep2w4/moez2",), id="ep1-dp3-z2<-ep2-edp2-dp4-z2", marks=SLOW),
+    pytest.param(4, 4, "moez2", ("ep2w2/moez1", "ep2w2/plain/moez1"), id="ep4-z2<-ep2-z1,plain-z1", marks=SLOW),
+    pytest.param(
+        3, 1, "moez2", ("ep2w4/moez2", "ep2w4/plain/moez2"), id="ep1-dp3-z2<-ep2-edp2-dp4-z2,plain", marks=SLOW
+    ),
 ]
 
 
@@ -33,9 +38,15 @@ def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
 
     def launch(save: str) -> None:
         world, ep, variants = SAVES[save]
-        torchrun(world, "save", "--out", str(out / save), "--ep", str(ep), "--variant", *variants, attempts=2)
+        runs = [["save", "--out", str(out / save), "--ep", str(ep), "--variant", *variants]]
+        if save in PLAIN:
+            runs.insert(
+                0, ["save", "--plain", "--out", str(out / save / "plain"), "--ep", str(ep), "--variant", *variants]
+            )
+        torchrun(world, *each(runs), attempts=2)
 
     names = [f"{save}/{variant}" for save, (_, _, variants) in SAVES.items() for variant in variants]
+    names += [f"{save}/plain/{variant}" for save in PLAIN for variant in SAVES[save][2]]
     return OnDemand(out, names, lambda name: name.split("/")[0], launch)
 
 

@@ -23,6 +23,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import dtype_name
 from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, ExtraTensor, ParamSlot, SaveMeta
@@ -475,7 +477,9 @@ def _infer_rank(
         raise CheckpointError(optim_path, "optimizer file of data-parallel rank 0 is missing")
     with OptimRankFile(optim_path, rec.stage) as optim:
         optimizer = _optimizer_class(optim, rec.stage, dtype)
-        slots, num_groups = _slots(optim, rec, layouts, padded=optimizer == BF16_OPTIMIZER)
+        slots, num_groups, ep = _slots(optim, rec, layouts, padded=optimizer == BF16_OPTIMIZER)
+    if ep > 1:
+        _check_expert_placement(tag_dir, mp_rank, slots, dtype)
     extras = _layer_extras(tag_dir, mp_rank, tp, trainable, rec.buffers, rules, model_path) if layered else []
     for name in rec.frozen:
         tensor = rec.frozen_tensors[name]
@@ -493,7 +497,7 @@ def _infer_rank(
         tensor = rec.buffer_tensors[name]
         extras.append(ExtraTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), "buffer"))
     return SaveMeta(
-        topology=Topology(dp=rec.dp, zero_stage=rec.stage, dtype=dtype, tp=tp, pp=pp, optimizer=optimizer),
+        topology=Topology(dp=rec.dp, zero_stage=rec.stage, dtype=dtype, tp=tp, pp=pp, ep=ep, optimizer=optimizer),
         params=tuple(slots),
         extras=tuple(extras),
         tied=rec.shared,
@@ -508,30 +512,105 @@ def _infer_rank(
 
 def _slots(
     optim: OptimRankFile, rec: _Recorded, layouts: dict[str, Layout], padded: bool
-) -> tuple[list[ParamSlot], int]:
-    """Every trainable parameter's place in the flat buffers of data-parallel rank 0's optimizer file, and how many
-    param groups the optimizer has."""
+) -> tuple[list[ParamSlot], int, int]:
+    """Every trainable parameter's place in the flat buffers of data-parallel rank 0's optimizer file, how many
+    param groups the optimizer has, and the expert-parallel size."""
     path = optim.path
-    if any((g or {}).get("moe") for g in optim.hyperparams() or []):
-        raise CheckpointError(
-            path,
-            "an expert-parallel (MoE) checkpoint saved without ucp_deepspeed "
-            "metadata: which files hold which experts is not recorded. Save through "
-            "ucp_deepspeed to reshard MoE checkpoints",
-        )
     if optim.num_flat != len(rec.shapes):
         raise CheckpointError(path, f"{optim.num_flat} flat buffers but param_shapes lists {len(rec.shapes)}")
     sizes = [optim.flat(i, FP32).shape[0] for i in range(optim.num_flat)]
     groups = [optim.group_of_flat(i) for i in range(optim.num_flat)]
+    experts = _expert_sizes(optim, rec)
     mappings = optim.entry("param_slice_mappings") if rec.stage != 3 else None
     slots = []
     for i, group in enumerate(rec.shapes):
         if rec.stage == 3:
             slots += _zero3_slots(group, i, groups[i], sizes[i], rec.dp, layouts, path)
-        else:
-            mapping = mappings[i] if mappings else None
-            slots += _zero12_slots(group, i, groups[i], sizes[i], rec.dp, layouts, mapping, path, padded)
-    return slots, len(optim.hyperparams() or sizes)
+            continue
+        mapping = mappings[i] if mappings else None
+        ep = experts.get(groups[i], 1)
+        local = _zero12_slots(group, i, groups[i], sizes[i], rec.dp // ep, layouts, mapping, path, padded)
+        slots += local if ep == 1 else _every_expert_rank(local, ep, rec.dp, path)
+    return slots, len(optim.hyperparams() or sizes), max(experts.values(), default=1)
+
+
+_EXPERTS = re.compile(r"(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)([0-9]+)(\..*)")
+"""A DeepSpeed MoE layer's local expert parameter: prefix, local id, rest."""
+
+
+def _expert_sizes(optim: OptimRankFile, rec: _Recorded) -> dict[int, int]:
+    """The expert-parallel size of each param group that holds DeepSpeed MoE experts (`moe`, named `ep_size_<E>`)."""
+    out = {}
+    for g, hyper in enumerate(optim.hyperparams() or []):
+        if not (hyper or {}).get("moe"):
+            continue
+        found = re.fullmatch(r"ep_size_([0-9]+)", str(hyper.get("name", "")))
+        if found is None or rec.dp % int(found.group(1)):
+            raise CheckpointError(
+                optim.path, f"param group {g} holds experts but its name {hyper.get('name')!r} gives no expert size"
+            )
+        if rec.stage == 3:
+            raise CheckpointError(
+                optim.path,
+                "a DeepSpeed MoE model saved at ZeRO-3 without ucp_deepspeed metadata: which files hold which "
+                "experts' partitions is not recorded. Save through ucp_deepspeed, or use ZeRO stage 1 or 2",
+            )
+        out[g] = int(found.group(1))
+    return out
+
+
+def _check_expert_placement(tag_dir: str, mp_rank: int, slots: list[ParamSlot], dtype: str) -> None:
+    """The experts the metadata puts in each optimizer file are the ones there: the first elements of each expert
+    flat's first parameter, on the first rank of each expert-parallel rank's group, equal that expert's weights in
+    DeepSpeed's expert file (`layer_<L>_expert_<id>_mp_rank_<mp>_model_states.pt`), rounded to the run's precision.
+    A job built with `use_data_before_expert_parallel_` partitions them over other ranks, and is refused."""
+    files: dict[int, list[str]] = {}
+    for name in st.listdir(tag_dir):
+        found = re.fullmatch(rf"layer_[0-9]+_expert_([0-9]+)_mp_rank_{mp_rank:02d}_model_states\.pt", name)
+        if found:
+            files.setdefault(int(found.group(1)), []).append(st.join(tag_dir, name))
+    firsts = [s for s in slots if s.ranks and s.offset == 0]
+    for slot in firsts:
+        expert = int(_EXPERTS.fullmatch(slot.name).group(2))  # type: ignore[union-attr]
+        rank = slot.ranks[0]
+        optim_path = st.join(tag_dir, f"{optim_prefix(dtype)}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+        weights = None
+        for path in files.get(expert, []):
+            with LayerStatesFile(path) as states:
+                if slot.name in states.keys():
+                    tensor = states.tensor(slot.name)
+                    weights = tensor.read(0, min(64, tensor.numel()))
+        if weights is None:
+            raise CheckpointError(tag_dir, f"no expert file of expert {expert} holds '{slot.name}'")
+        with OptimRankFile(optim_path, 1) as optim:
+            saved = optim.flat(slot.flat, FP32).read(0, weights.numel())
+        if not torch.equal(saved.to(weights.dtype), weights):
+            raise CheckpointError(
+                optim_path,
+                f"its experts are not expert {expert}'s ({slot.name} differs from its expert file): saved with "
+                "use_data_before_expert_parallel_, whose placement is not recorded. Save through ucp_deepspeed",
+            )
+
+
+def _every_expert_rank(local: list[ParamSlot], ep: int, dp: int, path: str) -> list[ParamSlot]:
+    """A MoE group's slots for every expert-parallel rank: each holds its own experts (global id `rank x local
+    experts + local id`, as DeepSpeed names its expert files) in the same flat layout, partitioned over its
+    expert-data-parallel group, DeepSpeed's ranks `e, e + ep, e + 2 ep, ...` (data parallel after expert
+    parallel, its default); `_check_expert_placement` checks that against the expert files."""
+    counts: dict[str, set[int]] = {}
+    for slot in local:
+        found = _EXPERTS.fullmatch(slot.name)
+        if found is None:
+            raise CheckpointError(path, f"'{slot.name}' is in a param group of experts but is no DeepSpeed expert")
+        counts.setdefault(found.group(1), set()).add(int(found.group(2)))
+    out = []
+    for e in range(ep):
+        for slot in local:
+            prefix, index, rest = _EXPERTS.fullmatch(slot.name).groups()  # type: ignore[union-attr]
+            name = f"{prefix}{e * len(counts[prefix]) + int(index)}{rest}"
+            ranks = tuple(range(e, dp, ep))
+            out.append(dataclasses.replace(slot, name=name, local=slot.name if name != slot.name else "", ranks=ranks))
+    return out
 
 
 def _layouts(

@@ -31,6 +31,10 @@ DEEPSPEED_KEYS = frozenset(
         "ep_world_size",
         "moe_world_size",
         "ds_autotp_universal_checkpoint_info",
+        # a MoE model's (`_save_moe_checkpoint`): expert counts per layer, AutoEP's placement, AutoEP x AutoTP folding
+        "num_experts",
+        "ds_autoep_layers",
+        "folding",
     }
 )
 
