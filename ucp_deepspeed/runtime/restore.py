@@ -139,7 +139,11 @@ def check_compatible(
     """
     problems, names = guarded(lambda: _problems(engine, ckpt, live, module_only))
     frozen = sorted(info.name for p, info in live.items() if not p.requires_grad)
-    everyone = to_rank0((problems, sorted(names), frozen))
+    # a module reached under a second name (AutoEP's `gate` for its `router`): plain DeepSpeed saves the alias as a
+    # tensor of its own, which the parameter's own name restores
+    to_global = namer(engine)
+    aliases = sorted({to_global(n) for n, _ in engine.module.named_parameters(remove_duplicate=False)} - names)
+    everyone = to_rank0((problems, sorted(names), frozen, aliases))
     found = from_rank0(_all_problems(ckpt, everyone) if everyone is not None else None)
     if found:
         raise CheckpointError(
@@ -147,16 +151,17 @@ def check_compatible(
         )
 
 
-def _all_problems(ckpt: TensorReader, everyone: list[tuple[list[str], list[str], list[str]]]) -> list[str]:
+def _all_problems(ckpt: TensorReader, everyone: list[tuple[list[str], list[str], list[str], list[str]]]) -> list[str]:
     """What every rank found, and the names no rank has or the checkpoint lacks (on rank 0)."""
-    problems = list(dict.fromkeys(p for part, _, _ in everyone for p in part))
-    all_names = {n for _, part, _ in everyone for n in part}
-    frozen = {n for _, _, part in everyone for n in part}
+    problems = list(dict.fromkeys(p for part, _, _, _ in everyone for p in part))
+    all_names = {n for _, part, _, _ in everyone for n in part}
+    frozen = {n for _, _, part, _ in everyone for n in part}
+    aliases = {n for *_, part in everyone for n in part if n in ckpt.params and not ckpt.params[n].trainable}
     skipped = frozen if ckpt.manifest.frozen_excluded else set()  # saved with exclude_frozen_parameters
     missing = sorted(all_names - set(ckpt.params) - skipped)
     # a foreign format that cannot tell a frozen parameter from a buffer (DCP) lists such a tensor as both
     untyped = {n for n, rec in ckpt.params.items() if not rec.trainable and n in ckpt.buffers}
-    extra = sorted(set(ckpt.params) - all_names - untyped)
+    extra = sorted(set(ckpt.params) - all_names - untyped - aliases)
     if missing:
         problems.insert(0, f"parameters not in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if extra:

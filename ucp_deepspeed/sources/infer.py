@@ -31,7 +31,7 @@ from ucp_deepspeed.format.metadata import FP32, LAYER_FILE, ExtraTensor, ParamSl
 from ucp_deepspeed.format.paths import optim_prefix
 from ucp_deepspeed.format.topology import BF16_OPTIMIZER, Topology
 from ucp_deepspeed.geometry.fragments import saved_numel
-from ucp_deepspeed.geometry.layout import REPLICATED, Layout
+from ucp_deepspeed.geometry.layout import REPLICATED, Axis, Layout
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.naming.rules import Rule
 from ucp_deepspeed.sources.autotp import autotp_layouts, is_autotp_record
@@ -185,6 +185,8 @@ class _Recorded:
     buffer_tensors: dict[str, Any]
     client_keys: tuple[str, ...]
     version: str
+    stacks: dict[str, int] = dataclasses.field(default_factory=dict)
+    """DeepSpeed AutoEP's expert stacks (`<layer>.experts.w1`, ...): their local experts per expert-parallel rank."""
 
 
 def _stage(states: ModelStatesFile) -> int:
@@ -204,6 +206,8 @@ def _recorded(states: ModelStatesFile) -> _Recorded:
     frozen_shapes = {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
     module = states.module_tensors()
     trainable = {n for group in shapes for n in group}
+    if stage != 3:  # a module reached under two names (AutoEP's `gate` for its `router`) saves one storage twice
+        shared |= _aliases(module, trainable, set(shared) | set(buffers))
     # ZeRO-3 saves empty placeholders for partitioned parameters; below ZeRO-3 frozen ones are in the module
     frozen = (
         list(frozen_shapes) if stage == 3 else [n for n in module if n not in trainable | set(shared) | set(buffers)]
@@ -223,7 +227,43 @@ def _recorded(states: ModelStatesFile) -> _Recorded:
         buffer_tensors={n: module[n] for n in buffers if n in module},
         client_keys=tuple(k for k in states.keys() if k not in DEEPSPEED_KEYS),
         version=str(states.entry("ds_version", "")),
+        stacks=_autoep_stacks(states),
     )
+
+
+def _aliases(module: dict[str, Any], trainable: set[str], known: set[str]) -> dict[str, str]:
+    """Module entries that are another parameter under a second name (one storage, saved once by torch): alias ->
+    the name DeepSpeed records for it (`trainable`), else the first name."""
+    owners: dict[tuple[str, int, tuple[int, ...]], str] = {}
+    for name in sorted(module, key=lambda n: n not in trainable):  # stable: module order within each kind
+        if name not in known:
+            tensor = module[name]
+            owners.setdefault((tensor.key, tensor.storage_offset, tuple(tensor.shape)), name)
+    out = {}
+    for name, tensor in module.items():
+        owner = owners.get((tensor.key, tensor.storage_offset, tuple(tensor.shape)))
+        if owner is not None and owner != name and name not in known:
+            out[name] = owner
+    return out
+
+
+def _autoep_stacks(states: ModelStatesFile) -> dict[str, int]:
+    """Each AutoEP expert stack's local expert count, from the layers DeepSpeed records (`ds_autoep_layers`), whose
+    placement must give each expert-parallel rank its contiguous run of experts in rank order (AutoEP's default)."""
+    out = {}
+    for layer in states.entry("ds_autoep_layers") or []:
+        local, size = int(layer["num_local_experts"]), int(layer["ep_size"])
+        placement = layer.get("expert_placement") or {}
+        runs = {int(r["rank"]): [int(e) for e in r["experts"]] for r in placement.get("ranks") or []}
+        if runs != {r: list(range(r * local, (r + 1) * local)) for r in range(size)}:
+            raise CheckpointError(
+                states.path,
+                f"AutoEP layer {layer.get('module_path')!r} places its experts {runs}; only each rank's contiguous "
+                "run in rank order (AutoEP's default placement) is supported",
+            )
+        for weight in ("w1", "w2", "w3"):
+            out[f"{layer['expert_key_prefix']}.{weight}"] = local
+    return out
 
 
 def _recorded_bf16_stages(tag_dir: str, states: ModelStatesFile, mp_rank: int, tp: int, layered: bool) -> _Recorded:
@@ -325,17 +365,8 @@ def _infer_whole(states: ModelStatesFile, tp: int, pp: int, layered: bool, order
     buffers = list(states.entry("buffer_names") or [])
     module = states.module_tensors()
     # tied parameters are one tensor under two names (torch.save keeps a storage once): the first name owns it
-    owners: dict[tuple[str, int, tuple[int, ...]], str] = {}
-    tied: dict[str, str] = {}
-    for name, tensor in module.items():
-        if name in buffers:
-            continue
-        where = (tensor.key, tensor.storage_offset, tuple(tensor.shape))
-        if where in owners:
-            tied[name] = owners[where]
-        else:
-            owners[where] = name
-    candidates = [n for n in owners.values()]
+    tied = _aliases(module, set(), set(buffers))
+    candidates = [n for n in module if n not in tied and n not in buffers]
     keys = states.optimizer_state_keys()
     placed = _place_whole(states, indices, keys, candidates, module, order)
     slots = [
@@ -479,7 +510,7 @@ def _infer_rank(
         optimizer = _optimizer_class(optim, rec.stage, dtype)
         slots, num_groups, ep = _slots(optim, rec, layouts, padded=optimizer == BF16_OPTIMIZER)
     if ep > 1:
-        _check_expert_placement(tag_dir, mp_rank, slots, dtype)
+        _check_expert_placement(tag_dir, mp_rank, slots, dtype, rec.stacks)
     extras = _layer_extras(tag_dir, mp_rank, tp, trainable, rec.buffers, rules, model_path) if layered else []
     for name in rec.frozen:
         tensor = rec.frozen_tensors[name]
@@ -530,7 +561,7 @@ def _slots(
         mapping = mappings[i] if mappings else None
         ep = experts.get(groups[i], 1)
         local = _zero12_slots(group, i, groups[i], sizes[i], rec.dp // ep, layouts, mapping, path, padded)
-        slots += local if ep == 1 else _every_expert_rank(local, ep, rec.dp, path)
+        slots += local if ep == 1 else _every_expert_rank(local, ep, rec.dp, rec.stacks, path)
     return slots, len(optim.hyperparams() or sizes), max(experts.values(), default=1)
 
 
@@ -559,10 +590,13 @@ def _expert_sizes(optim: OptimRankFile, rec: _Recorded) -> dict[int, int]:
     return out
 
 
-def _check_expert_placement(tag_dir: str, mp_rank: int, slots: list[ParamSlot], dtype: str) -> None:
+def _check_expert_placement(
+    tag_dir: str, mp_rank: int, slots: list[ParamSlot], dtype: str, stacks: dict[str, int]
+) -> None:
     """The experts the metadata puts in each optimizer file are the ones there: the first elements of each expert
     flat's first parameter, on the first rank of each expert-parallel rank's group, equal that expert's weights in
-    DeepSpeed's expert file (`layer_<L>_expert_<id>_mp_rank_<mp>_model_states.pt`), rounded to the run's precision.
+    DeepSpeed's expert file (`layer_<L>_expert_<id>_mp_rank_<mp>_model_states.pt`, an AutoEP stack's first expert
+    under `<stack>.<id>`), rounded to the run's precision.
     A job built with `use_data_before_expert_parallel_` partitions them over other ranks, and is refused."""
     files: dict[int, list[str]] = {}
     for name in st.listdir(tag_dir):
@@ -571,17 +605,21 @@ def _check_expert_placement(tag_dir: str, mp_rank: int, slots: list[ParamSlot], 
             files.setdefault(int(found.group(1)), []).append(st.join(tag_dir, name))
     firsts = [s for s in slots if s.ranks and s.offset == 0]
     for slot in firsts:
-        expert = int(_EXPERTS.fullmatch(slot.name).group(2))  # type: ignore[union-attr]
+        if slot.name in stacks:
+            expert = slot.ep_rank * stacks[slot.name]
+            key = f"{slot.name}.{expert}"
+        else:
+            expert, key = int(_EXPERTS.fullmatch(slot.name).group(2)), slot.name  # type: ignore[union-attr]
         rank = slot.ranks[0]
         optim_path = st.join(tag_dir, f"{optim_prefix(dtype)}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
         weights = None
         for path in files.get(expert, []):
             with LayerStatesFile(path) as states:
-                if slot.name in states.keys():
-                    tensor = states.tensor(slot.name)
+                if key in states.keys():
+                    tensor = states.tensor(key)
                     weights = tensor.read(0, min(64, tensor.numel()))
         if weights is None:
-            raise CheckpointError(tag_dir, f"no expert file of expert {expert} holds '{slot.name}'")
+            raise CheckpointError(tag_dir, f"no expert file of expert {expert} holds '{key}'")
         with OptimRankFile(optim_path, 1) as optim:
             saved = optim.flat(slot.flat, FP32).read(0, weights.numel())
         if not torch.equal(saved.to(weights.dtype), weights):
@@ -592,23 +630,29 @@ def _check_expert_placement(tag_dir: str, mp_rank: int, slots: list[ParamSlot], 
             )
 
 
-def _every_expert_rank(local: list[ParamSlot], ep: int, dp: int, path: str) -> list[ParamSlot]:
-    """A MoE group's slots for every expert-parallel rank: each holds its own experts (global id `rank x local
-    experts + local id`, as DeepSpeed names its expert files) in the same flat layout, partitioned over its
-    expert-data-parallel group, DeepSpeed's ranks `e, e + ep, e + 2 ep, ...` (data parallel after expert
-    parallel, its default); `_check_expert_placement` checks that against the expert files."""
+def _every_expert_rank(local: list[ParamSlot], ep: int, dp: int, stacks: dict[str, int], path: str) -> list[ParamSlot]:
+    """A MoE group's slots for every expert-parallel rank: each holds its own experts in the same flat layout,
+    partitioned over its expert-data-parallel group, DeepSpeed's ranks `e, e + ep, e + 2 ep, ...` (data parallel
+    after expert parallel, its default; `_check_expert_placement` checks that against the expert files). A DeepSpeed
+    MoE expert is named by its global id, `rank x local experts + local id`, as DeepSpeed names its expert files; an
+    AutoEP stack keeps its name and is cut over the expert-parallel ranks along dim 0."""
     counts: dict[str, set[int]] = {}
     for slot in local:
         found = _EXPERTS.fullmatch(slot.name)
-        if found is None:
+        if found is not None:
+            counts.setdefault(found.group(1), set()).add(int(found.group(2)))
+        elif slot.name not in stacks:
             raise CheckpointError(path, f"'{slot.name}' is in a param group of experts but is no DeepSpeed expert")
-        counts.setdefault(found.group(1), set()).add(int(found.group(2)))
     out = []
     for e in range(ep):
+        ranks = tuple(range(e, dp, ep))
         for slot in local:
+            if slot.name in stacks:
+                layout = Layout("split", 0, over=Axis.EXPERT)
+                out.append(dataclasses.replace(slot, layout=layout, ep_rank=e, ranks=ranks))
+                continue
             prefix, index, rest = _EXPERTS.fullmatch(slot.name).groups()  # type: ignore[union-attr]
             name = f"{prefix}{e * len(counts[prefix]) + int(index)}{rest}"
-            ranks = tuple(range(e, dp, ep))
             out.append(dataclasses.replace(slot, name=name, local=slot.name if name != slot.name else "", ranks=ranks))
     return out
 
