@@ -276,6 +276,11 @@ def test_tp_checkpoint_without_metadata_needs_rules(megatron_sources, tmp_path, 
     assert cli_main(["convert", str(bare), "--layout-rules", str(rules), "--output", str(out), "--no-progress"]) == 0
     report = diff(str(out), str(megatron_sources["gpt-z1-tp2"]))
     assert report.identical and len(report.states) > 40, report
+    # inspect, verify and DeepSpeed's format take the same rules (they refused such a checkpoint, or ignored them)
+    for command in (["inspect"], ["verify"], ["convert", "--format", "deepspeed", "--no-progress"]):
+        assert cli_main([*command, str(bare)]) == 2, command
+        assert "--layout-rules" in capsys.readouterr().err
+        assert cli_main([*command, str(bare), "--layout-rules", str(rules)]) == 0, command
 
 
 def test_context_parallelism_is_refused_at_initialize():

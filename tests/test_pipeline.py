@@ -2,6 +2,13 @@
 pipeline size, stage split (`partition_method`), data-parallel size, ZeRO stage 0 <-> 1, and tensor-parallel size
 when the blocks are megatron-core column/row-parallel layers; to and from a plain module and DeepSpeed's format.
 
+Megatron-DeepSpeed itself is on no package index: `tests/workers/train_pipe.py` builds its `GPTModelPipe` (`mds`
+variants) with its parameter names, a fused `query_key_value` that each tensor-parallel rank cuts into thirds
+([q; k; v] per rank), SwiGLU's [gate; up] per rank, a vocabulary of 121 padded to 128, and the client state it hands
+`save_checkpoint` (`args` with a tensor and megatron-core's `ModelType` inside, `universal_checkpoint_info`), and
+plain DeepSpeed saves it, as Megatron-DeepSpeed does; `ucp convert --format deepspeed`, with no layout rules, writes
+what its `--universal-checkpoint` (DeepSpeed's `load_universal`) loads at another layout.
+
 Each load compares every fp32 master, Adam state, low-precision weight, buffer, step, per-group hyperparameter,
 scheduler and counter with torch.equal (keyed by global name, merged over all stages; both copies of the tied
 embedding must agree), then the next 3 losses with the uninterrupted run. One launch saves every source of a world
@@ -11,6 +18,7 @@ the rest.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import socket
@@ -18,8 +26,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, case_args, ds_to_universal, load_results, torch_env, torchrun
 
+from ucp_deepspeed import UniversalCheckpoint
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import read_meta
 from ucp_deepspeed.interop import import_deepspeed
@@ -35,6 +45,10 @@ LOSS_RTOL_BF16_OTHER_DP = 1e-4
 # world size -> variants saved by one launch (data parallelism takes the rest of the world)
 SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "plainbf16pp2z0", "seq", "pp2z0", "tp1pp2", "tp2pp1")}
 SAVES[4] = ("pp2u", "pp1", "tp2pp2", "plainbf16pp2z0")
+# Megatron-DeepSpeed's GPTModelPipe, saved by plain DeepSpeed at 4 ranks (TP2 x PP2; a Llama at TP2 x DP2; bf16 at
+# PP2 x DP2) in a launch of its own: the default run loads the first, the 4-rank launch above is `slow`
+MDS_SAVES = ("mdstp2pp2", "mdsllamatp2", "mdsbf16pp2")
+LAUNCHES = {2: 2, 4: 4, "mds": 4}  # save launch -> world size
 
 # (world, target variant, source "world/variant", expected mode)
 CASES = [
@@ -67,13 +81,22 @@ CASES = [
     (4, "tp2pp2", "2/tp2pp1", "resharded"),  # 2x1x1 -> 2x2x1
     (2, "seq", "2/pp2", "resharded"),  # PipelineModule -> the same layers as a plain module (`rename`)
     (4, "pp2u", "2/seq", "resharded"),  # and back
+    # Megatron-DeepSpeed: `ucp convert --format deepspeed` (no rules) loaded by DeepSpeed's load_universal, which is
+    # what its --universal-checkpoint runs; and the rank files read through ucp_deepspeed
+    (2, "stock:mdstp1pp1", "mds/mdstp2pp2", "stock"),  # TP2 x PP2 -> TP1 x DP2
+    (2, "mdstp1pp2", "mds/mdstp2pp2", "resharded"),  # TP2 x PP2 -> PP2 x DP1
+    (2, "stock:mdsllamatp1", "mds/mdsllamatp2", "stock"),  # SwiGLU, RMSNorm, untied: TP2 x DP2 -> TP1 x DP2
+    (2, "stock:mdsbf16pp1", "mds/mdsbf16pp2", "stock"),  # bf16 PP2 x DP2 -> PP1 x DP2
 ]
+MDS_DEFAULT = {"mds/mdstp2pp2"}
 
 
 def slow(case: tuple[int, str, str, str]) -> bool:
     """Whether a case is outside the default run: the default loads at 2 ranks what the 2-rank launch saved (PP2 ->
     PP1 DP2, another stage split, ZeRO-0 <-> 1, bf16, PipelineModule -> plain module), one launch each."""
     world, _, source, mode = case
+    if source in MDS_DEFAULT:
+        return False
     return world != 2 or not source.startswith("2/") or mode in ("stock", "imported")
 
 
@@ -86,28 +109,29 @@ class Pipes:
         self.saved: set[int] = set()
         self.loaded: dict[tuple[int, bool], dict[tuple[int, str, str], dict]] = {}
 
-    def save(self, world: int) -> Path:
-        if world not in self.saved:
-            self.saved.add(world)
-            out = self.root / str(world)
-            torchrun(world, "save", "--out", str(out), "--variant", *SAVES[world], worker=WORKER, timeout=600)
-            if world == 4:  # DeepSpeed's converter on the uneven split, and its folder with the layer files copied in
+    def save(self, launch: int | str) -> Path:
+        if launch not in self.saved:
+            self.saved.add(launch)
+            out = self.root / str(launch)
+            variants = MDS_SAVES if launch == "mds" else SAVES[launch]
+            torchrun(LAUNCHES[launch], "save", "--out", str(out), "--variant", *variants, worker=WORKER, timeout=600)
+            if launch == 4:  # DeepSpeed's converter on the uneven split, and its folder with the layer files copied in
                 tag = out / "pp2u" / "global_step3"
                 theirs = ds_to_universal(tag, tag.with_name("global_step3_universal"), workers=1)
                 shutil.copytree(theirs, self.root / "bare_universal")  # as DeepSpeed wrote it
                 for layer_file in tag.glob("layer_*-model_states.pt"):
                     shutil.copy(layer_file, theirs)
                 shutil.copy(out / "pp2u" / "reference.pt", theirs)  # where the worker looks for it
-        return self.root / str(world)
+        return self.root / str(launch)
 
     def results(self, world: int, is_slow: bool) -> dict[tuple[int, str, str], dict]:
         if (world, is_slow) not in self.loaded:
             self.loaded[world, is_slow] = {}
             cases = [c for c in CASES if c[0] == world and slow(c) == is_slow]
-            for source_world in sorted({int(c[2].split("/")[0]) for c in cases}):
-                self.save(source_world)
-            if any(mode == "stock" for *_, mode in cases):
-                for exported in ("2/pp2", "2/pp2z0"):
+            for launch in sorted({c[2].split("/")[0] for c in cases}):
+                self.save(launch if launch == "mds" else int(launch))
+            for exported in sorted({source for *_, source, mode in cases if mode == "stock"}):
+                if not (self.root / exported / "latest_universal").is_file():
                     assert (
                         cli_main(["convert", "--format", "deepspeed", "--no-progress", str(self.root / exported)]) == 0
                     )
@@ -137,7 +161,8 @@ def test_pipeline_reshard(pipes, world, target, source, mode):
     assert r["mode"] == mode, label
     assert r["diffs"] == [], f"{label}: restored state differs:\n" + "\n".join(r["diffs"][:20])
     assert r["tensors"] >= (75 if mode == "stock" else 100), label  # 4 blocks x 12 tensors x (fp32, 2 states, weight)
-    rtol = LOSS_RTOL_BF16_OTHER_DP if "bf16" in target and r["saved"].split()[1] != r["live"].split()[1] else LOSS_RTOL
+    other_dp = mode == "stock" or r["saved"].split()[1] != r["live"].split()[1]
+    rtol = LOSS_RTOL_BF16_OTHER_DP if "bf16" in target and other_dp else LOSS_RTOL
     assert r["max_rel_loss"] <= rtol, f"{label}: losses {r['losses']} vs {r['reference_losses']}"
 
 
@@ -218,3 +243,76 @@ def test_stages_with_different_param_group_counts_are_refused(pipes, tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"have \[1, 2\] optimizer param groups"):
         NativeCheckpoint(str(ckpt))
+
+
+# --- Megatron-DeepSpeed's saves (its GPTModelPipe, built in tests/workers/train_pipe.py) ---------------------------
+
+
+def test_the_ucp_command_reads_a_megatron_deepspeed_save_with_no_rules(pipes, tmp_path, capsys):
+    """inspect, verify, convert to the universal format and to DeepSpeed's: the layouts come from the record and the
+    args; the fused projection is kept as [q; k; v] (DeepSpeed's loader takes its three sub-parameters apart again),
+    the vocabulary's 7 padding rows, which training moved, are kept; the pickled args come back as a Namespace."""
+    source = tmp_path / "mdstp2pp2"
+    shutil.copytree(pipes.save("mds") / "mdstp2pp2", source, ignore=shutil.ignore_patterns("*universal"))
+    assert cli_main(["inspect", str(source)]) == 0
+    out = capsys.readouterr().out
+    assert "zero1 dp=1 tp=2 pp=2" in out and "rebuilt from DeepSpeed's files" in out
+    assert cli_main(["verify", str(source)]) == 0
+    assert cli_main(["convert", "--no-progress", str(source)]) == 0
+    with UniversalCheckpoint(str(source / "global_step3.universal")) as ckpt:
+        assert ckpt.params["tied_modules.embed.word_embeddings.weight"].shape == (128, 16)
+        embedding = ckpt.read("tied_modules.embed.word_embeddings.weight", "fp32").view(128, 16)
+        assert embedding[121:].abs().sum() > 0, "the padding rows were trained: they are kept"
+        qkv = ckpt.read("2.self_attention.query_key_value.weight", "fp32").view(48, 16)
+        args = ckpt.load_state()["client_state"]["args"]
+        assert args.num_attention_heads == 2 and args.model_type["__class__"] == "megatron.core.enums.ModelType"
+    shards = [
+        torch.load(source / "global_step3" / f"layer_02-model_0{r}-model_states.pt", weights_only=False) for r in (0, 1)
+    ]
+    local = [s["self_attention.query_key_value.weight"] for s in shards]  # each rank: [q_r; k_r; v_r], 8 rows each
+    expected = torch.cat([torch.cat([w[8 * i : 8 * (i + 1)] for w in local]) for i in range(3)])
+    assert torch.equal(qkv.to(expected.dtype), expected), "q, k and v are each joined over the ranks"
+    assert cli_main(["convert", "--format", "deepspeed", "--no-progress", str(source)]) == 0
+    exported = torch.load(
+        source / "global_step3_universal" / "zero" / "2.self_attention.query_key_value.weight" / "fp32.pt",
+        weights_only=False,
+    )
+    assert exported["param_n_sub_params"] == 3 and torch.equal(exported["param"], qkv)
+    record = torch.load(source / "global_step3_universal" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert isinstance(record["args"], argparse.Namespace) and record["args"].hidden_size == 16
+
+
+def test_megatron_deepspeed_layouts_from_the_record_and_the_args():
+    """The record's categories, the fused projection from the args' heads (GQA's unequal parts too) or in thirds,
+    and the vocabulary kept with its padding."""
+    from types import SimpleNamespace
+
+    from ucp_deepspeed.geometry.layout import REPLICATED, Layout
+    from ucp_deepspeed.sources.megatron_deepspeed import is_megatron_deepspeed_record, megatron_deepspeed_layouts
+
+    info = {
+        "universal_checkpoint_version": 0.4,
+        "original_vocab_size": 121,
+        "padded_vocab_size": 128,
+        "vocabulary_parameter_patterns": [r"tied_modules.embed.word_embeddings.weight"],
+        "tp_replicated_parameter_patterns": [r"\d+.input_layernorm.weight"],
+        "parameter_with_row_parallelism_patterns": [r"\d+.self_attention.dense.weight"],
+        "parameter_with_2_sub_params_cat_dim_0": [r"\d+.mlp.dense_h_to_4h.weight"],
+    }
+    local = {
+        "tied_modules.embed.word_embeddings.weight": (64, 16),
+        "2.input_layernorm.weight": (16,),
+        "2.self_attention.query_key_value.weight": (12, 16),
+        "2.self_attention.dense.weight": (16, 8),
+        "2.mlp.dense_h_to_4h.weight": (24, 16),
+    }
+    gqa = SimpleNamespace(num_attention_heads=4, num_key_value_heads=1, kv_channels=4)
+    assert is_megatron_deepspeed_record(info, gqa) and not is_megatron_deepspeed_record(info, None)
+    layouts = megatron_deepspeed_layouts(info, [local, local], gqa, "here")
+    assert layouts["2.self_attention.query_key_value.weight"] == Layout("split", 0, parts=(16, 4, 4))
+    assert layouts["tied_modules.embed.word_embeddings.weight"] == Layout("split", 0, vocab=128)
+    assert layouts["2.input_layernorm.weight"] == REPLICATED
+    assert layouts["2.self_attention.dense.weight"] == Layout("split", 1)
+    assert layouts["2.mlp.dense_h_to_4h.weight"] == Layout("split", 0, parts=(24, 24))
+    thirds = megatron_deepspeed_layouts(info, [local, local], SimpleNamespace(), "here")
+    assert thirds["2.self_attention.query_key_value.weight"] == Layout("split", 0, parts=(8, 8, 8))

@@ -70,10 +70,16 @@ def default_deepspeed_output(src: NativeCheckpoint) -> str:
 
 
 def export_deepspeed(
-    ckpt_dir: str, tag: str | None = None, output: str | None = None, workers: int = 1, progress: bool = True
+    ckpt_dir: str,
+    tag: str | None = None,
+    output: str | None = None,
+    workers: int = 1,
+    progress: bool = True,
+    layout_rules: Any = None,
 ) -> str:
-    """Write a native checkpoint in DeepSpeed's universal layout; return the output folder."""
-    with NativeCheckpoint(ckpt_dir, tag) as src:
+    """Write a native checkpoint in DeepSpeed's universal layout; return the output folder (`layout_rules`: how a
+    tensor-parallel checkpoint saved without ucp metadata or a record of its own was split)."""
+    with NativeCheckpoint(ckpt_dir, tag, layout_rules) as src:
         out = st.normalize(output or default_deepspeed_output(src))
         check_output(out, [src.tag_dir])
         if st.exists(out) and st.listdir(out):

@@ -113,6 +113,11 @@ DEEPSPEED_CLASSES = (
 )
 
 
+# Classes other stacks pickle into the files they hand DeepSpeed, kept as stand-ins and never built: Megatron-DeepSpeed
+# saves its `args` (an argparse.Namespace) into every model-states file, with the model's type as megatron-core's enum
+RECORD_CLASSES = ("megatron.core.enums.ModelType",)
+
+
 class StorageType:
     """What a pickled storage class (`torch.FloatStorage`, ...) means to a reader: its element dtype."""
 
@@ -271,7 +276,7 @@ _TABLE: dict[tuple[str, str], Any] = {
     ("torch.nn.parameter", "Parameter"): _TENSOR_TYPE,
     **{("torch", n): StorageType(d) for n, d in _LEGACY_STORAGES.items()},
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
-    **{(q.rpartition(".")[0], q.rpartition(".")[2]): standin(q) for q in DEEPSPEED_CLASSES},
+    **{(q.rpartition(".")[0], q.rpartition(".")[2]): standin(q) for q in (*DEEPSPEED_CLASSES, *RECORD_CLASSES)},
 }
 
 

@@ -13,6 +13,7 @@ a save id (`.data/ucp_save_id`, see `stamp`) that binds it to the other files of
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ import io
 import math
 import struct
 import threading
+import types
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -541,11 +543,14 @@ def materialize(obj: Any) -> Any:
         return [materialize(v) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(materialize(v) for v in obj)
+    if isinstance(obj, types.SimpleNamespace):  # an argparse.Namespace (Megatron-DeepSpeed's `args`)
+        return types.SimpleNamespace(**{k: materialize(v) for k, v in vars(obj).items()})
     return obj
 
 
 def plain(obj: Any) -> Any:
-    """`materialize`, with DeepSpeed stand-ins turned into plain data, so the result can be `torch.save`d."""
+    """`materialize`, with DeepSpeed stand-ins turned into plain data and a namespace into the `argparse.Namespace` it
+    was read from, so the result can be `torch.save`d (and read back by the program that wrote it)."""
     obj = materialize(obj)
     if isinstance(obj, PickledObject):
         return obj.to_data()
@@ -556,6 +561,8 @@ def plain(obj: Any) -> Any:
         return out
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(plain(v) for v in obj)
+    if isinstance(obj, types.SimpleNamespace):
+        return argparse.Namespace(**{k: plain(v) for k, v in vars(obj).items()})
     return obj
 
 

@@ -38,7 +38,8 @@ def is_autotp_record(info: Any, ds_config: Mapping[str, Any]) -> bool:
     )
 
 
-def _matches(patterns: Sequence[str], name: str) -> str | None:
+def matches(patterns: Sequence[str], name: str) -> str | None:
+    """The first of a record's patterns that matches the start of `name`, as DeepSpeed's converter matches them."""
     found = [p for p in patterns if re.match(p, name)]
     return found[0] if found else None
 
@@ -65,14 +66,14 @@ def autotp_layouts(info: Mapping[str, Any], shapes: Sequence[Mapping[str, Shape]
         local = [tuple(s[name]) for s in shapes if name in s]
         if len(local) != tp:
             raise CheckpointError(path, f"'{name}' is saved by {len(local)} of {tp} tensor-parallel ranks")
-        reason = _matches(list(info.get("autotp_unsupported_parameter_patterns") or {}), name)
+        reason = matches(list(info.get("autotp_unsupported_parameter_patterns") or {}), name)
         if reason is not None:
             raise CheckpointError(
                 path,
                 f"'{name}': DeepSpeed's AutoTP recorded that it cannot describe this split "
                 f"({info['autotp_unsupported_parameter_patterns'][reason]}); its own converter refuses it too",
             )
-        layout = _category_layout(info, name, local, version, path)
+        layout = category_layout(info, name, local, version, path)
         entry = next((e for p, e in (affine.get("params") or {}).items() if re.match(p, name)), None)
         if entry is not None:
             _check_affine(name, layout, local, entry, path)
@@ -80,21 +81,32 @@ def autotp_layouts(info: Mapping[str, Any], shapes: Sequence[Mapping[str, Shape]
     return out
 
 
-def _category_layout(info: Mapping[str, Any], name: str, local: list[Shape], version: float, path: str) -> Layout:
-    """The layout the record's name categories give (a split on dim 0 when none names it, as DeepSpeed's converter
-    merges such a parameter), checked against every rank's shape."""
+def category_layout(
+    info: Mapping[str, Any],
+    name: str,
+    local: list[Shape],
+    version: float,
+    path: str,
+    fused: Layout | None = None,
+    keep_padding: bool = False,
+) -> Layout:
+    """The layout a `universal_checkpoint_info` record's name categories give (a split on dim 0 when none names it,
+    as DeepSpeed's converter merges such a parameter), or `fused` when given, checked against every rank's shape;
+    `keep_padding` keeps a vocabulary's padding rows (Megatron-DeepSpeed trains them)."""
     tp = len(local)
-    if _matches(info.get("tp_replicated_parameter_patterns") or [], name):
+    if fused is not None:
+        layout = fused
+    elif matches(info.get("tp_replicated_parameter_patterns") or [], name):
         layout = REPLICATED
-    elif _matches(info.get("parameter_to_average_patterns") or [], name):
+    elif matches(info.get("parameter_to_average_patterns") or [], name):
         layout = Layout("average")
-    elif _matches(info.get("parameter_with_2_sub_params_cat_dim_0") or [], name):
+    elif matches(info.get("parameter_with_2_sub_params_cat_dim_0") or [], name):
         layout = Layout("split", 0, parts=(local[0][0] * tp // 2,) * 2)
     elif (sub := _sub_params(info, name)) is not None:
         layout = _fused(info, name, sub, local, version, path)
     else:  # a column-parallel split is the category-less default, as in DeepSpeed's converter
-        dim = 1 if _matches(info.get("parameter_with_row_parallelism_patterns") or [], name) else 0
-        layout = _plain_split(info, name, dim, local, path)
+        dim = 1 if matches(info.get("parameter_with_row_parallelism_patterns") or [], name) else 0
+        layout = _plain_split(info, name, dim, local, path, keep_padding)
     try:
         full = {layout.full_shape(shape, tp) for shape in local}
         for rank, shape in enumerate(local):
@@ -112,7 +124,7 @@ def _category_layout(info: Mapping[str, Any], name: str, local: list[Shape], ver
 
 def _sub_params(info: Mapping[str, Any], name: str) -> tuple[str, dict[str, Any]] | None:
     for entry in info.get("parameter_with_sub_params") or []:
-        pattern = _matches(entry.get("patterns") or [], name)
+        pattern = matches(entry.get("patterns") or [], name)
         if pattern is not None:
             return pattern, entry
     return None
@@ -146,13 +158,18 @@ def _fused(
     return Layout("split", dim, shards=shards)
 
 
-def _plain_split(info: Mapping[str, Any], name: str, dim: int, local: list[Shape], path: str) -> Layout:
-    """An unfused split along `dim`: the ranks' own sizes; a vocabulary keeps `original_vocab_size` rows."""
+def _plain_split(
+    info: Mapping[str, Any], name: str, dim: int, local: list[Shape], path: str, keep_padding: bool = False
+) -> Layout:
+    """An unfused split along `dim`: the ranks' own sizes; a vocabulary keeps `original_vocab_size` rows, or with
+    `keep_padding` every row (still marked as a vocabulary)."""
     widths = tuple(s[dim] if dim < len(s) else 0 for s in local)
     if 0 in widths and len(set(widths)) == 1:
         raise CheckpointError(path, f"'{name}' is split along dim {dim}, which its shape {list(local[0])} lacks")
     vocab = 0
-    if _matches(info.get("vocabulary_parameter_patterns") or [], name) and info.get("original_vocab_size"):
+    if matches(info.get("vocabulary_parameter_patterns") or [], name) and keep_padding:
+        vocab = sum(widths)
+    elif matches(info.get("vocabulary_parameter_patterns") or [], name) and info.get("original_vocab_size"):
         vocab = int(info["original_vocab_size"])
         vocab = 0 if vocab == sum(widths) else vocab
     if len(set(widths)) == 1:

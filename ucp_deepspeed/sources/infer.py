@@ -8,16 +8,19 @@ gives every rank ceil(numel / dp) elements of each parameter. Both are checked a
 (DeepSpeed's `param_slice_mappings`, flat sizes) so a different packing fails loudly instead of
 loading wrong values.
 
-How a tensor-parallel rank's slice was cut from the full tensor is recorded only by DeepSpeed's
-AutoTP (`sources.autotp`); any other TP-split checkpoint needs layout rules. A DeepSpeed
-`PipelineModule` names its parameters by global layer index and keeps its layers' buffers and frozen
-weights in per-layer files (`layer_XX[-model_YY]-model_states.pt`), which are read here; other
-pipeline stages (numbering their layers locally) and expert parallelism are refused.
+How a tensor-parallel rank's slice was cut from the full tensor is recorded by DeepSpeed's AutoTP
+(`sources.autotp`) and by Megatron-DeepSpeed (`sources.megatron_deepspeed`); any other TP-split checkpoint needs
+layout rules. A DeepSpeed `PipelineModule` names its parameters by global layer index and keeps its layers' buffers
+and frozen weights in per-layer files (`layer_XX[-model_YY]-model_states.pt`), which are read here; other pipeline
+stages (numbering their layers locally) are refused. A ZeRO-0 save's numbered torch optimizer state is named by the
+loading engine's groups, a bf16 pipeline's BF16_Optimizer partitions by their `param_slice_mappings`, and the experts
+of DeepSpeed's MoE and AutoEP by the expert-parallel placement DeepSpeed uses, checked against its expert files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -36,6 +39,7 @@ from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.naming.rules import Rule
 from ucp_deepspeed.sources.autotp import autotp_layouts, is_autotp_record
 from ucp_deepspeed.sources.keys import DEEPSPEED_KEYS
+from ucp_deepspeed.sources.megatron_deepspeed import is_megatron_deepspeed_record, megatron_deepspeed_layouts
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 
@@ -101,36 +105,53 @@ def infer_metas(tag_dir: str, rules: Sequence[Rule] = (), order: GroupOrder | No
             f"{len(paths)} model-parallel ranks' files for tensor-parallel size {tp}: "
             "pipeline stages, whose layer order is unknown without ucp_deepspeed metadata",
         )
-    autotp = _autotp_layouts(paths, tp) if tp > 1 and pp == 1 else {}
-    metas = [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered, autotp, order) for r in range(tp * pp)]
+    recorded = _recorded_layouts(paths, tp, pp) if tp > 1 else {}
+    metas = [_infer_rank(tag_dir, paths[r], r, tp, rules, pp, layered, recorded, order) for r in range(tp * pp)]
     return [dataclasses.replace(m, topology=dataclasses.replace(m.topology, sp=sp)) for m in metas]
 
 
-def _autotp_layouts(paths: dict[int, str], tp: int) -> dict[str, Layout]:
-    """Layouts from the record DeepSpeed's AutoTP writes (`sources.autotp`), with every tensor-parallel rank's shapes;
-    empty for a checkpoint without one."""
-    shapes: list[dict[str, tuple[int, ...]]] = []
-    info: dict[str, Any] = {}
-    for rank in range(tp):
-        with ModelStatesFile(paths[rank]) as states:
-            if rank == 0:
-                record = states.entry("universal_checkpoint_info")
-                if not is_autotp_record(record, states.entry("ds_config") or {}):
-                    return {}
-                info = record
-            local = {n: tuple(s) for group in states.entry("param_shapes") or [] for n, s in group.items()}
-            local |= {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
-            # ZeRO-1/2 keep frozen parameters in the module, beside buffers and tied copies, which have no layout
-            others = set(states.entry("buffer_names") or []) | set(states.entry("shared_params") or {})
-            for name, tensor in states.module_tensors().items():
-                if name not in others:
-                    local.setdefault(name, tuple(tensor.shape))
-            shapes.append(local)
-    return autotp_layouts(info, shapes, paths[0])
+def _recorded_layouts(paths: dict[int, str], tp: int, pp: int) -> dict[str, Layout]:
+    """Layouts from a record DeepSpeed's files carry, over each pipeline stage's tensor-parallel ranks: AutoTP's
+    (`sources.autotp`) or Megatron-DeepSpeed's (`sources.megatron_deepspeed`); empty for a checkpoint without one."""
+    out: dict[str, Layout] = {}
+    for stage in range(pp):
+        shapes: list[dict[str, tuple[int, ...]]] = []
+        for rank in range(tp):
+            with ModelStatesFile(paths[stage * tp + rank]) as states:
+                if rank == 0:
+                    info, args = states.entry("universal_checkpoint_info"), states.entry("args")
+                    if pp == 1 and is_autotp_record(info, states.entry("ds_config") or {}):
+                        layouts: Any = autotp_layouts
+                    elif is_megatron_deepspeed_record(info, args):
+                        layouts = functools.partial(megatron_deepspeed_layouts, args=args)
+                    else:
+                        return {}
+                shapes.append(_local_shapes(states))
+        out |= layouts(info, shapes, path=paths[stage * tp])
+    return out
+
+
+def _local_shapes(states: ModelStatesFile) -> dict[str, tuple[int, ...]]:
+    """The local shape of every parameter a rank saved: trainable (`param_shapes`) and frozen ones."""
+    local = {n: tuple(s) for group in states.entry("param_shapes") or [] for n, s in group.items()}
+    local |= {n: tuple(s) for n, s in (states.entry("frozen_param_shapes") or {}).items()}
+    # ZeRO-1/2 keep frozen parameters in the module, beside buffers and tied copies, which have no layout
+    others = set(states.entry("buffer_names") or []) | set(states.entry("shared_params") or {})
+    for name, tensor in states.module_tensors().items():
+        if name not in others:
+            local.setdefault(name, tuple(tensor.shape))
+    return local
 
 
 def _layer_extras(
-    tag_dir: str, mp_rank: int, tp: int, trainable: list[str], buffers: list[str], rules: Sequence[Rule], path: str
+    tag_dir: str,
+    mp_rank: int,
+    tp: int,
+    trainable: list[str],
+    buffers: list[str],
+    rules: Sequence[Rule],
+    path: str,
+    recorded: dict[str, Layout],
 ) -> list[ExtraTensor]:
     """A `PipelineModule` stage's buffers and frozen weights, from the layer files of the layers it trains.
 
@@ -156,7 +177,7 @@ def _layer_extras(
                 kind = "buffer" if name in known else "frozen"
                 dtype = dtype_name(tensor.dtype)
                 extras.append(ExtraTensor(name, tuple(tensor.shape), dtype, kind, file=file, key=key))
-    layouts = _layouts([e.name for e in extras if e.kind == "frozen"], tp, rules, path)
+    layouts = _layouts([e.name for e in extras if e.kind == "frozen"], tp, rules, path, recorded)
     extras = [dataclasses.replace(e, layout=layouts[e.name]) if e.name in layouts else e for e in extras]
     unplaced = sorted(set(buffers) - {e.name for e in extras})
     if unplaced:
@@ -482,11 +503,12 @@ def _infer_rank(
     rules: Sequence[Rule],
     pp: int,
     layered: bool,
-    autotp: dict[str, Layout],
+    recorded: dict[str, Layout],
     order: GroupOrder | None,
 ) -> SaveMeta:
     """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files;
-    `autotp`: layouts AutoTP recorded, which rules override; `order`: the loading engine's optimizer groups."""
+    `recorded`: layouts AutoTP or Megatron-DeepSpeed recorded, which rules override; `order`: the loading engine's
+    optimizer groups."""
     with ModelStatesFile(model_path) as states:
         if _stage(states) != 0:
             rec = _recorded(states)
@@ -502,7 +524,7 @@ def _infer_rank(
         )
     dtype = _dtype(rec.ds_config)
     trainable = [n for group in rec.shapes for n in group]
-    layouts = _layouts(trainable + rec.frozen, tp, rules, model_path, autotp)
+    layouts = _layouts(trainable + rec.frozen, tp, rules, model_path, recorded)
     optim_path = st.join(tag_dir, f"{optim_prefix(dtype)}zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")
     if not st.isfile(optim_path):
         raise CheckpointError(optim_path, "optimizer file of data-parallel rank 0 is missing")
@@ -511,7 +533,7 @@ def _infer_rank(
         slots, num_groups, ep = _slots(optim, rec, layouts, padded=optimizer == BF16_OPTIMIZER)
     if ep > 1:
         _check_expert_placement(tag_dir, mp_rank, slots, dtype, rec.stacks)
-    extras = _layer_extras(tag_dir, mp_rank, tp, trainable, rec.buffers, rules, model_path) if layered else []
+    extras = _layer_extras(tag_dir, mp_rank, tp, trainable, rec.buffers, rules, model_path, recorded) if layered else []
     for name in rec.frozen:
         tensor = rec.frozen_tensors[name]
         extras.append(

@@ -29,6 +29,11 @@ from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
 from ucp_deepspeed.tools.compare import DiffReport, diff
 
+RULES_HELP = (
+    "how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata and without a record "
+    "of its own (DeepSpeed's AutoTP and Megatron-DeepSpeed write one)"
+)
+
 
 def _size(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -78,8 +83,9 @@ def _optimizer_summary(record: dict[str, Any] | None, hyperparams: Sequence[dict
     return {"class": (record or {}).get("class"), "algorithm": (record or {}).get("algorithm"), "groups": groups}
 
 
-def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
-    """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only."""
+def summarize(path: str, tag: str | None = None, layout_rules: Any = None) -> dict[str, Any]:
+    """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only (`layout_rules`:
+    how a tensor-parallel checkpoint saved without ucp metadata or a record of its own was split)."""
     found = locate(path, tag)
     if found.kind == "checkn_run" and found.tag is not None:
         return _manifest_summary("check-n-run", found.path, read_element(found.root, found.tag))
@@ -92,7 +98,7 @@ def summarize(path: str, tag: str | None = None) -> dict[str, Any]:
             "is in DeepSpeed's universal layout; import it first with "
             "load_checkpoint, or inspect the checkpoint it was made from",
         )
-    with NativeCheckpoint(found.root, found.tag) as src:
+    with NativeCheckpoint(found.root, found.tag, layout_rules) as src:
         meta = src.meta
         keys = ["fp32"] + src.state_keys()
         params = {
@@ -174,7 +180,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"    {name:<{width}}  {tuple(p['shape'])!s:<16} {p['dtype']:<9} {size:>9}  {','.join(p['keys'])}")
 
 
-def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
+def _verify(path: str, tag: str | None, layout_rules: Any = None) -> tuple[list[str], str]:
     """Problems with every file of any kind of checkpoint, and what was checked."""
     found = locate(path, tag)
     if found.kind == "universal":
@@ -183,7 +189,7 @@ def _verify(path: str, tag: str | None) -> tuple[list[str], str]:
     if found.kind == "ds_universal":
         raise CheckpointError(found.path, "is in DeepSpeed's universal layout, which records no checksums")
     if found.kind == "native":
-        with NativeCheckpoint(found.root, found.tag) as src:
+        with NativeCheckpoint(found.root, found.tag, layout_rules) as src:
             return src.verify(), (
                 "every rank file matches the CRCs in its zip directory (NVMe swap files: the CRCs their save "
                 "recorded), carries this save's id and agrees with the metadata"
@@ -301,15 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         help="split the output files over this many processes, each with --workers threads (default 1); under "
         "torchrun the launched processes split them instead, on one node or several",
     )
-    p.add_argument(
-        "--layout-rules",
-        metavar="RULES.json",
-        help="how each parameter was split, for a tensor-parallel checkpoint saved without ucp metadata",
-    )
+    p.add_argument("--layout-rules", metavar="RULES.json", help=RULES_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
     p.add_argument("path")
     p.add_argument("--tag")
+    p.add_argument("--layout-rules", metavar="RULES.json", help=RULES_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser(
         "verify",
@@ -318,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("path")
     p.add_argument("--tag", help="tag of a native or Check-N-Run checkpoint (default: the one in 'latest')")
+    p.add_argument("--layout-rules", metavar="RULES.json", help=RULES_HELP)
     p = sub.add_parser(
         "export-hf", help="write a megatron-core GPT's or a transformers model's checkpoint as a transformers folder"
     )
@@ -402,7 +406,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if args.format == "deepspeed":
                 out = export_deepspeed(
-                    args.ckpt_dir, args.tag, args.output, args.workers, progress=not args.no_progress
+                    args.ckpt_dir,
+                    args.tag,
+                    args.output,
+                    args.workers,
+                    progress=not args.no_progress,
+                    layout_rules=args.layout_rules,
                 )
             elif _under_torchrun():
                 out = _convert_under_torchrun(args)
@@ -419,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             if out:
                 print(out)
         elif args.command == "inspect":
-            summary = summarize(args.path, args.tag)
+            summary = summarize(args.path, args.tag, args.layout_rules)
             print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
         elif args.command == "export-hf":
             overrides = Overrides(
@@ -460,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_diff(report, args.all, args.json)
             return 0 if (report.identical or report.within(args.atol)) else 1
         else:
-            problems, what = _verify(args.path, args.tag)
+            problems, what = _verify(args.path, args.tag, args.layout_rules)
             for line in problems:
                 print(line)
             print(f"{len(problems)} bad files" if problems else f"ok: {what}")
