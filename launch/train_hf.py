@@ -78,6 +78,7 @@ def ds_config(zero: int) -> dict:
         "train_batch_size": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},  # the Trainer's `bf16` says
         "zero_optimization": {"stage": zero},
     }
 
@@ -183,6 +184,8 @@ def do_train(args: argparse.Namespace) -> None:
         seed=1234,
         report_to="none",
         deepspeed=ds_config(args.zero),
+        bf16=args.bf16,
+        use_cpu=args.bf16 and not torch.cuda.is_available(),  # the Trainer refuses bf16 on a CPU it was not told of
         dataloader_num_workers=0,
         disable_tqdm=True,
         save_only_model=False,
@@ -294,6 +297,7 @@ def main() -> None:
     parser.add_argument("--sp", type=int, default=1, help="train: Ulysses sequence-parallel size (ALST)")
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="train: the tiny model's kind")
     parser.add_argument("--no-install", action="store_true", help="leave ucp_deepspeed out (plain DeepSpeed)")
+    parser.add_argument("--bf16", action="store_true", help="train: in bf16, as most jobs do")
     args = parser.parse_args()
     if not args.no_install:
         import ucp_deepspeed
