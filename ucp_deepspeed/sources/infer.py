@@ -20,6 +20,7 @@ of DeepSpeed's MoE and AutoEP by the expert-parallel placement DeepSpeed uses, c
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import re
@@ -47,6 +48,17 @@ INFERRED = "from DeepSpeed's files, no ucp metadata"
 
 GroupOrder = tuple[tuple[str, ...], ...]
 """The names of each optimizer param group's parameters, in the order torch's state dict numbers them."""
+
+
+class Placement(enum.Enum):
+    """How a plain ZeRO-0 save's numbered optimizer state is named when no loading engine's groups name it."""
+
+    STRICT = "strict"
+    """A position only where its shape names one parameter, else refused: what a conversion needs."""
+    LOOSE = "loose"
+    """Where shapes repeat, in module order: enough to check and describe the files (`ucp inspect`, `ucp verify`),
+    never to convert them."""
+
 
 _LAYER_INDEX = re.compile(r"([0-9]+)\.")  # a PipelineModule names its layers' tensors `<layer index>.<name>`
 
@@ -76,7 +88,9 @@ def _dtype(ds_config: dict[str, Any]) -> str:
     return "fp32"
 
 
-def infer_metas(tag_dir: str, rules: Sequence[Rule] = (), order: GroupOrder | None = None) -> list[SaveMeta]:
+def infer_metas(
+    tag_dir: str, rules: Sequence[Rule] = (), order: GroupOrder | Placement | None = None
+) -> list[SaveMeta]:
     """Save-time metadata of every model-parallel rank, rebuilt from DeepSpeed's own files (`order`: the names of the
     loading engine's optimizer groups, which place a ZeRO-0 save's numbered optimizer state)."""
     paths = _model_states_paths(tag_dir)
@@ -365,7 +379,9 @@ def _layer_shapes(tag_dir: str, mp_rank: int, tp: int, names: set[str], path: st
     return out
 
 
-def _infer_whole(states: ModelStatesFile, tp: int, pp: int, layered: bool, order: GroupOrder | None) -> SaveMeta:
+def _infer_whole(
+    states: ModelStatesFile, tp: int, pp: int, layered: bool, order: GroupOrder | Placement | None
+) -> SaveMeta:
     """ZeRO-0 in fp32: DeepSpeed saved the module whole and the torch optimizer's state dict, which numbers the
     parameters of each group by position, as torch's own `load_state_dict` reads them. The positions are named by the
     loading engine's groups (`order`), or, without one, by shape where a shape names one parameter; the states'
@@ -418,7 +434,7 @@ def _place_whole(
     keys: list[str],
     candidates: list[str],
     module: dict[str, Any],
-    order: GroupOrder | None,
+    order: GroupOrder | Placement | None,
 ) -> dict[tuple[int, int], str]:
     """(param group, state index) -> parameter name, for every parameter of the saved torch optimizer."""
     path = states.path
@@ -428,7 +444,7 @@ def _place_whole(
         return found.pop() if len(found) == 1 else None
 
     out: dict[tuple[int, int], str] = {}
-    if order is not None:
+    if isinstance(order, tuple):
         if [len(g) for g in order] != [len(g) for g in indices]:
             raise CheckpointError(
                 path,
@@ -459,10 +475,10 @@ def _place_whole(
             if shape is None:  # never stepped: frozen in the saving job
                 continue
             matches = by_shape.get(shape, [])
-            if len(matches) != 1:
-                unclear.append((index, matches or [f"no tensor of shape {list(shape)}"]))
+            if len(matches) == 1 or (order is Placement.LOOSE and matches):
+                out[g, index] = matches.pop(0)  # claimed: no other position takes it
             else:
-                out[g, index] = matches[0]
+                unclear.append((index, matches or [f"no tensor of shape {list(shape)}"]))
     if unclear:
         shown = "; ".join(f"position {i}: {', '.join(n[:4])}" for i, n in unclear[:6])
         raise CheckpointError(
@@ -504,7 +520,7 @@ def _infer_rank(
     pp: int,
     layered: bool,
     recorded: dict[str, Layout],
-    order: GroupOrder | None,
+    order: GroupOrder | Placement | None,
 ) -> SaveMeta:
     """One model-parallel rank's metadata; `layered`: a `PipelineModule`, whose layers' tensors are in layer files;
     `recorded`: layouts AutoTP or Megatron-DeepSpeed recorded, which rules override; `order`: the loading engine's

@@ -40,7 +40,7 @@ from ucp_deepspeed.sources.consistency import (
     flat_layouts,
 )
 from ucp_deepspeed.sources.data_loaders import read_loader_records
-from ucp_deepspeed.sources.infer import GroupOrder, infer_metas
+from ucp_deepspeed.sources.infer import GroupOrder, Placement, infer_metas
 from ucp_deepspeed.sources.model_states import LayerStatesFile, ModelStatesFile
 from ucp_deepspeed.sources.optim_file import OptimRankFile
 from ucp_deepspeed.sources.plan import full_tensors
@@ -340,7 +340,9 @@ class ClientStates(Sequence[dict[str, Any]]):
         return rank.model_states(0).client_state(rank.meta.client_state_keys)
 
 
-def tag_metas(tag_dir: str, layout_rules: Any = None, order: GroupOrder | None = None) -> tuple[list[SaveMeta], bool]:
+def tag_metas(
+    tag_dir: str, layout_rules: Any = None, order: GroupOrder | Placement | None = None
+) -> tuple[list[SaveMeta], bool]:
     """Every model-parallel rank's metadata, and whether it was inferred from DeepSpeed's files alone.
 
     A tag saved through ucp_deepspeed has our metadata files; one saved by plain DeepSpeed (or HF
@@ -359,7 +361,7 @@ def tag_metas(tag_dir: str, layout_rules: Any = None, order: GroupOrder | None =
     return metas, inferred
 
 
-def _read_metas(tag_dir: str, layout_rules: Any, order: GroupOrder | None) -> tuple[list[SaveMeta], bool]:
+def _read_metas(tag_dir: str, layout_rules: Any, order: GroupOrder | Placement | None) -> tuple[list[SaveMeta], bool]:
     if not st.isfile(st.join(tag_dir, meta_filename(0))):
         try:
             return infer_metas(tag_dir, _rules(layout_rules, tag_dir), order), True

@@ -20,7 +20,7 @@ from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
-from ucp_deepspeed.sources.infer import GroupOrder
+from ucp_deepspeed.sources.infer import GroupOrder, Placement
 from ucp_deepspeed.sources.native import tag_metas
 
 log = logging.getLogger("ucp_deepspeed")
@@ -28,7 +28,7 @@ _STEP = re.compile(r"(\d+)$")
 
 
 def incomplete_reason(
-    ckpt_dir: str, tag: str, *, layout_rules: Any = None, order: GroupOrder | None = None
+    ckpt_dir: str, tag: str, *, layout_rules: Any = None, order: GroupOrder | Placement | None = None
 ) -> str | None:
     """Why a tag cannot be resumed from (a missing or unreadable file), or None when it is complete; `layout_rules`
     and `order` read one saved without ucp metadata (`tag_metas`)."""

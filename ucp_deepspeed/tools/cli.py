@@ -19,7 +19,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.manifest import IMPLEMENTATION_KEYS, Manifest
 from ucp_deepspeed.format.model import ACTIVATIONS
-from ucp_deepspeed.format.paths import locate
+from ucp_deepspeed.format.paths import locate, read_latest
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint
 from ucp_deepspeed.hf.export import DTYPES, Overrides, export_hf
 from ucp_deepspeed.hf.import_ import import_hf
@@ -27,6 +27,8 @@ from ucp_deepspeed.hf.models import ARCHS
 from ucp_deepspeed.interop import export_dcp, export_deepspeed, export_megatron, import_dcp, import_megatron
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.sources.infer import Placement
+from ucp_deepspeed.sources.native import tag_metas
 from ucp_deepspeed.tools.compare import DiffReport, diff
 
 RULES_HELP = (
@@ -83,6 +85,13 @@ def _optimizer_summary(record: dict[str, Any] | None, hyperparams: Sequence[dict
     return {"class": (record or {}).get("class"), "algorithm": (record or {}).get("algorithm"), "groups": groups}
 
 
+def _described(root: str, tag: str | None, layout_rules: Any) -> NativeCheckpoint:
+    """A native tag opened to be described or checked: a plain ZeRO-0 save's numbered optimizer positions whose shapes
+    repeat named in module order (which is which does not change a shape or a file; a conversion refuses them)."""
+    tag_dir = st.join(root, tag if tag is not None else read_latest(root))
+    return NativeCheckpoint(root, tag, layout_rules, metas=tag_metas(tag_dir, layout_rules, Placement.LOOSE))
+
+
 def summarize(path: str, tag: str | None = None, layout_rules: Any = None) -> dict[str, Any]:
     """Summary of a universal folder, a Check-N-Run tag or a native checkpoint, from metadata only (`layout_rules`:
     how a tensor-parallel checkpoint saved without ucp metadata or a record of its own was split)."""
@@ -98,7 +107,7 @@ def summarize(path: str, tag: str | None = None, layout_rules: Any = None) -> di
             "is in DeepSpeed's universal layout; import it first with "
             "load_checkpoint, or inspect the checkpoint it was made from",
         )
-    with NativeCheckpoint(found.root, found.tag, layout_rules) as src:
+    with _described(found.root, found.tag, layout_rules) as src:
         meta = src.meta
         keys = ["fp32"] + src.state_keys()
         params = {
@@ -189,7 +198,7 @@ def _verify(path: str, tag: str | None, layout_rules: Any = None) -> tuple[list[
     if found.kind == "ds_universal":
         raise CheckpointError(found.path, "is in DeepSpeed's universal layout, which records no checksums")
     if found.kind == "native":
-        with NativeCheckpoint(found.root, found.tag, layout_rules) as src:
+        with _described(found.root, found.tag, layout_rules) as src:
             return src.verify(), (
                 "every rank file matches the CRCs in its zip directory (NVMe swap files: the CRCs their save "
                 "recorded), carries this save's id and agrees with the metadata"
