@@ -100,15 +100,21 @@ def configure_cpu_state() -> bool:
 
 
 def snapshot(engine: object) -> dict:
-    """Full fp32 weights, Adam states, step and counters (collective: every rank must call it)."""
+    """Full fp32 weights and Adam states of the trained parameters, the frozen ones' weights (a LoRA job's base), step
+    and counters (collective: every rank must call it)."""
+    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     opt = engine.optimizer
     if hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-1/2 link optimizer states to parameters lazily
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
-    snap: dict = {"fp32": {}, "state": {}}
+    snap: dict = {"fp32": {}, "state": {}, "frozen": {}}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                snap["frozen"][name] = p.detach().clone()
+            continue
         snap["fp32"][name] = safe_get_full_fp32_param(p).clone()
         for key in ("exp_avg", "exp_avg_sq"):
             snap["state"][f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).clone()
@@ -192,6 +198,10 @@ def do_train(args: argparse.Namespace) -> None:
         accelerator_config={"use_configured_state": configure_cpu_state()},
     )
     net = model(args.arch)
+    if args.lora:  # PEFT's LoRA adapters on the attention projections; the base is frozen
+        from peft import LoraConfig, get_peft_model
+
+        net = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
     net.register_forward_pre_hook(record, with_kwargs=True)
     trainer = Trainer(model=net, args=targs, train_dataset=data, callbacks=[Probe()])
     trainer.train(resume_from_checkpoint=args.resume)
@@ -298,6 +308,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="train: the tiny model's kind")
     parser.add_argument("--no-install", action="store_true", help="leave ucp_deepspeed out (plain DeepSpeed)")
     parser.add_argument("--bf16", action="store_true", help="train: in bf16, as most jobs do")
+    parser.add_argument("--lora", action="store_true", help="train: PEFT LoRA adapters on a frozen base")
     args = parser.parse_args()
     if not args.no_install:
         import ucp_deepspeed
