@@ -175,13 +175,16 @@ def test_a_refused_position_is_not_taken_for_a_damaged_tag(tmp_path):
 
 
 def test_a_tag_saved_again_reads_only_its_own_loader_file(tmp_path, caplog):
-    """A tag saved with a loader, then again without one: its metadata says there is no loader file now, so the one
-    left behind (another save's) is neither read by `ucp convert` nor by a load; the load says the tag has none."""
+    """A tag saved with a loader, then again without one once `latest` names another (a save into the tag `latest`
+    names starts from an empty folder): its metadata says there is no loader file now, so the one left behind
+    (another save's) is neither read by `ucp convert` nor by a load; the load says the tag has none."""
     engine = inprocess.build(1)
     engine.save_checkpoint(str(tmp_path), tag="t", data_loader=loader())
-    engine.save_checkpoint(str(tmp_path), tag="t")
+    engine.save_checkpoint(str(tmp_path), tag="other")
+    engine.save_checkpoint(str(tmp_path), tag="t", save_latest=False)
     assert (tmp_path / "t" / "data_loader.pt").is_file()
-    assert cli_main(["convert", str(tmp_path), "--tag", "t", "--output", str(tmp_path / "u"), "--no-progress"]) == 0
+    out = str(tmp_path / "converted")
+    assert cli_main(["convert", str(tmp_path), "--tag", "t", "--output", out, "--no-progress"]) == 0
     with caplog.at_level("WARNING", logger="ucp_deepspeed"):
         inprocess.build(1).load_checkpoint(str(tmp_path), tag="t", data_loader=loader())
     assert any("holds no data-loader state" in r.getMessage() for r in caplog.records)

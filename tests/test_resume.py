@@ -98,3 +98,49 @@ def test_async_save_killed_before_written_is_never_used(tmp_path):
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     _check_resumed(ckpt, results, before, "zero1 dp=1 fp32")
+
+
+def _fail_writing(monkeypatch, marker: str) -> None:
+    """Every `torch.save` of a file whose name holds `marker` fails, as a process killed while writing it would."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if marker in str(f):
+            raise OSError(f"killed while writing {f}")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_a_save_into_the_tag_latest_names_leaves_the_previous_one_until_committed(tmp_path, monkeypatch):
+    """A tag saved again and again (PyTorch Lightning saves every checkpoint as tag "checkpoint", `last.ckpt` at each
+    save): a save killed part-way into it leaves the previous save complete, aside, and the resume falls back to it,
+    exact; the next save, complete, deletes it. Written in place, the killed save left no complete tag at all."""
+    import inprocess
+
+    inprocess.one_rank()
+    engine = inprocess.build(2)
+    inprocess.train(engine, 3)
+    engine.save_checkpoint(str(tmp_path), tag="checkpoint")
+    saved = inprocess.state(engine)
+    inprocess.train(engine, 2, offset=3)
+    with monkeypatch.context() as patch:
+        _fail_writing(patch, "optim_states")
+        with pytest.raises(Exception, match="killed while writing"):
+            engine.save_checkpoint(str(tmp_path), tag="checkpoint")
+    assert (tmp_path / "latest").read_text() == "checkpoint" and incomplete_reason(str(tmp_path), "checkpoint")
+
+    resumed = inprocess.build(2, seed=1)
+    path, _ = resumed.load_checkpoint(str(tmp_path))
+    assert Path(path).parent.name == "ucp-replaced-checkpoint", path
+    assert not inprocess.differences(saved, inprocess.state(resumed))
+    with monkeypatch.context() as patch:  # killed again: the torn tag goes, the complete save aside stays
+        _fail_writing(patch, "optim_states")
+        with pytest.raises(Exception, match="killed while writing"):
+            resumed.save_checkpoint(str(tmp_path), tag="checkpoint")
+    again = inprocess.build(2, seed=2)
+    again.load_checkpoint(str(tmp_path))
+    assert not inprocess.differences(saved, inprocess.state(again))
+    resumed.save_checkpoint(str(tmp_path), tag="checkpoint")  # complete: the save aside is gone
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint"]
+    assert incomplete_reason(str(tmp_path), "checkpoint") is None

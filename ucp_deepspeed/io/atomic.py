@@ -46,3 +46,10 @@ def atomic_write(path: str, data: bytes | memoryview) -> None:
     """Write a whole file atomically (see `atomic_file`)."""
     with atomic_file(path) as f:
         f.write(data)
+
+
+def rename_durably(source: str, dest: str) -> None:
+    """Rename a file or folder within its folder, made durable by an fsync of that folder (a crash cannot take it
+    back)."""
+    os.replace(source, dest)
+    _fsync(os.path.dirname(dest) or ".")

@@ -68,7 +68,7 @@ from ucp_deepspeed.runtime.plugins import make_saver
 from ucp_deepspeed.runtime.restore import LoadFlags, restore
 from ucp_deepspeed.sources import list_tags, resolve_tag
 from ucp_deepspeed.sources.data_loaders import read_loader_records
-from ucp_deepspeed.sources.tags import fallback_tag, prune
+from ucp_deepspeed.sources.tags import drop_aside, fallback_tag, prune, set_aside
 
 log = logging.getLogger("ucp_deepspeed")
 
@@ -114,6 +114,7 @@ class UniversalCheckpointer:
         self.last_load: LoadReport | None = None
         self.hf_config: dict[str, Any] | None = None  # the Hugging Face config of the weights loaded last
         self._prune_dir: str | None = None  # a decoupled save's folder, pruned once the save is committed
+        self._aside: str | None = None  # the previous save of the tag being saved again, kept until this one commits
 
     # --- saving -------------------------------------------------------------------------------------------------
 
@@ -129,7 +130,7 @@ class UniversalCheckpointer:
         if inner.is_decoupled():
             compat.commit_decoupled_checkpoint(self.engine)
         if self._prune_dir is not None:
-            self._retain(self._prune_dir)
+            self._committed(self._prune_dir)
             self._prune_dir = None
 
     @_coordinated
@@ -170,8 +171,10 @@ class UniversalCheckpointer:
         if self.saver is not None:
             extra = {"data_loaders": records} if loaders is not None else {}
             self.saver.save(engine, save_dir, tag, client_state, save_latest, save_id, **extra)
-            self._retain(save_dir)
+            self._committed(save_dir)
             return True
+        if not url:  # before any rank writes into the tag: a save into the one `latest` names keeps it until committed
+            self._aside = from_rank0(guarded(lambda: set_aside(save_dir, tag) if tdist.get_rank() == 0 else None))
         self.files.save_id = save_id
         meta = dataclasses.replace(
             describe(engine, tuple(client_state), self.hf_config), save_id=save_id, data_loaders=loaders
@@ -218,7 +221,7 @@ class UniversalCheckpointer:
         if unbound(engine).is_decoupled():
             self._prune_dir = save_dir  # the save is complete only once committed
         else:
-            self._retain(save_dir)
+            self._committed(save_dir)
         return saved
 
     def _loader_records(self, data_loader: Any) -> tuple[list[dict[str, Any]] | None, int | None]:
@@ -264,13 +267,21 @@ class UniversalCheckpointer:
         if spread is not None and tdist.get_rank() == 0:
             self.files.uploaded(keys, len(data))
 
-    def _retain(self, save_dir: str) -> None:
-        """Keep the `keep_last` newest complete tags (and what they need), never the one `latest` names (collective)."""
-        keep = self.options.keep_last
-        if keep is None:
+    def _committed(self, save_dir: str) -> None:
+        """Once a save is committed: delete the previous save of its tag, kept aside while it was written, then keep
+        the `keep_last` newest complete tags (and what they need), never the one `latest` names (collective)."""
+        aside, self._aside, keep = self._aside, None, self.options.keep_last
+        if aside is None and keep is None:
             return
         barrier()  # every rank's files of the new tag are written before it counts as complete
-        on_rank0(lambda: prune(save_dir, keep))
+
+        def tidy() -> None:
+            if aside is not None:
+                drop_aside(save_dir, aside)
+            if keep is not None:
+                prune(save_dir, keep)
+
+        on_rank0(tidy)
 
     # --- loading ------------------------------------------------------------------------------------------------
 

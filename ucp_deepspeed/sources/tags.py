@@ -5,11 +5,16 @@ may already have pointed `latest` at it. A tag counts as complete when every mod
 metadata is there and every rank file opens as a whole torch archive of this save (its zip
 directory and pickle read and check out, it carries the save id, and it agrees with the metadata;
 tensor bytes are checked against their CRCs when read).
+
+A save into the tag `latest` names (a fixed tag saved again and again, as PyTorch Lightning's `"checkpoint"` is) would
+destroy the only complete save while it writes: `set_aside` first moves that save to a tag of its own, which a save
+killed part-way leaves for the resume to fall back to, and which is deleted once the new save is committed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -19,12 +24,16 @@ from ucp_deepspeed.format.commit import COMMIT, uncommitted_reason
 from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.atomic import rename_durably
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
 from ucp_deepspeed.sources.infer import GroupOrder, Placement
 from ucp_deepspeed.sources.native import tag_metas
 
 log = logging.getLogger("ucp_deepspeed")
 _STEP = re.compile(r"(\d+)$")
+SET_ASIDE = "ucp-replaced-"
+"""The prefix of the tag the previous save of a tag is kept under while that tag is saved again (it keeps the tag's
+trailing step number, so it sorts beside it)."""
 
 
 def incomplete_reason(
@@ -120,6 +129,36 @@ def fallback_tag(ckpt_dir: str, refused: Sequence[str], **plain: Any) -> str | N
 def _needs(ckpt_dir: str, tag: str) -> list[str]:
     kind = kind_of(st.join(ckpt_dir, tag))
     return [tag] if kind is None else kind.needs(ckpt_dir, tag)
+
+
+def set_aside(ckpt_dir: str, tag: str) -> str | None:
+    """Before a save into the tag `latest` names, move that tag's save to `ucp-replaced-<tag>` and return that name,
+    so that a save killed part-way leaves a complete one behind; None when there is nothing to keep (no such tag, or
+    an object store, whose save is committed by its commit object instead).
+
+    When the folder aside is already there, an earlier save into the tag was killed: the tag is dropped if it is
+    incomplete (the save aside is still the newest complete one), else the older save aside is."""
+    local = st.local_path(ckpt_dir)
+    if local is None or latest_tag(ckpt_dir) != tag or not os.path.isdir(os.path.join(local, tag)):
+        return None
+    aside = SET_ASIDE + tag
+    folder, kept = os.path.join(local, tag), os.path.join(local, aside)
+    if os.path.isdir(kept):
+        reason = incomplete_reason(ckpt_dir, tag)
+        if reason is not None:
+            log.warning("ucp: %s is incomplete (%s); %s stays the save to fall back to", folder, reason, aside)
+            st.delete(folder)
+            return aside
+        st.delete(kept)
+    rename_durably(folder, kept)
+    return aside
+
+
+def drop_aside(ckpt_dir: str, aside: str) -> None:
+    """Delete the save `set_aside` kept, once the save that replaced it is committed on every rank."""
+    folder = st.join(ckpt_dir, aside)
+    if st.isdir(folder):
+        st.delete(folder)
 
 
 def prune(ckpt_dir: str, keep: int) -> list[str]:
