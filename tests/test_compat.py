@@ -742,3 +742,24 @@ def test_stateful_loader_position(workers):
         fresh = build()
         fresh.load_state_dict(compat.state_at(fresh, 7))
         assert [x for b in fresh for x in b.tolist()] == list(kind(data, num_replicas=2, rank=1, seed=5))[7:], kind
+
+
+def test_lightning_strategy_engine_and_status(zero12):
+    """Lightning's DeepSpeed strategy holds the engine as `strategy.model` and tears down after an error too: whether
+    the run ended normally is its trainer's status, read through the module the strategy was connected to."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    strategy_class = compat.lightning_deepspeed_strategy()
+    assert strategy_class is pl.strategies.DeepSpeedStrategy and callable(strategy_class.teardown)
+    strategy = strategy_class.__new__(strategy_class)
+    strategy._model, strategy._lightning_module = None, None
+    assert compat.strategy_engine(strategy) is None and not compat.run_ended_normally(strategy)
+    strategy.model = zero12
+    assert compat.strategy_engine(strategy) is zero12
+    module = pl.LightningModule()
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    strategy._lightning_module = module
+    for status, normal in ((TrainerStatus.RUNNING, True), (TrainerStatus.INTERRUPTED, False)):
+        module.trainer.state.status = status
+        assert compat.run_ended_normally(strategy) is normal

@@ -11,11 +11,13 @@ CPU with gloo under torchrun; one cell of each framework in the default run, the
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, OnDemand, torchrun
+from conftest import ROOT, OnDemand, torch_env, torchrun
+from launching import torchrun_command
 
 TRL = ROOT / "tests" / "workers" / "trl_jobs.py"
 LOSS_TOL = 1e-5
@@ -26,9 +28,18 @@ def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def check_resume(source: Path, resumed: Path, saved: str, live: str, step: int = 4, losses: bool = True) -> dict:
+def check_resume(
+    source: Path,
+    resumed: Path,
+    saved: str,
+    live: str,
+    step: int = 4,
+    losses: bool = True,
+    uninterrupted: Path | None = None,
+) -> dict:
     """The trained model's states are the saved ones, the reference model (if any) is as built, the counters and
-    the step continue; with `losses`, the next losses are the uninterrupted run's."""
+    the step continue; with `losses`, the next losses are the uninterrupted run's (`source`, or `uninterrupted` when
+    the source was killed)."""
     ref = torch.load(source / f"saved_step{step}.pt", weights_only=False)
     snap = torch.load(resumed / f"resumed_step{step}.pt", weights_only=False)
     for part in ("fp32", "state"):
@@ -40,10 +51,10 @@ def check_resume(source: Path, resumed: Path, saved: str, live: str, step: int =
         assert not _differ(built, torch.load(resumed / "reference_begin.pt", weights_only=False)), "reference moved"
     run = json.loads((resumed / "losses.json").read_text())
     assert run["load"] == {"mode": "resharded", "saved": saved, "live": live}
-    uninterrupted = json.loads((source / "losses.json").read_text())["losses"]
+    reference = json.loads(((uninterrupted or source) / "losses.json").read_text())["losses"]
     assert sorted(run["losses"], key=int) == [str(s) for s in range(step + 1, 2 * step + 1)]
     for s, loss in run["losses"].items() if losses else ():
-        assert abs(loss - uninterrupted[s]) <= LOSS_TOL, (s, loss, uninterrupted[s])
+        assert abs(loss - reference[s]) <= LOSS_TOL, (s, loss, reference[s])
     return run
 
 
@@ -160,3 +171,133 @@ def test_a_lora_job_resumes_at_another_world_size(lora_runs, tmp_path, source, w
     adapted = PeftModel.from_pretrained(train_hf.model(), str(checkpoint))
     adapters = {f"{n}": p.detach() for n, p in adapted.named_parameters() if "lora_" in n}
     assert sorted(adapters) == sorted(saved["fp32"]) and not _differ(saved["fp32"], adapters)
+
+
+# --- PyTorch Lightning ----------------------------------------------------------------------------------------------
+
+LIGHTNING = ROOT / "tests" / "workers" / "lightning_job.py"
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory) -> OnDemand:
+    """runs[name]: an uninterrupted 2-rank `Trainer(strategy=DeepSpeedStrategy(...)).fit` of 8 steps, a
+    ModelCheckpoint every 4: `z2`; `z2-async` saving asynchronously and keeping the best one of its saves, each later
+    save scoring better (`save_top_k=1`)."""
+    out = tmp_path_factory.mktemp("lightning")
+
+    def launch(name: str) -> None:
+        extra = ["--async-save", "--top-k", "1"] if name.endswith("async") else []
+        torchrun(2, "fit", "--out", str(out / name), "--zero", "2", *extra, worker=LIGHTNING)
+
+    return OnDemand(out, ["z2", "z2-async"], lambda name: name, launch)
+
+
+@pytest.mark.parametrize(
+    "world,zero", [pytest.param(1, 3, id="1-rank-z3"), pytest.param(3, 2, id="3-ranks-z2", marks=pytest.mark.slow)]
+)
+def test_a_lightning_fit_resumes_at_another_world_size_and_stage(lightning_runs, tmp_path, world, zero):
+    """`fit(ckpt_path=...)` at 1 rank and ZeRO-3 (3 ranks, ZeRO-2: slow), from 2 ranks at ZeRO-2: every fp32 weight
+    and Adam state exact, Lightning's own state (epoch, global step, the fit loop's count, the checkpoint callback's
+    best) back from the client state, the next losses the uninterrupted run's."""
+    source = lightning_runs["z2"]
+    torchrun(
+        world,
+        "fit",
+        "--out",
+        str(tmp_path),
+        "--zero",
+        str(zero),
+        "--resume",
+        str(source / "ckpt" / "step4.ckpt"),
+        worker=LIGHTNING,
+    )
+    run = check_resume(source, tmp_path, "zero2 dp=2 fp32", f"zero{zero} dp={world} fp32")
+    uninterrupted = json.loads((source / "losses.json").read_text())["lightning"]
+    assert (
+        run["lightning"]
+        == uninterrupted
+        == {
+            "epoch": 2,
+            "batches_that_stepped": 8,
+            "checkpoint_best": "step8.ckpt",
+            "checkpoint_kept": [],
+        }
+    )
+
+
+def test_lightning_validates_tests_and_predicts_from_a_checkpoint_of_another_size(lightning_runs, tmp_path):
+    """validate, test and predict at 1 rank with `ckpt_path` of the 2-rank fit: Lightning builds an engine without an
+    optimizer for them, which `install()` refused; it loads the checkpoint's weights (the fp32 masters)."""
+    source = lightning_runs["z2"]
+    torchrun(
+        1,
+        "predict",
+        "--out",
+        str(tmp_path),
+        "--zero",
+        "2",
+        "--ckpt",
+        str(source / "ckpt" / "step8.ckpt"),
+        worker=LIGHTNING,
+    )
+    evaluated = json.loads((tmp_path / "evaluated.json").read_text())
+    trained = torch.load(source / "saved_step8.pt", weights_only=False)["fp32"]
+    weights = {n: torch.tensor(v) for n, v in evaluated["weights"].items()}
+    assert not _differ(trained, weights)
+    assert evaluated["predicted"] == 4 * 6 * 8 and evaluated["val_loss"] == evaluated["test_loss"]
+
+
+@pytest.mark.slow
+def test_a_lightning_async_save_is_committed_when_the_strategy_tears_down(lightning_runs, tmp_path):
+    """Lightning never waits for a checkpoint: the last asynchronous save of a fit is committed when the strategy tears
+    down (it was left uncommitted, `latest` not written, a save no load finds). `ModelCheckpoint(save_top_k=1)` removes
+    the step-4 save once the better step-8 one is made (our next save commits the previous one first). The kept save
+    holds the weights trained: validate, test and predict from it at 1 rank."""
+    source = lightning_runs["z2-async"]
+    assert sorted(p.name for p in (source / "ckpt").iterdir()) == ["step8.ckpt"], "only the best save is kept"
+    assert (source / "ckpt" / "step8.ckpt" / "latest").read_text() == "checkpoint"
+    assert json.loads((source / "losses.json").read_text())["lightning"]["checkpoint_kept"] == ["step8.ckpt"]
+    torchrun(
+        1,
+        "predict",
+        "--out",
+        str(tmp_path),
+        "--zero",
+        "2",
+        "--ckpt",
+        str(source / "ckpt" / "step8.ckpt"),
+        worker=LIGHTNING,
+    )
+    evaluated = json.loads((tmp_path / "evaluated.json").read_text())
+    trained = torch.load(source / "saved_step8.pt", weights_only=False)["fp32"]
+    assert not _differ(trained, {n: torch.tensor(v) for n, v in evaluated["weights"].items()})
+
+
+@pytest.mark.slow
+def test_a_lightning_job_killed_while_saving_last_ckpt_again_resumes_from_last(lightning_runs, tmp_path):
+    """`ModelCheckpoint(save_last=True)` saves `last.ckpt` again at each save, always as tag "checkpoint", the tag its
+    `latest` names: a rank killed while writing it at step 8 leaves the step-4 save beside it, and
+    `fit(ckpt_path="last")` at 1 rank resumes from that one, exact, the next losses the uninterrupted run's; its own
+    save of `last.ckpt`, complete, leaves the one tag. Saved in place, the killed save left no complete checkpoint."""
+    killed, ckpt = tmp_path / "killed", tmp_path / "killed" / "ckpt"
+    args = ["fit", "--out", str(killed), "--zero", "2", "--save-last", "--die-in-save", "2"]
+    first = subprocess.run(torchrun_command(2, LIGHTNING, *args), env=torch_env(), capture_output=True, timeout=300)
+    assert first.returncode != 0 and (killed / "saved_step8.pt").is_file(), "meant to die saving last.ckpt at 8"
+    assert (ckpt / "last.ckpt" / "latest").read_text() == "checkpoint"
+    resumed = tmp_path / "resumed"
+    torchrun(
+        1,
+        "fit",
+        "--out",
+        str(resumed),
+        "--zero",
+        "2",
+        "--save-last",
+        "--ckpt-dir",
+        str(ckpt),
+        "--resume",
+        "last",
+        worker=LIGHTNING,
+    )
+    check_resume(killed, resumed, "zero2 dp=2 fp32", "zero2 dp=1 fp32", uninterrupted=lightning_runs["z2"])
+    assert sorted(p.name for p in (ckpt / "last.ckpt").iterdir() if p.is_dir()) == ["checkpoint"]

@@ -58,6 +58,7 @@ from ucp_deepspeed.compat.deepspeed import (
     ulysses_outside_zero,
     zero_world_size,
 )
+from ucp_deepspeed.compat.lightning import lightning_deepspeed_strategy, run_ended_normally, strategy_engine
 from ucp_deepspeed.compat.megatron import (
     GroupedExperts,
     MegatronSplit,
@@ -177,6 +178,7 @@ __all__ = [
     "is_ulysses_mpu",
     "is_unpartitioned",
     "is_zero3_param",
+    "lightning_deepspeed_strategy",
     "loader_name",
     "megatron_fused_norms",
     "megatron_gpt_architecture",
@@ -194,6 +196,7 @@ __all__ = [
     "register_expert_groups",
     "relink_optimizer_states",
     "restore_sampler",
+    "run_ended_normally",
     "s3_read_into",
     "sampler_rng",
     "samples_taken",
@@ -203,6 +206,7 @@ __all__ = [
     "state_workers",
     "storage_dtype",
     "store_recovery_scripts",
+    "strategy_engine",
     "trainer_rng_restore",
     "trains",
     "ulysses_outside_zero",

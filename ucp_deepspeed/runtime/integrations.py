@@ -1,4 +1,4 @@
-"""Universal checkpointing for engines that other code creates: HF Trainer, Accelerate, any library.
+"""Universal checkpointing for engines that other code creates: HF Trainer, Accelerate, TRL, Lightning, any library.
 
 Those frameworks call `deepspeed.initialize` themselves, so `install()` replaces that function
 with ours. Every engine created afterwards saves ucp metadata and reshards on load, with no change
@@ -13,6 +13,9 @@ an Accelerate process would also keep step 0 while the others continue. `install
 process restore the files of saved process `i mod n` instead (the step count with it), and then
 re-seeds its generators from that state and its own index (`rng.reseed_process`): two processes
 never continue on one stream. A process whose own file exists restores it as saved.
+
+PyTorch Lightning's `DeepSpeedStrategy` never waits for a checkpoint: `install()` has its teardown commit an
+asynchronous save still being written, which the process would otherwise leave uncommitted.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import deepspeed
 from ucp_deepspeed import compat
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime import engine, rng
+from ucp_deepspeed.runtime.checkpointer import checkpointer_of
 from ucp_deepspeed.runtime.config import UniversalConfig
 
 log = logging.getLogger("ucp_deepspeed")
@@ -62,6 +66,9 @@ def install(**options: Any) -> None:
     ):
         if hook is not None:
             _replace(key, hook.owner, hook.name, widen(getattr(hook.owner, hook.name)))
+    strategy = compat.lightning_deepspeed_strategy()
+    if strategy is not None:  # Lightning never waits for an asynchronous save
+        _replace("lightning_teardown", strategy, "teardown", _commit_at_teardown(strategy.teardown))
 
 
 def uninstall() -> None:
@@ -149,3 +156,18 @@ def _load_accelerator_state_any_world(original: Any) -> Any:
         return original(*bound.args, **bound.kwargs)
 
     return load_accelerator_state
+
+
+def _commit_at_teardown(original: Any) -> Any:
+    """Lightning's `DeepSpeedStrategy.teardown`, after committing an asynchronous save still being written (Lightning
+    never calls `wait_for_checkpoint`; the process would exit with it uncommitted). Only at the end of a run that
+    ended normally: after an error another rank may be gone, and nothing waits on it."""
+
+    @functools.wraps(original)
+    def teardown(self: Any) -> Any:
+        checkpointer = checkpointer_of(compat.strategy_engine(self))
+        if checkpointer is not None and compat.run_ended_normally(self):
+            checkpointer.wait()
+        return original(self)
+
+    return teardown

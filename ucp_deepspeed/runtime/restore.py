@@ -724,6 +724,8 @@ def stage(
     _stage_module_extras(engine, ckpt, live, out)
     if not load_module_only:
         _stage_training_state(engine, ckpt, load_lr_scheduler_states, out)
+    else:  # the user's client state all the same, as DeepSpeed's own module-only load returns it (Lightning reads it)
+        out.client = client_state(engine, ckpt, ckpt.load_state())
     return out
 
 
