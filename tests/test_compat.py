@@ -763,3 +763,14 @@ def test_lightning_strategy_engine_and_status(zero12):
     for status, normal in ((TrainerStatus.RUNNING, True), (TrainerStatus.INTERRUPTED, False)):
         module.trainer.state.status = status
         assert compat.run_ended_normally(strategy) is normal
+
+
+def test_sample_copies(zero12):
+    """DeepSpeed sizes the batch over every process whatever AutoTP's size (its groups come later): each
+    tensor-parallel rank counts the batch it shares in `train_batch_size` and `global_samples`."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = {"train_micro_batch_size_per_gpu": 3, "tensor_parallel": {"autotp_size": 2}}
+    assert DeepSpeedConfig(config).train_batch_size == 3 * dist.get_world_size()
+    assert compat.recorded_sample_copies(config) == 2 and compat.recorded_sample_copies({}) == 1
+    assert compat.sample_copies(zero12) == 1

@@ -233,7 +233,8 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     settings = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in base.param_groups]
     # AutoEP's expert group repeats the dense group's settings: the distinct ones compare with and without AutoEP
     snap["hyperparams"] = [one for i, one in enumerate(settings) if one not in settings[:i]]
-    snap["counters"] = [engine.global_steps, engine.global_samples]
+    # the samples the data-parallel ranks consumed: DeepSpeed counts each AutoTP rank's copy of a batch
+    snap["counters"] = [engine.global_steps, engine.global_samples // max(1, engine.autotp_size())]
     snap["replicas_differ"] = replicas
     return snap
 

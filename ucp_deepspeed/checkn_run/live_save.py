@@ -190,7 +190,9 @@ def _finish(
             topology(engine),
             {"base_optimizer": type(engine.optimizer.optimizer).__name__},
         ),
-        counters=Counters(engine.global_steps, engine.global_samples, engine.skipped_steps),
+        counters=Counters(
+            engine.global_steps, engine.global_samples // compat.sample_copies(engine), engine.skipped_steps
+        ),
         param_groups=_param_groups(engine),
         extra={**extra, **recorded_sections(model_spec(engine), engine.ucp.hf_config, optimizer_record(engine))},
     )

@@ -389,6 +389,19 @@ def is_autotp_model(module: Any) -> bool:
     return bool(getattr(module, "ds_autotp_parsed", False))
 
 
+def recorded_sample_copies(ds_config: Any) -> int:
+    """How many copies of each sample `global_samples` counts in a checkpoint whose model states record `ds_config`:
+    DeepSpeed sizes the batch over every process before AutoTP's groups exist, so each tensor-parallel rank counts
+    the batch it shares (a TP=2 x DP=1 job of 12 sequences a step counts 24). Ulysses' ranks are not counted."""
+    size = ((ds_config if isinstance(ds_config, dict) else {}).get("tensor_parallel") or {}).get("autotp_size")
+    return size if type(size) is int and size > 1 else 1
+
+
+def sample_copies(engine: Any) -> int:
+    """`recorded_sample_copies` of a live engine: its AutoTP size."""
+    return max(1, int(engine.autotp_size() or 1))
+
+
 class ExpertStack(NamedTuple):
     """Where one AutoEP expert parameter's stack of experts sits: this rank's run of the layer's experts."""
 

@@ -131,7 +131,8 @@ class SourceRecord:
 
 @dataclass(frozen=True)
 class Counters:
-    """The engine's step counters at the save."""
+    """The engine's step counters at the save; `global_samples` as the data-parallel ranks consumed them (DeepSpeed
+    counts each AutoTP tensor-parallel rank's copy of a batch: `compat.sample_copies`)."""
 
     global_steps: int = 0
     global_samples: int = 0

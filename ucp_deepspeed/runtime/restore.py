@@ -629,7 +629,7 @@ def _stage_training_state(engine: Engine, ckpt: TensorReader, load_lr_scheduler_
 
     def install() -> None:
         engine.global_steps = counters.global_steps
-        engine.global_samples = counters.global_samples
+        engine.global_samples = counters.global_samples * compat.sample_copies(engine)  # counted as DeepSpeed does
         engine.skipped_steps = counters.skipped_steps
         if scheduler is not None:
             engine.lr_scheduler.load_state_dict(scheduler)

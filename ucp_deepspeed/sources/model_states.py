@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import Counters
 from ucp_deepspeed.io import storage as st
@@ -134,8 +135,13 @@ class ModelStatesFile(st.Closeable):
         return list(self._obj)
 
     def counters(self) -> Counters:
-        """Engine step counters (DeepSpeed saves all three; an absent one reads as 0)."""
-        return Counters(**{k: int(self._obj[k]) for k in COUNTERS if k in self._obj})
+        """Engine step counters (DeepSpeed saves all three; an absent one reads as 0), the samples as the
+        data-parallel ranks consumed them: an AutoTP job's count of each tensor-parallel rank's copy, divided out."""
+        found = {k: int(self._obj[k]) for k in COUNTERS if k in self._obj}
+        copies = compat.recorded_sample_copies(plain(self._obj.get("ds_config")))
+        if "global_samples" in found:
+            found["global_samples"] //= copies
+        return Counters(**found)
 
     def lr_scheduler(self) -> Any:
         """The LR scheduler state dict, if one was saved."""
