@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, BinaryIO
 
+from ucp_deepspeed.io.atomic import rename_durably
 from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, BlobFile, Closeable, Window
 from ucp_deepspeed.io.local import LocalStorage, append, lock_folder
@@ -301,3 +302,12 @@ def delete(location: str) -> None:
 def makedirs(location: str) -> None:
     """`Storage.makedirs` of the location's backend."""
     storage_of(location).makedirs(location)
+
+
+def rename_local(source: str, dest: str) -> None:
+    """Rename a local file or folder within its folder, durably (`atomic.rename_durably`): a store has no rename, and a
+    caller that keeps an older save aside does so on disk only."""
+    found, target = local_path(source), local_path(dest)
+    if found is None or target is None:
+        raise StorageError(shown(source), "an object store cannot rename; only a local path can")
+    rename_durably(found, target)

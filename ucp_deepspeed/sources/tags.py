@@ -14,7 +14,6 @@ killed part-way leaves for the resume to fall back to, and which is deleted once
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +23,6 @@ from ucp_deepspeed.format.commit import COMMIT, uncommitted_reason
 from ucp_deepspeed.format.kinds import kind_of
 from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.atomic import rename_durably
 from ucp_deepspeed.sources import NativeCheckpoint, list_tags
 from ucp_deepspeed.sources.infer import GroupOrder, Placement
 from ucp_deepspeed.sources.native import tag_metas
@@ -138,19 +136,18 @@ def set_aside(ckpt_dir: str, tag: str) -> str | None:
 
     When the folder aside is already there, an earlier save into the tag was killed: the tag is dropped if it is
     incomplete (the save aside is still the newest complete one), else the older save aside is."""
-    local = st.local_path(ckpt_dir)
-    if local is None or latest_tag(ckpt_dir) != tag or not os.path.isdir(os.path.join(local, tag)):
+    if st.local_path(ckpt_dir) is None or latest_tag(ckpt_dir) != tag or not st.isdir(st.join(ckpt_dir, tag)):
         return None
     aside = SET_ASIDE + tag
-    folder, kept = os.path.join(local, tag), os.path.join(local, aside)
-    if os.path.isdir(kept):
+    folder, kept = st.join(ckpt_dir, tag), st.join(ckpt_dir, aside)
+    if st.isdir(kept):
         reason = incomplete_reason(ckpt_dir, tag)
         if reason is not None:
             log.warning("ucp: %s is incomplete (%s); %s stays the save to fall back to", folder, reason, aside)
             st.delete(folder)
             return aside
         st.delete(kept)
-    rename_durably(folder, kept)
+    st.rename_local(folder, kept)
     return aside
 
 
