@@ -43,10 +43,10 @@ LOSS_RTOL = 1e-5
 LOSS_RTOL_BF16_OTHER_DP = 1e-4
 
 # world size -> variants saved by one launch (data parallelism takes the rest of the world)
-SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "plainbf16pp2z0", "seq", "pp2z0", "tp1pp2", "tp2pp1")}
+SAVES = {2: ("pp2", "bf16pp2z0", "plainpp2", "plainbf16pp2z0", "seq", "pp2z0", "tp1pp2", "tp2pp1", "mdstp2pp1")}
 SAVES[4] = ("pp2u", "pp1", "tp2pp2", "plainbf16pp2z0")
-# Megatron-DeepSpeed's GPTModelPipe, saved by plain DeepSpeed at 4 ranks (TP2 x PP2; a Llama at TP2 x DP2; bf16 at
-# PP2 x DP2) in a launch of its own: the default run loads the first, the 4-rank launch above is `slow`
+# Megatron-DeepSpeed's GPTModelPipe, saved by plain DeepSpeed: TP2 in the 2-rank launch (the default run's), and at
+# 4 ranks (TP2 x PP2; a Llama at TP2 x DP2; bf16 at PP2 x DP2) in a launch of its own, `slow`
 MDS_SAVES = ("mdstp2pp2", "mdsllamatp2", "mdsbf16pp2")
 LAUNCHES = {2: 2, 4: 4, "mds": 4}  # save launch -> world size
 
@@ -83,20 +83,19 @@ CASES = [
     (4, "pp2u", "2/seq", "resharded"),  # and back
     # Megatron-DeepSpeed: `ucp convert --format deepspeed` (no rules) loaded by DeepSpeed's load_universal, which is
     # what its --universal-checkpoint runs; and the rank files read through ucp_deepspeed
+    (2, "mdstp1pp2", "2/mdstp2pp1", "resharded"),  # TP2 -> PP2 x DP1
     (2, "stock:mdstp1pp1", "mds/mdstp2pp2", "stock"),  # TP2 x PP2 -> TP1 x DP2
     (2, "mdstp1pp2", "mds/mdstp2pp2", "resharded"),  # TP2 x PP2 -> PP2 x DP1
     (2, "stock:mdsllamatp1", "mds/mdsllamatp2", "stock"),  # SwiGLU, RMSNorm, untied: TP2 x DP2 -> TP1 x DP2
     (2, "stock:mdsbf16pp1", "mds/mdsbf16pp2", "stock"),  # bf16 PP2 x DP2 -> PP1 x DP2
 ]
-MDS_DEFAULT = {"mds/mdstp2pp2"}
 
 
 def slow(case: tuple[int, str, str, str]) -> bool:
     """Whether a case is outside the default run: the default loads at 2 ranks what the 2-rank launch saved (PP2 ->
-    PP1 DP2, another stage split, ZeRO-0 <-> 1, bf16, PipelineModule -> plain module), one launch each."""
+    PP1 DP2, another stage split, ZeRO-0 <-> 1, bf16, PipelineModule -> plain module, Megatron-DeepSpeed TP2 -> PP2),
+    one launch each."""
     world, _, source, mode = case
-    if source in MDS_DEFAULT:
-        return False
     return world != 2 or not source.startswith("2/") or mode in ("stock", "imported")
 
 
@@ -252,11 +251,11 @@ def test_the_ucp_command_reads_a_megatron_deepspeed_save_with_no_rules(pipes, tm
     """inspect, verify, convert to the universal format and to DeepSpeed's: the layouts come from the record and the
     args; the fused projection is kept as [q; k; v] (DeepSpeed's loader takes its three sub-parameters apart again),
     the vocabulary's 7 padding rows, which training moved, are kept; the pickled args come back as a Namespace."""
-    source = tmp_path / "mdstp2pp2"
-    shutil.copytree(pipes.save("mds") / "mdstp2pp2", source, ignore=shutil.ignore_patterns("*universal"))
+    source = tmp_path / "mdstp2pp1"
+    shutil.copytree(pipes.save(2) / "mdstp2pp1", source, ignore=shutil.ignore_patterns("*universal"))
     assert cli_main(["inspect", str(source)]) == 0
     out = capsys.readouterr().out
-    assert "zero1 dp=1 tp=2 pp=2" in out and "rebuilt from DeepSpeed's files" in out
+    assert "zero1 dp=1 tp=2 pp=1" in out and "rebuilt from DeepSpeed's files" in out
     assert cli_main(["verify", str(source)]) == 0
     assert cli_main(["convert", "--no-progress", str(source)]) == 0
     with UniversalCheckpoint(str(source / "global_step3.universal")) as ckpt:

@@ -96,6 +96,15 @@ VARIANTS = {
         "mds": {},
         "plain": True,
     },
+    "mdstp2pp1": {
+        "pp": 1,
+        "tp": 2,
+        "stage": 1,
+        "dtype": "fp32",
+        "partition": "type:transformer",
+        "mds": {},
+        "plain": True,
+    },
     "mdstp1pp1": {"pp": 1, "tp": 1, "stage": 1, "dtype": "fp32", "partition": "type:transformer", "mds": {}},
     "mdstp1pp2": {"pp": 2, "tp": 1, "stage": 1, "dtype": "fp32", "partition": "type:transformer", "mds": {}},
     # SwiGLU ([gate; up] per rank), RMSNorm, untied output layer, no bias, no learned positions (a Llama)
