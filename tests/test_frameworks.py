@@ -192,25 +192,28 @@ def lightning_runs(tmp_path_factory) -> OnDemand:
     return OnDemand(out, ["z2", "z2-async"], lambda name: name, launch)
 
 
+def _predicted_from(source: Path, evaluated_dir: Path) -> None:
+    """validate, test and predict ran on a checkpoint of the 2-rank fit (its step 8): the weights they used are the
+    fp32 masters trained, and every batch was predicted."""
+    evaluated = json.loads((evaluated_dir / "evaluated.json").read_text())
+    trained = torch.load(source / "saved_step8.pt", weights_only=False)["fp32"]
+    assert not _differ(trained, {n: torch.tensor(v) for n, v in evaluated["weights"].items()})
+    assert evaluated["predicted"] == 4 * 6 * 8 and evaluated["val_loss"] == evaluated["test_loss"]
+
+
 @pytest.mark.parametrize(
     "world,zero", [pytest.param(1, 3, id="1-rank-z3"), pytest.param(3, 2, id="3-ranks-z2", marks=pytest.mark.slow)]
 )
 def test_a_lightning_fit_resumes_at_another_world_size_and_stage(lightning_runs, tmp_path, world, zero):
     """`fit(ckpt_path=...)` at 1 rank and ZeRO-3 (3 ranks, ZeRO-2: slow), from 2 ranks at ZeRO-2: every fp32 weight
     and Adam state exact, Lightning's own state (epoch, global step, the fit loop's count, the checkpoint callback's
-    best) back from the client state, the next losses the uninterrupted run's."""
+    best) back from the client state, the next losses the uninterrupted run's. Then, in the same launch, validate,
+    test and predict with `ckpt_path` of the 2-rank fit: Lightning builds an engine without an optimizer for them,
+    which `install()` refused; it loads the checkpoint's weights (the fp32 masters)."""
     source = lightning_runs["z2"]
-    torchrun(
-        world,
-        "fit",
-        "--out",
-        str(tmp_path),
-        "--zero",
-        str(zero),
-        "--resume",
-        str(source / "ckpt" / "step4.ckpt"),
-        worker=LIGHTNING,
-    )
+    evaluate = f"predict --out {tmp_path / 'evaluated'} --zero {zero} --ckpt {source / 'ckpt' / 'step8.ckpt'}"
+    fit = ["fit", "--out", str(tmp_path), "--zero", str(zero), "--resume", str(source / "ckpt" / "step4.ckpt")]
+    torchrun(world, *fit, "--each", evaluate, worker=LIGHTNING)
     run = check_resume(source, tmp_path, "zero2 dp=2 fp32", f"zero{zero} dp={world} fp32")
     uninterrupted = json.loads((source / "losses.json").read_text())["lightning"]
     assert (
@@ -223,28 +226,7 @@ def test_a_lightning_fit_resumes_at_another_world_size_and_stage(lightning_runs,
             "checkpoint_kept": [],
         }
     )
-
-
-def test_lightning_validates_tests_and_predicts_from_a_checkpoint_of_another_size(lightning_runs, tmp_path):
-    """validate, test and predict at 1 rank with `ckpt_path` of the 2-rank fit: Lightning builds an engine without an
-    optimizer for them, which `install()` refused; it loads the checkpoint's weights (the fp32 masters)."""
-    source = lightning_runs["z2"]
-    torchrun(
-        1,
-        "predict",
-        "--out",
-        str(tmp_path),
-        "--zero",
-        "2",
-        "--ckpt",
-        str(source / "ckpt" / "step8.ckpt"),
-        worker=LIGHTNING,
-    )
-    evaluated = json.loads((tmp_path / "evaluated.json").read_text())
-    trained = torch.load(source / "saved_step8.pt", weights_only=False)["fp32"]
-    weights = {n: torch.tensor(v) for n, v in evaluated["weights"].items()}
-    assert not _differ(trained, weights)
-    assert evaluated["predicted"] == 4 * 6 * 8 and evaluated["val_loss"] == evaluated["test_loss"]
+    _predicted_from(source, tmp_path / "evaluated")
 
 
 @pytest.mark.slow
@@ -268,9 +250,7 @@ def test_a_lightning_async_save_is_committed_when_the_strategy_tears_down(lightn
         str(source / "ckpt" / "step8.ckpt"),
         worker=LIGHTNING,
     )
-    evaluated = json.loads((tmp_path / "evaluated.json").read_text())
-    trained = torch.load(source / "saved_step8.pt", weights_only=False)["fp32"]
-    assert not _differ(trained, {n: torch.tensor(v) for n, v in evaluated["weights"].items()})
+    _predicted_from(source, tmp_path)
 
 
 @pytest.mark.slow

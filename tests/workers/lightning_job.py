@@ -5,6 +5,8 @@ accelerator (the one check that names CUDA), and the probes the tests read.
     fit     --out DIR --zero Z [--resume CKPT] [--async-save] [--top-k K] [--save-last] [--ckpt-dir D] [--die-in-save N]
     predict --out DIR --zero Z --ckpt CKPT     validate, test and predict from CKPT (an engine without an optimizer)
 
+`--each 'ARGS'` runs one more in the same launch, after this one.
+
 A tiny next-token model over 16 tokens: 8 steps of a global batch of 6 (2 epochs; Lightning restarts an epoch its
 loader cannot skip into, so a save ends one), a ModelCheckpoint every 4 steps. Probes, by
 rank 0 into DIR: the model's full fp32 weights and Adam states at each save (`saved_step<K>.pt`) and when a resumed
@@ -20,9 +22,11 @@ import json
 import os
 import signal
 
-import common  # noqa: F401  (tests/workers/common.py, next to this script: puts launch/ on sys.path)
+import common  # tests/workers/common.py, next to this script: `--each`, and launch/ on sys.path
+import deepspeed
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import train_hf  # launch/train_hf.py: its snapshot of a DeepSpeed engine's fp32 weights and Adam states
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -107,6 +111,9 @@ def trainer(args: argparse.Namespace, callbacks: list) -> pl.Trainer:
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.zero},
+        # Lightning's engine for validate, test and predict at ZeRO-3 reads this key of a config given to it (its own
+        # default config sets it); without it, a KeyError in Lightning
+        "zero_allow_untested_optimizer": True,
         "checkpoint": {"universal": {"enabled": True, "progress": False, "async_save": args.async_save}},
     }
     # the CPU devices given to the strategy, beside the subclass: Lightning otherwise finds no device index per rank
@@ -193,12 +200,16 @@ def do_predict(args: argparse.Namespace) -> None:
     validated = run.validate(module, data(), ckpt_path=args.ckpt)
     tested = run.test(module, data(), ckpt_path=args.ckpt)
     predicted = run.predict(module, data(), ckpt_path=args.ckpt)
+    counts: list = [None] * dist.get_world_size()  # each rank predicts its share of the batches
+    dist.all_gather_object(counts, sum(p.numel() for p in predicted))
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):  # whole at ZeRO-3 (collective)
+        weights = {n: p.detach().float().tolist() for n, p in module.named_parameters()}
     if run.global_rank == 0:
         out = {
             "val_loss": validated[0]["val_loss"],
             "test_loss": tested[0]["test_loss"],
-            "predicted": sum(p.numel() for p in predicted),
-            "weights": {n: p.detach().float().tolist() for n, p in module.named_parameters()},
+            "predicted": sum(counts),
+            "weights": weights,
         }
         with open(os.path.join(args.out, "evaluated.json"), "w") as f:
             json.dump(out, f)
@@ -216,10 +227,11 @@ def main() -> None:
     parser.add_argument("--save-last", action="store_true", help="fit: ModelCheckpoint(save_last=True)")
     parser.add_argument("--ckpt-dir", help="fit: the ModelCheckpoint folder (DIR/ckpt)")
     parser.add_argument("--die-in-save", type=int, default=0, help="fit: the last rank dies in this save of last.ckpt")
-    args = parser.parse_args()
+    common.add_each(parser)
     ucp_deepspeed.install()
-    os.makedirs(args.out, exist_ok=True)
-    {"fit": do_fit, "predict": do_predict}[args.mode](args)
+    for args in common.runs(parser):  # one Lightning Trainer after another, as a script that fits then tests
+        os.makedirs(args.out, exist_ok=True)
+        {"fit": do_fit, "predict": do_predict}[args.mode](args)
 
 
 if __name__ == "__main__":
