@@ -131,6 +131,7 @@ def test_autoep_turns_on_and_off_at_a_resume(loaded_at_two):
     check(loaded_at_two[:5], "mixtral", 5)
 
 
+@pytest.mark.slow  # the suite's budget; AutoEP resumes at 2 ranks stay in the default run
 def test_autoep_resumes_at_a_world_its_experts_do_not_divide(autoep_sources, tmp_path):
     """4 experts cannot be spread over 3 ranks: EP 4 and EP 2 x expert-DP 2 resume at 3 ranks with AutoEP size 1."""
     cases = {"mixtral": [("ep1z1", ("w4/mixtral/ep4z2", "w4/mixtral/ep2z3")), ("ep1z3", ("w4/mixtral/ep2z1",))]}

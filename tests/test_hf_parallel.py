@@ -123,6 +123,7 @@ def test_ulysses_checkpoints_resume_at_any_sp_dp_and_stage(autotp_sources, tmp_p
     assert loaded[-2]["how"] == "native load"
 
 
+@pytest.mark.slow  # the suite's budget: a 3-rank launch of its own (DeepSpeed keeps a process's first Ulysses groups)
 def test_ulysses_from_the_config_mesh_is_refused_by_name(tmp_path):
     torchrun(3, "refused", "--variant", "msp3z2", "--results", str(tmp_path / "refused.json"), worker=WORKER)
     (r,) = load_results(tmp_path / "refused.json")
