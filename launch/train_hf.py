@@ -132,6 +132,7 @@ def save_probe(out: str, name: str, obj: object) -> None:
 
 
 def do_train(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -140,10 +141,20 @@ def do_train(args: argparse.Namespace) -> None:
     index = {tuple(row["input_ids"].tolist()): i for i, row in enumerate(data)}
     samples: list[tuple[int, list[int]]] = []
 
-    def record(module, positional, kwargs):  # which sequences each forward trains on (-1: a sequence shard)
-        if module.training and kwargs.get("input_ids") is not None:
-            rows = [index.get(tuple(r.tolist()), -1) for r in kwargs["input_ids"]]
-            samples.append((trainer.state.global_step + 1, rows))
+    def record(module, positional, kwargs):  # which sequences each forward trains on (-1: none of the dataset's)
+        ids = kwargs.get("input_ids") if module.training else None
+        if ids is None:
+            return
+        if ids.shape[1] == SEQ:
+            rows = [index.get(tuple(r.tolist()), -1) for r in ids]
+        else:  # Ulysses: each rank holds a shard of every sequence; the rank of the first shard records them whole
+            shards: list = [None] * dist.get_world_size()
+            dist.all_gather_object(shards, ids.tolist())  # every rank runs each forward, so every rank is here
+            sp, rank = SEQ // ids.shape[1], dist.get_rank()
+            group = shards[rank - rank % sp : rank - rank % sp + sp]  # DeepSpeed's Ulysses groups: consecutive ranks
+            whole = [tuple(t for shard in group for t in shard[i]) for i in range(len(ids))]
+            rows = [] if rank % sp else [index.get(seq, -1) for seq in whole]
+        samples.append((trainer.state.global_step + 1, rows))
 
     class Probe(TrainerCallback):
         def on_log(self, targs, state, control, logs=None, **kw):
@@ -205,7 +216,6 @@ def do_train(args: argparse.Namespace) -> None:
     net.register_forward_pre_hook(record, with_kwargs=True)
     trainer = Trainer(model=net, args=targs, train_dataset=data, callbacks=[Probe()])
     trainer.train(resume_from_checkpoint=args.resume)
-    import torch.distributed as dist
 
     with open(os.path.join(args.out, f"samples_rank{dist.get_rank()}.json"), "w") as f:
         json.dump(samples, f)

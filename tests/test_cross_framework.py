@@ -81,7 +81,9 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> OnDemand:
     return OnDemand(out, ["installed", "plain", "alst"], lambda kind: kind, launch)
 
 
-def _check_resume(source: Path, resumed: Path, saved: str, live: str, loss_tol: float = LOSS_TOL) -> dict:
+def _check_resume(
+    source: Path, resumed: Path, saved: str, live: str, loss_tol: float = LOSS_TOL, samples: bool = True
+) -> dict:
     """Bit-exact state after the load, counters and step continued, losses of the continuation."""
     ref = torch.load(source / "saved_step4.pt", weights_only=False)
     snap = torch.load(resumed / "resumed_step4.pt", weights_only=False)
@@ -96,6 +98,8 @@ def _check_resume(source: Path, resumed: Path, saved: str, live: str, loss_tol: 
     assert run["global_step"] == 8 and sorted(run["losses"], key=int) == ["5", "6", "7", "8"]
     for step, loss in run["losses"].items():
         assert abs(loss - uninterrupted[step]) <= loss_tol, (step, loss, uninterrupted[step])
+    if not samples:
+        return run
     expected = _samples(source)
     seen = [i for step in range(1, 9) for i in expected[step]]
     assert len(set(seen)) == len(seen) == 48 and min(seen) >= 0, "the probe missed sequences, or saw one twice"
@@ -227,7 +231,8 @@ def test_accelerate_resumes_at_another_world_size_and_stage(tmp_path):
     """A plain Accelerate loop with a DeepSpeed plugin: save_state at 2 ranks ZeRO-2, load_state at 3 ranks ZeRO-3."""
     _hf(2, "accelerate", "--out", str(tmp_path / "src"), "--zero", "2")
     _hf(3, "accelerate", "--out", str(tmp_path / "dst"), "--zero", "3", "--resume", str(tmp_path / "src" / "state-4"))
-    _check_resume(tmp_path / "src", tmp_path / "dst", "zero2 dp=2 fp32", "zero3 dp=3 fp32")
+    # a plain Accelerate loop, which the Trainer's sample probe (launch/train_hf.py) does not watch
+    _check_resume(tmp_path / "src", tmp_path / "dst", "zero2 dp=2 fp32", "zero3 dp=3 fp32", samples=False)
     # the third process has no random_states_2.pkl; it continues from saved process 0's step, on a stream of its own
     saved = [torch.load(tmp_path / "src" / "state-4" / f"random_states_{i}.pkl", weights_only=False) for i in (0, 1)]
     for rank in range(3):

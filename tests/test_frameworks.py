@@ -64,14 +64,14 @@ def check_resume(
 @pytest.fixture(scope="module")
 def trl_runs(tmp_path_factory) -> OnDemand:
     """runs[name]: an uninterrupted 2-rank TRL run of 8 steps, a checkpoint every 4 (`dpo-z2`, `dpo-z3`, `grpo-z2`,
-    `sft-z2`), launched the first time a test asks for it."""
+    `grpo-z3`, `sft-z2`), launched the first time a test asks for it."""
     out = tmp_path_factory.mktemp("trl")
 
     def launch(name: str) -> None:
         mode, zero = name.split("-z")
         torchrun(2, mode, "--out", str(out / name), "--zero", zero, worker=TRL)
 
-    return OnDemand(out, ["dpo-z2", "dpo-z3", "grpo-z2", "sft-z2"], lambda name: name, launch)
+    return OnDemand(out, ["dpo-z2", "dpo-z3", "grpo-z2", "grpo-z3", "sft-z2"], lambda name: name, launch)
 
 
 @pytest.mark.parametrize(
@@ -100,16 +100,27 @@ def test_a_dpo_job_resumes_at_another_world_size(trl_runs, tmp_path, source, wor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,zero", [(1, 2), (2, 3)], ids=["1-rank", "2-ranks-z3"])
-def test_a_grpo_job_resumes_at_another_world_size(trl_runs, tmp_path, world, zero):
-    """GRPOTrainer generating with transformers (no vLLM), a reference model (beta 0.04): every state exact. Its
-    completions are sampled per process, so the next losses follow the uninterrupted run's only at its world size
-    (2 ranks, ZeRO-3); at 1 rank the same states draw other completions."""
-    source = trl_runs["grpo-z2"]
+@pytest.mark.parametrize(
+    "source,world,zero",
+    [
+        pytest.param("grpo-z2", 1, 2, id="z2-to-1-rank"),
+        pytest.param("grpo-z2", 2, 3, id="z2-to-2-ranks-z3"),
+        pytest.param("grpo-z2", 3, 2, id="z2-to-3-ranks"),
+        pytest.param("grpo-z3", 1, 3, id="z3-to-1-rank"),
+        pytest.param("grpo-z3", 3, 3, id="z3-to-3-ranks"),
+        pytest.param("grpo-z3", 2, 2, id="z3-to-2-ranks-z2"),
+    ],
+)
+def test_a_grpo_job_resumes_at_another_world_size(trl_runs, tmp_path, source, world, zero):
+    """GRPOTrainer generating with transformers (no vLLM), a reference model (beta 0.04), saved at ZeRO-2 and ZeRO-3:
+    every state exact at 1, 2 and 3 ranks. Its completions are sampled per process, so the next losses follow the
+    uninterrupted run's only at its world size (2 ranks, at the other stage); at 1 and 3 ranks the same states draw
+    other completions."""
+    saved = trl_runs[source]
     torchrun(
-        world, "grpo", "--out", str(tmp_path), "--zero", str(zero), "--resume", str(source / "checkpoint-4"), worker=TRL
+        world, "grpo", "--out", str(tmp_path), "--zero", str(zero), "--resume", str(saved / "checkpoint-4"), worker=TRL
     )
-    check_resume(source, tmp_path, "zero2 dp=2 fp32", f"zero{zero} dp={world} fp32", losses=world == 2)
+    check_resume(saved, tmp_path, f"zero{source[-1]} dp=2 fp32", f"zero{zero} dp={world} fp32", losses=world == 2)
 
 
 @pytest.mark.slow

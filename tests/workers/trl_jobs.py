@@ -43,10 +43,15 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 def base_model(out: str) -> str:
     """A tiny GPT-2 from a config, saved once where TRL builds its reference model from; its path."""
+    import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
     path = os.path.join(out, "base")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    # every rank takes rank 0's answer: a rank that looked after rank 0 wrote the file skipped the barrier below
+    saved = [os.path.isfile(os.path.join(path, "config.json"))]
+    if dist.is_initialized():
+        dist.broadcast_object_list(saved, src=0)
+    if not saved[0]:
         torch.manual_seed(1234)
         config = GPT2Config(vocab_size=16, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0)
         config.embd_pdrop = config.attn_pdrop = 0.0
@@ -55,8 +60,6 @@ def base_model(out: str) -> str:
         if int(os.environ.get("RANK", "0")) == 0:
             model.save_pretrained(path)
             tokenizer().save_pretrained(path)
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.barrier()
     return path
