@@ -65,6 +65,9 @@ UNTIED_COPIES = "tied_modules.embed.position_embeddings."
 embedding's alone): Megatron-DeepSpeed's record counts them pipeline-replicated; a resume takes the first stage's."""
 MDS_FFN = 24  # SwiGLU's hidden size: dense_h_to_4h holds [gate; up] on each rank
 
+# Megatron-DeepSpeed's GPTModelPipe at ZeRO-1: what every `mds` variant shares
+MDS = {"stage": 1, "dtype": "fp32", "partition": "type:transformer", "mds": {}}
+
 VARIANTS = {
     "pp2": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters"},
     "plainpp2": {"pp": 2, "stage": 1, "dtype": "fp32", "partition": "parameters", "plain": True},
@@ -87,26 +90,10 @@ VARIANTS = {
     "seq": {"pp": 0, "stage": 1, "dtype": "fp32", "rename": {"0.": "tied_modules.embed."}},
     # Megatron-DeepSpeed's GPTModelPipe (`mds`): its layer names, fused [q; k; v] per rank, a padded vocabulary and the
     # client state (args, universal_checkpoint_info) it saves; saved by plain DeepSpeed, as Megatron-DeepSpeed does
-    "mdstp2pp2": {
-        "pp": 2,
-        "tp": 2,
-        "stage": 1,
-        "dtype": "fp32",
-        "partition": "type:transformer",
-        "mds": {},
-        "plain": True,
-    },
-    "mdstp2pp1": {
-        "pp": 1,
-        "tp": 2,
-        "stage": 1,
-        "dtype": "fp32",
-        "partition": "type:transformer",
-        "mds": {},
-        "plain": True,
-    },
-    "mdstp1pp1": {"pp": 1, "tp": 1, "stage": 1, "dtype": "fp32", "partition": "type:transformer", "mds": {}},
-    "mdstp1pp2": {"pp": 2, "tp": 1, "stage": 1, "dtype": "fp32", "partition": "type:transformer", "mds": {}},
+    "mdstp2pp2": {**MDS, "pp": 2, "tp": 2, "plain": True},
+    "mdstp2pp1": {**MDS, "pp": 1, "tp": 2, "plain": True},
+    "mdstp1pp1": {**MDS, "pp": 1, "tp": 1},
+    "mdstp1pp2": {**MDS, "pp": 2, "tp": 1},
     # SwiGLU ([gate; up] per rank), RMSNorm, untied output layer, no bias, no learned positions (a Llama)
     "mdsllamatp2": {
         "pp": 1,
