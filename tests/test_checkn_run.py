@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, launch_jobs
 
 from ucp_deepspeed.checkn_run.chain import ChainCheckpoint, chain, materialize
-from ucp_deepspeed.checkn_run.differential import DifferentialSaver, new_baseline_pays
+from ucp_deepspeed.checkn_run.differential import ChainPolicy, new_baseline_pays
 from ucp_deepspeed.checkn_run.quantize import dequantize, quantize
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.sources.tags import prune, resume_tag
@@ -267,11 +267,10 @@ def test_reused_full_copy_and_replaced_elements_are_caught(saved, tmp_path, caps
 def test_a_load_that_is_not_a_chain_restarts_the_chain():
     """`load_checkpoint` of a plain tag or universal folder tells the saver `restored(None)`: the next save must
     be a baseline, and no lossy restore is counted (it used to fail on None)."""
-    saver = DifferentialSaver.__new__(DifferentialSaver)  # the state restored() touches, without an engine
-    saver.tracker, saver.chain, saver.chain_ids, saver.restores = None, ["global_step2"], ["run-1"], 2
-    saver.since_baseline, saver.history = {}, [0.1]
-    saver.restored(None)
-    assert (saver.chain, saver.chain_ids, saver.history, saver.restores) == ([], [], [], 0)
+    policy = ChainPolicy("intermittent", None, None, None)
+    policy.chain, policy.chain_ids, policy.restores, policy.history = ["global_step2"], ["run-1"], 2, [0.1]
+    policy.restored(None)
+    assert (policy.chain, policy.chain_ids, policy.history, policy.restores) == ([], [], [], 0)
 
 
 class _Lookup(torch.nn.Module):

@@ -119,6 +119,11 @@ def _table_record(path: str, name: str, record: ParamRecord) -> _Table:
             str(quant["method"]) if quant else None,
             int(quant["bits"]) if quant else None,
         )
+        widths = raw.get("widths") or {}
+        if not isinstance(widths, dict) or not all(
+            isinstance(w, list) and all(type(n) is int and n > 0 for n in w) for w in widths.values()
+        ):
+            raise TypeError(widths)
     except (TypeError, KeyError, ValueError):
         raise CheckpointError(path, f"table {name} has no well-formed table record in its manifest") from None
     if (
@@ -130,6 +135,13 @@ def _table_record(path: str, name: str, record: ParamRecord) -> _Table:
     ):
         raise CheckpointError(path, f"table {name}'s record {record.extra['table']} does not fit its shape")
     return table
+
+
+def key_width(record: ParamRecord, key: str) -> tuple[int, ...]:
+    """The shape of one row of a table's state: the table's own row, or the width its record gives a per-row state
+    of another shape (TorchRec's row-wise Adagrad keeps one value per row and column shard)."""
+    widths = record.extra.get("table", {}).get("widths") or {}
+    return tuple(int(n) for n in widths[key]) if key in widths else tuple(record.shape[1:])
 
 
 def _stored_rows(
@@ -182,7 +194,7 @@ def replay_rows(folders: list[tuple[str, Folder, Manifest]], name: str, key: str
             raise CheckpointError(st.join(folder.root, MANIFEST), f"table {name} has no state {key!r}")
         handle = folder.file(record.file)
         table = _table_record(handle.path, name, record)
-        width = record.shape[1:]
+        width = key_width(record, key)
         if table.partial != ("rows" in handle.header()):
             raise CheckpointError(handle.path, "row index presence does not match the manifest")
         if not table.partial:
@@ -287,6 +299,7 @@ class ChainCheckpoint(FolderReader):
         self._folders = _open(ckpt_dir, elements, verify)
         target = elements[-1][1]
         self._tables = {name for name, record in target.params.items() if "table" in record.extra}
+        self._records = target.params
         params = {n: _whole_table(n, r) if n in self._tables else r for n, r in target.params.items()}
         root = st.normalize(st.join(ckpt_dir, tag))
         super().__init__(root, _full_manifest(target, _fingerprint(ckpt_dir, elements), params), self._folders[-1][1])
@@ -301,8 +314,8 @@ class ChainCheckpoint(FolderReader):
         if name not in self._tables:
             return super().read(name, key, start, numel)
         shape = self.params[name].shape
-        width = math.prod(shape[1:])
-        numel = math.prod(shape) - start if numel is None else numel
+        width = math.prod(key_width(self._records[name], key))
+        numel = shape[0] * width - start if numel is None else numel
         if start < 0 or numel < 0:
             raise CheckpointError(self.root, f"{name}:{key}: elements [{start}, {start + numel}) outside the table")
         lo = start // width

@@ -21,6 +21,7 @@ new baseline, so a chain never spans two runs of different layouts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -44,8 +45,128 @@ def new_baseline_pays(history: list[float], fraction: float) -> bool:
     return fraction >= (1 + sum(history)) / (len(history) + 1)
 
 
+@dataclass(frozen=True)
+class ChainStep:
+    """What one save of a chain holds: a baseline or a delta, each table's rows (a delta's), the chain it ends,
+    and the bit width of its quantized rows."""
+
+    kind: str
+    rows: dict[str, torch.Tensor]
+    chain: list[str]
+    chain_ids: list[str]
+    bits: int | None
+    section: dict[str, Any]
+    """The manifest's `differential` section."""
+
+
+class ChainPolicy:
+    """A job's Check-N-Run chain: the policy that picks a baseline or a delta at each save, the rows changed since
+    the baseline, the chain written so far, and the restores counted for the bit width. The saver of each training
+    stack (a DeepSpeed engine here, a TorchRec model in `ucp_deepspeed.torchrec`) tracks rows and writes folders;
+    this decides what they hold."""
+
+    def __init__(self, policy: str | None, method: str | None, bits: int | None, expected_restores: int | None):
+        self.policy, self.method, self.bits, self.expected_restores = policy, method, bits, expected_restores
+        self.chain: list[str] = []
+        self.chain_ids: list[str] = []
+        self.since_baseline: dict[str, torch.Tensor] = {}
+        self.history: list[float] = []
+        self.restores = 0
+
+    @property
+    def tracked(self) -> bool:
+        """Whether saves hold deltas, so looked-up rows must be tracked."""
+        return self.policy not in (None, "full")
+
+    def _bits(self) -> int | None:
+        if self.method is None:
+            return None
+        if self.bits is None:
+            if self.expected_restores is None:
+                raise ValueError("quantization needs `bits` or `expected_restores`")
+            return choose_bits(self.expected_restores, self.restores)
+        exceeded = self.expected_restores is not None and self.restores > self.expected_restores
+        return 8 if exceeded else self.bits
+
+    def step(self, changed: dict[str, torch.Tensor], tag: str, save_id: str) -> ChainStep:
+        """What save `tag` holds, given each table's rows looked up (on any rank) since the previous save."""
+        for table, flags in changed.items():
+            self.since_baseline[table] = self.since_baseline.get(table, torch.zeros_like(flags)) | flags
+        kind, rows = self._plan(changed)
+        bits = self._bits()
+        if kind == "baseline":
+            chain, ids = [tag], [save_id]
+        elif self.policy == "incremental":
+            chain, ids = self.chain + [tag], self.chain_ids + [save_id]
+        else:
+            chain, ids = [self.chain[0], tag], [self.chain_ids[0], save_id]
+        section = {
+            "kind": kind,
+            "policy": self.policy,
+            "chain": chain,
+            "chain_ids": ids,
+            "restores": self.restores,
+            "quantize": {"method": self.method, "bits": bits} if self.method else None,
+            "changed_fraction": _fraction(changed) if changed else None,
+        }
+        return ChainStep(kind=kind, rows=rows, chain=chain, chain_ids=ids, bits=bits, section=section)
+
+    def saved(self, step: ChainStep) -> None:
+        """After `step` was written on every rank: it ends the chain the next save builds on."""
+        self.chain, self.chain_ids = step.chain, step.chain_ids
+        if step.kind == "baseline":
+            self.since_baseline = {m: torch.zeros_like(f) for m, f in self.since_baseline.items()}
+            self.history = []
+        elif self.policy == "intermittent":
+            self.history.append(_fraction(self.since_baseline))
+
+    def _plan(self, changed: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
+        """Baseline or delta, and the rows each table's delta holds."""
+        if not self.tracked or not self.chain:
+            return "baseline", {}
+        if self.policy == "incremental":
+            return "delta", {m: rows_of(f) for m, f in changed.items()}
+        if self.policy == "intermittent" and new_baseline_pays(self.history, _fraction(self.since_baseline)):
+            return "baseline", {}
+        return "delta", {m: rows_of(f) for m, f in self.since_baseline.items()}
+
+    def restored(self, manifest: Manifest | None) -> None:
+        """After a restore from `manifest`: count a lossy restore, and make the next save a baseline."""
+        section = (manifest.source.extra.get("differential") if manifest is not None else None) or {}
+        self.restores = int(section.get("restores", 0)) + (1 if section.get("quantize") else 0)
+        self.chain, self.chain_ids, self.since_baseline, self.history = [], [], {}, []
+
+
+def _fraction(flags: dict[str, torch.Tensor]) -> float:
+    total = sum(f.numel() for f in flags.values())
+    return sum(int(f.sum()) for f in flags.values()) / max(total, 1)
+
+
+def start_tag(save_dir: str, tag: str) -> str:
+    """Make a chain element's folder, marked before any tensor file is written (collective); returns it. A failure
+    on rank 0 (a store that went down) fails the save on every rank."""
+    out = st.join(save_dir, tag)
+
+    def start() -> None:
+        if st.isdir(out):
+            st.delete(out)
+        st.makedirs(out)
+        st.write(st.join(out, MARKER), b"")
+
+    on_rank0(start)
+    return out
+
+
+def end_tag(save_dir: str, tag: str, save_latest: bool) -> None:
+    """After every rank wrote its part of `tag`: name it the latest (collective)."""
+    if save_latest:
+        on_rank0(lambda: st.write(st.join(save_dir, "latest"), tag.encode()))
+    else:
+        barrier()
+
+
 class DifferentialSaver:
-    """Per-engine Check-N-Run state: row tracking, the current chain, and the policy's history."""
+    """Per-engine Check-N-Run state: row tracking and the chain's policy."""
 
     def __init__(
         self,
@@ -63,28 +184,12 @@ class DifferentialSaver:
                 "Check-N-Run checkpoints found no nn.Embedding / nn.EmbeddingBag to track"
                 + (f" matching {tables}" if tables else "")
             )
-        tracked = policy not in (None, "full")
-        if tracked:
+        self.policy = ChainPolicy(policy, method, bits, expected_restores)
+        if self.policy.tracked:
             check_optimizer(engine.optimizer.optimizer)
         placed = live_params(engine)
         self.names = {module: placed[cast(torch.nn.Parameter, m.weight)].name for module, m in modules.items()}
-        self.policy, self.method, self.bits, self.expected_restores = policy, method, bits, expected_restores
-        self.tracker = RowTracker(modules) if tracked else None
-        self.chain: list[str] = []
-        self.chain_ids: list[str] = []
-        self.since_baseline: dict[str, torch.Tensor] = {}
-        self.history: list[float] = []
-        self.restores = 0
-
-    def _bits(self) -> int | None:
-        if self.method is None:
-            return None
-        if self.bits is None:
-            if self.expected_restores is None:
-                raise ValueError("quantization needs `bits` or `expected_restores`")
-            return choose_bits(self.expected_restores, self.restores)
-        exceeded = self.expected_restores is not None and self.restores > self.expected_restores
-        return 8 if exceeded else self.bits
+        self.tracker = RowTracker(modules) if self.policy.tracked else None
 
     def save(
         self,
@@ -98,75 +203,18 @@ class DifferentialSaver:
         data_loaders: list[dict[str, Any]] | None = None,
     ) -> int:
         """Write checkpoint `tag` under the policy (collective); returns the bytes written (rank 0)."""
-        changed = self.tracker.take() if self.tracker is not None else {}
-        for module, flags in changed.items():
-            self.since_baseline[module] = self.since_baseline.get(module, torch.zeros_like(flags)) | flags
-        kind, rows = self._plan(changed)
-        bits = self._bits()
-        tables = {self.names[m]: TableSave(rows.get(m), self.method, bits) for m in self.names}
-        chain = (
-            [tag]
-            if kind == "baseline"
-            else (self.chain + [tag] if self.policy == "incremental" else [self.chain[0], tag])
-        )
-        ids = (
-            [save_id]
-            if kind == "baseline"
-            else (self.chain_ids + [save_id] if self.policy == "incremental" else [self.chain_ids[0], save_id])
-        )
-        out = st.join(save_dir, tag)
-
-        def start() -> None:
-            if st.isdir(out):
-                st.delete(out)
-            st.makedirs(out)
-            st.write(st.join(out, MARKER), b"")
-
-        on_rank0(start)  # a failure on rank 0 (a store that went down) fails the save on every rank
-        extra = {
-            "save_id": save_id,
-            "differential": {
-                "kind": kind,
-                "policy": self.policy,
-                "chain": chain,
-                "chain_ids": ids,
-                "restores": self.restores,
-                "quantize": {"method": self.method, "bits": bits} if self.method else None,
-                "changed_fraction": self._fraction(changed) if changed else None,
-            },
-        }
+        step = self.policy.step(self.tracker.take() if self.tracker is not None else {}, tag, save_id)
+        tables = {self.names[m]: TableSave(step.rows.get(m), self.policy.method, step.bits) for m in self.names}
+        out = start_tag(save_dir, tag)
+        extra = {"save_id": save_id, "differential": step.section}
         _, nbytes = write_live(engine, out, client_state, tables, extra, data_loaders)
-        if save_latest:
-            on_rank0(lambda: st.write(st.join(save_dir, "latest"), tag.encode()))
-        else:
-            barrier()
-        self.chain, self.chain_ids = chain, ids
-        if kind == "baseline":
-            self.since_baseline = {m: torch.zeros_like(f) for m, f in self.since_baseline.items()}
-            self.history = []
-        elif self.policy == "intermittent":
-            self.history.append(self._fraction(self.since_baseline))
+        end_tag(save_dir, tag, save_latest)
+        self.policy.saved(step)
         return nbytes
-
-    def _fraction(self, flags: dict[str, torch.Tensor]) -> float:
-        total = sum(f.numel() for f in flags.values())
-        return sum(int(f.sum()) for f in flags.values()) / max(total, 1)
-
-    def _plan(self, changed: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
-        """Baseline or delta, and the rows each table's delta holds."""
-        if self.tracker is None or not self.chain:
-            return "baseline", {}
-        if self.policy == "incremental":
-            return "delta", {m: rows_of(f) for m, f in changed.items()}
-        if self.policy == "intermittent" and new_baseline_pays(self.history, self._fraction(self.since_baseline)):
-            return "baseline", {}
-        return "delta", {m: rows_of(f) for m, f in self.since_baseline.items()}
 
     def restored(self, manifest: Manifest | None) -> None:
         """After a restore from `manifest`: count a lossy restore, and make the next save a baseline."""
-        section = (manifest.source.extra.get("differential") if manifest is not None else None) or {}
-        self.restores = int(section.get("restores", 0)) + (1 if section.get("quantize") else 0)
-        self.chain, self.chain_ids, self.since_baseline, self.history = [], [], {}, []
+        self.policy.restored(manifest)
         if self.tracker is not None:
             for flags in self.tracker.flags.values():
                 flags.zero_()

@@ -148,13 +148,13 @@ def write_live(
                 write(
                     writer.add_param,
                     name,
-                    state if spec is None else _table_tensors(state, spec),
+                    state if spec is None else table_tensors(state, spec),
                     group=groups[p],
                     dtype=_dtype(p),
                     shape=shape,
                     keys=(FP32, *keys),
                     file=None if spec is None else table_file(name),
-                    extra=None if spec is None else {"table": _table_record(spec, shape[0])},
+                    extra=None if spec is None else {"table": table_record(spec, shape[0])},
                 )
         all_ok(failed[0] if failed else None)
         return guarded(lambda: _finish(engine, writer, client_state, extra, data_loaders) if rank0 else (None, 0))
@@ -236,16 +236,20 @@ def _gatherer(engine: Engine, keys: list[str]) -> Callable[[torch.nn.Parameter, 
     return gathered
 
 
-def _table_record(spec: TableSave, total: int) -> dict[str, Any]:
+def table_record(spec: TableSave, total: int, widths: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """The manifest's record of a stored table: its rows, the rows stored, their quantization, and the row width of
+    each state whose rows are not the table's (`widths`)."""
     return {
         "rows": total,
         "saved_rows": total if spec.rows is None else int(spec.rows.numel()),
         "partial": spec.rows is not None,
         "quantize": {"method": spec.method, "bits": spec.bits} if spec.method else None,
+        **({"widths": widths} if widths else {}),
     }
 
 
-def _table_tensors(state: dict[str, torch.Tensor], spec: TableSave) -> dict[str, torch.Tensor]:
+def table_tensors(state: dict[str, torch.Tensor], spec: TableSave) -> dict[str, torch.Tensor]:
+    """A table's tensors as stored: the rows kept (all, or `spec.rows` with their index), fp32 quantized if asked."""
     rows = spec.rows
     picked = {k: (v if rows is None else v[rows]) for k, v in state.items()}
     out = {} if rows is None else {"rows": rows.to(torch.int64)}
