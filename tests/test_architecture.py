@@ -23,6 +23,7 @@ LAYERS = [
     {"convert"},
     {"runtime"},
     {"checkn_run", "hf", "interop"},
+    {"torchrec"},  # Check-N-Run and universal checkpoints for TorchRec's models: built on the checkn_run extension
     {"tools", "run", "__init__", "mpu", "checkpoints"},  # the last two: deprecated aliases of old import paths
 ]
 EXTENSIONS = {"checkn_run", "hf", "interop"}

@@ -774,3 +774,42 @@ def test_sample_copies(zero12):
     assert DeepSpeedConfig(config).train_batch_size == 3 * dist.get_world_size()
     assert compat.recorded_sample_copies(config) == 2 and compat.recorded_sample_copies({}) == 1
     assert compat.sample_copies(zero12) == 1
+
+
+def test_torchrec_canaries():
+    """Canaries of `compat.torchrec`: a 1-rank DLRM with a table-wise, a column-wise (two shards) and a
+    data-parallel table, its fused row-wise Adagrad and a dense Adagrad in a `CombinedOptimizer`."""
+    pytest.importorskip("torchrec", reason="TorchRec is not installed (the `torchrec` extra)")
+    import importlib.util
+
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    spec = importlib.util.spec_from_file_location("torchrec_job", Path(__file__).parent / "workers" / "torchrec_job.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    model, dense = job.build("rowwise", "one_rank")
+    t1, t2, t3 = (f"sparse_arch.embedding_bag_collection.embedding_bags.{t}.weight" for t in ("t1", "t2", "t3"))
+    assert compat.is_dmp(model) and not compat.is_dmp(model.module) and compat.torchrec_version()
+    tables = compat.dmp_tables(model)
+    assert (tables[t1].sharding, tables[t1].fused, tables[t1].optimizer) == (
+        "table_wise",
+        True,
+        "exact_row_wise_adagrad",
+    )
+    assert tables[t2].column_split == (0, 4) and [s.cols for s in tables[t2].shards] == [4, 4]
+    assert (tables[t3].sharding, tables[t3].fused) == ("data_parallel", False)
+    states = compat.dmp_fused_states(model)
+    shape, shards = states[t2]["momentum1"]  # the table's name taken off the state's key
+    assert shape == (120,) and sorted(s.offsets for s in shards) == [(0,), (60,)]
+    assert [compat.row_state_place(tables[t2], s.offsets[0]) for s in sorted(shards)] == [(0, 0), (1, 0)]
+    local = compat.dmp_local_weights(model, {t1})[t1][0]
+    local.tensor.add_(1.0)  # a view of the kernel's weights
+    assert torch.equal(model.state_dict()[t1].local_shards()[0].tensor, local.tensor)
+    (features,) = [f for _, f in compat.dmp_sparse_modules(model)]
+    assert features == {"f1": t1, "f2": t2, "f3": t2, "f4": t3}
+    _, kjt, _ = job.batch(1)
+    assert set(compat.kjt_ids(kjt)) == {"f1", "f2", "f3", "f4"}
+    combined = CombinedOptimizer([model.fused_optimizer, dense])
+    assert compat.dense_optimizers(combined, model) == [dense] == compat.dense_optimizers(dense, model)
+    groups = compat.dmp_fused_groups(model)
+    assert sorted(k for keys, _ in groups for k in keys) == [t1, t2] and all(g[0]["lr"] > 0 for _, g in groups)

@@ -15,6 +15,7 @@ frameworks are imported inside the functions that need them, so the `ucp` comman
 - `transformers`: transformers and accelerate: a model's config, the per-process restores `install()` widens
 - `torch`: the globals `torch.load` may build, and the DCP writer
 - `torchdata`: where a `StatefulDataLoader`'s state keeps a map-style loader's position
+- `torchrec`: a `DistributedModelParallel` model's plan, table shards, fused optimizer state and sparse modules
 - `s3fs`: a ranged GET received straight into the caller's buffers
 """
 
@@ -93,6 +94,18 @@ from ucp_deepspeed.compat.torchdata import (
     state_at,
     state_workers,
 )
+from ucp_deepspeed.compat.torchrec import (
+    dense_optimizers,
+    dmp_fused_groups,
+    dmp_fused_states,
+    dmp_local_weights,
+    dmp_sparse_modules,
+    dmp_tables,
+    is_dmp,
+    kjt_ids,
+    row_state_place,
+    torchrec_version,
+)
 from ucp_deepspeed.compat.transformers import (
     Hook,
     accelerate_state_restore,
@@ -164,7 +177,13 @@ __all__ = [
     "data_sampler",
     "deepspeed_safe_globals",
     "deepspeed_sees_megatron_moe",
+    "dense_optimizers",
     "distributed_sampler",
+    "dmp_fused_groups",
+    "dmp_fused_states",
+    "dmp_local_weights",
+    "dmp_sparse_modules",
+    "dmp_tables",
     "engine_config",
     "expert_container",
     "expert_parallel",
@@ -173,6 +192,7 @@ __all__ = [
     "hf_model_config",
     "is_autotp_model",
     "is_bf16_optimizer",
+    "is_dmp",
     "is_megatron_module",
     "is_megatron_moe",
     "is_megatron_transformer_layer",
@@ -180,6 +200,7 @@ __all__ = [
     "is_ulysses_mpu",
     "is_unpartitioned",
     "is_zero3_param",
+    "kjt_ids",
     "lightning_deepspeed_strategy",
     "loader_name",
     "megatron_fused_norms",
@@ -199,6 +220,7 @@ __all__ = [
     "register_expert_groups",
     "relink_optimizer_states",
     "restore_sampler",
+    "row_state_place",
     "run_ended_normally",
     "s3_read_into",
     "sample_copies",
@@ -211,6 +233,7 @@ __all__ = [
     "storage_dtype",
     "store_recovery_scripts",
     "strategy_engine",
+    "torchrec_version",
     "trainer_rng_restore",
     "trains",
     "ulysses_outside_zero",

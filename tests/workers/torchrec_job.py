@@ -1,0 +1,224 @@
+"""A TorchRec DLRM job under `DistributedModelParallel`, saved and resumed through `TorchRecCheckpointer`.
+
+`save` trains 8 steps and saves at steps 2 and 4, through one checkpointer per source (whole, one-shot, incremental
+and quantized chains), writing each model's full state right after the step-4 save (`saved_<optimizer>.pt`, rank 0)
+and the loss of every step. `load` builds the model under another plan at this world size, loads a source, writes the
+full state right after the load (`loaded_<case>.pt`) and the next 4 losses; a refused load writes its error instead.
+
+The global batch of each step is the same at every world size, each rank taking its share and the mean of its
+losses: DDP averages the dense gradients over the ranks, and TorchRec divides the embedding gradients it sends back
+to each table's owner by the world size (`comm_ops.set_gradient_division`, on by default), so every world size
+takes the same steps and a resume's next losses compare with the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, table_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.models.dlrm import DLRM
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from ucp_deepspeed.torchrec import TorchRecCheckpointer
+
+TABLES = {"t1": 40, "t2": 60, "t3": 24}
+FEATURES = {"t1": ["f1"], "t2": ["f2", "f3"], "t3": ["f4"]}
+DIM, DENSE_IN, BATCH = 8, 4, 12
+OPTIMIZERS = {"rowwise": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adagrad": EmbOptimType.EXACT_ADAGRAD}
+# plans by name: table -> how it is sharded (ranks are this world's)
+PLANS = {
+    "saved": {"t1": ("table_wise", 0), "t2": ("column_wise", [0, 1]), "t3": ("data_parallel", None)},
+    "moved": {"t1": ("table_wise", 1), "t2": ("column_wise", [1, 0]), "t3": ("data_parallel", None)},
+    "one_rank": {"t1": ("table_wise", 0), "t2": ("column_wise", [0, 0]), "t3": ("data_parallel", None)},
+    "one_rank_tw": {"t1": ("table_wise", 0), "t2": ("table_wise", 0), "t3": ("data_parallel", None)},
+}
+
+
+def build(optimizer: str, plan_name: str) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    """The DLRM under the named plan, with its fused kernel optimizer and a dense Adagrad."""
+    torch.manual_seed(0)
+    configs = [
+        EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=FEATURES[t])
+        for t, n in TABLES.items()
+    ]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=DENSE_IN,
+        dense_arch_layer_sizes=[16, DIM],
+        over_arch_layer_sizes=[16, 1],
+    )
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05})
+    make = {
+        "table_wise": lambda r: table_wise(rank=r, compute_kernel="fused"),
+        "column_wise": lambda r: column_wise(ranks=r, compute_kernel="fused"),
+        "data_parallel": lambda r: data_parallel(),
+    }
+    world = dist.get_world_size()
+    per_table = {t: make[kind](arg) for t, (kind, arg) in PLANS[plan_name].items()}
+    module_plan = construct_module_sharding_plan(
+        ebc, per_table, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+    )
+    dmp = DistributedModelParallel(
+        model,
+        device=torch.device("cpu"),
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}),
+        sharders=[sharder],
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adagrad(params, lr=0.05)
+    )
+    return dmp, dense
+
+
+def batch(step: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+    """This rank's share of step `step`'s global batch, the same at every world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    dense = torch.randn(BATCH, DENSE_IN, generator=g)
+    labels = torch.randint(0, 2, (BATCH,), generator=g).float()
+    lengths = {f: torch.randint(0, 3, (BATCH,), generator=g) for fs in FEATURES.values() for f in fs}
+    ids = {
+        f: torch.randint(0, TABLES[t] // 2 if step % 2 else TABLES[t], (int(lengths[f].sum()),), generator=g)
+        for t, fs in FEATURES.items()
+        for f in fs
+    }  # odd steps look up half the rows: deltas stay small
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    keys = [f for fs in FEATURES.values() for f in fs]
+    values, lens = [], []
+    for f in keys:
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths[f].cumsum(0)])
+        values.append(ids[f][starts[lo] : starts[hi]])
+        lens.append(lengths[f][lo:hi])
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lens))
+    return dense[lo:hi], kjt, labels[lo:hi]
+
+
+def train_step(model: Any, dense_opt: Any, step: int) -> float:
+    """One step on the global batch; returns the global mean loss."""
+    dense, kjt, labels = batch(step)
+    logits = model(dense, kjt).squeeze(-1)
+    losses = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+    losses.mean().backward()  # the fused tables step in backward
+    dense_opt.step()
+    dense_opt.zero_grad()
+    total = losses.detach().sum().reshape(1)
+    dist.all_reduce(total)
+    return float(total) / BATCH
+
+
+def snapshot(model: Any, dense_opt: Any) -> dict[str, torch.Tensor] | None:
+    """Every table, fused state, dense parameter and dense state, whole, on rank 0 (collective). Each rank sends the
+    shards it holds, by their offsets: a rank without a shard of a table has no fused state of it to take part with."""
+    mine: dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]] = {}
+
+    def add(name: str, value: Any) -> None:
+        if hasattr(value, "local_shards"):
+            shards = [(tuple(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()]
+            mine[name] = (tuple(value.shape), shards)
+        else:
+            value = torch.as_tensor(value).detach().clone()
+            mine[name] = (tuple(value.shape), [((0,) * value.dim(), value)])
+
+    for key, value in model.state_dict().items():
+        add(key, value)
+    for key, states in model.fused_optimizer.state_dict()["state"].items():
+        for name, value in states.items():
+            add(f"{key}/{name}", value)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in dense_opt.state.items():
+        for name, value in state.items():
+            add(f"{names[id(p)]}/{name}", value)
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for rank_pieces in gathered:
+        for name, (shape, shards) in rank_pieces.items():
+            for offsets, tensor in shards:
+                full = out.setdefault(name, torch.zeros(shape, dtype=tensor.dtype))
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+    return out
+
+
+SOURCES = {
+    "full": {},
+    "one_shot": {"differential": {"policy": "one_shot"}},
+    "incremental": {"differential": {"policy": "incremental"}},
+    "quantized": {"differential": {"policy": "one_shot"}, "quantize": {"method": "symmetric", "bits": 8}},
+}
+
+
+def save(out: Path, optimizers: list[str]) -> None:
+    for optimizer in optimizers:
+        model, dense = build(optimizer, "saved")
+        savers = {name: TorchRecCheckpointer(model, dense, **cfg) for name, cfg in SOURCES.items()}
+        losses = {}
+        for step in range(1, 9):
+            losses[step] = train_step(model, dense, step)
+            if step in (2, 4):
+                for name, saver in savers.items():
+                    saver.save(str(out / f"{optimizer}-{name}"), step=step, client_state={"epoch": step // 2})
+            if step == 4:
+                snap = snapshot(model, dense)
+                if snap is not None:
+                    torch.save(snap, out / f"saved_{optimizer}.pt")
+        if dist.get_rank() == 0:
+            (out / f"losses_{optimizer}.json").write_text(json.dumps(losses))
+
+
+def load(out: Path, cases: list[str]) -> None:
+    """Each case `<source dir>:<optimizer>:<plan>[:approximate]` loads into a fresh model and trains 4 steps."""
+    results = {}
+    for case in cases:
+        source, optimizer, plan, *flags = case.split(":")
+        model, dense = build(optimizer, plan)
+        saver = TorchRecCheckpointer(model, dense, approximate_row_state="approximate" in flags)
+        name = f"{Path(source).name}-{plan}{'-approximate' if flags else ''}"
+        try:
+            resumed = saver.load(source)
+        except Exception as exc:  # the refusal is the result
+            results[name] = {"error": str(exc)}
+            continue
+        snap = snapshot(model, dense)
+        if snap is not None:
+            torch.save(snap, out / f"loaded_{name}.pt")
+        losses = {s: train_step(model, dense, s) for s in range(resumed.step + 1, resumed.step + 5)}
+        results[name] = {"step": resumed.step, "client_state": resumed.client_state, "losses": losses}
+    if dist.get_rank() == 0:
+        (out / f"results_{dist.get_world_size()}.json").write_text(json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
+    parser.add_argument("--case", nargs="*", default=[])
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "save":
+        save(args.out, args.optimizers)
+    else:
+        load(args.out, args.case)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,615 @@
+"""Universal checkpoints of a TorchRec `DistributedModelParallel` model, saved whole or as Check-N-Run chains.
+
+A save is one tag folder in the universal format, written straight from the live model: each embedding table's
+full weight and fused-optimizer state (gathered one table at a time to rank 0, which writes it), the dense
+parameters with the dense optimizer's state, the buffers, and last the manifest, whose `torchrec` section records the
+plan the save ran under (each table's sharding, shards, kernel optimizer and its arguments). Every save is a
+Check-N-Run chain element (`checkn_run.chain`): a whole save is a baseline, a differential one holds only the rows
+looked up since an earlier save, and fp32 rows can be quantized; their optimizer states stay exact.
+
+A load reads, on each rank, the rows and columns of the shards the live plan gives it, at any world size and plan.
+Weights and per-element states (exact Adagrad's `momentum1`) go anywhere. A per-row state (row-wise Adagrad's
+`momentum1`) is kept per row and column shard, so it is exact where the column split is kept (table-wise to
+table-wise or row-wise, column-wise to the same columns); elsewhere the load is refused by name, unless
+`approximate_row_state` asks for the width-weighted mean of the saved shards a live shard covers (exact in real
+arithmetic for merged column shards, an estimate for split ones).
+
+    tables/<key>.safetensors    fp32 [rows, cols] (or its quantized codes), each state as [rows, *width], and
+                                `rows` (int64) in a delta
+    params/<name>.safetensors   a dense parameter (a data-parallel table among them) and its dense optimizer states
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ucp_deepspeed import compat
+from ucp_deepspeed.checkn_run.chain import MARKER, ChainCheckpoint
+from ucp_deepspeed.checkn_run.config import DifferentialConfig, QuantizeConfig
+from ucp_deepspeed.checkn_run.differential import ChainPolicy, end_tag, start_tag
+from ucp_deepspeed.checkn_run.live_save import TableSave, table_file, table_record, table_tensors
+from ucp_deepspeed.compat.torchrec import LocalShard, TablePlacement, TableShard
+from ucp_deepspeed.errors import CheckpointError
+from ucp_deepspeed.format.manifest import Counters, GroupRecord, Manifest, SourceRecord, dtype_name
+from ucp_deepspeed.format.metadata import FP32
+from ucp_deepspeed.format.topology import Topology
+from ucp_deepspeed.format.universal import MANIFEST, FolderReader, decode_value, encode_value
+from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
+from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.runtime.collective import all_ok, every_rank, failure_of, from_rank0, guarded, to_rank0
+
+SECTION = "torchrec"
+POINTWISE, ROW_WISE = "pointwise", "row_wise"
+DATA_PARALLEL = "data_parallel"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a load restored besides the model and optimizers: the tag, the step it was saved at, its client state."""
+
+    tag: str
+    step: int
+    client_state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SavedTable:
+    """A table as the manifest's `torchrec` section records it."""
+
+    placement: TablePlacement
+    states: dict[str, str]
+    """State name -> `pointwise` or `row_wise`."""
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON form."""
+        p = self.placement
+        return {
+            "table": p.table,
+            "sharding": p.sharding,
+            "rows": p.rows,
+            "cols": p.cols,
+            "shards": [list(s) for s in p.shards],
+            "optimizer": p.optimizer,
+            "optimizer_args": p.optimizer_args,
+            "states": self.states,
+        }
+
+    @classmethod
+    def decode(cls, key: str, raw: Any) -> SavedTable:
+        """Parse one table's record (ValueError on anything malformed)."""
+        try:
+            states = {str(k): str(v) for k, v in raw["states"].items()}
+            if not set(states.values()) <= {POINTWISE, ROW_WISE}:
+                raise ValueError(states)
+            placement = TablePlacement(
+                key=key,
+                table=str(raw["table"]),
+                sharding=str(raw["sharding"]),
+                rows=int(raw["rows"]),
+                cols=int(raw["cols"]),
+                shards=tuple(TableShard(*(int(n) for n in s)) for s in raw["shards"]),
+                fused=True,
+                optimizer=None if raw["optimizer"] is None else str(raw["optimizer"]),
+                optimizer_args=dict(raw["optimizer_args"]),
+            )
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            raise ValueError(f"table {key}: malformed record ({exc!r})") from None
+        return cls(placement=placement, states=states)
+
+
+def _state_kind(placement: TablePlacement, name: str, shape: tuple[int, ...]) -> str:
+    """Whether a fused state holds one value per element or one per row and column shard; refused otherwise."""
+    if shape == (placement.rows, placement.cols):
+        return POINTWISE
+    if shape == (placement.rows * len(placement.column_split),):
+        return ROW_WISE
+    raise NotImplementedError(
+        f"TorchRec table {placement.key}: state {name!r} of {placement.optimizer} has shape {list(shape)}, neither "
+        f"per element nor per row of its {len(placement.column_split)} column shards"
+    )
+
+
+def _matches(patterns: list[str] | None, placement: TablePlacement) -> bool:
+    return patterns is None or any(re.fullmatch(p, placement.table) or re.fullmatch(p, placement.key) for p in patterns)
+
+
+def _known_everywhere(tables: dict[str, TablePlacement]) -> dict[str, TablePlacement]:
+    """The tables with each fused one's kernel optimizer as the ranks that hold a shard of it know it (collective)."""
+    known: dict[str, tuple[str, dict[str, Any]]] = {}
+    for found in every_rank({k: (p.optimizer, p.optimizer_args) for k, p in tables.items() if p.optimizer}):
+        known.update(found)
+    return {
+        k: dataclasses.replace(p, optimizer=known[k][0], optimizer_args=known[k][1]) if k in known else p
+        for k, p in tables.items()
+    }
+
+
+class _KjtTracker:
+    """Flags of each fused table's rows looked up since the last `take()`, set from the ids of the sparse features
+    each sharded module is handed: TorchRec's fused kernels never call an `nn.EmbeddingBag` hook."""
+
+    def __init__(self, model: Any, tables: dict[str, TablePlacement]) -> None:
+        self.flags: dict[str, torch.Tensor] = {}
+        self._rows = {k: p.rows for k, p in tables.items()}
+        self._hooks = []
+        for module, features in compat.dmp_sparse_modules(model):
+            wanted = {f: k for f, k in features.items() if k in tables}
+            if wanted:
+                self._hooks.append(module.register_forward_pre_hook(self._hook(wanted)))
+
+    def _hook(self, features: dict[str, str]) -> Callable[[torch.nn.Module, tuple], None]:
+        def mark(module: torch.nn.Module, inputs: tuple) -> None:
+            for feature, ids in compat.kjt_ids(inputs[0]).items():
+                key = features.get(feature)
+                if key is None:
+                    continue
+                flags = self.flags.get(key)
+                if flags is None:
+                    flags = self.flags[key] = torch.zeros(self._rows[key], dtype=torch.bool, device=ids.device)
+                flags[ids] = True
+
+        return mark
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """Each table's rows looked up on any rank since the last call (collective); the flags restart."""
+        out = {}
+        for key in sorted(self._rows):
+            flags = self.flags.get(key)
+            merged = (flags if flags is not None else torch.zeros(self._rows[key], dtype=torch.bool)).to(torch.uint8)
+            dist.all_reduce(merged, op=dist.ReduceOp.MAX)
+            out[key] = merged.cpu().bool()
+            if flags is not None:
+                flags.zero_()
+        return out
+
+    def clear(self) -> None:
+        """Forget what was looked up (after a restore)."""
+        for flags in self.flags.values():
+            flags.zero_()
+
+
+def _assemble(placement: TablePlacement, states: dict[str, str], pieces: list[Any]) -> dict[str, torch.Tensor]:
+    """A table's full fp32 weight and states from every rank's shards; each element must come exactly once."""
+    rows, cols, split = placement.rows, placement.cols, placement.column_split
+    out = {FP32: torch.empty(rows, cols)}
+    for name, kind in states.items():
+        out[name] = torch.empty(rows, cols) if kind == POINTWISE else torch.empty(rows, len(split))
+    filled = dict.fromkeys(out, 0)
+    for rank_pieces in pieces:
+        for name, offsets, value in rank_pieces:
+            if name == FP32 or states[name] == POINTWISE:
+                (r, c), (n, m) = offsets, value.shape
+                out[name][r : r + n, c : c + m] = value
+            else:
+                column, r = compat.row_state_place(placement, offsets[0])
+                out[name][r : r + value.numel(), column] = value
+            filled[name] += value.numel()
+    short = {k: (n, out[k].numel()) for k, n in filled.items() if n != out[k].numel()}
+    if short:
+        raise RuntimeError(f"TorchRec table {placement.key}: the ranks hold {short} (elements held, needed)")
+    return out
+
+
+class TorchRecCheckpointer:
+    """Saves and loads one TorchRec job's universal checkpoints (collective: every rank calls each method).
+
+    Args:
+        model: the `DistributedModelParallel` model.
+        dense_optimizer: what steps its dense parameters (a torch optimizer, a `KeyedOptimizerWrapper`, or the
+            `CombinedOptimizer` that also holds `model.fused_optimizer`); None when nothing dense is trained.
+        differential: Check-N-Run's `"differential"` section (`policy`, `tables`); None saves whole tables.
+        quantize: Check-N-Run's `"quantize"` section (`method`, `bits` or `expected_restores`, `tables`).
+        approximate_row_state: load a per-row state across a change of column split as the width-weighted mean of
+            the saved column shards, instead of refusing.
+
+    Example:
+        >>> ckpt = TorchRecCheckpointer(model, dense_optimizer, differential={"policy": "intermittent"})
+        >>> ckpt.save("checkpoints", step=100)
+        >>> resumed = ckpt.load("checkpoints")  # at any world size and plan
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        dense_optimizer: Any = None,
+        *,
+        differential: DifferentialConfig | dict[str, Any] | None = None,
+        quantize: QuantizeConfig | dict[str, Any] | None = None,
+        approximate_row_state: bool = False,
+    ) -> None:
+        if not compat.is_dmp(model):
+            raise TypeError(f"TorchRecCheckpointer takes a DistributedModelParallel model, not {type(model).__name__}")
+        diff = DifferentialConfig.model_validate(differential) if isinstance(differential, dict) else differential
+        quant = QuantizeConfig.model_validate(quantize) if isinstance(quantize, dict) else quantize
+        self.model, self.approximate_row_state = model, approximate_row_state
+        self.dense = compat.dense_optimizers(dense_optimizer, model)
+        self.tables = _known_everywhere(compat.dmp_tables(model))
+        self.fused = {k: p for k, p in self.tables.items() if p.fused}
+        for key, placement in self.tables.items():
+            if not placement.fused and placement.sharding != DATA_PARALLEL:
+                # its parameter is this rank's shard, stepped by the dense optimizer with a state of the shard's shape
+                raise NotImplementedError(
+                    f"TorchRec table {key} is {placement.sharding} with the dense compute kernel: only fused tables "
+                    "and data-parallel ones are supported (shard it with compute_kernel='fused')"
+                )
+        shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        local = {k: {n: shape for n, (shape, _) in v.items()} for k, v in compat.dmp_fused_states(model).items()}
+        for found in every_rank(local):  # a rank that holds no shard of a table has no state of it
+            for key, states in found.items():
+                shapes.setdefault(key, {}).update(states)
+        self.states = {
+            k: {n: _state_kind(p, n, shape) for n, shape in sorted(shapes.get(k, {}).items())}
+            for k, p in self.fused.items()
+        }
+        patterns = (diff.tables if diff else None) or (quant.tables if quant else None)
+        self.chosen = {k for k, p in self.fused.items() if _matches(patterns, p)}
+        self.policy = ChainPolicy(
+            diff.policy if diff else None,
+            quant.method if quant else None,
+            quant.bits if quant else None,
+            quant.expected_restores if quant else None,
+        )
+        chosen = {k: p for k, p in self.fused.items() if k in self.chosen}
+        self.tracker = _KjtTracker(model, chosen) if self.policy.tracked else None
+        self._run = from_rank0(uuid.uuid4().hex[:16] if dist.get_rank() == 0 else None)
+        self._saves = 0
+
+    # -- save -----------------------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        *,
+        step: int,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Write checkpoint `tag` (default `global_step<step>`) under `save_dir`; returns its folder (collective)."""
+        tag = tag or f"global_step{step}"
+        self._saves += 1
+        save_id = f"{self._run}-{self._saves}"
+        changed = self.tracker.take() if self.tracker is not None else {}
+        chain_step = self.policy.step(changed, tag, save_id)
+        out = start_tag(save_dir, tag)
+        rank0 = dist.get_rank() == 0
+        failed: list[tuple[str, str]] = []
+
+        def write(add: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+            if rank0 and not failed:
+                try:
+                    add(*args, **kwargs)
+                except Exception as exc:  # raised on every rank once the gathers are done
+                    failed.append(failure_of(exc))
+
+        saved: dict[str, SavedTable] = {}
+        with UniversalWriter(root=out) as writer:
+            local = compat.dmp_local_weights(self.model, set(self.fused))
+            fused_states = compat.dmp_fused_states(self.model)
+            groups = self._dense_groups()
+            for g, (key, placement) in enumerate(sorted(self.fused.items()), start=len(groups)):
+                states = self.states[key]
+                saved[key] = SavedTable(placement=placement, states=states)
+                mine = [(FP32, s.offsets, s.tensor.detach().float().clone()) for s in local[key]]
+                for name, (_, shards) in fused_states.get(key, {}).items():
+                    mine += [(name, s.offsets, s.tensor.detach().float().clone()) for s in shards]
+                pieces = to_rank0(mine)
+                if pieces is None or failed:
+                    continue
+                full = _assemble(placement, states, pieces)
+                spec = TableSave(
+                    chain_step.rows.get(key) if key in self.chosen else None,
+                    self.policy.method if key in self.chosen else None,
+                    chain_step.bits if key in self.chosen else None,
+                )
+                widths = {n: [len(placement.column_split)] for n, k in states.items() if k == ROW_WISE}
+                write(
+                    writer.add_param,
+                    key,
+                    table_tensors(full, spec),
+                    group=g,
+                    dtype=dtype_name(local[key][0].tensor.dtype) if local[key] else "float32",
+                    shape=(placement.rows, placement.cols),
+                    keys=(FP32, *states),
+                    file=table_file(key),
+                    extra={"table": table_record(spec, placement.rows, widths)},
+                )
+            if rank0:
+                for name, tensors, group in self._dense_states():
+                    write(writer.add_param, name, tensors, group=group)
+            all_ok(failed[0] if failed else None)
+            extra = {
+                "save_id": save_id,
+                "differential": chain_step.section,
+                SECTION: {
+                    "world_size": dist.get_world_size(),
+                    "tables": {k: s.encode() for k, s in saved.items()},
+                    "dense_tables": sorted(set(self.tables) - set(self.fused)),
+                },
+            }
+            guarded(lambda: self._finish(writer, step, client_state or {}, groups, extra) if rank0 else None)
+        end_tag(save_dir, tag, save_latest)
+        self.policy.saved(chain_step)
+        return out
+
+    def _named_dense(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters() if n not in self.fused}
+
+    def _dense_groups(self) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
+        """Every dense optimizer's param groups, in order: their index is the manifest's group."""
+        return [(opt, group) for opt in self.dense for group in opt.param_groups]
+
+    def _dense_states(self) -> Iterator[tuple[str, dict[str, torch.Tensor], int]]:
+        """(name, fp32 value and per-element states, group) of each parameter a dense optimizer steps."""
+        names = self._named_dense()
+        for g, (opt, group) in enumerate(self._dense_groups()):
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError("the dense optimizer steps a tensor that is not a parameter of the model")
+                state = opt.state.get(p, {})
+                tensors = {FP32: p.detach().float().cpu().clone()}
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        if v.shape != p.shape:
+                            raise NotImplementedError(
+                                f"dense optimizer state {k!r} of {names[id(p)]} has shape {list(v.shape)}, not its "
+                                f"parameter's {list(p.shape)}"
+                            )
+                        tensors[k] = v.detach().float().cpu().clone()
+                yield names[id(p)], tensors, g
+
+    def _group_records(self, groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]]) -> list[GroupRecord]:
+        records = []
+        for opt, group in groups:
+            scalars: dict[str, Any] = next((opt.state[p] for p in group["params"] if opt.state.get(p)), {})
+            records.append(
+                GroupRecord(
+                    {k: encode_value(v) for k, v in group.items() if k != "params"},
+                    {k: encode_value(v) for k, v in scalars.items() if not (torch.is_tensor(v) and v.dim() > 0)},
+                )
+            )
+        for key, placement in sorted(self.fused.items()):
+            lr = next((g["lr"] for keys, gs in compat.dmp_fused_groups(self.model) if key in keys for g in gs), None)
+            records.append(GroupRecord({"optimizer": placement.optimizer, "lr": lr, **placement.optimizer_args}, {}))
+        return records
+
+    def _finish(
+        self,
+        writer: UniversalWriter,
+        step: int,
+        client_state: dict[str, Any],
+        groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]],
+        extra: dict[str, Any],
+    ) -> None:
+        """Rank 0's part after the tables: buffers, the client state, then the manifest, last."""
+        writer.add_buffers({n: b.detach().cpu() for n, b in self._buffers().items()})
+        writer.set_state(TrainingState(client_state=client_state))
+        writer.finish(
+            source=SourceRecord(
+                writer.root,
+                st.basename(writer.root),
+                Topology(dp=dist.get_world_size(), zero_stage=0, dtype="fp32", optimizer=SECTION),
+                {"torchrec": compat.torchrec_version()},
+            ),
+            counters=Counters(global_steps=step),
+            param_groups=self._group_records(groups),
+            extra=extra,
+        )
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers: its state dict less its parameters and tables."""
+        params = {n for n, _ in self.model.named_parameters()} | set(self.tables)
+        return {k: v for k, v in self.model.state_dict().items() if k not in params and torch.is_tensor(v)}
+
+    # -- load -----------------------------------------------------------------------------------------------------
+
+    def load(self, load_dir: str, tag: str | None = None) -> Resumed:
+        """Restore the model, the fused and dense optimizers from `tag` (default: the latest) at this job's world
+        size and plan; all or nothing: a refused load leaves every rank as it was (collective)."""
+        tag = from_rank0(self._tag(load_dir, tag) if dist.get_rank() == 0 else None)
+        root = st.join(load_dir, tag)
+        with self._open(load_dir, tag) as ckpt:
+            staged = guarded(lambda: self._stage(ckpt, root))
+        for live, value in staged.copies:
+            live.copy_(value)
+        # in place, as every optimizer keeps them: a TorchRec KeyedOptimizer shares its wrapped optimizer's state and
+        # groups, and its `load_state_dict` refuses a state into an optimizer that has not stepped
+        for states, p, state in staged.dense_states:
+            states[p] = state
+        for group, hyper in staged.dense_groups:
+            group.update(hyper)
+        for keys, groups in compat.dmp_fused_groups(self.model):
+            lr = staged.lr.get(keys[0])
+            for group in groups if lr is not None else ():
+                group["lr"] = lr
+        self.policy.restored(staged.manifest)
+        if self.tracker is not None:
+            self.tracker.clear()
+        return Resumed(tag=tag, step=staged.manifest.counters.global_steps, client_state=staged.client_state)
+
+    @staticmethod
+    def _tag(load_dir: str, tag: str | None) -> str:
+        if tag is not None:
+            return tag
+        latest = st.join(load_dir, "latest")
+        if not st.isfile(latest):
+            raise CheckpointError(latest, "is missing: name the tag to load")
+        return st.read(latest).decode().strip()
+
+    @staticmethod
+    def _open(load_dir: str, tag: str) -> FolderReader:
+        if not st.isfile(st.join(load_dir, tag, MARKER)):
+            raise CheckpointError(st.join(load_dir, tag), "is not a TorchRec checkpoint of ucp_deepspeed (no marker)")
+        return ChainCheckpoint(load_dir, tag)
+
+    def _stage(self, ckpt: FolderReader, root: str) -> _Staged:
+        """Read and check everything this rank loads, into new tensors; nothing live changes here."""
+        manifest = ckpt.manifest
+        where = st.join(root, MANIFEST)
+        section = manifest.section(SECTION)
+        if not section:
+            raise CheckpointError(where, "has no 'torchrec' section: not a TorchRec save")
+        try:
+            saved = {k: SavedTable.decode(k, v) for k, v in dict(section["tables"]).items()}
+        except (TypeError, KeyError, ValueError) as exc:
+            raise CheckpointError(where, str(exc)) from None
+        staged = _Staged(manifest=manifest, client_state=ckpt.load_state().get("client_state") or {})
+        local = compat.dmp_local_weights(self.model, set(self.fused))
+        fused_states = compat.dmp_fused_states(self.model)
+        for key, placement in sorted(self.fused.items()):
+            if key not in saved:
+                was = (
+                    "saved data-parallel, stepped by the dense optimizer"
+                    if key in section.get("dense_tables", ())
+                    else "not saved"
+                )
+                raise CheckpointError(
+                    where,
+                    f"table {key} was {was}; the live plan fuses it ({placement.sharding}, {placement.optimizer})",
+                )
+            self._stage_table(ckpt, where, saved[key], placement, local[key], fused_states.get(key, {}), staged)
+            lr = (manifest.param_groups[manifest.params[key].group or 0].hyperparams or {}).get("lr")
+            staged.lr[key] = float(lr) if lr is not None else None
+        extra = sorted(set(saved) - set(self.fused))
+        if extra:
+            raise CheckpointError(where, f"holds fused tables {extra} that the live model does not fuse")
+        self._stage_dense(ckpt, where, staged)
+        return staged
+
+    def _stage_table(
+        self,
+        ckpt: FolderReader,
+        where: str,
+        saved: SavedTable,
+        live: TablePlacement,
+        weights: list[LocalShard],
+        states: dict[str, tuple[tuple[int, ...], list[LocalShard]]],
+        staged: _Staged,
+    ) -> None:
+        """One table's live shards, read from the saved full table."""
+        key, was = live.key, saved.placement
+        if (was.rows, was.cols) != (live.rows, live.cols):
+            raise CheckpointError(
+                where, f"table {key} is {was.rows} x {was.cols}; the live one is {live.rows} x {live.cols}"
+            )
+        if was.optimizer != live.optimizer:
+            raise CheckpointError(
+                where, f"table {key} was stepped by {was.optimizer}; the live plan steps it by {live.optimizer}"
+            )
+        kinds = self.states[key]
+        if kinds != saved.states:
+            raise CheckpointError(where, f"table {key} holds states {saved.states}; the live optimizer {kinds}")
+        for shard in weights:
+            staged.copies.append(
+                (
+                    shard.tensor,
+                    _columns(
+                        _rows(ckpt, key, FP32, shard.offsets[0], shard.tensor.shape[0], was.cols),
+                        shard.offsets[1],
+                        shard.tensor.shape[1],
+                    ),
+                )
+            )
+        for name, (_, shards) in states.items():
+            for shard in shards:
+                if kinds[name] == POINTWISE:
+                    (r, c), (n, m) = shard.offsets, shard.tensor.shape
+                    staged.copies.append((shard.tensor, _columns(_rows(ckpt, key, name, r, n, was.cols), c, m)))
+                    continue
+                column, r = compat.row_state_place(live, shard.offsets[0])
+                value = self._row_state(where, ckpt, saved, live, name, column, r, shard.tensor.numel())
+                staged.copies.append((shard.tensor, value))
+
+    def _row_state(
+        self,
+        where: str,
+        ckpt: FolderReader,
+        saved: SavedTable,
+        live: TablePlacement,
+        name: str,
+        column: int,
+        row: int,
+        rows: int,
+    ) -> torch.Tensor:
+        """Rows [row, row + rows) of a per-row state for the live column shard `column`."""
+        was_split, split = saved.placement.column_split, live.column_split
+        stored = _rows(ckpt, live.key, name, row, rows, len(was_split))
+        if was_split == split:
+            return stored[:, column].clone()
+        if not self.approximate_row_state:
+            raise CheckpointError(
+                where,
+                f"table {live.key}: {saved.placement.optimizer}'s {name!r} is kept per row and column shard, saved for "
+                f"column shards at {list(was_split)} ({saved.placement.sharding}); the live plan's are at "
+                f"{list(split)} ({live.sharding}): no exact conversion. Keep the column split, or pass "
+                "approximate_row_state=True for the width-weighted mean of the saved shards",
+            )
+        lo = split[column]
+        hi = split[column + 1] if column + 1 < len(split) else live.cols
+        bounds = [*was_split, saved.placement.cols]
+        weights = torch.tensor(
+            [max(0, min(hi, b) - max(lo, a)) for a, b in zip(bounds, bounds[1:])], dtype=torch.float32
+        )
+        return (stored * weights).sum(dim=1) / weights.sum()
+
+    def _stage_dense(self, ckpt: FolderReader, where: str, staged: _Staged) -> None:
+        """The dense parameters and each dense optimizer's state dict, as `load_state_dict` takes them."""
+        manifest = ckpt.manifest
+        names = self._named_dense()
+        params = {n: p for n, p in self.model.named_parameters() if n not in self.fused}
+        groups = self._dense_groups()
+        if len(manifest.param_groups) - len(self.fused) != len(groups):
+            raise CheckpointError(
+                where,
+                f"has {len(manifest.param_groups) - len(self.fused)} dense param groups; the live optimizers have "
+                f"{len(groups)}",
+            )
+        for g, (opt, group) in enumerate(groups):
+            saved_group = manifest.param_groups[g]
+            for p in group["params"]:
+                name = names[id(p)]
+                record = manifest.params.get(name)
+                if record is None or record.group != g or tuple(record.shape) != tuple(p.shape):
+                    raise CheckpointError(where, f"dense parameter {name} is not saved in group {g} at {list(p.shape)}")
+                state = {k: ckpt.read(name, k).reshape(p.shape).to(p.device, p.dtype) for k in record.keys if k != FP32}
+                if state:
+                    state.update({k: decode_value(v) for k, v in saved_group.scalars.items()})
+                staged.dense_states.append((opt.state, p, state))
+            hyper = {k: decode_value(v) for k, v in (saved_group.hyperparams or {}).items()}
+            staged.dense_groups.append((group, hyper))
+        for name, p in params.items():  # every dense parameter's value, stepped or frozen
+            record = manifest.params.get(name)
+            if record is None or tuple(record.shape) != tuple(p.shape):
+                raise CheckpointError(where, f"dense parameter {name} is not saved at {list(p.shape)}")
+            staged.copies.append((p.data, ckpt.read(name, FP32).reshape(p.shape)))
+
+
+@dataclass
+class _Staged:
+    """What a load will change, staged before anything live does."""
+
+    manifest: Manifest
+    client_state: dict[str, Any]
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    dense_states: list[tuple[Any, torch.Tensor, dict[str, Any]]] = field(default_factory=list)
+    """(an optimizer's `state`, a parameter, its new state)."""
+    dense_groups: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    """(a live param group, its saved hyperparameters)."""
+    lr: dict[str, float | None] = field(default_factory=dict)
+
+
+def _rows(ckpt: FolderReader, key: str, state: str, start: int, count: int, width: int) -> torch.Tensor:
+    """Rows [start, start + count) of a table's state whose rows hold `width` values."""
+    return ckpt.read(key, state, start * width, count * width).reshape(count, width)
+
+
+def _columns(rows: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return rows[:, start : start + count].clone()
