@@ -5,7 +5,8 @@ Every table (table-wise, column-wise, data-parallel), fused-kernel state (row-wi
 exact Adagrad's per-element one) and dense Adagrad state gathered right after the load is `torch.equal` to the one
 gathered right after the save, except where a test says what it expects instead; the next losses are compared with the
 uninterrupted run's. One load launch (1 rank) runs by default; the 2-rank one with the tables moved runs under
-`-m slow`.
+`-m slow`. TorchRec's own `dcp.save` of the same step comes in through `import_dcp`, and ours goes back out through
+`export_dcp` for `dcp.load`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, torchrun
+from safetensors import safe_open
 
 pytest.importorskip("torchrec", reason="TorchRec is not installed (the `torchrec` extra, then torchrec --no-deps)")
 pytest.importorskip("fbgemm_gpu", reason="fbgemm's CPU kernels are not installed (the `torchrec` extra)")
@@ -50,8 +52,9 @@ def _losses(saved: Path, optimizer: str) -> dict[str, float]:
 
 
 def test_every_save_is_a_chain_element_and_deltas_hold_only_looked_up_rows(saved: Path):
-    """The whole save's tables hold every row; step 4 of the one-shot chain only the rows looked up since step 2,
-    and the quantized chain's fp32 rows are 8-bit codes."""
+    """The whole save's tables hold every row; step 4 of the one-shot chain only the rows looked up since step 2 (the
+    ids TorchRec's `ModelDeltaTracker` recorded, merged over the ranks), and the quantized chain's fp32 rows are 8-bit
+    codes."""
     for optimizer in ("rowwise", "adagrad"):
         full = json.loads((saved / f"{optimizer}-full" / "global_step4" / "manifest.json").read_text())
         delta = json.loads((saved / f"{optimizer}-one_shot" / "global_step4" / "manifest.json").read_text())
@@ -62,6 +65,13 @@ def test_every_save_is_a_chain_element_and_deltas_hold_only_looked_up_rows(saved
             assert whole["saved_rows"] == whole["rows"] and 0 < part["saved_rows"] < part["rows"], (whole, part)
         assert full["torchrec"]["tables"][T2]["sharding"] == "column_wise"
         assert full["torchrec"]["dense_tables"] == [T3]
+        # the rows looked up since step 2 are those TorchRec's own ModelDeltaTracker saw on any rank
+        tracked = json.loads((saved / f"delta_tracker_{optimizer}.json").read_text())
+        for key in (T1, T2):
+            with safe_open(
+                str(saved / f"{optimizer}-one_shot" / "global_step4" / delta["params"][key]["file"]), "pt"
+            ) as f:
+                assert f.get_tensor("rows").tolist() == tracked[key.removesuffix(".weight")], key
     quant = json.loads((saved / "rowwise-quantized" / "global_step2" / "manifest.json").read_text())
     assert quant["params"][T1]["table"]["quantize"] == {"method": "symmetric", "bits": 8}
     assert quant["params"][T2]["table"]["widths"] == {"momentum1": [2]}  # one value per row and column shard
@@ -69,19 +79,27 @@ def test_every_save_is_a_chain_element_and_deltas_hold_only_looked_up_rows(saved
 
 def test_resumes_at_one_rank_exactly_where_the_state_allows_and_refuses_by_name_elsewhere(saved: Path):
     """At 1 rank: the column split kept (t2 in two column shards on the one rank) loads every state exactly; a
-    row-wise state merged into one table-wise shard is refused by name, and with `approximate_row_state` becomes the
-    width-weighted mean of the saved shards; exact Adagrad's per-element state goes to any plan."""
+    row-wise state merged into one table-wise shard is refused by name, the model as it was, and with
+    `approximate_row_state` becomes the width-weighted mean of the saved shards; exact Adagrad's per-element state
+    goes to any plan. TorchRec's own `dcp.save` of the job, which DCP cannot load at this plan, resumes through
+    `import_dcp` exactly, and our tag exported with `export_dcp` loads through `dcp.load` exactly."""
     cases = [
         f"{saved}/rowwise-one_shot:rowwise:one_rank",
         f"{saved}/rowwise-incremental:rowwise:one_rank_tw",
         f"{saved}/rowwise-full:rowwise:one_rank_tw:approximate",
         f"{saved}/adagrad-incremental:adagrad:one_rank_tw",
+        # TorchRec's own dcp.save of the same jobs at step 4: DCP's load, then ours through the import; our export
+        f"{saved}/rowwise-dcp:rowwise:one_rank_tw:dcp_direct",
+        f"{saved}/rowwise-dcp:rowwise:one_rank:import",
+        f"{saved}/adagrad-dcp:adagrad:one_rank_tw:import",
+        f"{saved}/rowwise-incremental:rowwise:one_rank:export",
     ]
     out, results = _load(saved, 1, cases, "one_rank")
     rowwise = torch.load(saved / "saved_rowwise.pt")
     _same(rowwise, torch.load(out / "loaded_rowwise-one_shot-one_rank.pt"))
-    refused = results["rowwise-incremental-one_rank_tw"]["error"]
-    assert "momentum1" in refused and "no exact conversion" in refused and T2 in refused, refused
+    refused = results["rowwise-incremental-one_rank_tw"]
+    assert "momentum1" in refused["error"] and "no exact conversion" in refused["error"] and T2 in refused["error"]
+    assert refused["unchanged"], "a refused load changed the model or an optimizer"
 
     approx = torch.load(out / "loaded_rowwise-full-one_rank_tw-approximate.pt")
     state = f"{T2}/t2.momentum1"
@@ -90,7 +108,18 @@ def test_resumes_at_one_rank_exactly_where_the_state_allows_and_refuses_by_name_
 
     _same(torch.load(saved / "saved_adagrad.pt"), torch.load(out / "loaded_adagrad-incremental-one_rank_tw.pt"))
 
-    for case, optimizer in (("rowwise-one_shot-one_rank", "rowwise"), ("adagrad-incremental-one_rank_tw", "adagrad")):
+    assert "Size mismatch" in results["rowwise-dcp-one_rank_tw-dcp_direct"]["error"]  # DCP alone: refused
+    _same(rowwise, torch.load(out / "loaded_rowwise-dcp-one_rank-import.pt"))
+    _same(rowwise, torch.load(out / "loaded_rowwise-incremental-one_rank-export.pt"))
+    _same(torch.load(saved / "saved_adagrad.pt"), torch.load(out / "loaded_adagrad-dcp-one_rank_tw-import.pt"))
+
+    for case, optimizer in (
+        ("rowwise-one_shot-one_rank", "rowwise"),
+        ("adagrad-incremental-one_rank_tw", "adagrad"),
+        ("rowwise-dcp-one_rank-import", "rowwise"),
+        ("adagrad-dcp-one_rank_tw-import", "adagrad"),
+        ("rowwise-incremental-one_rank-export", "rowwise"),
+    ):
         run, reference = results[case], _losses(saved, optimizer)
         assert run["step"] == 4 and run["client_state"] == {"epoch": 2}
         for step in ("5", "6", "7", "8"):  # the ranks' gradients are summed in another order: within rounding

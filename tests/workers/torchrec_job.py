@@ -21,17 +21,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRM
-from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from ucp_deepspeed.torchrec import TorchRecCheckpointer
+from ucp_deepspeed.torchrec import TorchRecCheckpointer, export_dcp, import_dcp
 
 TABLES = {"t1": 40, "t2": 60, "t3": 24}
 FEATURES = {"t1": ["f1"], "t2": ["f2", "f3"], "t3": ["f4"]}
@@ -167,13 +169,26 @@ def save(out: Path, optimizers: list[str]) -> None:
     for optimizer in optimizers:
         model, dense = build(optimizer, "saved")
         savers = {name: TorchRecCheckpointer(model, dense, **cfg) for name, cfg in SOURCES.items()}
+        # TorchRec's own record of the ids each rank looked up, to cross-check the rows a delta holds
+        delta = model.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY))
         losses = {}
         for step in range(1, 9):
             losses[step] = train_step(model, dense, step)
             if step in (2, 4):
                 for name, saver in savers.items():
                     saver.save(str(out / f"{optimizer}-{name}"), step=step, client_state={"epoch": step // 2})
-            if step == 4:
+                ids = {k: v.tolist() for k, v in delta.get_unique_ids().items()}  # since the last call
+                every: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(every, ids)
+                if step == 4 and dist.get_rank() == 0:
+                    union = {k: sorted({i for rank in every for i in rank.get(k, [])}) for k in set().union(*every)}
+                    (out / f"delta_tracker_{optimizer}.json").write_text(json.dumps(union))
+            if step == 4:  # and as a TorchRec user saves it with DCP, fused and dense optimizer in one
+                state = {
+                    "model": model.state_dict(),
+                    "optim": CombinedOptimizer([model.fused_optimizer, dense]).state_dict(),
+                }
+                dcp.save({**state, "epoch": 2}, checkpoint_id=str(out / f"{optimizer}-dcp"))
                 snap = snapshot(model, dense)
                 if snap is not None:
                     torch.save(snap, out / f"saved_{optimizer}.pt")
@@ -181,24 +196,57 @@ def save(out: Path, optimizers: list[str]) -> None:
             (out / f"losses_{optimizer}.json").write_text(json.dumps(losses))
 
 
+def _dcp_state(model: Any, dense: Any) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": CombinedOptimizer([model.fused_optimizer, dense]).state_dict()}
+
+
+def _resume(source: str, flags: list[str], model: Any, dense: Any, out: Path, saver: TorchRecCheckpointer) -> tuple:
+    """Load `source` into the model by the case's route; returns the step it was saved at and the client state."""
+    if "dcp_direct" in flags:  # TorchRec's own way back: DCP into this plan's tensors, in place
+        dense.init_state()  # a KeyedOptimizer's state exists only once it stepped
+        state = {**_dcp_state(model, dense), "epoch": 0}
+        dcp.load(state, checkpoint_id=source)
+        return 4, {"epoch": state["epoch"]}
+    if "import" in flags:  # TorchRec's dcp.save, imported as our tag by one process, then loaded
+        target = out / f"imported-{Path(source).name}"
+        if dist.get_rank() == 0:
+            import_dcp(source, str(target))
+        dist.barrier()
+        source = str(target)
+    if "export" in flags:  # our tag, exported for dcp.load, loaded by DCP into this plan
+        exported = out / f"exported-{Path(source).name}"
+        if dist.get_rank() == 0:
+            export_dcp(source, "global_step4", str(exported))
+        dist.barrier()
+        return _resume(str(exported), ["dcp_direct"], model, dense, out, saver)
+    resumed = saver.load(source)
+    return resumed.step, resumed.client_state
+
+
 def load(out: Path, cases: list[str]) -> None:
-    """Each case `<source dir>:<optimizer>:<plan>[:approximate]` loads into a fresh model and trains 4 steps."""
+    """Each case `<source dir>:<optimizer>:<plan>[:<flag>...]` loads into a fresh model and trains 4 steps. Flags:
+    `approximate` (per-row states across a column split change), `import` (the source is TorchRec's dcp.save),
+    `export` (loaded by DCP from our export), `dcp_direct` (DCP's own load of the source). A refused load records its
+    error and whether the model stayed as it was."""
     results = {}
     for case in cases:
         source, optimizer, plan, *flags = case.split(":")
         model, dense = build(optimizer, plan)
         saver = TorchRecCheckpointer(model, dense, approximate_row_state="approximate" in flags)
-        name = f"{Path(source).name}-{plan}{'-approximate' if flags else ''}"
+        name = "-".join([Path(source).name, plan, *flags])
+        before = snapshot(model, dense)
         try:
-            resumed = saver.load(source)
-        except Exception as exc:  # the refusal is the result
-            results[name] = {"error": str(exc)}
+            step, client_state = _resume(source, flags, model, dense, out, saver)
+        except (Exception, dcp.api.CheckpointException) as exc:  # the refusal is the result (DCP's is no Exception)
+            after = snapshot(model, dense)
+            unchanged = None if after is None else all(torch.equal(before[k], after[k]) for k in before)
+            results[name] = {"error": str(exc), "unchanged": unchanged}
             continue
         snap = snapshot(model, dense)
         if snap is not None:
             torch.save(snap, out / f"loaded_{name}.pt")
-        losses = {s: train_step(model, dense, s) for s in range(resumed.step + 1, resumed.step + 5)}
-        results[name] = {"step": resumed.step, "client_state": resumed.client_state, "losses": losses}
+        losses = {s: train_step(model, dense, s) for s in range(step + 1, step + 5)}
+        results[name] = {"step": step, "client_state": client_state, "losses": losses}
     if dist.get_rank() == 0:
         (out / f"results_{dist.get_world_size()}.json").write_text(json.dumps(results))
 

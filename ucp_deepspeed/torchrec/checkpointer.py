@@ -105,8 +105,9 @@ class SavedTable:
         return cls(placement=placement, states=states)
 
 
-def _state_kind(placement: TablePlacement, name: str, shape: tuple[int, ...]) -> str:
-    """Whether a fused state holds one value per element or one per row and column shard; refused otherwise."""
+def state_kind(placement: TablePlacement, name: str, shape: tuple[int, ...]) -> str:
+    """Whether a fused state holds one value per element (`pointwise`) or one per row and column shard (`row_wise`);
+    NotImplementedError otherwise."""
     if shape == (placement.rows, placement.cols):
         return POINTWISE
     if shape == (placement.rows * len(placement.column_split),):
@@ -246,7 +247,7 @@ class TorchRecCheckpointer:
             for key, states in found.items():
                 shapes.setdefault(key, {}).update(states)
         self.states = {
-            k: {n: _state_kind(p, n, shape) for n, shape in sorted(shapes.get(k, {}).items())}
+            k: {n: state_kind(p, n, shape) for n, shape in sorted(shapes.get(k, {}).items())}
             for k, p in self.fused.items()
         }
         patterns = (diff.tables if diff else None) or (quant.tables if quant else None)
