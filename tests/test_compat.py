@@ -813,3 +813,6 @@ def test_torchrec_canaries():
     assert compat.dense_optimizers(combined, model) == [dense] == compat.dense_optimizers(dense, model)
     groups = compat.dmp_fused_groups(model)
     assert sorted(k for keys, _ in groups for k in keys) == [t1, t2] and all(g[0]["lr"] > 0 for _, g in groups)
+    job.DTENSOR = True  # `output_dtensor`: a DTensor over TorchRec's LocalShardsWrapper, both column shards local
+    shards = compat.dmp_local_weights(job.build("rowwise", "one_rank")[0], {t2})[t2]
+    assert sorted(s.offsets for s in shards) == [(0, 0), (0, 4)] and all(s.tensor.shape == (60, 4) for s in shards)

@@ -38,6 +38,7 @@ from ucp_deepspeed.torchrec import TorchRecCheckpointer, export_dcp, import_dcp
 TABLES = {"t1": 40, "t2": 60, "t3": 24}
 FEATURES = {"t1": ["f1"], "t2": ["f2", "f3"], "t3": ["f4"]}
 DIM, DENSE_IN, BATCH = 8, 4, 12
+DTENSOR = False  # `--dtensor`: tables as DTensors in state_dict() (TorchRec's `output_dtensor`), not ShardedTensors
 OPTIMIZERS = {"rowwise": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adagrad": EmbOptimType.EXACT_ADAGRAD}
 # plans by name: table -> how it is sharded (ranks are this world's)
 PLANS = {
@@ -76,7 +77,7 @@ def build(optimizer: str, plan_name: str) -> tuple[DistributedModelParallel, Key
     dmp = DistributedModelParallel(
         model,
         device=torch.device("cpu"),
-        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        env=ShardingEnv(world, dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=DTENSOR),
         plan=ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}),
         sharders=[sharder],
     )
@@ -130,6 +131,10 @@ def snapshot(model: Any, dense_opt: Any) -> dict[str, torch.Tensor] | None:
     def add(name: str, value: Any) -> None:
         if hasattr(value, "local_shards"):
             shards = [(tuple(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()]
+            mine[name] = (tuple(value.shape), shards)
+        elif hasattr(value, "to_local"):  # a DTensor over TorchRec's LocalShardsWrapper
+            local = value.to_local()
+            shards = [(tuple(o), t.detach().clone()) for o, t in zip(local.local_offsets(), local.local_shards())]
             mine[name] = (tuple(value.shape), shards)
         else:
             value = torch.as_tensor(value).detach().clone()
@@ -257,7 +262,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     parser.add_argument("--case", nargs="*", default=[])
+    parser.add_argument("--dtensor", action="store_true")
     args = parser.parse_args()
+    global DTENSOR
+    DTENSOR = args.dtensor
     dist.init_process_group("gloo")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "save":

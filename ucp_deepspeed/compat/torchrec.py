@@ -145,11 +145,14 @@ class LocalShard(NamedTuple):
 def _local(value: Any) -> list[LocalShard]:
     if hasattr(value, "local_shards"):
         return [LocalShard(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
-    if hasattr(value, "to_local"):  # DTensor (TorchRec's `output_dtensor`): one local piece
+    if hasattr(value, "to_local"):  # DTensor (TorchRec's `output_dtensor`): its local shards and their offsets
+        local = value.to_local()
+        if hasattr(local, "local_shards"):  # TorchRec's LocalShardsWrapper: every shard this rank holds
+            return [LocalShard(tuple(o), t) for o, t in zip(local.local_offsets(), local.local_shards())]
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return [LocalShard(tuple(offsets), value.to_local())]
+        return [LocalShard(tuple(offsets), local)]
     return [LocalShard((0,) * value.dim(), value)]
 
 
