@@ -55,6 +55,13 @@ def test_checkn_run_benchmark_smoke(tmp_path, capsys):
 
 
 @pytest.mark.bench
+def test_torchrec_benchmark_smoke(tmp_path, capsys):
+    pytest.importorskip("torchrec", reason="TorchRec is not installed (the `torchrec` extra)")
+    output = run_benchmark("bench_torchrec.py", "--work", str(tmp_path), capsys=capsys)
+    assert "| ours, one-shot delta after 5 steps" in output and "refused: `ValueError: Size mismatch" in output
+
+
+@pytest.mark.bench
 def test_loss_continuity_short(tmp_path, capsys):
     """The paper's loss-continuity run, shortened: a resharding regression splits the curves and fails here."""
     out = tmp_path / "out"

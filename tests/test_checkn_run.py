@@ -273,6 +273,19 @@ def test_a_load_that_is_not_a_chain_restarts_the_chain():
     assert (policy.chain, policy.chain_ids, policy.history, policy.restores) == ([], [], [], 0)
 
 
+def test_a_failed_save_makes_the_next_one_a_baseline():
+    """The rows a failed save took from the tracker are in no element: an incremental delta written next, on top of
+    the last element, would restore them as they were there (it used to)."""
+    policy = ChainPolicy("incremental", None, None, None)
+    rows = torch.zeros(10, dtype=torch.bool)
+    policy.saved(policy.step({"t": rows.clone()}, "s1", "run-1"))
+    lost = rows.clone()
+    lost[3] = True
+    policy.step({"t": lost}, "s2", "run-2")  # then the save fails
+    policy.abandoned()
+    assert policy.step({"t": rows.clone()}, "s3", "run-3").kind == "baseline"
+
+
 class _Lookup(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -168,3 +168,32 @@ def test_dtensor_tables_save_and_resume(tmp_path: Path):
         _same(torch.load(tmp_path / "saved_rowwise.pt"), torch.load(out / f"loaded_{case}.pt"))
         for step, loss in results[case]["losses"].items():
             assert abs(loss - reference[step]) <= 1e-6 * abs(reference[step]), (case, step)
+
+
+def test_a_failed_save_makes_the_next_one_a_baseline(tmp_path: Path):
+    """In one process: a save that fails (its directory cannot be made) consumed the rows looked up before it, so
+    the incremental chain's next save must be a baseline, not a delta that leaves those rows as they were."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    spec = importlib.util.spec_from_file_location("torchrec_job", JOB)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    from ucp_deepspeed.errors import CheckpointError
+    from ucp_deepspeed.torchrec import TorchRecCheckpointer
+
+    model, dense = job.build("rowwise", "one_rank")
+    saver = TorchRecCheckpointer(model, dense, differential={"policy": "incremental"})
+    job.train_step(model, dense, 1)
+    saver.save(str(tmp_path / "ckpt"), step=1)
+    job.train_step(model, dense, 2)
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointError):
+        saver.save(str(tmp_path / "file"), step=2)
+    job.train_step(model, dense, 3)
+    saver.save(str(tmp_path / "ckpt"), step=3)
+    manifest = json.loads((tmp_path / "ckpt" / "global_step3" / "manifest.json").read_text())
+    assert manifest["differential"]["kind"] == "baseline"

@@ -134,6 +134,11 @@ class ChainPolicy:
         """After a restore from `manifest`: count a lossy restore, and make the next save a baseline."""
         section = (manifest.source.extra.get("differential") if manifest is not None else None) or {}
         self.restores = int(section.get("restores", 0)) + (1 if section.get("quantize") else 0)
+        self.abandoned()
+
+    def abandoned(self) -> None:
+        """After a save that failed: the rows it took from the tracker are in no element, so the next save is a
+        baseline (an incremental delta on top of the last element would lose them)."""
         self.chain, self.chain_ids, self.since_baseline, self.history = [], [], {}, []
 
 
@@ -205,10 +210,14 @@ class DifferentialSaver:
         """Write checkpoint `tag` under the policy (collective); returns the bytes written (rank 0)."""
         step = self.policy.step(self.tracker.take() if self.tracker is not None else {}, tag, save_id)
         tables = {self.names[m]: TableSave(step.rows.get(m), self.policy.method, step.bits) for m in self.names}
-        out = start_tag(save_dir, tag)
-        extra = {"save_id": save_id, "differential": step.section}
-        _, nbytes = write_live(engine, out, client_state, tables, extra, data_loaders)
-        end_tag(save_dir, tag, save_latest)
+        try:
+            out = start_tag(save_dir, tag)
+            extra = {"save_id": save_id, "differential": step.section}
+            _, nbytes = write_live(engine, out, client_state, tables, extra, data_loaders)
+            end_tag(save_dir, tag, save_latest)
+        except BaseException:
+            self.policy.abandoned()
+            raise
         self.policy.saved(step)
         return nbytes
 

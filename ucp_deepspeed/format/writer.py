@@ -254,6 +254,20 @@ class UniversalWriter:
         self._params[name] = record
         return record
 
+    def add_written(self, name: str, file: FileRecord, record: ParamRecord) -> None:
+        """Take a parameter whose file another rank or process wrote (`UniversalFiles.param`), with its record.
+
+        Args:
+            name: the parameter's global name.
+            file: what the write returned.
+            record: the parameter's record, naming that file.
+        """
+        self._check_open()
+        if record.file != file.path:
+            raise CheckpointError(self.root, f"{name}: its record names {record.file}, the file written is {file.path}")
+        self._records.append(file)
+        self._params[name] = record
+
     def add_frozen(self, name: str, value: torch.Tensor, *, dtype: str | None = None) -> ParamRecord:
         """Write a frozen parameter's value and record it (no param group, no optimizer state).
 

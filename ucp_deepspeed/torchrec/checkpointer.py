@@ -34,11 +34,19 @@ import torch.distributed as dist
 from ucp_deepspeed import compat
 from ucp_deepspeed.checkn_run.chain import MARKER, ChainCheckpoint
 from ucp_deepspeed.checkn_run.config import DifferentialConfig, QuantizeConfig
-from ucp_deepspeed.checkn_run.differential import ChainPolicy, end_tag, start_tag
+from ucp_deepspeed.checkn_run.differential import ChainPolicy, ChainStep, end_tag, start_tag
 from ucp_deepspeed.checkn_run.live_save import TableSave, table_file, table_record, table_tensors
 from ucp_deepspeed.compat.torchrec import LocalShard, TablePlacement, TableShard
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.format.manifest import Counters, GroupRecord, Manifest, SourceRecord, dtype_name
+from ucp_deepspeed.format.manifest import (
+    Counters,
+    FileRecord,
+    GroupRecord,
+    Manifest,
+    ParamRecord,
+    SourceRecord,
+    dtype_name,
+)
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import MANIFEST, FolderReader, decode_value, encode_value
@@ -199,6 +207,17 @@ def _assemble(placement: TablePlacement, states: dict[str, str], pieces: list[An
     return out
 
 
+def _gather_at(dst: int, mine: list[Any]) -> list[Any] | None:
+    """Every rank's `mine` on rank `dst` (its own not sent) and None elsewhere (collective)."""
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
+    dist.gather_object(None if rank == dst else mine, gathered, dst=dst)
+    if gathered is None:
+        return None
+    gathered[dst] = mine
+    return gathered
+
+
 class TorchRecCheckpointer:
     """Saves and loads one TorchRec job's universal checkpoints (collective: every rank calls each method).
 
@@ -280,53 +299,48 @@ class TorchRecCheckpointer:
         save_id = f"{self._run}-{self._saves}"
         changed = self.tracker.take() if self.tracker is not None else {}
         chain_step = self.policy.step(changed, tag, save_id)
+        try:
+            out = self._write(save_dir, tag, chain_step, save_id, step, client_state or {})
+            end_tag(save_dir, tag, save_latest)
+        except BaseException:
+            self.policy.abandoned()
+            raise
+        self.policy.saved(chain_step)
+        return out
+
+    def _write(
+        self, save_dir: str, tag: str, chain_step: ChainStep, save_id: str, step: int, client_state: dict[str, Any]
+    ) -> str:
+        """Write the tag's files, each table by one rank, and last the manifest (collective); returns the folder."""
         out = start_tag(save_dir, tag)
-        rank0 = dist.get_rank() == 0
-        failed: list[tuple[str, str]] = []
-
-        def write(add: Callable[..., object], *args: Any, **kwargs: Any) -> None:
-            if rank0 and not failed:
-                try:
-                    add(*args, **kwargs)
-                except Exception as exc:  # raised on every rank once the gathers are done
-                    failed.append(failure_of(exc))
-
-        saved: dict[str, SavedTable] = {}
+        saved = {k: SavedTable(placement=p, states=self.states[k]) for k, p in sorted(self.fused.items())}
+        groups = self._dense_groups()
         with UniversalWriter(root=out) as writer:
+            # each table goes whole to one writer, the first rank of its shards: a table-wise table's owner holds it
+            # already, so nothing crosses the network for it; every rank then writes its tables at once
             local = compat.dmp_local_weights(self.model, set(self.fused))
             fused_states = compat.dmp_fused_states(self.model)
-            groups = self._dense_groups()
-            for g, (key, placement) in enumerate(sorted(self.fused.items()), start=len(groups)):
-                states = self.states[key]
-                saved[key] = SavedTable(placement=placement, states=states)
-                mine = [(FP32, s.offsets, s.tensor.detach().float().clone()) for s in local[key]]
+            held: dict[str, tuple[list[Any], torch.dtype]] = {}
+            for key, placement in saved.items():
+                mine = [(FP32, s.offsets, s.tensor.detach().float()) for s in local[key]]
                 for name, (_, shards) in fused_states.get(key, {}).items():
-                    mine += [(name, s.offsets, s.tensor.detach().float().clone()) for s in shards]
-                pieces = to_rank0(mine)
-                if pieces is None or failed:
-                    continue
-                full = _assemble(placement, states, pieces)
-                spec = TableSave(
-                    chain_step.rows.get(key) if key in self.chosen else None,
-                    self.policy.method if key in self.chosen else None,
-                    chain_step.bits if key in self.chosen else None,
-                )
-                widths = {n: [len(placement.column_split)] for n, k in states.items() if k == ROW_WISE}
-                write(
-                    writer.add_param,
-                    key,
-                    table_tensors(full, spec),
-                    group=g,
-                    dtype=dtype_name(local[key][0].tensor.dtype) if local[key] else "float32",
-                    shape=(placement.rows, placement.cols),
-                    keys=(FP32, *states),
-                    file=table_file(key),
-                    extra={"table": table_record(spec, placement.rows, widths)},
-                )
-            if rank0:
-                for name, tensors, group in self._dense_states():
-                    write(writer.add_param, name, tensors, group=group)
-            all_ok(failed[0] if failed else None)
+                    mine += [(name, s.offsets, s.tensor.detach().float()) for s in shards]
+                pieces = _gather_at(placement.placement.shards[0].rank, mine)
+                if pieces is not None:  # the writer holds a shard: the dtype the kernel keeps the table in
+                    held[key] = (pieces, local[key][0].tensor.dtype)
+            written: list[tuple[str, FileRecord, ParamRecord]] = []
+            failure = None
+            try:
+                for g, (key, table) in enumerate(saved.items(), start=len(groups)):
+                    if key in held:
+                        written.append(self._write_table(writer, table, *held.pop(key), chain_step, g))
+                if dist.get_rank() == 0:
+                    for name, tensors, group in self._dense_states():
+                        writer.add_param(name, tensors, group=group)
+            except Exception as exc:  # raised on every rank below, once each has written its share
+                failure = failure_of(exc)
+            answers = to_rank0((written, failure))
+            all_ok(failure if answers is None else next((f for _, f in answers if f), None))
             extra = {
                 "save_id": save_id,
                 "differential": chain_step.section,
@@ -336,10 +350,39 @@ class TorchRecCheckpointer:
                     "dense_tables": sorted(set(self.tables) - set(self.fused)),
                 },
             }
-            guarded(lambda: self._finish(writer, step, client_state or {}, groups, extra) if rank0 else None)
-        end_tag(save_dir, tag, save_latest)
-        self.policy.saved(chain_step)
+            guarded(lambda: self._finish(writer, step, client_state, groups, extra, answers))
         return out
+
+    def _write_table(
+        self,
+        writer: UniversalWriter,
+        table: SavedTable,
+        pieces: list[Any],
+        dtype: torch.dtype,
+        chain_step: ChainStep,
+        group: int,
+    ) -> tuple[str, FileRecord, ParamRecord]:
+        """Write one table whole from every rank's shards (its writer's part); returns its file and record."""
+        placement, key = table.placement, table.placement.key
+        full = _assemble(placement, table.states, pieces)
+        chosen = key in self.chosen
+        spec = TableSave(
+            chain_step.rows.get(key) if chosen else None,
+            self.policy.method if chosen else None,
+            chain_step.bits if chosen else None,
+        )
+        widths = {n: [len(placement.column_split)] for n, k in table.states.items() if k == ROW_WISE}
+        file = writer.files.param(key, table_tensors(full, spec), file=table_file(key))
+        record = ParamRecord(
+            shape=(placement.rows, placement.cols),
+            dtype=dtype_name(dtype),
+            group=group,
+            trainable=True,
+            file=table_file(key),
+            keys=(FP32, *table.states),
+            extra={"table": table_record(spec, placement.rows, widths)},
+        )
+        return key, file, record
 
     def _named_dense(self) -> dict[int, str]:
         return {id(p): n for n, p in self.model.named_parameters() if n not in self.fused}
@@ -389,8 +432,13 @@ class TorchRecCheckpointer:
         client_state: dict[str, Any],
         groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]],
         extra: dict[str, Any],
+        answers: list[Any] | None,
     ) -> None:
-        """Rank 0's part after the tables: buffers, the client state, then the manifest, last."""
+        """Rank 0's part after the tables: their records, the buffers, the client state, then the manifest, last."""
+        if answers is None:
+            return
+        for name, file, record in sorted(w for written, _ in answers for w in written):
+            writer.add_written(name, file, record)
         writer.add_buffers({n: b.detach().cpu() for n, b in self._buffers().items()})
         writer.set_state(TrainingState(client_state=client_state))
         writer.finish(
@@ -613,4 +661,5 @@ def _rows(ckpt: FolderReader, key: str, state: str, start: int, count: int, widt
 
 
 def _columns(rows: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    return rows[:, start : start + count].clone()
+    """Columns [start, start + count) of freshly read rows: a view, copied once, into the live shard."""
+    return rows[:, start : start + count]
