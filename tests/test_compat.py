@@ -808,11 +808,15 @@ def test_torchrec_canaries():
     (features,) = [f for _, f in compat.dmp_sparse_modules(model)]
     assert features == {"f1": t1, "f2": t2, "f3": t2, "f4": t3}
     _, kjt, _ = job.batch(1)
-    assert set(compat.kjt_ids(kjt)) == {"f1", "f2", "f3", "f4"}
+    assert set(compat.kjt_ids((kjt,), {})) == {"f1", "f2", "f3", "f4"} == set(compat.kjt_ids((), {"features": kjt}))
     combined = CombinedOptimizer([model.fused_optimizer, dense])
     assert compat.dense_optimizers(combined, model) == [dense] == compat.dense_optimizers(dense, model)
-    groups = compat.dmp_fused_groups(model)
-    assert sorted(k for keys, _ in groups for k in keys) == [t1, t2] and all(g[0]["lr"] > 0 for _, g in groups)
+    lrs = compat.dmp_fused_lrs(model)
+    assert sorted(lrs) == [t1, t2] and all(abs(lr - 0.05) < 1e-7 for lr in lrs.values())
+    compat.set_dmp_fused_lrs(model, {t1: 0.01, t2: 0.02})  # one kernel per table here
+    assert compat.dmp_fused_lrs(model) == pytest.approx({t1: 0.01, t2: 0.02})
+    assert compat.dense_device(model) == torch.device("cpu") and not compat.is_2d_dmp(model)
+    assert tables[t1].kernel == "fused" and tables[t3].kernel == "dense"
     job.DTENSOR = True  # `output_dtensor`: a DTensor over TorchRec's LocalShardsWrapper, both column shards local
     shards = compat.dmp_local_weights(job.build("rowwise", "one_rank")[0], {t2})[t2]
     assert sorted(s.offsets for s in shards) == [(0, 0), (0, 4)] and all(s.tensor.shape == (60, 4) for s in shards)

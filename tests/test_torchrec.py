@@ -12,6 +12,7 @@ uninterrupted run's. One load launch (1 rank) runs by default; the 2-rank one wi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,11 @@ import torch
 from conftest import ROOT, torchrun
 from safetensors import safe_open
 
+from ucp_deepspeed.errors import CheckpointError
+
 pytest.importorskip("torchrec", reason="TorchRec is not installed (the `torchrec` extra, then torchrec --no-deps)")
 pytest.importorskip("fbgemm_gpu", reason="fbgemm's CPU kernels are not installed (the `torchrec` extra)")
+from ucp_deepspeed.torchrec import TorchRecCheckpointer
 
 JOB = ROOT / "tests" / "workers" / "torchrec_job.py"
 T1, T2, T3 = (f"sparse_arch.embedding_bag_collection.embedding_bags.{t}.weight" for t in ("t1", "t2", "t3"))
@@ -89,10 +93,10 @@ def test_resumes_at_one_rank_exactly_where_the_state_allows_and_refuses_by_name_
         f"{saved}/rowwise-full:rowwise:one_rank_tw:approximate",
         f"{saved}/adagrad-incremental:adagrad:one_rank_tw",
         # TorchRec's own dcp.save of the same jobs at step 4: DCP's load, then ours through the import; our export
-        f"{saved}/rowwise-dcp:rowwise:one_rank_tw:dcp_direct",
-        f"{saved}/rowwise-dcp:rowwise:one_rank:import",
-        f"{saved}/adagrad-dcp:adagrad:one_rank_tw:import",
-        f"{saved}/rowwise-incremental:rowwise:one_rank:export",
+        f"{saved}/rowwise-dcp:rowwise:one_rank_tw:dcp_direct:lrs",
+        f"{saved}/rowwise-dcp:rowwise:one_rank:import:lrs",
+        f"{saved}/adagrad-dcp:adagrad:one_rank_tw:import:lrs",
+        f"{saved}/rowwise-incremental:rowwise:one_rank:export:lrs",
     ]
     out, results = _load(saved, 1, cases, "one_rank")
     rowwise = torch.load(saved / "saved_rowwise.pt")
@@ -108,17 +112,17 @@ def test_resumes_at_one_rank_exactly_where_the_state_allows_and_refuses_by_name_
 
     _same(torch.load(saved / "saved_adagrad.pt"), torch.load(out / "loaded_adagrad-incremental-one_rank_tw.pt"))
 
-    assert "Size mismatch" in results["rowwise-dcp-one_rank_tw-dcp_direct"]["error"]  # DCP alone: refused
-    _same(rowwise, torch.load(out / "loaded_rowwise-dcp-one_rank-import.pt"))
-    _same(rowwise, torch.load(out / "loaded_rowwise-incremental-one_rank-export.pt"))
-    _same(torch.load(saved / "saved_adagrad.pt"), torch.load(out / "loaded_adagrad-dcp-one_rank_tw-import.pt"))
+    assert "Size mismatch" in results["rowwise-dcp-one_rank_tw-dcp_direct-lrs"]["error"]  # DCP alone: refused
+    _same(rowwise, torch.load(out / "loaded_rowwise-dcp-one_rank-import-lrs.pt"))
+    _same(rowwise, torch.load(out / "loaded_rowwise-incremental-one_rank-export-lrs.pt"))
+    _same(torch.load(saved / "saved_adagrad.pt"), torch.load(out / "loaded_adagrad-dcp-one_rank_tw-import-lrs.pt"))
 
     for case, optimizer in (
         ("rowwise-one_shot-one_rank", "rowwise"),
         ("adagrad-incremental-one_rank_tw", "adagrad"),
-        ("rowwise-dcp-one_rank-import", "rowwise"),
-        ("adagrad-dcp-one_rank_tw-import", "adagrad"),
-        ("rowwise-incremental-one_rank-export", "rowwise"),
+        ("rowwise-dcp-one_rank-import-lrs", "rowwise"),
+        ("adagrad-dcp-one_rank_tw-import-lrs", "adagrad"),
+        ("rowwise-incremental-one_rank-export-lrs", "rowwise"),
     ):
         run, reference = results[case], _losses(saved, optimizer)
         assert run["step"] == 4 and run["client_state"] == {"epoch": 2}
@@ -157,22 +161,26 @@ def test_dtensor_tables_save_and_resume(tmp_path: Path):
     torchrun(2, "save", "--out", str(tmp_path), "--optimizers", "rowwise", "--dtensor", worker=JOB)
     cases = [
         f"{tmp_path}/rowwise-one_shot:rowwise:one_rank",
-        f"{tmp_path}/rowwise-dcp:rowwise:one_rank:import",
-        f"{tmp_path}/rowwise-incremental:rowwise:one_rank:export",
+        f"{tmp_path}/rowwise-dcp:rowwise:one_rank:import:lrs",
+        f"{tmp_path}/rowwise-incremental:rowwise:one_rank:export:lrs",
     ]
     out = tmp_path / "one_rank"
     torchrun(1, "load", "--out", str(out), "--dtensor", "--case", *cases, worker=JOB)
     results = json.loads((out / "results_1.json").read_text())
     reference = _losses(tmp_path, "rowwise")
-    for case in ("rowwise-one_shot-one_rank", "rowwise-dcp-one_rank-import", "rowwise-incremental-one_rank-export"):
+    for case in (
+        "rowwise-one_shot-one_rank",
+        "rowwise-dcp-one_rank-import-lrs",
+        "rowwise-incremental-one_rank-export-lrs",
+    ):
         _same(torch.load(tmp_path / "saved_rowwise.pt"), torch.load(out / f"loaded_{case}.pt"))
         for step, loss in results[case]["losses"].items():
             assert abs(loss - reference[step]) <= 1e-6 * abs(reference[step]), (case, step)
 
 
-def test_a_failed_save_makes_the_next_one_a_baseline(tmp_path: Path):
-    """In one process: a save that fails (its directory cannot be made) consumed the rows looked up before it, so
-    the incremental chain's next save must be a baseline, not a delta that leaves those rows as they were."""
+@pytest.fixture(scope="module")
+def job():
+    """The worker's module, in this process, over a 1-rank gloo world."""
     import importlib.util
 
     import torch.distributed as dist
@@ -180,11 +188,14 @@ def test_a_failed_save_makes_the_next_one_a_baseline(tmp_path: Path):
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     spec = importlib.util.spec_from_file_location("torchrec_job", JOB)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    from ucp_deepspeed.errors import CheckpointError
-    from ucp_deepspeed.torchrec import TorchRecCheckpointer
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+def test_a_failed_save_makes_the_next_one_a_baseline(job, tmp_path: Path):
+    """A save that fails (its directory cannot be made) consumed the rows looked up before it, so the incremental
+    chain's next save must be a baseline, not a delta that leaves those rows as they were."""
     model, dense = job.build("rowwise", "one_rank")
     saver = TorchRecCheckpointer(model, dense, differential={"policy": "incremental"})
     job.train_step(model, dense, 1)
@@ -197,3 +208,59 @@ def test_a_failed_save_makes_the_next_one_a_baseline(tmp_path: Path):
     saver.save(str(tmp_path / "ckpt"), step=3)
     manifest = json.loads((tmp_path / "ckpt" / "global_step3" / "manifest.json").read_text())
     assert manifest["differential"]["kind"] == "baseline"
+
+
+def test_a_tag_saved_again_starts_a_new_chain(job, tmp_path: Path):
+    """Saving a chain's tag again would delete an element the chain needs: it becomes a new baseline, and loads."""
+    model, dense = job.build("rowwise", "one_rank")
+    saver = TorchRecCheckpointer(model, dense, differential={"policy": "one_shot"})
+    for step in (1, 2):
+        job.train_step(model, dense, step)
+        saver.save(str(tmp_path), "ckpt", step=step)
+    assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["differential"]["kind"] == "baseline"
+    assert TorchRecCheckpointer(*job.build("rowwise", "one_rank")).load(str(tmp_path)).step == 2
+
+
+def _edit(manifest: Path, change) -> None:
+    body = json.loads(manifest.read_text())
+    change(body)
+    manifest.write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda b: b["torchrec"]["tables"][T2].update(shards=[]), "does not fit"),
+        (lambda b: b["torchrec"].update(dense_tables=3), "malformed 'torchrec' section"),
+        (lambda b: b["torchrec"]["tables"][T2].update(rows=61), "does not fit"),
+        (lambda b: b["params"][T2].update(group=None), "names no param group"),
+        (lambda b: b["params"][T2].update(group=99), "names no param group"),
+        (lambda b: b["param_groups"][b["params"][T2]["group"]]["hyperparams"].update(lr="fast"), "not a number"),
+        (lambda b: b["params"][T2]["table"].update(widths={"momentum1": [3]}), "does not fit"),
+        (lambda b: b["params"].pop(T2), "has no record among the parameters"),
+        (lambda b: b["torchrec"].update(dense_optimizers=["Adam"]), "dense optimizers ['Adam']"),
+    ],
+    ids=[
+        "no-shards",
+        "dense-tables",
+        "rows",
+        "group-null",
+        "group-range",
+        "lr",
+        "table-record",
+        "params",
+        "dense-type",
+    ],
+)
+def test_a_malformed_manifest_is_refused_naming_it(job, tmp_path: Path, change, reason):
+    """Each field the load indexes by is checked: one clear line naming the manifest, and the model as it was."""
+    model, dense = job.build("rowwise", "one_rank")
+    job.train_step(model, dense, 1)
+    TorchRecCheckpointer(model, dense).save(str(tmp_path), "ckpt", step=1)
+    _edit(tmp_path / "ckpt" / "manifest.json", change)
+    fresh, fresh_dense = job.build("rowwise", "one_rank_tw" if "approximate" in reason else "one_rank")
+    before = job.snapshot(fresh, fresh_dense)
+    with pytest.raises(CheckpointError, match=re.escape(reason)) as err:
+        TorchRecCheckpointer(fresh, fresh_dense).load(str(tmp_path))
+    assert err.value.path.endswith("manifest.json"), err.value
+    _same(before, job.snapshot(fresh, fresh_dense))

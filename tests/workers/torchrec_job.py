@@ -33,6 +33,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from ucp_deepspeed import compat
 from ucp_deepspeed.torchrec import TorchRecCheckpointer, export_dcp, import_dcp
 
 TABLES = {"t1": 40, "t2": 60, "t3": 24}
@@ -49,8 +50,14 @@ PLANS = {
 }
 
 
-def build(optimizer: str, plan_name: str) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
-    """The DLRM under the named plan, with its fused kernel optimizer and a dense Adagrad."""
+# the learning rate the saving job gives its tables (TorchRec's own state dict leaves it out): a load sets it; one
+# rate for all, since tables that share a kernel at another plan share its rate
+LR = 0.04
+
+
+def build(optimizer: str, plan_name: str, lrs: bool = False) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    """The DLRM under the named plan, with its fused kernel optimizer and a dense Adagrad over the dense parameters
+    but one, left frozen; a buffer counts the steps. `lrs`: the tables' learning rate is `LR`, not 0.05."""
     torch.manual_seed(0)
     configs = [
         EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=FEATURES[t])
@@ -63,6 +70,8 @@ def build(optimizer: str, plan_name: str) -> tuple[DistributedModelParallel, Key
         dense_arch_layer_sizes=[16, DIM],
         over_arch_layer_sizes=[16, 1],
     )
+    model.register_buffer("steps_seen", torch.zeros(()))
+    model.over_arch.model[1].bias.requires_grad_(False)
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05})
     make = {
         "table_wise": lambda r: table_wise(rank=r, compute_kernel="fused"),
@@ -81,9 +90,10 @@ def build(optimizer: str, plan_name: str) -> tuple[DistributedModelParallel, Key
         plan=ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}),
         sharders=[sharder],
     )
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adagrad(params, lr=0.05)
-    )
+    trained = {n: p for n, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad}
+    dense = KeyedOptimizerWrapper(trained, lambda params: torch.optim.Adagrad(params, lr=0.05))
+    if lrs:  # as a user's schedule sets them (DCP's saves do not hold them)
+        compat.set_dmp_fused_lrs(dmp, dict.fromkeys(dmp.fused_optimizer.params, LR))
     return dmp, dense
 
 
@@ -116,6 +126,7 @@ def train_step(model: Any, dense_opt: Any, step: int) -> float:
     logits = model(dense, kjt).squeeze(-1)
     losses = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
     losses.mean().backward()  # the fused tables step in backward
+    model.module.steps_seen += 1
     dense_opt.step()
     dense_opt.zero_grad()
     total = losses.detach().sum().reshape(1)
@@ -145,6 +156,8 @@ def snapshot(model: Any, dense_opt: Any) -> dict[str, torch.Tensor] | None:
     for key, states in model.fused_optimizer.state_dict()["state"].items():
         for name, value in states.items():
             add(f"{key}/{name}", value)
+    for key, lr in compat.dmp_fused_lrs(model).items():
+        add(f"lr/{key}", torch.tensor(lr))
     names = {id(p): n for n, p in model.named_parameters()}
     for p, state in dense_opt.state.items():
         for name, value in state.items():
@@ -172,7 +185,7 @@ SOURCES = {
 
 def save(out: Path, optimizers: list[str]) -> None:
     for optimizer in optimizers:
-        model, dense = build(optimizer, "saved")
+        model, dense = build(optimizer, "saved", lrs=True)
         savers = {name: TorchRecCheckpointer(model, dense, **cfg) for name, cfg in SOURCES.items()}
         # TorchRec's own record of the ids each rank looked up, to cross-check the rows a delta holds
         delta = model.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY))
@@ -231,12 +244,13 @@ def _resume(source: str, flags: list[str], model: Any, dense: Any, out: Path, sa
 def load(out: Path, cases: list[str]) -> None:
     """Each case `<source dir>:<optimizer>:<plan>[:<flag>...]` loads into a fresh model and trains 4 steps. Flags:
     `approximate` (per-row states across a column split change), `import` (the source is TorchRec's dcp.save),
-    `export` (loaded by DCP from our export), `dcp_direct` (DCP's own load of the source). A refused load records its
-    error and whether the model stayed as it was."""
+    `export` (loaded by DCP from our export), `dcp_direct` (DCP's own load of the source), `lrs` (the job sets the
+    tables' learning rates itself: DCP's saves do not hold them). A refused load records its error and whether the
+    model stayed as it was."""
     results = {}
     for case in cases:
         source, optimizer, plan, *flags = case.split(":")
-        model, dense = build(optimizer, plan)
+        model, dense = build(optimizer, plan, lrs="lrs" in flags)
         saver = TorchRecCheckpointer(model, dense, approximate_row_state="approximate" in flags)
         name = "-".join([Path(source).name, plan, *flags])
         before = snapshot(model, dense)

@@ -140,8 +140,9 @@ def _table_record(path: str, name: str, record: ParamRecord) -> _Table:
 def key_width(record: ParamRecord, key: str) -> tuple[int, ...]:
     """The shape of one row of a table's state: the table's own row, or the width its record gives a per-row state
     of another shape (TorchRec's row-wise Adagrad keeps one value per row and column shard)."""
-    widths = record.extra.get("table", {}).get("widths") or {}
-    return tuple(int(n) for n in widths[key]) if key in widths else tuple(record.shape[1:])
+    table = record.extra.get("table")
+    widths = (table.get("widths") if isinstance(table, dict) else None) or {}
+    return tuple(int(n) for n in widths[key]) if isinstance(widths, dict) and key in widths else tuple(record.shape[1:])
 
 
 def _stored_rows(
@@ -303,6 +304,10 @@ class ChainCheckpoint(FolderReader):
         params = {n: _whole_table(n, r) if n in self._tables else r for n, r in target.params.items()}
         root = st.normalize(st.join(ckpt_dir, tag))
         super().__init__(root, _full_manifest(target, _fingerprint(ckpt_dir, elements), params), self._folders[-1][1])
+
+    def row_width(self, name: str, key: str) -> tuple[int, ...]:
+        """The shape of one row of a table's state as the chain's last element stores it (`key_width`)."""
+        return key_width(self._records[name], key)
 
     def _rows(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
         if not 0 <= lo <= hi <= self.params[name].shape[0]:

@@ -92,7 +92,8 @@ class ChainPolicy:
         """What save `tag` holds, given each table's rows looked up (on any rank) since the previous save."""
         for table, flags in changed.items():
             self.since_baseline[table] = self.since_baseline.get(table, torch.zeros_like(flags)) | flags
-        kind, rows = self._plan(changed)
+        # a tag of the chain saved again would replace an element the chain still needs: start a new one
+        kind, rows = self._plan(changed) if tag not in self.chain else ("baseline", {})
         bits = self._bits()
         if kind == "baseline":
             chain, ids = [tag], [save_id]

@@ -40,12 +40,18 @@ class TablePlacement:
     cols: int
     shards: tuple[TableShard, ...]
     """Every shard, in the plan's order; a data-parallel table has one per rank, each whole."""
-    fused: bool
-    """Whether the plan's compute kernel steps it (`fused`), not the dense optimizer."""
+    kernel: str
+    """The plan's compute kernel: `fused` (fbgemm steps it), `dense` (the dense optimizer does), `fused_uvm_caching`,
+    ..."""
     optimizer: str | None
     """The fbgemm kernel's fused optimizer (`exact_row_wise_adagrad`), as this rank's kernels know it: None on a rank
     that holds no shard of the table, or where the dense optimizer steps it."""
     optimizer_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fused(self) -> bool:
+        """Whether a kernel of fbgemm's steps it, not the dense optimizer."""
+        return self.kernel.startswith("fused")
 
     @property
     def column_split(self) -> tuple[int, ...]:
@@ -123,7 +129,7 @@ def dmp_tables(model: Any) -> dict[str, TablePlacement]:
                 rows=rows,
                 cols=cols,
                 shards=shards,
-                fused=str(ps.compute_kernel).startswith("fused"),
+                kernel=str(ps.compute_kernel),
                 optimizer=None if optimizer is None else str(optimizer.value),
                 optimizer_args={} if args is None else {k: v for k, v in args._asdict().items() if _plain(v)},
             )
@@ -181,33 +187,55 @@ def row_state_place(placement: TablePlacement, offset: int) -> tuple[int, int]:
     return offset // placement.rows, offset % placement.rows
 
 
-def dmp_fused_groups(model: Any) -> list[tuple[list[str], list[dict[str, Any]]]]:
-    """Each fused optimizer's tables (state-dict keys) and its live param groups (learning rates live there)."""
+def dmp_fused_lrs(model: Any) -> dict[str, float]:
+    """The learning rate of each table this rank's fused kernels step, by state-dict key."""
+    return {k: float(leaf.param_groups[0]["lr"]) for k, leaf in _fused_kernels(model).items()}
+
+
+def set_dmp_fused_lrs(model: Any, lrs: dict[str, float]) -> None:
+    """Give each of this rank's fused kernels the learning rate of its first table in `lrs`, in its param groups
+    and in the kernel itself (which takes its groups' rate only at the next `step` or `zero_grad`)."""
     kernels = _fused_kernels(model)
-    out: list[tuple[list[str], list[dict[str, Any]]]] = []
     for leaf in {id(k): k for k in kernels.values()}.values():
-        out.append(([k for k, v in kernels.items() if v is leaf], leaf.param_groups))
-    return out
+        lr = next((lrs[k] for k, v in sorted(kernels.items()) if v is leaf and k in lrs), None)
+        if lr is None:
+            continue
+        for group in leaf.param_groups:
+            group["lr"] = lr
+        leaf._emb_module.set_learning_rate(lr)
 
 
 def dmp_sparse_modules(model: Any) -> list[tuple[torch.nn.Module, dict[str, str]]]:
     """Every sharded embedding module of the model and, for each feature it takes, the state-dict key of the table
-    that feature looks up: the ids a forward looks up are the features' ids in the `KeyedJaggedTensor` it is given."""
+    that feature looks up: the ids a forward looks up are the features' ids in the `KeyedJaggedTensor` it is given.
+    Each module is found at its path in the plan, so two modules with tables of one name stay apart."""
     tables = dmp_tables(model)
     out = []
-    for _, module in model.named_modules():
+    for path in model.plan.plan:
+        module = model.module.get_submodule(path)  # the unwrapped model: no DMP or DDP prefix
         configs = getattr(module, "_embedding_bag_configs", None) or getattr(module, "_embedding_configs", None)
-        if configs is None or not type(module).__module__.startswith("torchrec.distributed"):
+        if configs is None:
             continue
-        by_table = {p.table: k for k, p in tables.items()}
-        features = {f: by_table[c.name] for c in configs for f in c.feature_names if c.name in by_table}
-        out.append((module, features))
+        mine = {p.table: k for k, p in tables.items() if k.startswith(path + ".")}
+        out.append((module, {f: mine[c.name] for c in configs for f in c.feature_names if c.name in mine}))
     return out
 
 
-def kjt_ids(features: Any) -> dict[str, torch.Tensor]:
-    """The ids of each feature in a `KeyedJaggedTensor`."""
-    return {k: v.values() for k, v in features.to_dict().items()}
+def is_2d_dmp(model: Any) -> bool:
+    """TorchRec's `DMPCollection` (2D parallel: tables sharded within groups, replicated across them)."""
+    return any(c.__name__ == "DMPCollection" for c in type(model).__mro__)
+
+
+def dense_device(model: Any) -> torch.device:
+    """The device the model's dense part (and the ids of its features) live on."""
+    device: torch.device = next(model.module.parameters()).device
+    return device
+
+
+def kjt_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The ids of each feature in the `KeyedJaggedTensor` a sharded module's forward was called with."""
+    features = args[0] if args else kwargs.get("features")
+    return {} if features is None else {k: v.values() for k, v in features.to_dict().items()}
 
 
 def dense_optimizers(optimizer: Any, model: Any) -> list[torch.optim.Optimizer]:

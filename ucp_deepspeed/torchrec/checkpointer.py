@@ -47,12 +47,21 @@ from ucp_deepspeed.format.manifest import (
     SourceRecord,
     dtype_name,
 )
-from ucp_deepspeed.format.metadata import FP32
+from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import MANIFEST, FolderReader, decode_value, encode_value
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.runtime.collective import all_ok, every_rank, failure_of, from_rank0, guarded, to_rank0
+from ucp_deepspeed.runtime.collective import (
+    all_ok,
+    coordinated,
+    coordination_group,
+    every_rank,
+    failure_of,
+    from_rank0,
+    guarded,
+    to_rank0,
+)
 
 SECTION = "torchrec"
 POINTWISE, ROW_WISE = "pointwise", "row_wise"
@@ -104,7 +113,7 @@ class SavedTable:
                 rows=int(raw["rows"]),
                 cols=int(raw["cols"]),
                 shards=tuple(TableShard(*(int(n) for n in s)) for s in raw["shards"]),
-                fused=True,
+                kernel="fused",
                 optimizer=None if raw["optimizer"] is None else str(raw["optimizer"]),
                 optimizer_args=dict(raw["optimizer_args"]),
             )
@@ -146,43 +155,48 @@ class _KjtTracker:
     each sharded module is handed: TorchRec's fused kernels never call an `nn.EmbeddingBag` hook."""
 
     def __init__(self, model: Any, tables: dict[str, TablePlacement]) -> None:
-        self.flags: dict[str, torch.Tensor] = {}
-        self._rows = {k: p.rows for k, p in tables.items()}
+        # on the device the ids come on, made now, so that every rank all-reduces flags on it from the first save
+        device = compat.dense_device(model)
+        self.flags = {k: torch.zeros(p.rows, dtype=torch.bool, device=device) for k, p in sorted(tables.items())}
         self._hooks = []
         for module, features in compat.dmp_sparse_modules(model):
             wanted = {f: k for f, k in features.items() if k in tables}
             if wanted:
-                self._hooks.append(module.register_forward_pre_hook(self._hook(wanted)))
+                self._hooks.append(module.register_forward_pre_hook(self._hook(wanted), with_kwargs=True))
 
-    def _hook(self, features: dict[str, str]) -> Callable[[torch.nn.Module, tuple], None]:
-        def mark(module: torch.nn.Module, inputs: tuple) -> None:
-            for feature, ids in compat.kjt_ids(inputs[0]).items():
+    def _hook(self, features: dict[str, str]) -> Callable[[torch.nn.Module, tuple, dict], None]:
+        def mark(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            for feature, ids in compat.kjt_ids(args, kwargs).items():
                 key = features.get(feature)
                 if key is None:
                     continue
-                flags = self.flags.get(key)
-                if flags is None:
-                    flags = self.flags[key] = torch.zeros(self._rows[key], dtype=torch.bool, device=ids.device)
-                flags[ids] = True
+                flags = self.flags[key]
+                inside = (ids >= 0) & (ids < flags.numel())
+                flags[ids[inside].to(flags.device)] = True
+                if not bool(inside.all()):  # fbgemm looks an id out of range up as row 0, and updates that row
+                    flags[0] = True
 
         return mark
 
     def take(self) -> dict[str, torch.Tensor]:
         """Each table's rows looked up on any rank since the last call (collective); the flags restart."""
         out = {}
-        for key in sorted(self._rows):
-            flags = self.flags.get(key)
-            merged = (flags if flags is not None else torch.zeros(self._rows[key], dtype=torch.bool)).to(torch.uint8)
+        for key, flags in self.flags.items():
+            merged = flags.to(torch.uint8)
             dist.all_reduce(merged, op=dist.ReduceOp.MAX)
             out[key] = merged.cpu().bool()
-            if flags is not None:
-                flags.zero_()
+            flags.zero_()
         return out
 
     def clear(self) -> None:
         """Forget what was looked up (after a restore)."""
         for flags in self.flags.values():
             flags.zero_()
+
+    def remove(self) -> None:
+        """Stop tracking."""
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _assemble(placement: TablePlacement, states: dict[str, str], pieces: list[Any]) -> dict[str, torch.Tensor]:
@@ -229,6 +243,9 @@ class TorchRecCheckpointer:
         quantize: Check-N-Run's `"quantize"` section (`method`, `bits` or `expected_restores`, `tables`).
         approximate_row_state: load a per-row state across a change of column split as the width-weighted mean of
             the saved column shards, instead of refusing.
+        wait_minutes: how long a rank waits for another during a save or load (rank 0 picking the tag, a rank writing
+            its tables) before it fails on every rank; these waits run on a gloo group of their own, so NCCL's
+            collective timeout does not bound them.
 
     Example:
         >>> ckpt = TorchRecCheckpointer(model, dense_optimizer, differential={"policy": "intermittent"})
@@ -244,16 +261,40 @@ class TorchRecCheckpointer:
         differential: DifferentialConfig | dict[str, Any] | None = None,
         quantize: QuantizeConfig | dict[str, Any] | None = None,
         approximate_row_state: bool = False,
+        wait_minutes: float = 60,
     ) -> None:
         if not compat.is_dmp(model):
             raise TypeError(f"TorchRecCheckpointer takes a DistributedModelParallel model, not {type(model).__name__}")
+        if compat.is_2d_dmp(model):
+            raise NotImplementedError(
+                "TorchRec's DMPCollection (2D parallel) is not supported: its tables are also replicated across groups"
+            )
         diff = DifferentialConfig.model_validate(differential) if isinstance(differential, dict) else differential
         quant = QuantizeConfig.model_validate(quantize) if isinstance(quantize, dict) else quantize
         self.model, self.approximate_row_state = model, approximate_row_state
         self.dense = compat.dense_optimizers(dense_optimizer, model)
+        self._group = coordination_group(wait_minutes)
+        with coordinated(self._group()):
+            self._setup(model, diff, quant)
+
+    def _setup(self, model: Any, diff: DifferentialConfig | None, quant: QuantizeConfig | None) -> None:
+        """The tables, their states and the chain's policy, as every rank knows them (collective)."""
         self.tables = _known_everywhere(compat.dmp_tables(model))
         self.fused = {k: p for k, p in self.tables.items() if p.fused}
+        names = self._named_dense()
+        for opt in self.dense:
+            for group in opt.param_groups:
+                if any(id(p) not in names for p in group["params"]):
+                    raise ValueError(
+                        f"the dense optimizer ({type(opt).__name__}) steps a tensor that is not a dense parameter of "
+                        "the model (a fused table's, whose kernel steps it, or another model's)"
+                    )
         for key, placement in self.tables.items():
+            if placement.fused and placement.kernel != "fused":
+                raise NotImplementedError(
+                    f"TorchRec table {key} runs the {placement.kernel} kernel: its cache is neither written back "
+                    "before a save nor purged after a load here; use compute_kernel='fused'"
+                )
             if not placement.fused and placement.sharding != DATA_PARALLEL:
                 # its parameter is this rank's shard, stepped by the dense optimizer with a state of the shard's shape
                 raise NotImplementedError(
@@ -271,6 +312,8 @@ class TorchRecCheckpointer:
         }
         patterns = (diff.tables if diff else None) or (quant.tables if quant else None)
         self.chosen = {k for k, p in self.fused.items() if _matches(patterns, p)}
+        if patterns and not self.chosen:
+            raise ValueError(f"Check-N-Run found no fused TorchRec table matching {patterns}")
         self.policy = ChainPolicy(
             diff.policy if diff else None,
             quant.method if quant else None,
@@ -300,8 +343,9 @@ class TorchRecCheckpointer:
         changed = self.tracker.take() if self.tracker is not None else {}
         chain_step = self.policy.step(changed, tag, save_id)
         try:
-            out = self._write(save_dir, tag, chain_step, save_id, step, client_state or {})
-            end_tag(save_dir, tag, save_latest)
+            with coordinated(self._group()):
+                out = self._write(save_dir, tag, chain_step, save_id, step, client_state or {})
+                end_tag(save_dir, tag, save_latest)
         except BaseException:
             self.policy.abandoned()
             raise
@@ -322,9 +366,10 @@ class TorchRecCheckpointer:
             fused_states = compat.dmp_fused_states(self.model)
             held: dict[str, tuple[list[Any], torch.dtype]] = {}
             for key, placement in saved.items():
-                mine = [(FP32, s.offsets, s.tensor.detach().float()) for s in local[key]]
+                # on the host: a piece pickled on one GPU would be unpickled onto that GPU's index on the writer
+                mine = [(FP32, s.offsets, s.tensor.detach().float().cpu()) for s in local[key]]
                 for name, (_, shards) in fused_states.get(key, {}).items():
-                    mine += [(name, s.offsets, s.tensor.detach().float()) for s in shards]
+                    mine += [(name, s.offsets, s.tensor.detach().float().cpu()) for s in shards]
                 pieces = _gather_at(placement.placement.shards[0].rank, mine)
                 if pieces is not None:  # the writer holds a shard: the dtype the kernel keeps the table in
                     held[key] = (pieces, local[key][0].tensor.dtype)
@@ -336,10 +381,16 @@ class TorchRecCheckpointer:
                         written.append(self._write_table(writer, table, *held.pop(key), chain_step, g))
                 if dist.get_rank() == 0:
                     for name, tensors, group in self._dense_states():
-                        writer.add_param(name, tensors, group=group)
+                        if group is None:
+                            writer.add_frozen(name, tensors[VALUE])
+                        else:
+                            writer.add_param(name, tensors, group=group)
             except Exception as exc:  # raised on every rank below, once each has written its share
                 failure = failure_of(exc)
             answers = to_rank0((written, failure))
+            lrs: dict[str, float] = {}
+            for known in every_rank(compat.dmp_fused_lrs(self.model)):  # a rank knows the tables its kernels step
+                lrs.update(known)
             all_ok(failure if answers is None else next((f for _, f in answers if f), None))
             extra = {
                 "save_id": save_id,
@@ -348,9 +399,10 @@ class TorchRecCheckpointer:
                     "world_size": dist.get_world_size(),
                     "tables": {k: s.encode() for k, s in saved.items()},
                     "dense_tables": sorted(set(self.tables) - set(self.fused)),
+                    "dense_optimizers": [type(o).__name__ for o in self.dense],
                 },
             }
-            guarded(lambda: self._finish(writer, step, client_state, groups, extra, answers))
+            guarded(lambda: self._finish(writer, step, client_state, self._group_records(groups, lrs), extra, answers))
         return out
 
     def _write_table(
@@ -391,16 +443,16 @@ class TorchRecCheckpointer:
         """Every dense optimizer's param groups, in order: their index is the manifest's group."""
         return [(opt, group) for opt in self.dense for group in opt.param_groups]
 
-    def _dense_states(self) -> Iterator[tuple[str, dict[str, torch.Tensor], int]]:
-        """(name, fp32 value and per-element states, group) of each parameter a dense optimizer steps."""
+    def _dense_states(self) -> Iterator[tuple[str, dict[str, torch.Tensor], int | None]]:
+        """(name, fp32 value and per-element states, group) of each dense parameter; a parameter no dense optimizer
+        steps (frozen, or none given) comes with its value alone and no group."""
         names = self._named_dense()
+        stepped = set()
         for g, (opt, group) in enumerate(self._dense_groups()):
             for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError("the dense optimizer steps a tensor that is not a parameter of the model")
-                state = opt.state.get(p, {})
+                stepped.add(id(p))
                 tensors = {FP32: p.detach().float().cpu().clone()}
-                for k, v in state.items():
+                for k, v in opt.state.get(p, {}).items():
                     if torch.is_tensor(v) and v.dim() > 0:
                         if v.shape != p.shape:
                             raise NotImplementedError(
@@ -409,8 +461,15 @@ class TorchRecCheckpointer:
                             )
                         tensors[k] = v.detach().float().cpu().clone()
                 yield names[id(p)], tensors, g
+        for name, p in self.model.named_parameters():
+            if id(p) in names and id(p) not in stepped:
+                yield name, {VALUE: p.detach().cpu().clone()}, None
 
-    def _group_records(self, groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]]) -> list[GroupRecord]:
+    def _group_records(
+        self, groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]], lrs: dict[str, float]
+    ) -> list[GroupRecord]:
+        """The dense optimizers' groups, in order, then one group per fused table: its kernel optimizer, its
+        arguments and its learning rate (which TorchRec's own state dict leaves out)."""
         records = []
         for opt, group in groups:
             scalars: dict[str, Any] = next((opt.state[p] for p in group["params"] if opt.state.get(p)), {})
@@ -421,8 +480,8 @@ class TorchRecCheckpointer:
                 )
             )
         for key, placement in sorted(self.fused.items()):
-            lr = next((g["lr"] for keys, gs in compat.dmp_fused_groups(self.model) if key in keys for g in gs), None)
-            records.append(GroupRecord({"optimizer": placement.optimizer, "lr": lr, **placement.optimizer_args}, {}))
+            hyper = {"optimizer": placement.optimizer, "lr": lrs[key], **placement.optimizer_args}
+            records.append(GroupRecord(hyper, {}))
         return records
 
     def _finish(
@@ -430,7 +489,7 @@ class TorchRecCheckpointer:
         writer: UniversalWriter,
         step: int,
         client_state: dict[str, Any],
-        groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]],
+        groups: list[GroupRecord],
         extra: dict[str, Any],
         answers: list[Any] | None,
     ) -> None:
@@ -449,7 +508,7 @@ class TorchRecCheckpointer:
                 {"torchrec": compat.torchrec_version()},
             ),
             counters=Counters(global_steps=step),
-            param_groups=self._group_records(groups),
+            param_groups=groups,
             extra=extra,
         )
 
@@ -461,12 +520,11 @@ class TorchRecCheckpointer:
     # -- load -----------------------------------------------------------------------------------------------------
 
     def load(self, load_dir: str, tag: str | None = None) -> Resumed:
-        """Restore the model, the fused and dense optimizers from `tag` (default: the latest) at this job's world
-        size and plan; all or nothing: a refused load leaves every rank as it was (collective)."""
-        tag = from_rank0(self._tag(load_dir, tag) if dist.get_rank() == 0 else None)
-        root = st.join(load_dir, tag)
-        with self._open(load_dir, tag) as ckpt:
-            staged = guarded(lambda: self._stage(ckpt, root))
+        """Restore the model, its buffers, the fused and dense optimizers from `tag` (default: the latest) at this
+        job's world size and plan; all or nothing: a refused load leaves every rank as it was (collective)."""
+        with coordinated(self._group()):
+            picked = from_rank0(guarded(lambda: self._tag(load_dir, tag) if dist.get_rank() == 0 else None))
+            staged = guarded(lambda: self._read(load_dir, picked))
         for live, value in staged.copies:
             live.copy_(value)
         # in place, as every optimizer keeps them: a TorchRec KeyedOptimizer shares its wrapped optimizer's state and
@@ -475,14 +533,16 @@ class TorchRecCheckpointer:
             states[p] = state
         for group, hyper in staged.dense_groups:
             group.update(hyper)
-        for keys, groups in compat.dmp_fused_groups(self.model):
-            lr = staged.lr.get(keys[0])
-            for group in groups if lr is not None else ():
-                group["lr"] = lr
+        compat.set_dmp_fused_lrs(self.model, staged.lr)
         self.policy.restored(staged.manifest)
         if self.tracker is not None:
             self.tracker.clear()
-        return Resumed(tag=tag, step=staged.manifest.counters.global_steps, client_state=staged.client_state)
+        return Resumed(tag=picked, step=staged.manifest.counters.global_steps, client_state=staged.client_state)
+
+    def _read(self, load_dir: str, tag: str) -> _Staged:
+        """Open the tag (a chain's elements too) and stage what this rank loads from it."""
+        with self._open(load_dir, tag) as ckpt:
+            return self._stage(ckpt, st.join(load_dir, tag))
 
     @staticmethod
     def _tag(load_dir: str, tag: str | None) -> str:
@@ -494,12 +554,12 @@ class TorchRecCheckpointer:
         return st.read(latest).decode().strip()
 
     @staticmethod
-    def _open(load_dir: str, tag: str) -> FolderReader:
+    def _open(load_dir: str, tag: str) -> ChainCheckpoint:
         if not st.isfile(st.join(load_dir, tag, MARKER)):
             raise CheckpointError(st.join(load_dir, tag), "is not a TorchRec checkpoint of ucp_deepspeed (no marker)")
         return ChainCheckpoint(load_dir, tag)
 
-    def _stage(self, ckpt: FolderReader, root: str) -> _Staged:
+    def _stage(self, ckpt: ChainCheckpoint, root: str) -> _Staged:
         """Read and check everything this rank loads, into new tensors; nothing live changes here."""
         manifest = ckpt.manifest
         where = st.join(root, MANIFEST)
@@ -508,30 +568,44 @@ class TorchRecCheckpointer:
             raise CheckpointError(where, "has no 'torchrec' section: not a TorchRec save")
         try:
             saved = {k: SavedTable.decode(k, v) for k, v in dict(section["tables"]).items()}
+            dense_tables = [str(k) for k in section.get("dense_tables", [])]
         except (TypeError, KeyError, ValueError) as exc:
-            raise CheckpointError(where, str(exc)) from None
+            raise CheckpointError(where, f"malformed 'torchrec' section ({exc})") from None
         staged = _Staged(manifest=manifest, client_state=ckpt.load_state().get("client_state") or {})
         local = compat.dmp_local_weights(self.model, set(self.fused))
         fused_states = compat.dmp_fused_states(self.model)
         for key, placement in sorted(self.fused.items()):
             if key not in saved:
-                was = (
-                    "saved data-parallel, stepped by the dense optimizer"
-                    if key in section.get("dense_tables", ())
-                    else "not saved"
-                )
+                was = "saved data-parallel, stepped by the dense optimizer" if key in dense_tables else "not saved"
                 raise CheckpointError(
                     where,
                     f"table {key} was {was}; the live plan fuses it ({placement.sharding}, {placement.optimizer})",
                 )
+            lr = _check_table(where, ckpt, saved[key])
             self._stage_table(ckpt, where, saved[key], placement, local[key], fused_states.get(key, {}), staged)
-            lr = (manifest.param_groups[manifest.params[key].group or 0].hyperparams or {}).get("lr")
-            staged.lr[key] = float(lr) if lr is not None else None
+            if lr is not None:
+                staged.lr[key] = lr
         extra = sorted(set(saved) - set(self.fused))
         if extra:
             raise CheckpointError(where, f"holds fused tables {extra} that the live model does not fuse")
+        live_types = [type(o).__name__ for o in self.dense]
+        saved_types = section.get("dense_optimizers", live_types)
+        if saved_types != live_types:
+            raise CheckpointError(where, f"was saved by dense optimizers {saved_types}; the live ones are {live_types}")
         self._stage_dense(ckpt, where, staged)
+        self._stage_buffers(ckpt, where, staged)
         return staged
+
+    def _stage_buffers(self, ckpt: FolderReader, where: str, staged: _Staged) -> None:
+        """The model's persistent buffers, each of its saved shape and dtype."""
+        saved = ckpt.manifest.buffers
+        for name, live in self._buffers().items():
+            if name not in saved:
+                raise CheckpointError(where, f"has no buffer {name}; the live model has one")
+            value = ckpt.read_buffer(name)
+            if value.shape != live.shape:
+                raise CheckpointError(where, f"buffer {name} is {list(value.shape)}; the live one {list(live.shape)}")
+            staged.copies.append((live, value))
 
     def _stage_table(
         self,
@@ -638,7 +712,32 @@ class TorchRecCheckpointer:
             record = manifest.params.get(name)
             if record is None or tuple(record.shape) != tuple(p.shape):
                 raise CheckpointError(where, f"dense parameter {name} is not saved at {list(p.shape)}")
-            staged.copies.append((p.data, ckpt.read(name, FP32).reshape(p.shape)))
+            staged.copies.append((p.data, ckpt.read(name, FP32 if record.trainable else VALUE).reshape(p.shape)))
+
+
+def _check_table(where: str, ckpt: ChainCheckpoint, saved: SavedTable) -> float | None:
+    """A fused table's record in the `torchrec` section checked against its parameter's record, row widths and
+    group, which the reads index by; returns its saved learning rate (None where the save did not know it)."""
+    p, manifest = saved.placement, ckpt.manifest
+    record = manifest.params.get(p.key)
+    if record is None or not record.trainable:
+        raise CheckpointError(where, f"table {p.key} has no record among the parameters")
+    widths = {n: (len(p.column_split),) if kind == ROW_WISE else (p.cols,) for n, kind in saved.states.items()}
+    covered = sum(s.rows * s.cols for s in p.shards) == p.rows * p.cols
+    if (
+        tuple(record.shape) != (p.rows, p.cols)
+        or not p.shards
+        or not covered
+        or tuple(record.keys) != (FP32, *saved.states)
+        or any(ckpt.row_width(p.key, n) != w for n, w in widths.items())
+    ):
+        raise CheckpointError(where, f"table {p.key}: its torchrec record does not fit its parameter's record")
+    if record.group is None or not 0 <= record.group < len(manifest.param_groups):
+        raise CheckpointError(where, f"table {p.key} names no param group of the save")
+    lr = (manifest.param_groups[record.group].hyperparams or {}).get("lr")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
+        raise CheckpointError(where, f"table {p.key}: its learning rate {lr!r} is not a number")
+    return None if lr is None else float(lr)
 
 
 @dataclass
@@ -652,7 +751,7 @@ class _Staged:
     """(an optimizer's `state`, a parameter, its new state)."""
     dense_groups: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     """(a live param group, its saved hyperparameters)."""
-    lr: dict[str, float | None] = field(default_factory=dict)
+    lr: dict[str, float] = field(default_factory=dict)
 
 
 def _rows(ckpt: FolderReader, key: str, state: str, start: int, count: int, width: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ucp_deepspeed.checkn_run.live_save import TableSave, table_file, table_reco
 from ucp_deepspeed.compat.torchrec import TablePlacement, TableShard
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.manifest import Counters, GroupRecord, SourceRecord, dtype_name
-from ucp_deepspeed.format.metadata import FP32
+from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.paths import check_output
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import decode_value, encode_value, torch_dtype
@@ -58,7 +58,14 @@ def _placement(ckpt: DcpCheckpoint, key: str, weight_key: str, table: str, optim
     split = {s.col for s in shards}
     sharding = "column_wise" if len(split) > 1 else "row_wise" if len(shards) > 1 else "table_wise"
     return TablePlacement(
-        key=key, table=table, sharding=sharding, rows=rows, cols=cols, shards=shards, fused=True, optimizer=optimizer
+        key=key,
+        table=table,
+        sharding=sharding,
+        rows=rows,
+        cols=cols,
+        shards=shards,
+        kernel="fused",
+        optimizer=optimizer,
     )
 
 
@@ -110,9 +117,9 @@ def import_dcp(
             tables = dict(sorted(tables.items()))
             dense = [n for n in model if n not in tables]
             scalars = _write_dense(ckpt, writer, model, states, dense)
-            for g, (key, saved) in enumerate(tables.items(), start=1 if dense else 0):
+            stepped = any(states.get(n) for n in dense)
+            for g, (key, saved) in enumerate(tables.items(), start=1 if stepped else 0):
                 _write_table(ckpt, writer, model[key], fused_states[key], saved, g)
-            writer.add_buffers({})
             client = {k: ckpt.tensor(k) if k in ckpt.tensors else ckpt.object(k) for k in rest}
             writer.set_state(TrainingState(client_state=client))
             step = scalars.get("step")
@@ -215,10 +222,17 @@ def _write_dense(
     states: dict[str, dict[str, str]],
     names: list[str],
 ) -> dict[str, Any]:
-    """Write every dense parameter with its states, all in group 0; returns that group's scalar states."""
+    """Write every dense tensor: one with optimizer state as a parameter of group 0, the rest (DCP does not say
+    whether a buffer or a frozen parameter) as both, for the loading model to take as whichever it has. Returns
+    group 0's scalar states."""
     scalars: dict[str, Any] = {}
+    buffers = {}
     for name in names:
         value = ckpt.tensor(model[name])
+        if not states.get(name):
+            writer.add_frozen(name, value)
+            buffers[name] = value
+            continue
         tensors = {FP32: value.float()}
         for state, flat in sorted(states.get(name, {}).items()):
             got = ckpt.tensor(flat) if flat in ckpt.tensors else ckpt.object(flat)
@@ -231,6 +245,7 @@ def _write_dense(
                 raise CheckpointError(ckpt.path, f"dense parameters hold different {state!r}: one group cannot")
             scalars[state] = got
         writer.add_param(name, tensors, group=0, dtype=dtype_name(value.dtype))
+    writer.add_buffers(buffers)
     return scalars
 
 
@@ -249,11 +264,15 @@ def export_dcp(save_dir: str, tag: str, output: str, *, model_key: str = "model"
             raise CheckpointError(st.join(save_dir, tag), f"no well-formed 'torchrec' section ({exc})") from None
         writer = compat.DcpWriter(output)
         try:
+            for name in (n for n in ckpt.manifest.buffers if n not in ckpt.manifest.params):
+                _put(writer, (model_key, name), ckpt.read_buffer(name))
             for name, record in ckpt.manifest.params.items():
-                value = ckpt.read(name, FP32).reshape(record.shape)
+                value = ckpt.read(name, FP32 if record.trainable else VALUE).reshape(record.shape)
                 _put(writer, (model_key, name), value.to(torch_dtype(record.dtype)))
+                if not record.trainable or record.group is None:
+                    continue
                 saved = tables.get(name)
-                group = ckpt.manifest.param_groups[record.group or 0]
+                group = ckpt.manifest.param_groups[record.group]
                 for key in (k for k in record.keys if k != FP32):
                     if saved is None:
                         _put(writer, (optim_key, "state", name, key), ckpt.read(name, key).reshape(record.shape))
