@@ -49,7 +49,7 @@ from ucp_deepspeed.format.manifest import (
 )
 from ucp_deepspeed.format.metadata import FP32, VALUE
 from ucp_deepspeed.format.topology import Topology
-from ucp_deepspeed.format.universal import MANIFEST, FolderReader, decode_value, encode_value
+from ucp_deepspeed.format.universal import MANIFEST, FolderReader, decode_value, encode_value, stream_tensors
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.collective import (
@@ -202,6 +202,12 @@ class _KjtTracker:
 def _assemble(placement: TablePlacement, states: dict[str, str], pieces: list[Any]) -> dict[str, torch.Tensor]:
     """A table's full fp32 weight and states from every rank's shards; each element must come exactly once."""
     rows, cols, split = placement.rows, placement.cols, placement.column_split
+    mine = [piece for rank_pieces in pieces for piece in rank_pieces]
+    if len(placement.shards) == 1 and all(
+        v.numel() == (rows * cols if n == FP32 or states[n] == POINTWISE else rows) for n, _, v in mine
+    ):
+        # one shard holds the whole table (a table-wise one, on its writer): its tensors as they are, with no copy
+        return {n: v.reshape(rows, cols if n == FP32 or states[n] == POINTWISE else 1) for n, _, v in mine}
     out = {FP32: torch.empty(rows, cols)}
     for name, kind in states.items():
         out[name] = torch.empty(rows, cols) if kind == POINTWISE else torch.empty(rows, len(split))
@@ -218,6 +224,18 @@ def _assemble(placement: TablePlacement, states: dict[str, str], pieces: list[An
     short = {k: (n, out[k].numel()) for k, n in filled.items() if n != out[k].numel()}
     if short:
         raise RuntimeError(f"TorchRec table {placement.key}: the ranks hold {short} (elements held, needed)")
+    return out
+
+
+def _writers(tables: dict[str, SavedTable]) -> dict[str, int]:
+    """The rank that writes each table: its owner if one rank holds it, else, of the ranks holding a shard, the one
+    with the fewest bytes to write so far; the same answer on every rank, from the plan alone."""
+    load: dict[int, int] = {}
+    out: dict[str, int] = {}
+    for key, table in sorted(tables.items(), key=lambda kv: len({s.rank for s in kv[1].placement.shards}) > 1):
+        ranks = sorted({s.rank for s in table.placement.shards})
+        out[key] = min(ranks, key=lambda r: (load.get(r, 0), r))
+        load[out[key]] = load.get(out[key], 0) + table.placement.rows * table.placement.cols
     return out
 
 
@@ -360,17 +378,18 @@ class TorchRecCheckpointer:
         saved = {k: SavedTable(placement=p, states=self.states[k]) for k, p in sorted(self.fused.items())}
         groups = self._dense_groups()
         with UniversalWriter(root=out) as writer:
-            # each table goes whole to one writer, the first rank of its shards: a table-wise table's owner holds it
-            # already, so nothing crosses the network for it; every rank then writes its tables at once
+            # each table goes whole to one writer among the ranks that hold a shard of it: a table-wise table's owner
+            # holds it already, so nothing crosses the network for it; every rank then writes its tables at once
             local = compat.dmp_local_weights(self.model, set(self.fused))
             fused_states = compat.dmp_fused_states(self.model)
             held: dict[str, tuple[list[Any], torch.dtype]] = {}
-            for key, placement in saved.items():
+            writers = _writers(saved)
+            for key in saved:
                 # on the host: a piece pickled on one GPU would be unpickled onto that GPU's index on the writer
                 mine = [(FP32, s.offsets, s.tensor.detach().float().cpu()) for s in local[key]]
                 for name, (_, shards) in fused_states.get(key, {}).items():
                     mine += [(name, s.offsets, s.tensor.detach().float().cpu()) for s in shards]
-                pieces = _gather_at(placement.placement.shards[0].rank, mine)
+                pieces = _gather_at(writers[key], mine)
                 if pieces is not None:  # the writer holds a shard: the dtype the kernel keeps the table in
                     held[key] = (pieces, local[key][0].tensor.dtype)
             written: list[tuple[str, FileRecord, ParamRecord]] = []
@@ -424,7 +443,12 @@ class TorchRecCheckpointer:
             chain_step.bits if chosen else None,
         )
         widths = {n: [len(placement.column_split)] for n, k in table.states.items() if k == ROW_WISE}
-        file = writer.files.param(key, table_tensors(full, spec), file=table_file(key))
+        tensors = table_tensors(full, spec)
+        # widest dtype first, as safetensors orders them, so that every tensor starts aligned to its element size
+        order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
+        entries = [(k, tensors[k].dtype, tuple(tensors[k].shape)) for k in order]
+        # streamed: each tensor's bytes go to the file as they are, with their CRCs, and no serialised copy
+        file = stream_tensors(writer.root, table_file(key), entries, tensors.__getitem__)
         record = ParamRecord(
             shape=(placement.rows, placement.cols),
             dtype=dtype_name(dtype),
