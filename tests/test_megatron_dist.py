@@ -36,6 +36,8 @@ MOE = ["--arch", "llama", "--moe"]  # 4 experts, top-2, in every layer
 # the DistributedOptimizer cases, each saved fully_reshardable and dp_reshardable; those in bf16
 DISTRIBUTED = ("distributed", "moe-distributed", "tp-distributed", "pp-distributed", "wd0", "cp2")
 BF16 = ("distributed", "tp-distributed")
+# variants whose claims stay in the matrix, run under -m slow for the default run's budget (about 40 s of its launch)
+SLOW = ("moe-ep1", "tp-distributed", "wd0", "cp2")
 
 
 def _run(
@@ -61,7 +63,7 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
     out = tmp_path_factory.mktemp("mcore")
     mcore = ["--megatron-optimizer"]  # megatron-core's own FP32Optimizer / Float16OptimizerWithFloat16Params
     cases = {
@@ -86,7 +88,25 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         # context parallelism: the model replicated over 2 CP ranks, the optimizer sharded over DP x CP
         "cp2": (["--cp", "2", "--distributed-optimizer"], ["--tp", "2", "--zero", "1"]),
     }
-    return out / "dense", _run(out, cases, dp_reshardable=DISTRIBUTED)
+    default = {c: v for c, v in cases.items() if c not in SLOW}
+    return out / "dense", _run(out, default, dp_reshardable=tuple(c for c in DISTRIBUTED if c not in SLOW)), cases
+
+
+@pytest.fixture(scope="module")
+def slow_saved(saved: tuple[Path, dict, dict]) -> dict:
+    """The cases of `SLOW`, in a launch of their own that `-m slow` pays for."""
+    out, cases = saved[0].parent, {c: v for c, v in saved[2].items() if c in SLOW}
+    return _run(out, cases, dp_reshardable=tuple(c for c in DISTRIBUTED if c in SLOW))
+
+
+def _result(request: pytest.FixtureRequest, saved: tuple[Path, dict, dict], case: str) -> dict:
+    """A case's resume, from the default launch or, for a slow case, from its own."""
+    return request.getfixturevalue("slow_saved")[case] if case.removesuffix("-dp") in SLOW else saved[1][case]
+
+
+def _cases(names: tuple[str, ...]) -> list:
+    """The cases as parameters, the slow ones marked."""
+    return [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in names]
 
 
 def _exact(result: dict, rtol: float = 1e-5, tensors: int = 100) -> None:
@@ -106,20 +126,20 @@ def test_a_bf16_save_resumes_from_its_fp32_copies_at_another_layout(saved):
     _exact(saved[1]["float16"], rtol=1e-3)
 
 
-@pytest.mark.parametrize("case", ["moe", "moe-ep1"])
-def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(saved, case):
+@pytest.mark.parametrize("case", _cases(("moe", "moe-ep1")))
+def test_a_megatron_core_moe_save_resumes_in_deepspeed_at_another_ep_and_stage(saved, request, case):
     """megatron-core at EP=2 (a `ChainedOptimizer`'s dense and expert states, `chained_<i>.` keys) -> DeepSpeed at
     EP=1 x DP=2 ZeRO-1, its experts in a param group of their own; megatron-core at EP=1 (one optimizer, the experts
     in the dense groups, as it marks experts only under expert parallelism) -> DeepSpeed at EP=2, its experts in
     groups split from the dense ones: every expert's states exact, the steps and hyperparameters of the group each
     came from."""
-    result = saved[1][case]
+    result = _result(request, saved, case)
     _exact(result)
     assert result["tensors"] >= 4 * 4 * 2 * 3, result  # 4 layers x 4 experts x 2 weights x 3 states
 
 
-@pytest.mark.parametrize("case", DISTRIBUTED)
-def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_layout(saved, case):
+@pytest.mark.parametrize("case", _cases(DISTRIBUTED))
+def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_layout(saved, request, case):
     """megatron-core's `DistributedOptimizer` (each rank's shard of every state gathered into whole tensors by its
     `fully_reshardable` save: `optimizer.state.param.<key>`, each group's `step` in common.pt): a dense GPT at DP=2
     in bf16 (megatron-core's `Float16Module`; the optimizer's fp32 copies are the fp32 weights) -> DeepSpeed at
@@ -127,21 +147,23 @@ def test_a_distributed_optimizer_save_resumes_in_deepspeed_at_another_layout(sav
     `DistributedOptimizer` saved with Megatron-LM's `chained_optim_avoid_prefix` (no `chained_<i>.` keys) ->
     DeepSpeed at EP=1 ZeRO-1; a llama GPT (gated `linear_fc1`) at TP=2 in bf16 -> DeepSpeed at DP=2 ZeRO-3. Every
     fp32 weight and Adam moment exact, the next losses megatron-core's (bf16 against fp32: within 1e-3)."""
-    _exact(saved[1][case], rtol=1e-3 if case in BF16 else 1e-5, tensors=78)
+    _exact(_result(request, saved, case), rtol=1e-3 if case in BF16 else 1e-5, tensors=78)
 
 
-@pytest.mark.parametrize("case", DISTRIBUTED)
-def test_the_distributed_optimizers_default_format_resumes_in_deepspeed(saved, case):
+@pytest.mark.parametrize("case", _cases(DISTRIBUTED))
+def test_the_distributed_optimizers_default_format_resumes_in_deepspeed(saved, request, case):
     """The same jobs' `dp_reshardable` saves (Megatron-LM's default: flat per-bucket buffers that name no
     parameter) -> DeepSpeed at the same targets: the buckets' layout rebuilt from the stored model and the saving
     args, every fp32 weight and Adam moment `torch.equal` to the optimizer's own shards joined, the next losses."""
-    _exact(saved[1][f"{case}-dp"], rtol=1e-3 if case in BF16 else 1e-5, tensors=78)
+    _exact(_result(request, saved, f"{case}-dp"), rtol=1e-3 if case in BF16 else 1e-5, tensors=78)
 
 
-@pytest.mark.parametrize("case", DISTRIBUTED)
-def test_dp_reshardable_imports_as_fully_reshardable_does(saved, tmp_path, case):
+@pytest.mark.parametrize("case", _cases(DISTRIBUTED))
+def test_dp_reshardable_imports_as_fully_reshardable_does(saved, request, tmp_path, case):
     """One job, both formats: `ucp import-megatron` of its dp_reshardable save gives the universal checkpoint its
     fully_reshardable save gives, bit for bit."""
+    if case in SLOW:
+        request.getfixturevalue("slow_saved")
     folder = saved[0].parent / case
     for name in ("ckpt", "dp_reshardable"):
         assert ucp(["import-megatron", str(folder / name), str(tmp_path / name), "--vocab-size", str(VOCAB)]) == 0

@@ -1,5 +1,6 @@
 """TorchRec's DLRM under `DistributedModelParallel`, saved at 2 ranks through `TorchRecCheckpointer` (whole,
-one-shot and incremental Check-N-Run chains, and 8-bit quantized rows) and resumed at another plan and world size.
+one-shot, incremental and intermittent Check-N-Run chains, and 8-bit quantized rows) and resumed at another plan and
+world size.
 
 Every table (table-wise, column-wise, data-parallel), fused-kernel state (row-wise Adagrad's per-row `momentum1`,
 exact Adagrad's per-element one) and dense Adagrad state gathered right after the load is `torch.equal` to the one
@@ -28,7 +29,7 @@ from ucp_deepspeed.torchrec import TorchRecCheckpointer
 
 JOB = ROOT / "tests" / "workers" / "torchrec_job.py"
 T1, T2, T3 = (f"sparse_arch.embedding_bag_collection.embedding_bags.{t}.weight" for t in ("t1", "t2", "t3"))
-SOURCES = ("full", "one_shot", "incremental", "quantized")
+SOURCES = ("full", "one_shot", "incremental", "intermittent", "quantized")
 
 
 @pytest.fixture(scope="session")

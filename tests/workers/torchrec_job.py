@@ -179,6 +179,7 @@ SOURCES = {
     "full": {},
     "one_shot": {"differential": {"policy": "one_shot"}},
     "incremental": {"differential": {"policy": "incremental"}},
+    "intermittent": {"differential": {"policy": "intermittent"}},
     "quantized": {"differential": {"policy": "one_shot"}, "quantize": {"method": "symmetric", "bits": 8}},
 }
 
