@@ -8,6 +8,8 @@ import contextlib
 import importlib
 from typing import Any
 
+import torch
+
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.safe_pickle import user_allowed
 
@@ -73,6 +75,18 @@ class DcpWriter:
 
         self._put(key, path, item, None)
         self._entries[key] = BytesStorageMetadata()
+
+    def put(self, where: tuple[Any, ...], value: Any) -> None:
+        """Add the entry at `where` (its path in the nested state dict, flattened to its key as DCP flattens it): a
+        tensor as one chunk of a copy of its own (a view would save its whole storage), anything else pickled."""
+        from ucp_deepspeed.io.torch_file import to_bytes
+
+        key = ".".join(str(p) for p in where)
+        if isinstance(value, torch.Tensor):
+            value = value.detach().contiguous().clone()
+            self.tensor(key, where, value, to_bytes(value))
+        else:
+            self.object(key, where, to_bytes(value))
 
     def finish(self) -> None:
         """Close the data file, then write `.metadata`."""

@@ -30,7 +30,6 @@ from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value, encode_value
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.torch_file import to_bytes
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
 from ucp_deepspeed.sources.dcp import DcpCheckpoint, is_dcp_folder
@@ -248,12 +247,7 @@ def export_dcp(
             client = ckpt.load_state().get("client_state") or {}
             named = (((str(k),), v) for k, v in client.items())
             for where, value in [*_entries(ckpt, model_key, optim_key), *named]:
-                key = ".".join(str(p) for p in where)
-                if isinstance(value, torch.Tensor):
-                    value = value.detach().contiguous().clone()  # a view would save its whole storage
-                    writer.tensor(key, where, value, to_bytes(value))
-                else:
-                    writer.object(key, where, to_bytes(value))
+                writer.put(where, value)
         except BaseException:
             writer.abort()
             raise

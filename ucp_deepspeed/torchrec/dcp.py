@@ -33,7 +33,6 @@ from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import decode_value, encode_value, torch_dtype
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.torch_file import to_bytes
 from ucp_deepspeed.sources.dcp import DcpCheckpoint
 from ucp_deepspeed.torchrec.checkpointer import POINTWISE, ROW_WISE, SECTION, SavedTable, state_kind
 
@@ -265,17 +264,17 @@ def export_dcp(save_dir: str, tag: str, output: str, *, model_key: str = "model"
         writer = compat.DcpWriter(output)
         try:
             for name in (n for n in ckpt.manifest.buffers if n not in ckpt.manifest.params):
-                _put(writer, (model_key, name), ckpt.read_buffer(name))
+                writer.put((model_key, name), ckpt.read_buffer(name))
             for name, record in ckpt.manifest.params.items():
                 value = ckpt.read(name, FP32 if record.trainable else VALUE).reshape(record.shape)
-                _put(writer, (model_key, name), value.to(torch_dtype(record.dtype)))
+                writer.put((model_key, name), value.to(torch_dtype(record.dtype)))
                 if not record.trainable or record.group is None:
                     continue
                 saved = tables.get(name)
                 group = ckpt.manifest.param_groups[record.group]
                 for key in (k for k in record.keys if k != FP32):
                     if saved is None:
-                        _put(writer, (optim_key, "state", name, key), ckpt.read(name, key).reshape(record.shape))
+                        writer.put((optim_key, "state", name, key), ckpt.read(name, key).reshape(record.shape))
                         continue
                     n = len(saved.placement.column_split)
                     stored = ckpt.read(name, key)
@@ -283,23 +282,14 @@ def export_dcp(save_dir: str, tag: str, output: str, *, model_key: str = "model"
                         stored = stored.reshape(record.shape[0], n).t().reshape(-1)
                     else:
                         stored = stored.reshape(record.shape)
-                    _put(writer, (optim_key, "state", name, f"{saved.placement.table}.{key}"), stored)
+                    writer.put((optim_key, "state", name, f"{saved.placement.table}.{key}"), stored)
                 if saved is None and len(record.keys) > 1:
                     for k, v in group.scalars.items():
-                        _put(writer, (optim_key, "state", name, k), decode_value(v))
+                        writer.put((optim_key, "state", name, k), decode_value(v))
             for k, v in (ckpt.load_state().get("client_state") or {}).items():
-                _put(writer, (str(k),), v)
+                writer.put((str(k),), v)
         except BaseException:
             writer.abort()
             raise
         writer.finish()
     return output
-
-
-def _put(writer: Any, where: tuple[Any, ...], value: Any) -> None:
-    key = ".".join(str(p) for p in where)
-    if isinstance(value, torch.Tensor):
-        value = value.detach().contiguous().clone()  # a view would save its whole storage
-        writer.tensor(key, where, value, to_bytes(value))
-    else:
-        writer.object(key, where, to_bytes(value))
