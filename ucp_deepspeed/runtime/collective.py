@@ -135,6 +135,17 @@ def to_rank0(obj: Any) -> list[Any] | None:
     return gathered
 
 
+def gather_at(obj: Any, dst: int) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank `dst` (its own not sent) and None elsewhere: a piece goes only to
+    the rank that acts on it (collective)."""
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
+    dist.gather_object(None if rank == dst else obj, gathered, dst=dst, group=_group())
+    if gathered is not None:
+        gathered[dst] = obj
+    return gathered
+
+
 def from_rank0(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (collective)."""
     box = [obj if dist.get_rank() == 0 else None]

@@ -59,6 +59,7 @@ from ucp_deepspeed.runtime.collective import (
     every_rank,
     failure_of,
     from_rank0,
+    gather_at,
     guarded,
     to_rank0,
 )
@@ -239,17 +240,6 @@ def _writers(tables: dict[str, SavedTable]) -> dict[str, int]:
     return out
 
 
-def _gather_at(dst: int, mine: list[Any]) -> list[Any] | None:
-    """Every rank's `mine` on rank `dst` (its own not sent) and None elsewhere (collective)."""
-    rank = dist.get_rank()
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
-    dist.gather_object(None if rank == dst else mine, gathered, dst=dst)
-    if gathered is None:
-        return None
-    gathered[dst] = mine
-    return gathered
-
-
 class TorchRecCheckpointer:
     """Saves and loads one TorchRec job's universal checkpoints (collective: every rank calls each method).
 
@@ -389,7 +379,7 @@ class TorchRecCheckpointer:
                 mine = [(FP32, s.offsets, s.tensor.detach().float().cpu()) for s in local[key]]
                 for name, (_, shards) in fused_states.get(key, {}).items():
                     mine += [(name, s.offsets, s.tensor.detach().float().cpu()) for s in shards]
-                pieces = _gather_at(writers[key], mine)
+                pieces = gather_at(mine, writers[key])
                 if pieces is not None:  # the writer holds a shard: the dtype the kernel keeps the table in
                     held[key] = (pieces, local[key][0].tensor.dtype)
             written: list[tuple[str, FileRecord, ParamRecord]] = []
