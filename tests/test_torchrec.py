@@ -248,7 +248,7 @@ def _edit(manifest: Path, change) -> None:
         "group-null",
         "group-range",
         "lr",
-        "table-record",
+        "widths",
         "params",
         "dense-type",
     ],
