@@ -21,6 +21,8 @@ new baseline, so a chain never spans two runs of different layouts.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -111,6 +113,18 @@ class ChainPolicy:
             "changed_fraction": _fraction(changed) if changed else None,
         }
         return ChainStep(kind=kind, rows=rows, chain=chain, chain_ids=ids, bits=bits, section=section)
+
+    @contextlib.contextmanager
+    def saving(self, changed: dict[str, torch.Tensor], tag: str, save_id: str) -> Iterator[ChainStep]:
+        """What save `tag` holds (`step`), for the block that writes it: a block that finishes ends the chain there
+        (`saved`), one that raises makes the next save a baseline (`abandoned`)."""
+        step = self.step(changed, tag, save_id)
+        try:
+            yield step
+        except BaseException:
+            self.abandoned()
+            raise
+        self.saved(step)
 
     def saved(self, step: ChainStep) -> None:
         """After `step` was written on every rank: it ends the chain the next save builds on."""
@@ -209,17 +223,12 @@ class DifferentialSaver:
         data_loaders: list[dict[str, Any]] | None = None,
     ) -> int:
         """Write checkpoint `tag` under the policy (collective); returns the bytes written (rank 0)."""
-        step = self.policy.step(self.tracker.take() if self.tracker is not None else {}, tag, save_id)
-        tables = {self.names[m]: TableSave(step.rows.get(m), self.policy.method, step.bits) for m in self.names}
-        try:
+        with self.policy.saving(self.tracker.take() if self.tracker is not None else {}, tag, save_id) as step:
+            tables = {self.names[m]: TableSave(step.rows.get(m), self.policy.method, step.bits) for m in self.names}
             out = start_tag(save_dir, tag)
             extra = {"save_id": save_id, "differential": step.section}
             _, nbytes = write_live(engine, out, client_state, tables, extra, data_loaders)
             end_tag(save_dir, tag, save_latest)
-        except BaseException:
-            self.policy.abandoned()
-            raise
-        self.policy.saved(step)
         return nbytes
 
     def restored(self, manifest: Manifest | None) -> None:

@@ -349,15 +349,9 @@ class TorchRecCheckpointer:
         self._saves += 1
         save_id = f"{self._run}-{self._saves}"
         changed = self.tracker.take() if self.tracker is not None else {}
-        chain_step = self.policy.step(changed, tag, save_id)
-        try:
-            with coordinated(self._group()):
-                out = self._write(save_dir, tag, chain_step, save_id, step, client_state or {})
-                end_tag(save_dir, tag, save_latest)
-        except BaseException:
-            self.policy.abandoned()
-            raise
-        self.policy.saved(chain_step)
+        with self.policy.saving(changed, tag, save_id) as chain_step, coordinated(self._group()):
+            out = self._write(save_dir, tag, chain_step, save_id, step, client_state or {})
+            end_tag(save_dir, tag, save_latest)
         return out
 
     def _write(
