@@ -127,3 +127,22 @@ def test_a_damaged_gap_fails_the_check_without_a_second_read(archive):
         tfile.check_reads()
     assert counted.data_bytes + counted.metadata_bytes == 0
     tfile.close()
+
+
+def test_a_save_id_is_stamped_only_on_a_torch_archive_that_is_there(tmp_path):
+    """The stamp appends a record to an archive a writer finished. It once opened the file in zip append mode, which
+    creates a missing file (a 22-byte empty zip under FastPersist's unsuffixed name) and appends an empty archive to
+    a file that is not one; now it refuses both, naming the file, and writes nothing."""
+    from ucp_deepspeed.io.torch_file import save_id_of, stamp
+
+    missing, other, archive = tmp_path / "missing.pt", tmp_path / "other.pt", tmp_path / "archive.pt"
+    with pytest.raises(CheckpointError, match="missing.pt: missing"):
+        stamp(str(missing), "s1")
+    assert not missing.exists()
+    other.write_bytes(b"not an archive")
+    with pytest.raises(CheckpointError, match="no zip directory"):
+        stamp(str(other), "s1")
+    assert other.read_bytes() == b"not an archive"
+    torch.save({"a": torch.ones(2)}, archive)
+    stamp(str(archive), "s1")
+    assert save_id_of(str(archive)) == "s1"

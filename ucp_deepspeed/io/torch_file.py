@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import io
 import math
+import os
 import struct
 import threading
 import types
@@ -586,10 +587,27 @@ def stamp(target: str | IO[bytes], save_id: str) -> None:
     the other files of its save.
 
     The record is appended after torch's records and the zip directory is rewritten after it;
-    `torch.load` reads the archive as before and ignores the record.
+    `torch.load` reads the archive as before and ignores the record. A file is fsynced after it (a writer that
+    wrote it in another process may have left it unsynced), and one that is missing is never created.
     """
-    name = target if isinstance(target, str) else "<archive in memory>"
-    with zipfile.ZipFile(target, "a") as zf:
+    if not isinstance(target, str):
+        _add_save_id(target, "<archive in memory>", save_id)
+        return
+    try:
+        f = open(target, "r+b")
+    except FileNotFoundError:
+        raise CheckpointError(target, "missing: the checkpoint writer did not write it") from None
+    with f:
+        _add_save_id(f, target, save_id)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _add_save_id(archive: IO[bytes], name: str, save_id: str) -> None:
+    if not zipfile.is_zipfile(archive):  # append mode would add an empty archive after whatever it is
+        raise CheckpointError(name, "not a torch.save archive (no zip directory); cannot record the save id")
+    archive.seek(0)
+    with zipfile.ZipFile(archive, "a") as zf:
         pkl = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
         if pkl is None:
             raise CheckpointError(name, "not a torch.save archive (no data.pkl); cannot record the save id")
