@@ -398,6 +398,20 @@ def test_checkpoint_writes(zero12, monkeypatch):
             engine.destroy()
 
 
+def test_fastpersist_parts_are_whole_archives(tmp_path):
+    """`written_suffix` renames each FastPersist part to DeepSpeed's name because each is the whole archive: torch
+    writes through the writer's `write` and never hands it the storages to split over its writers
+    (`save_torch_storage_object_list`), which a patched torch does. A torch that calls it breaks this."""
+    import inspect
+
+    import torch.serialization
+
+    assert "save_torch_storage_object_list" not in inspect.getsource(torch.serialization)
+    from deepspeed.io import FastFileWriter
+
+    assert hasattr(FastFileWriter, "save_torch_storage_object_list")  # the hook a patched torch would call
+
+
 def test_data_sampler(zero3, tmp_path):
     """DeepSpeed's curriculum sampler is found on an engine that has one, and its state and generator, put back,
     draw the same next batch again."""

@@ -21,3 +21,9 @@ if _PROBED:
 
     _info = json.loads(_PROBED)
     cpuinfo.get_cpu_info = lambda: dict(_info)
+
+# a decoupled FastPersist writer's spawned process needs the CPU shims its parent applied (tests/fastpersist_cpu.py)
+if os.environ.get("UCP_TEST_FASTPERSIST"):
+    import fastpersist_cpu
+
+    fastpersist_cpu.enable()

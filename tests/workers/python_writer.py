@@ -1,11 +1,14 @@
 """Save one engine many times through DeepSpeed's python writer (`"checkpoint": {"writer": {"type": "python",
 "data_parallel": "replica"}}`), under which every data-parallel rank writes the replicated model-states file, then
-check every tag and resume the last one at this launch's size from another's.
+check every tag and resume the last one at this launch's size from another's. The same launch then does it again
+through FastPersist (`"type": "fast"`, with tests/fastpersist_cpu.py's shims), whose data-parallel writers each write
+their own `<file>-<rank>.<writers>`.
 
-    save --out DIR --saves N   train a step, save N tags (s0 ... s<N-1>) in a row, each followed by a step; rank 0
-                               then verifies every tag (`ucp verify`: each file's save id and CRCs)
-    load --out DIR             load DIR's newest tag (saved at another size) and compare its fp32 weights and Adam
-                               states with the saving launch's snapshot
+    save --out DIR --saves N --fast K   train a step, save N tags (s0 ... s<N-1>) in a row, each followed by a step;
+                                        then a fresh engine saves K tags into DIR/fast through FastPersist; rank 0
+                                        verifies every tag (`ucp verify`: each file's save id and CRCs)
+    load --out DIR                      load the newest tag of DIR and of DIR/fast (saved at another size) and compare
+                                        fp32 weights and Adam states with the saving launch's snapshots
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 import ucp_deepspeed
 from ucp_deepspeed.tools.cli import main as ucp
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import fastpersist_cpu
+
 WIDTH = 512  # 0.5M parameters: a 2 MB model-states file, written by both ranks at once
 
 
-def engine() -> deepspeed.DeepSpeedEngine:
+def engine(writer: str) -> deepspeed.DeepSpeedEngine:
     # DeepSpeed's writer config reads the launcher's machine layout, which torchrun does not export (one node)
     for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": os.environ["LOCAL_WORLD_SIZE"]}.items():
         os.environ.setdefault(key, value)
@@ -37,7 +43,7 @@ def engine() -> deepspeed.DeepSpeedEngine:
         "zero_optimization": {"stage": 1},
         "checkpoint": {
             "universal": {"enabled": True, "progress": False},
-            "writer": {"type": "python", "io_buffer_size": 1048576, "data_parallel": "replica"},
+            "writer": {"type": writer, "io_buffer_size": 1048576, "data_parallel": "replica"},
         },
     }
     built, *_ = ucp_deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
@@ -64,33 +70,52 @@ def snapshot(model: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
     return out
 
 
+def save(writer: str, out: str, saves: int) -> None:
+    """Train a step, then `saves` saves each followed by a step; rank 0 keeps the last one's snapshot and verifies
+    every tag."""
+    model = engine(writer)
+    step(model)
+    for i in range(saves):
+        if i == saves - 1:
+            reference = snapshot(model)
+        model.save_checkpoint(out, tag=f"s{i}")
+        step(model)
+    if dist.get_rank() == 0:
+        torch.save(reference, os.path.join(out, "reference.pt"))
+        failed = [i for i in range(saves) if ucp(["verify", os.path.join(out, f"s{i}")]) != 0]
+        if failed:
+            sys.exit(f"{writer} writer: tags {failed} of {saves} do not verify")
+
+
+def load(out: str) -> None:
+    """Resume `out`'s newest tag at this size and compare every state with the saving launch's snapshot."""
+    model = engine("python")
+    model.load_checkpoint(out)
+    assert model.ucp_last_load.mode == "resharded", model.ucp_last_load
+    got, saved = snapshot(model), torch.load(os.path.join(out, "reference.pt"))
+    differ = sorted(k for k in saved if not torch.equal(saved[k], got[k]))
+    if differ:
+        sys.exit(f"{out}: restored state differs: {differ}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "load"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--saves", type=int, default=1)
+    parser.add_argument("--fast", type=int, default=0)
     args = parser.parse_args()
+    fastpersist_cpu.enable()
     deepspeed.init_distributed(dist_backend="gloo")
-    model = engine()
+    fast = os.path.join(args.out, "fast")
     if args.mode == "save":
-        step(model)
-        for i in range(args.saves):
-            if i == args.saves - 1:
-                reference = snapshot(model)
-            model.save_checkpoint(args.out, tag=f"s{i}")
-            step(model)
-        if dist.get_rank() == 0:
-            torch.save(reference, os.path.join(args.out, "reference.pt"))
-            failed = [i for i in range(args.saves) if ucp(["verify", os.path.join(args.out, f"s{i}")]) != 0]
-            if failed:
-                sys.exit(f"tags {failed} of {args.saves} do not verify")
+        save("python", args.out, args.saves)
+        if args.fast:
+            save("fast", fast, args.fast)
     else:
-        model.load_checkpoint(args.out)
-        assert model.ucp_last_load.mode == "resharded", model.ucp_last_load
-        got, saved = snapshot(model), torch.load(os.path.join(args.out, "reference.pt"))
-        differ = sorted(k for k in saved if not torch.equal(saved[k], got[k]))
-        if differ:
-            sys.exit(f"restored state differs: {differ}")
+        load(args.out)
+        if os.path.isdir(fast):
+            load(fast)
     dist.barrier()
     dist.destroy_process_group()
 

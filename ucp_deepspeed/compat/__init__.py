@@ -59,6 +59,7 @@ from ucp_deepspeed.compat.deepspeed import (
     store_recovery_scripts,
     trains,
     ulysses_outside_zero,
+    written_suffix,
     zero_world_size,
 )
 from ucp_deepspeed.compat.lightning import lightning_deepspeed_strategy, run_ended_normally, strategy_engine
@@ -245,6 +246,7 @@ __all__ = [
     "ulysses_outside_zero",
     "update_lp_params",
     "user_safe_globals",
+    "written_suffix",
     "zero3_fragment",
     "zero3_partition",
     "zero3_partition_numel",

@@ -159,11 +159,11 @@ class Writes(enum.Enum):
     """How a checkpoint engine writes a file it is asked to save, on this rank."""
 
     WHOLE = "whole"
-    """Now, whole, at the path given: torch's engine and DeepSpeed's python writer."""
+    """Now, whole, at the path given (or at `written_path`): torch's engine, DeepSpeed's python and fast writers."""
     NOTHING = "nothing"
     """Not at all: DeepSpeed's writer config gives this rank no writer, or a mock one."""
     LATER = "later"
-    """Later or elsewhere: a decoupled writer's process, FastPersist's parts, an engine this package does not know."""
+    """Later or elsewhere: a decoupled writer's process, an engine this package does not know."""
 
 
 def checkpoint_writes(ce: Any) -> Writes:
@@ -178,8 +178,38 @@ def checkpoint_writes(ce: Any) -> Writes:
         writer = ce._writer
         if writer is None or writer._type == CheckpointWriterType.MOCK:
             return Writes.NOTHING
-        return Writes.WHOLE if writer._type == CheckpointWriterType.PYTHON else Writes.LATER
+        return Writes.WHOLE
     return Writes.LATER
+
+
+def written_suffix(engine: Engine) -> str:
+    """What the engine's checkpoint engine adds to the name of each file it is asked to save, so a save can give the
+    file DeepSpeed's name: FastPersist's data-parallel writers (`"writer": {"type": "fast"}` at ZeRO-0/1/2, decoupled
+    or not) write `<path>-<writer rank>.<writers>`, every other writer `path` itself. On torch 2.13 each such file
+    is the whole archive: torch never hands the writer its storages to split (`save_torch_storage_object_list`),
+    which the canary test checks."""
+    from deepspeed.runtime.checkpoint_engine.decoupled_checkpoint_engine import DecoupledCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.fast_checkpoint_engine import FastCheckpointEngine
+    from deepspeed.runtime.model_checkpointing.constants import (
+        CHECKPOINT_IO_MULTIPLIER,
+        CHECKPOINT_WRITER,
+        CHECKPOINT_WRITER_TYPE,
+        CheckpointWriterType,
+    )
+
+    ce = getattr(engine.checkpoint_engine, "inner", engine.checkpoint_engine)  # under our binding or not
+    writer = engine_config(engine).checkpoint_config.get(CHECKPOINT_WRITER)
+    if writer is None or writer[CHECKPOINT_WRITER_TYPE] != CheckpointWriterType.FAST:
+        return ""
+    if type(ce) is FastCheckpointEngine:
+        dp = None if ce._writer is None else ce._writer._data_parallel_writer
+    elif type(ce) is DecoupledCheckpointEngine:
+        dp = ce.dp_writer_config
+    else:
+        return ""
+    if dp is None or not ce.optimize_dp_state:
+        return ""
+    return f"-{dp.rank}.{dp.world_size * writer[CHECKPOINT_IO_MULTIPLIER]}"
 
 
 def trains(engine: Engine) -> bool:

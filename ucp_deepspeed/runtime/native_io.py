@@ -8,13 +8,15 @@ whichever engine the config picks: torch's, the python writer, a decoupled write
 another process after `save` returns, or our asynchronous one. `bind` puts one `BoundEngine` in front
 of it:
 
-- save: a file the engine writes at once, whole (torch's engine, DeepSpeed's python writer), is written under a
-  temporary name of this rank's, gets the current save id (`torch_file.stamp`), which our metadata for the tag also
-  records, and is renamed into place: DeepSpeed's python writer has every data-parallel writer write the same
-  replicated model-states file, and no rank may read or stamp a file another is still writing. A file an engine
-  writes later or elsewhere (a decoupled writer's process) is remembered with the save id and stamped at `commit`,
-  once every rank's engine has finished its files, by one rank per file (an engine that `stamps_itself`, ours,
-  stamps each file before it appears);
+- save: a file the engine writes at once, whole (torch's engine, DeepSpeed's python and fast writers), is written
+  under a temporary name of this rank's (FastPersist's data-parallel writers add `-<rank>.<writers>` to it, which
+  the rename drops, so the tag holds DeepSpeed's names), gets the current save id (`torch_file.stamp`), which our
+  metadata for the tag also records, and is renamed into place: DeepSpeed's python writer has every data-parallel
+  writer write the same replicated model-states file, and no rank may read or stamp a file another is still
+  writing. A file an engine writes later or elsewhere (a decoupled writer's process) is remembered with the save id
+  and stamped at `commit`, once every rank's engine has finished its files, by one rank per file (a FastPersist
+  part by its own rank, which renames it to DeepSpeed's name; an engine that `stamps_itself`, ours, stamps each file
+  before it appears);
 - load: `torch.load(weights_only=True)` with only DeepSpeed's own checkpoint classes allowed
   (and those the user names in `UCP_ALLOW_PICKLE`), reading through `VerifyingReader` so every
   record torch reads is checked against its CRC-32, and refusing a file whose save id differs from
@@ -131,8 +133,9 @@ class BoundEngine:
     docstring). Everything else DeepSpeed asks of it (`create`, `is_decoupled`, `get_commit_info`, `makedirs`,
     `is_data_parallel_writer`, `cleanup`, ...) is the wrapped engine's own."""
 
-    def __init__(self, inner: Any, guard: Guard):
+    def __init__(self, inner: Any, guard: Guard, suffix: str = ""):
         self.inner, self.ucp_guard = inner, guard
+        self.suffix = suffix  # what the engine adds to each name (FastPersist's parts); the save drops it
         self._written: list[tuple[str, str]] = []  # (path, save id) of files saved but not yet committed
         if getattr(inner, "stamps_itself", False):
             inner.ucp_guard = guard
@@ -162,7 +165,13 @@ class BoundEngine:
         writes = compat.checkpoint_writes(self.inner)
         if writes is compat.Writes.WHOLE:
             with atomic_path(path) as tmp:  # this rank's own file, whole and stamped before it takes the name
-                self.inner.save(state_dict, tmp)
+                try:
+                    self.inner.save(state_dict, tmp)
+                    if self.suffix:
+                        st.rename_local(tmp + self.suffix, tmp)
+                finally:
+                    if self.suffix and st.exists(tmp + self.suffix):
+                        st.delete(tmp + self.suffix)
                 if guard.save_id:
                     stamp(tmp, guard.save_id)
             return
@@ -178,7 +187,7 @@ class BoundEngine:
             finished = uploaded() if callable(uploaded) else []
             result = self.inner.commit(info)
             written, self._written = self._written, []
-            _stamp_once(written)
+            _stamp_once(written, self.suffix)
             if st.is_url(str(info.save_dir)):
                 self._commit_to_store(info, finished)
         return result
@@ -201,10 +210,12 @@ class BoundEngine:
         return safe_load(path, map_location, expected, guard.verify, guard.damaged)
 
 
-def _stamp_once(written: list[tuple[str, str]]) -> None:
+def _stamp_once(written: list[tuple[str, str]], suffix: str) -> None:
     """Give each file written later (by a decoupled writer's process) its save id, once every rank's engine has
     committed, so every file of the save is whole: a file several ranks wrote (the replicated model states) by the
-    first of them alone; a failure on any rank fails the commit on every rank (collective)."""
+    first of them alone. A file the writer named with a `suffix` (FastPersist's `-<rank>.<writers>`, this rank's
+    own) is stamped by this rank and takes the name DeepSpeed asked for. A failure on any rank fails the commit on
+    every rank (collective)."""
     everyone = every_rank(written)
     first: dict[str, int] = {}
     for rank, files in enumerate(everyone):
@@ -213,7 +224,10 @@ def _stamp_once(written: list[tuple[str, str]]) -> None:
     failure = None
     try:
         for path, save_id in written:
-            if first[path] == tdist.get_rank():
+            if suffix:
+                stamp(path + suffix, save_id)
+                st.rename_local(path + suffix, path)
+            elif first[path] == tdist.get_rank():
                 stamp(path, save_id)
     except Exception as exc:
         failure = failure_of(exc)
@@ -252,7 +266,7 @@ def bind(engine: Engine, verify: bool = True) -> Guard:
             '"checkpoint_serialization": false from the DeepSpeed config'
         )
     guard = Guard(verify)
-    engine.checkpoint_engine = BoundEngine(ce, guard)
+    engine.checkpoint_engine = BoundEngine(ce, guard, compat.written_suffix(engine))
     return guard
 
 
