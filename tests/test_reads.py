@@ -146,3 +146,28 @@ def test_a_save_id_is_stamped_only_on_a_torch_archive_that_is_there(tmp_path):
     torch.save({"a": torch.ones(2)}, archive)
     stamp(str(archive), "s1")
     assert save_id_of(str(archive)) == "s1"
+
+
+def test_a_file_fastpersist_stored_in_parts_is_read_under_its_name(tmp_path):
+    """FastPersist's data-parallel writers store `<name>-<writer rank>.<writers>`: a missing `..._states.pt` is found
+    under its lowest writer's part (numerically: 2 before 10), a listing names it once as DeepSpeed does, a file
+    written under the name itself wins, and other names are never looked up."""
+    from ucp_deepspeed.io import storage as st
+
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    for rank, data in ((10, b"ten"), (2, b"two")):
+        (tag / f"mp_rank_00_model_states.pt-{rank}.12").write_bytes(data)
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt-1.2").write_bytes(b"own")
+    (tag / "notes.txt-0.1").write_bytes(b"x")
+    model = str(tag / "mp_rank_00_model_states.pt")
+    assert st.isfile(model) and st.read(model) == b"two" and st.size(model) == 3
+    assert st.listdir(str(tag)) == [
+        "mp_rank_00_model_states.pt",
+        "notes.txt-0.1",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    assert st.in_parts(str(tag)) and not st.exists(str(tag / "notes.txt"))
+    assert not st.isfile(str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"whole")
+    assert st.read(model) == b"whole"

@@ -22,7 +22,7 @@ from deepspeed.ops.op_builder import AsyncIOBuilder
 from fastpersist_cpu import FAST
 from inprocess import build, differences, state, train
 
-from ucp_deepspeed import CheckpointError, compat, prune
+from ucp_deepspeed import compat, prune
 
 # writer -> (ZeRO stage of the saving engine, checkpoint config beside "universal")
 WRITERS = {
@@ -77,10 +77,10 @@ def test_a_writers_save_resumes_exactly(one_rank, tmp_path, monkeypatch, writer)
     assert differences(saved["counters"], state(resharded)["counters"]) == []
 
 
-def test_fastpersist_parts_saved_without_us_are_refused_by_name(one_rank, tmp_path, monkeypatch):
-    """Plain DeepSpeed's FastPersist save at ZeRO-1 leaves only `<file>-0.1` parts (DeepSpeed's own load asks for
-    `<file>`): the load refuses naming them and the way out, the engine as it was; the way out, a copy with each part
-    renamed, resumes exactly."""
+def test_a_fastpersist_save_written_without_us_resumes_exactly(one_rank, tmp_path, monkeypatch):
+    """Plain DeepSpeed's FastPersist save at ZeRO-1 leaves only `<file>-0.1` parts, which DeepSpeed's own load does not
+    find (it asks for `<file>`); every read here finds each file under its part name, so the tag resumes at its own
+    layout (through our reader, not DeepSpeed's load) and at ZeRO-2, every state exact, the folder untouched."""
     for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)
     fastpersist(monkeypatch)
@@ -89,20 +89,21 @@ def test_fastpersist_parts_saved_without_us_are_refused_by_name(one_rank, tmp_pa
     saved = state(source)
     source.save_checkpoint(str(tmp_path / "ckpt"))
     tag = tmp_path / "ckpt" / "global_step2"
-    assert sorted(p.name for p in tag.iterdir()) == [
+    written = sorted((p.name, p.stat().st_mtime_ns) for p in tag.iterdir())
+    assert [name for name, _ in written] == [
         "mp_rank_00_model_states.pt-0.1",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt-0.1",
     ]
-    target = build(2, seed=1)
-    before = state(target)
-    with pytest.raises(CheckpointError, match="FastPersist writer without ucp_deepspeed.*renamed"):
-        target.load_checkpoint(str(tmp_path / "ckpt"))
-    assert differences(before, state(target)) == []
-    for part in tag.iterdir():
-        part.rename(tag / part.name.rsplit("-", 1)[0])
-    target.load_checkpoint(str(tmp_path / "ckpt"))
-    assert target.ucp_last_load.mode == "resharded"
-    assert differences(saved["module"], state(target)["module"]) == []
+    same = build(1, seed=1)
+    same.load_checkpoint(str(tmp_path / "ckpt"))
+    assert same.ucp_last_load.mode == "resharded"
+    assert differences(saved, state(same)) == []
+    other = build(2, seed=1)
+    other.load_checkpoint(str(tmp_path / "ckpt"))
+    assert other.ucp_last_load.mode == "resharded"
+    assert differences(saved["module"], state(other)["module"]) == []
+    assert differences(saved["counters"], state(other)["counters"]) == []
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tag.iterdir()) == written
 
 
 def fastpersist(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,6 +174,13 @@ def test_fastpersist_parts_take_deepspeed_names_at_two_ranks(python_writer_saves
             "zero_pp_rank_1_mp_rank_00_optim_states.pt",
         ]
         assert all(n.endswith((".pt", ".json")) for n in names), names
+    # the same by plain DeepSpeed: its parts stay as written, and the resume at 1 rank (slow) reads them
+    assert sorted(p.name for p in (python_writer_saves / "fast-plain" / "s0").iterdir()) == [
+        "mp_rank_00_model_states.pt-0.2",
+        "mp_rank_00_model_states.pt-1.2",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt-0.2",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt-1.2",
+    ]
 
 
 @pytest.mark.slow

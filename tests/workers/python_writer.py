@@ -2,13 +2,16 @@
 "data_parallel": "replica"}}`), under which every data-parallel rank writes the replicated model-states file, then
 check every tag and resume the last one at this launch's size from another's. The same launch then does it again
 through FastPersist (`"type": "fast"`, with tests/fastpersist_cpu.py's shims), whose data-parallel writers each write
-their own `<file>-<rank>.<writers>`.
+their own `<file>-<rank>.<writers>`, and once more through FastPersist by plain DeepSpeed (without `universal`), whose
+tag keeps those names.
 
     save --out DIR --saves N --fast K   train a step, save N tags (s0 ... s<N-1>) in a row, each followed by a step;
-                                        then a fresh engine saves K tags into DIR/fast through FastPersist; rank 0
-                                        verifies every tag (`ucp verify`: each file's save id and CRCs)
-    load --out DIR                      load the newest tag of DIR and of DIR/fast (saved at another size) and compare
-                                        fp32 weights and Adam states with the saving launch's snapshots
+                                        then a fresh engine saves K tags into DIR/fast through FastPersist, and one
+                                        without `universal` one into DIR/fast-plain; rank 0 verifies every tag (`ucp
+                                        verify`: each file's save id and CRCs)
+    load --out DIR                      load the newest tag of DIR, DIR/fast and DIR/fast-plain (saved at another
+                                        size) and compare fp32 weights and Adam states with the saving launch's
+                                        snapshots
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import fastpersist_cpu
 WIDTH = 512  # 0.5M parameters: a 2 MB model-states file, written by both ranks at once
 
 
-def engine(writer: str) -> deepspeed.DeepSpeedEngine:
+def engine(writer: str, universal: bool = True) -> deepspeed.DeepSpeedEngine:
     # DeepSpeed's writer config reads the launcher's machine layout, which torchrun does not export (one node)
     for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": os.environ["LOCAL_WORLD_SIZE"]}.items():
         os.environ.setdefault(key, value)
@@ -42,7 +45,7 @@ def engine(writer: str) -> deepspeed.DeepSpeedEngine:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 1},
         "checkpoint": {
-            "universal": {"enabled": True, "progress": False},
+            "universal": {"enabled": universal, "progress": False},
             "writer": {"type": writer, "io_buffer_size": 1048576, "data_parallel": "replica"},
         },
     }
@@ -70,10 +73,10 @@ def snapshot(model: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(writer: str, out: str, saves: int) -> None:
-    """Train a step, then `saves` saves each followed by a step; rank 0 keeps the last one's snapshot and verifies
-    every tag."""
-    model = engine(writer)
+def save(writer: str, out: str, saves: int, universal: bool = True) -> None:
+    """Train a step, then `saves` saves each followed by a step (by plain DeepSpeed without `universal`); rank 0 keeps
+    the last one's snapshot and verifies every tag."""
+    model = engine(writer, universal)
     step(model)
     for i in range(saves):
         if i == saves - 1:
@@ -107,15 +110,17 @@ def main() -> None:
     args = parser.parse_args()
     fastpersist_cpu.enable()
     deepspeed.init_distributed(dist_backend="gloo")
-    fast = os.path.join(args.out, "fast")
+    fast, plain = os.path.join(args.out, "fast"), os.path.join(args.out, "fast-plain")
     if args.mode == "save":
         save("python", args.out, args.saves)
         if args.fast:
             save("fast", fast, args.fast)
+            save("fast", plain, 1, universal=False)
     else:
         load(args.out)
-        if os.path.isdir(fast):
-            load(fast)
+        for folder in (fast, plain):
+            if os.path.isdir(folder):
+                load(folder)
     dist.barrier()
     dist.destroy_process_group()
 

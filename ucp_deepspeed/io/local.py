@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -17,6 +18,35 @@ from ucp_deepspeed.io.blob import Blob, views_after
 from ucp_deepspeed.io.stats import record
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+# DeepSpeed's FastPersist writer (`"writer": {"type": "fast"}`) stores each file of a data-parallel save (ZeRO-0/1/2)
+# as `<name>-<writer rank>.<writers>`, on torch 2.13 the whole file under each such name, while DeepSpeed's own load
+# asks for `<name>`: a read of a missing `..._states.pt` finds it under its part name, and a listing gives it its name
+_PART = re.compile(r"(.+_states\.pt)-([0-9]+)\.([0-9]+)")
+
+
+def stored(path: str) -> str:
+    """Where the local file `path` is: itself, or the lowest writer's FastPersist part when only parts were written."""
+    if not path.endswith("_states.pt") or os.path.lexists(path):
+        return path
+    folder, name = os.path.split(path)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return path
+    parts = sorted((int(m.group(2)), n) for n in names if (m := _PART.fullmatch(n)) and m.group(1) == name)
+    return os.path.join(folder, parts[0][1]) if parts else path
+
+
+def holds_parts(folder: str) -> bool:
+    """Whether a local folder holds files that only FastPersist's part names name (see `stored`)."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return any((m := _PART.fullmatch(n)) and m.group(1) not in names for n in names)
+
+
+def name_of(part: str) -> str:
+    """The name DeepSpeed gave a file its FastPersist writer stored as `part` (any other name as it is)."""
+    found = _PART.fullmatch(part)
+    return found.group(1) if found else part
 
 
 class LocalBlob(Blob):
@@ -67,7 +97,7 @@ class LocalStorage(Storage):
     """The local filesystem: `preadv` on a descriptor, atomic writes by fsync and rename."""
 
     def open(self, path: str) -> Blob:
-        return LocalBlob(path)
+        return LocalBlob(stored(path))
 
     def write(self, path: str, data: bytes | memoryview) -> None:
         atomic_write(path, data)
@@ -77,13 +107,17 @@ class LocalStorage(Storage):
         return atomic_file(path)
 
     def listdir(self, path: str) -> list[str]:
-        return sorted(os.listdir(path)) if os.path.isdir(path) else []
+        return sorted({name_of(n) for n in os.listdir(path)}) if os.path.isdir(path) else []
 
     def sizes(self, path: str) -> dict[str, int]:
         if not os.path.isdir(path):
             return {}
         with os.scandir(path) as entries:
-            return {e.name: e.stat().st_size for e in entries if e.is_file()}
+            found = sorted((e.name, e.stat().st_size) for e in entries if e.is_file())
+        out: dict[str, int] = {}
+        for name, size in found:  # a FastPersist part's size under its name (the file itself first, if written)
+            out.setdefault(name_of(name), size)
+        return out
 
     def find(self, path: str) -> list[str]:
         return sorted(
@@ -91,14 +125,14 @@ class LocalStorage(Storage):
         )
 
     def stat(self, path: str) -> tuple[int, int]:
-        found = os.stat(path)
+        found = os.stat(stored(path))
         return found.st_size, found.st_mtime_ns
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        return os.path.exists(stored(path))
 
     def isfile(self, path: str) -> bool:
-        return os.path.isfile(path)
+        return os.path.isfile(stored(path))
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)

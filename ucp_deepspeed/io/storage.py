@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 from ucp_deepspeed.io.atomic import rename_durably
 from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, BlobFile, Closeable, Window
-from ucp_deepspeed.io.local import LocalStorage, append, lock_folder
+from ucp_deepspeed.io.local import LocalStorage, append, holds_parts, lock_folder
 from ucp_deepspeed.io.policy import SCHEME, StorageError, check_url, is_url, scrub, shown
 from ucp_deepspeed.io.remote import MAX_REQUEST, FsspecStorage, PlacementError, forget_listings, listed
 from ucp_deepspeed.io.spread import Spread
@@ -49,6 +49,7 @@ __all__ = [
     "find",
     "forget_listings",
     "glob",
+    "in_parts",
     "is_url",
     "isdir",
     "isfile",
@@ -302,6 +303,13 @@ def delete(location: str) -> None:
 def makedirs(location: str) -> None:
     """`Storage.makedirs` of the location's backend."""
     storage_of(location).makedirs(location)
+
+
+def in_parts(location: str) -> bool:
+    """Whether a folder holds files stored only under FastPersist's part names (`io/local.py`), which every read here
+    finds by their names and DeepSpeed's own load does not."""
+    path = local_path(location)
+    return path is not None and holds_parts(path)
 
 
 def rename_local(source: str, dest: str) -> None:

@@ -258,6 +258,9 @@ class LoadPlanner:
         renamed = saved.sp > 1 and from_rank0(guarded(lambda: named_by_sp_rank(path, saved) if rank0 else None))
         if renamed or not saved.same_layout(live) or st.is_url(load_dir):  # DeepSpeed's reads local paths only
             return False
+        # DeepSpeed's own load looks for the names it gave its FastPersist writer, which stored parts under others
+        if from_rank0(guarded(lambda: st.in_parts(path) if rank0 else None)):
+            return False
         # another optimizer class keeps its state differently (DeepSpeed's CPU Adam counts steps in ints): DeepSpeed's
         # own load would hand it over as is
         live_kernel = optimizer_record(engine)

@@ -60,7 +60,6 @@ class Placement(enum.Enum):
     never to convert them."""
 
 
-_FAST_PART = re.compile(r".*_states\.pt-[0-9]+\.[0-9]+")  # FastPersist's data-parallel writers' names
 _LAYER_INDEX = re.compile(r"([0-9]+)\.")  # a PipelineModule names its layers' tensors `<layer index>.<name>`
 
 RULES_HINT = (
@@ -96,16 +95,6 @@ def infer_metas(
     loading engine's optimizer groups, which place a ZeRO-0 save's numbered optimizer state)."""
     paths = _model_states_paths(tag_dir)
     if not paths:
-        parts = sorted(n for n in st.listdir(tag_dir) if _FAST_PART.fullmatch(n))
-        if parts:
-            raise CheckpointError(
-                tag_dir,
-                f"written by DeepSpeed's FastPersist writer without ucp_deepspeed, which names each data-parallel "
-                f"writer's file <file>-<writer rank>.<writers> ({', '.join(parts[:2])}, ...): reading such parts is "
-                "not supported yet; on torch 2.13 each is the whole file, so a copy of the folder with each part "
-                "renamed to its name without the suffix loads (a save with universal checkpointing on gives its "
-                "files DeepSpeed's names)",
-            )
         raise CheckpointError(tag_dir, "no DeepSpeed model-states file (mp_rank_XX_model_states.pt)")
     with ModelStatesFile(paths[min(paths)]) as first:
         tp, pp, sp = first.parallel_sizes()
