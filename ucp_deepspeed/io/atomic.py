@@ -53,3 +53,10 @@ def rename_durably(source: str, dest: str) -> None:
     back)."""
     os.replace(source, dest)
     _fsync(os.path.dirname(dest) or ".")
+
+
+def make_durable(path: str) -> None:
+    """Fsync a file another writer wrote in place (DeepSpeed's `latest`) and its folder: what it holds, and its
+    name, survive a crash from here on."""
+    _fsync(path)
+    _fsync(os.path.dirname(path) or ".")

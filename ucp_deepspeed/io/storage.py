@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, BinaryIO
 
+from ucp_deepspeed.io.atomic import make_durable as atomic_make_durable
 from ucp_deepspeed.io.atomic import rename_durably
 from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, BlobFile, Closeable, Window
@@ -59,6 +60,7 @@ __all__ = [
     "listed",
     "local_path",
     "locked",
+    "make_durable",
     "makedirs",
     "mtime",
     "normalize",
@@ -303,6 +305,14 @@ def delete(location: str) -> None:
 def makedirs(location: str) -> None:
     """`Storage.makedirs` of the location's backend."""
     storage_of(location).makedirs(location)
+
+
+def make_durable(location: str) -> None:
+    """Fsync a local file written by someone else, and its folder (`atomic.make_durable`); a store's objects are
+    durable once acknowledged."""
+    path = local_path(location)
+    if path is not None:
+        atomic_make_durable(path)
 
 
 def in_parts(location: str) -> bool:

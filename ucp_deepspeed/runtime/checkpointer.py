@@ -101,7 +101,7 @@ class UniversalCheckpointer:
         st.set_default_options(options.storage_options)
         compat.store_recovery_scripts(engine, st.is_url, st.write)
         self.gate = Gate()  # closed by a load that failed after it began writing into the engine
-        compat.before_model_step(engine, lambda: self.gate.check("step"))
+        compat.before_model_step(engine, self._before_step)
         self.group = coordination_group(options.wait_minutes)  # weak: released at exit
         self.files.group = self.group  # a decoupled save commits from the engine's step, outside our calls
         # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
@@ -116,6 +116,12 @@ class UniversalCheckpointer:
         self._prune_dir: str | None = None  # a decoupled save's folder, pruned once the save is committed
         self._aside: str | None = None  # the previous save of the tag being saved again, kept until this one commits
 
+    def _before_step(self) -> None:
+        """Before each optimizer step: a closed gate refuses it; a decoupled save DeepSpeed committed just now (at
+        this step's boundary) gets its `latest` made durable."""
+        self.gate.check("step")
+        self.files.sync_latest()
+
     # --- saving -------------------------------------------------------------------------------------------------
 
     @_coordinated
@@ -129,6 +135,7 @@ class UniversalCheckpointer:
             inner.wait()
         if inner.is_decoupled():
             compat.commit_decoupled_checkpoint(self.engine)
+            self.files.sync_latest()
         if self._prune_dir is not None:
             self._committed(self._prune_dir)
             self._prune_dir = None
@@ -213,6 +220,7 @@ class UniversalCheckpointer:
                 save_latest=save_latest and not url,
                 exclude_frozen_parameters=exclude_frozen_parameters,
             )
+            self.files.sync_latest()  # a synchronous save's, written by DeepSpeed once its commit returned
         finally:
             self.files.save_id = ""
         swap = compat.nvme_swap(engine, save_dir, tag)

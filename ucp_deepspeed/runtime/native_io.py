@@ -48,8 +48,8 @@ from ucp_deepspeed.io.atomic import atomic_path
 from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
 from ucp_deepspeed.protocols import Engine
-from ucp_deepspeed.runtime.async_save import upload_file
 from ucp_deepspeed.runtime.collective import all_ok, coordinated, every_rank, failure_of, on_rank0, to_rank0
+from ucp_deepspeed.runtime.async_save import upload_file
 
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
@@ -104,6 +104,15 @@ class Guard:
         self.uploads: list[tuple[str, int]] = []
         self.upload_failure: CheckpointError | None = None
         self.pending: dict[str, tuple[str, bool]] = {}
+        # the `latest` DeepSpeed writes (in place, unsynced) after a commit this rank made, until it is made durable
+        self.latest_written: str | None = None
+
+    def sync_latest(self) -> None:
+        """Make the `latest` DeepSpeed wrote after the last commit durable (its bytes and its name): DeepSpeed writes
+        it with a plain `open`, and a crash could take back the commit it records."""
+        path, self.latest_written = self.latest_written, None
+        if path is not None and st.isfile(path):
+            st.make_durable(path)
 
     def damaged(self, exc: CheckpointError) -> None:
         """Note a damaged record read during a load; the first one is kept."""
@@ -190,6 +199,8 @@ class BoundEngine:
             _stamp_once(written, self.suffix)
             if st.is_url(str(info.save_dir)):
                 self._commit_to_store(info, finished)
+            elif info.save_latest and tdist.get_rank() == 0:  # DeepSpeed writes it once this returns
+                self.ucp_guard.latest_written = st.join(str(info.save_dir), LATEST)
         return result
 
     def _commit_to_store(self, info: Any, finished: list[tuple[str, int]]) -> None:
