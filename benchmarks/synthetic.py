@@ -11,10 +11,13 @@
                                              DeepSpeed's load_universal of a ds_to_universal folder; --step,
                                              also time the first training step; --each 'ARGS' adds
                                              another load to the launch
-    async --params-m 300 --out DIR           how long a synchronous save stalls training (with and
-                                             without syncing it to disk), against an asynchronous one
-                                             (which syncs in the background), and a training step
-                                             while it writes
+    async --params-m 75 --out DIR            side by side on the same engine and state: the stall of each
+                                             save (the save call plus --steps steps after it, less as many
+                                             plain steps), its time to durable, extra memory and bytes,
+                                             for ours sync, ours async (writer process with staging made
+                                             once; and the writer thread it replaced), DeepSpeed's own
+                                             save, and DCP's async_save (thread, process, process with
+                                             its cached shared-memory staging); ZeRO-1/2
     stall --params-m 75 --out DIR|URL        a synchronous save to DIR/sync (kept, for loads) and an
                                              asynchronous one to DIR/async: the stall of each, the
                                              background rest, the objects and bytes written; on disk or
@@ -32,9 +35,11 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import deepspeed
 import psutil
@@ -329,6 +334,7 @@ def main() -> None:
         "--refresh", default="auto", choices=["auto", "read", "gather"], help='load: the "refresh" option'
     )
     parser.add_argument("--key-prefixes", type=int, default=0, help='save: the "key_prefixes" option (on a store)')
+    parser.add_argument("--steps", type=int, default=4, help="async: training steps after each save in its stall")
     parser.add_argument("--repeat", type=int, default=3, help="save: timed saves of each kind before the kept one")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--pp", type=int, default=1, help="a DeepSpeed PipelineModule of this many stages")
@@ -364,7 +370,10 @@ def main() -> None:
             engine = build(run)
             step = training_step(engine, run.params_m)
             step()
-            results.append(async_save(engine, step, run.out) if run.mode == "async" else stalls(engine, step, run.out))
+            if run.mode == "async":
+                results.append(save_stalls(engine, step, run.out, run.steps, run.repeat))
+            else:
+                results.append(stalls(engine, step, run.out))
         gc.collect()  # one engine's state at a time, at any size
     if dist.get_rank() == 0:
         for one in results:
@@ -399,26 +408,112 @@ def save(args: argparse.Namespace) -> dict:
     }
 
 
-def async_save(engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str) -> dict:
-    """How long a synchronous save stalls training, with and without syncing it, against an asynchronous one; and a
-    training step while the asynchronous one writes."""
-    trial = os.path.join(out, "trial")
-    result = {"step_s": min(timed(step) for _ in range(2))}
-    sync_s = []
-    for _ in range(2):
-        sync_s.append(timed(lambda: engine.save_checkpoint(trial)))
+def dcp_state(engine: deepspeed.DeepSpeedEngine) -> dict:
+    """The state DeepSpeed's files hold, as DCP saves it: the module's weights (replicated, written once) and this
+    rank's fp32 partitions with their Adam states (keyed by rank: DCP writes a plain tensor once, from rank 0)."""
+    opt, rank = engine.optimizer, dist.get_rank()
+    state: dict = {"model": dict(engine.module.state_dict())}
+    for i, flat in enumerate(opt.single_partition_of_fp32_groups):
+        state[f"rank{rank}.fp32.{i}"] = flat
+        for key, value in opt.optimizer.state[flat].items():
+            state[f"rank{rank}.optim.{i}.{key}"] = value
+    return state
+
+
+def save_stalls(
+    engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str, steps: int, repeats: int
+) -> dict:
+    """Each kind of save of the same engine, side by side: its stall (the save call plus `steps` steps after it, less
+    `steps` plain steps; the median of the warm repeats), its time to durable (a save and its wait alone), the
+    extra resident memory it leaves held (shared staging included) and the bytes it wrote, summed over the ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    plain = statistics.median(timed(lambda: [step() for _ in range(steps)]) for _ in range(2))
+    sync_engine = unbound(engine)
+
+    def ours(inner: object) -> tuple[Callable[[str], object], Callable[[object], None]]:
+        previous = unbound(engine)
+        if previous is not sync_engine:
+            previous.cleanup()  # the last kind's writer
+        rebind(engine, inner)
+        return (lambda d: engine.save_checkpoint(d)), (lambda _: engine.wait_for_checkpoint())
+
+    def deepspeed_own() -> tuple[Callable[[str], object], Callable[[object], None]]:
+        def save(d: str) -> None:
+            bound = engine.checkpoint_engine
+            engine.checkpoint_engine = sync_engine  # DeepSpeed's own engine, without our binding
+            try:
+                deepspeed.DeepSpeedEngine.save_checkpoint(engine, d)
+            finally:
+                engine.checkpoint_engine = bound
+
+        return save, lambda _: None
+
+    def dcp_save(kind: Any, stager: Any = None) -> tuple[Callable[[str], object], Callable[[object], None]]:
+        def save(d: str) -> object:
+            return dcp.async_save(dcp_state(engine), checkpoint_id=d, async_checkpointer_type=kind, async_stager=stager)
+
+        def wait(response: Any) -> None:
+            getattr(response, "upload_completion", response).result()
+
+        return save, wait
+
+    cached = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False
+    )
+    kinds: list[tuple[str, Callable[[], tuple[Callable[[str], object], Callable[[object], None]]]]] = [
+        ("ours, sync", lambda: ours(sync_engine)),
+        ("DeepSpeed's own save", deepspeed_own),
+        ("ours, async: writer thread (before)", lambda: ours(AsyncCheckpointEngine(engine._config, process=False))),
+        (
+            "ours, async: writer process, staging made once",
+            lambda: ours(AsyncCheckpointEngine(engine._config, module=engine.module)),
+        ),
+        ("DCP async_save, thread", lambda: dcp_save(AsyncCheckpointerType.THREAD)),
+        ("DCP async_save, process", lambda: dcp_save(AsyncCheckpointerType.PROCESS)),
+        (
+            "DCP async_save, process, cached staging",
+            lambda: dcp_save(AsyncCheckpointerType.PROCESS, DefaultStager(cached)),
+        ),
+    ]
+
+    def stall(save: Callable[[str], object], wait: Callable[[object], None], target: str) -> float:
+        os.sync()  # the last save's dirty pages, which the kernel would write back during this one
+        box: list = []
+        seconds = timed(lambda: (box.append(save(target)), [step() for _ in range(steps)])) - plain
+        wait(box[0])
+        dist.barrier()
+        return seconds
+
+    rows = []
+    for name, make in kinds:
+        rss = psutil.Process().memory_info().rss
+        save, wait = make()
+        stalls = [stall(save, wait, os.path.join(out, f"{len(rows)}-{i}")) for i in range(repeats + 1)]
+        target = os.path.join(out, f"{len(rows)}-durable")
+        os.sync()
+        durable = timed(lambda: wait(save(target)))  # noqa: B023  (called here, at once)
+        held = summed(psutil.Process().memory_info().rss - rss)[0]
+        tree = os.walk(target) if dist.get_rank() == 0 else []
+        written = summed(sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in tree for f in fs))[0]
+        rows.append(
+            {
+                "kind": name,
+                "stall_s": statistics.median(stalls[1:]),
+                "first_stall_s": stalls[0],
+                "durable_s": durable,
+                "held_gb": held / 1e9,
+                "bytes": written,
+            }
+        )
         if dist.get_rank() == 0:
-            shutil.rmtree(trial)
-    result["sync_save_s"] = min(sync_s)
-    result["sync_save_fsync_s"] = timed(lambda: (engine.save_checkpoint(trial), os.sync()))
-    if dist.get_rank() == 0:
-        shutil.rmtree(trial)
-    rebind(engine, AsyncCheckpointEngine(engine._config))
-    result["async_stall_s"] = timed(lambda: engine.save_checkpoint(trial))
-    result["step_while_writing_s"] = timed(step)
-    result["async_rest_s"] = timed(engine.wait_for_checkpoint)
-    result["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(trial) for f in fs)
-    return result
+            for d in os.listdir(out):
+                shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+        dist.barrier()
+    ours(sync_engine)
+    return {"steps": steps, "plain_steps_s": plain, "rows": rows}
 
 
 def stalls(engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str) -> dict:

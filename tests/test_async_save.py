@@ -24,6 +24,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import read_commit
 from ucp_deepspeed.io import remote
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.atomic import atomic_path
 from ucp_deepspeed.io.spread import KEYS, SPREAD, Spread
 from ucp_deepspeed.io.torch_file import load_file
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine, snapshot
@@ -97,13 +98,13 @@ def test_background_writes_then_commit(tmp_path):
 
 def test_failed_write_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
     def disk_full(path: str, state: dict, zipfile_serialization: bool, save_id: str = "") -> None:
-        with ucp_deepspeed.runtime.async_save.atomic_path(path) as tmp:
+        with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
                 f.write(b"partial")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tmp)
 
     monkeypatch.setattr(ucp_deepspeed.runtime.async_save, "write_file", disk_full)
-    engine = AsyncCheckpointEngine()
+    engine = AsyncCheckpointEngine(process=False)  # the thread a state that shared memory cannot hold is written by
     engine.create(CheckpointCommitInfo(tag="global_step4", save_dir=str(tmp_path), save_latest=True))
     path = str(tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     engine.save(_state(), path)
@@ -113,6 +114,82 @@ def test_failed_write_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
     ):
         engine.get_commit_info()
     assert os.listdir(tmp_path / "global_step4") == []
+    engine.cleanup()
+
+
+def test_a_write_the_writer_process_fails_fails_the_commit_naming_the_file(tmp_path):
+    """The writer process's own failure (here its folder cannot be made: a file holds the name) comes back to the
+    trainer as the commit's error, naming the file and the reason."""
+    (tmp_path / "global_step4").write_bytes(b"")
+    engine = AsyncCheckpointEngine()
+    engine.create(CheckpointCommitInfo(tag="global_step4", save_dir=str(tmp_path), save_latest=True))
+    engine.save(_state(), str(tmp_path / "global_step4" / "mp_rank_00_model_states.pt"))
+    engine.wait()
+    with pytest.raises(CheckpointError, match=r"global_step4: async save: 1 file\(s\) failed to write.*File exists"):
+        engine.get_commit_info()
+    engine.cleanup()
+
+
+def test_staging_is_made_once_and_reused_by_every_later_save(tmp_path, monkeypatch, caplog):
+    """A second save of the same shapes copies into the first one's shared memory (nothing allocated); a changed
+    shape gets new buffers; a state shared memory cannot hold is written from a fresh copy by a thread, with one
+    warning. Every file holds the state as it was at its save."""
+    engine = AsyncCheckpointEngine()
+    saved = []
+    for step, scale in ((1, 1.0), (2, 2.0)):
+        info = CheckpointCommitInfo(tag=f"global_step{step}", save_dir=str(tmp_path), save_latest=True)
+        engine.create(info)
+        state = _state()
+        state["fp32_flat_groups"][0].mul_(scale)
+        engine.save(state, str(tmp_path / info.tag / "mp_rank_00_model_states.pt"))
+        saved.append(state["fp32_flat_groups"][0].clone())
+        state["fp32_flat_groups"][0].zero_()  # training goes on
+        if step == 1:
+            first = [s.data_ptr() for s in engine.staging._slots["mp_rank_00_model_states.pt"]]
+        engine.wait()
+        assert engine.get_commit_info() is info and engine.commit(info)
+    assert [s.data_ptr() for s in engine.staging._slots["mp_rank_00_model_states.pt"]] == first
+    held = engine.staging.nbytes
+    for step, expected in zip((1, 2), saved):
+        loaded = torch.load(tmp_path / f"global_step{step}" / "mp_rank_00_model_states.pt", weights_only=False)
+        assert torch.equal(loaded["fp32_flat_groups"][0], expected)
+    monkeypatch.setattr(ucp_deepspeed.runtime.async_save, "_shared_memory_free", lambda: 0)
+    info = CheckpointCommitInfo(tag="global_step3", save_dir=str(tmp_path), save_latest=True)
+    engine.create(info)
+    state = _state()
+    state["fp32_flat_groups"] = [torch.arange(24, dtype=torch.float32)]  # a new shape: new buffers, which do not fit
+    with caplog.at_level(logging.WARNING, logger="ucp_deepspeed"):
+        engine.save(state, str(tmp_path / info.tag / "mp_rank_00_model_states.pt"))
+    assert "does not fit in shared memory" in caplog.text
+    engine.wait()
+    assert engine.get_commit_info() is info and engine.commit(info)
+    loaded = torch.load(tmp_path / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert torch.equal(loaded["fp32_flat_groups"][0], torch.arange(24, dtype=torch.float32))
+    assert engine.staging.nbytes < held  # the old buffers of that file were let go
+    engine.cleanup()
+
+
+def test_buffers_are_copied_at_the_save_and_the_rest_before_the_step(tmp_path):
+    """The copies into staging run behind the next forward and backward (nothing else changes before the optimizer
+    step, which waits for them), except the module's buffers, which a forward changes: those are copied at the
+    save. The file holds every tensor as it was at the save."""
+    module = torch.nn.BatchNorm1d(4)
+    engine = AsyncCheckpointEngine(module=module)
+    info = CheckpointCommitInfo(tag="global_step1", save_dir=str(tmp_path), save_latest=True)
+    engine.create(info)
+    weight = torch.ones(1 << 20)
+    path = str(tmp_path / "global_step1" / "mp_rank_00_model_states.pt")
+    forward_done = threading.Event()
+    engine._copier.submit(forward_done.wait)  # the background copies start only after the forward below
+    engine.save({"running_mean": module.running_mean, "weight": weight}, path)
+    module(torch.randn(8, 4))  # the next forward moves the running statistics
+    forward_done.set()
+    engine.wait_staged()  # what the optimizer step waits for
+    weight.add_(1)  # the step
+    engine.wait()
+    assert engine.get_commit_info() is info and engine.commit(info)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["running_mean"], torch.zeros(4)) and torch.equal(loaded["weight"], torch.ones(1 << 20))
     engine.cleanup()
 
 

@@ -49,6 +49,13 @@ def test_benchmark_smoke(tmp_path, capsys):
 
 
 @pytest.mark.bench
+def test_an_async_save_stalls_training_less_than_a_synchronous_one(tmp_path, capsys):
+    """Side by side on one engine (10M, 1 rank): the check fails the run if the async save stops gaining."""
+    output = run_benchmark("bench_async.py", "--work", str(tmp_path), capsys=capsys)
+    assert "PASS the async save stalls training less" in output and "| DCP async_save, process |" in output
+
+
+@pytest.mark.bench
 def test_checkn_run_benchmark_smoke(tmp_path, capsys):
     output = run_benchmark("bench_checkn_run.py", "--work", str(tmp_path), capsys=capsys)
     assert "| intermittent | 4 |" in output and "restored from adaptive-4 bits" in output

@@ -834,3 +834,24 @@ def test_torchrec_canaries():
     job.DTENSOR = True  # `output_dtensor`: a DTensor over TorchRec's LocalShardsWrapper, both column shards local
     shards = compat.dmp_local_weights(job.build("rowwise", "one_rank")[0], {t2})[t2]
     assert sorted(s.offsets for s in shards) == [(0, 0), (0, 4)] and all(s.tensor.shape == (60, 4) for s in shards)
+
+
+def test_shared_storage_opens_in_another_process():
+    """The async save's staging: a storage moved into torch's named shared memory opens by its handle in a process
+    started without multiprocessing (the writer), which sees its bytes without a copy; sharing again gives the
+    same handle."""
+    import pickle
+    import subprocess
+
+    storage = torch.UntypedStorage(4096)
+    handle = compat.share_storage(storage)
+    torch.empty(0, dtype=torch.uint8).set_(storage).fill_(7)
+    assert compat.share_storage(storage) == handle
+    child = """
+import pickle, sys, torch
+from ucp_deepspeed import compat
+storage = compat.open_shared_storage(pickle.loads(sys.stdin.buffer.read()))
+print(int(torch.empty(0, dtype=torch.uint8).set_(storage).sum()), storage.nbytes())
+"""
+    out = subprocess.run([sys.executable, "-c", child], input=pickle.dumps(handle), capture_output=True, check=True)
+    assert out.stdout.split() == [b"28672", b"4096"]

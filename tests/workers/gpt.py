@@ -25,7 +25,9 @@ import math
 import os
 import random
 import signal
+import threading
 import time
+from concurrent.futures import Future
 
 import common  # tests/workers/common.py, next to this script; puts launch/ on sys.path
 import deepspeed
@@ -272,12 +274,13 @@ def do_load(args: argparse.Namespace) -> None:
 def die_while_saving(step: int, background: bool) -> None:
     """Test hook: at `step`, the last rank writes half of its optimizer file, then is SIGKILLed mid-save.
 
-    With `background` (async saves) this happens in the writer thread, after `save_checkpoint` returned,
-    and the thread lingers half-way for a while so that training runs on with the write unfinished.
+    With `background` (async saves) this happens in a thread of its own in place of the writer process, after
+    `save_checkpoint` returned, and it lingers half-way for a while so that training runs on with the write
+    unfinished.
     """
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    import ucp_deepspeed.runtime.async_save
+    from ucp_deepspeed.runtime.write_worker import WriterProcess
 
     def doomed(path: str) -> bool:
         return (
@@ -295,16 +298,19 @@ def die_while_saving(step: int, background: bool) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if background:
-        original_write = ucp_deepspeed.runtime.async_save.write_file
+        original_submit = WriterProcess.submit
 
-        def write_file(path: str, state: dict, zipfile_serialization: bool, save_id: str = "") -> None:
-            if doomed(path):
-                buf = io.BytesIO()
-                torch.save(state, buf)
-                die(buf.getbuffer()[: buf.tell()], f"{path}.tmp.partial", linger=2.0)
-            original_write(path, state, zipfile_serialization, save_id)
+        def submit(self: WriterProcess, path: str, state: dict, zipfile_serialization: bool, save_id: str) -> Future:
+            if not doomed(path):
+                return original_submit(self, path, state, zipfile_serialization, save_id)
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            # the writer is half-way through this file, and training goes on, when the rank dies
+            args = (buf.getbuffer()[: buf.tell()], f"{path}.tmp.partial", 2.0)
+            threading.Thread(target=die, args=args, daemon=True).start()
+            return Future()
 
-        ucp_deepspeed.runtime.async_save.write_file = write_file
+        WriterProcess.submit = submit
         return
     original = TorchCheckpointEngine.save
 

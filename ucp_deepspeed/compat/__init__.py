@@ -85,6 +85,8 @@ from ucp_deepspeed.compat.optimizers import (
 from ucp_deepspeed.compat.s3fs import s3_read_into
 from ucp_deepspeed.compat.torch import (
     DcpWriter,
+    open_shared_storage,
+    share_storage,
     user_safe_globals,
 )
 from ucp_deepspeed.compat.torchdata import (
@@ -218,6 +220,7 @@ __all__ = [
     "nvme_offload",
     "nvme_param_offload",
     "nvme_swap",
+    "open_shared_storage",
     "optimizer_kernel",
     "owned_fragments",
     "pipeline_layer_files",
@@ -235,6 +238,7 @@ __all__ = [
     "scalar_device",
     "sequence_parallel_size",
     "set_dmp_fused_lrs",
+    "share_storage",
     "state_at",
     "state_workers",
     "storage_dtype",

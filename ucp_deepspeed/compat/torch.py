@@ -101,3 +101,16 @@ class DcpWriter:
     def abort(self) -> None:
         """Drop what was written of the data file."""
         self._stack.__exit__(CheckpointError, CheckpointError(self.folder, "export abandoned"), None)
+
+
+def share_storage(storage: torch.UntypedStorage) -> tuple[bytes, bytes, int]:
+    """The handle another process opens a CPU storage by, after moving it into named shared memory once (torch's
+    `file_system` sharing, whose shm manager unlinks it when no process maps it any more, a crashed one included);
+    the same handle every later call."""
+    handle: tuple[bytes, bytes, int] = storage._share_filename_cpu_()
+    return handle
+
+
+def open_shared_storage(handle: tuple[bytes, bytes, int]) -> torch.UntypedStorage:
+    """The storage `share_storage` shared, mapped into this process (no copy)."""
+    return torch.UntypedStorage._new_shared_filename_cpu(*handle)

@@ -96,7 +96,7 @@ class UniversalCheckpointer:
         # DeepSpeed does, and each load puts weights from a checkpoint of any layout into its module
         self.trains = compat.trains(engine)
         if options.async_save and self.trains:
-            engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine))
+            engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine), module=engine.module)
         self.files = bind(engine, options.verify)
         st.set_default_options(options.storage_options)
         compat.store_recovery_scripts(engine, st.is_url, st.write)
@@ -117,9 +117,12 @@ class UniversalCheckpointer:
         self._aside: str | None = None  # the previous save of the tag being saved again, kept until this one commits
 
     def _before_step(self) -> None:
-        """Before each optimizer step: a closed gate refuses it; a decoupled save DeepSpeed committed just now (at
-        this step's boundary) gets its `latest` made durable."""
+        """Before each optimizer step: a closed gate refuses it; an async save's copies into staging are finished; a
+        decoupled save DeepSpeed committed just now (at this step's boundary) gets its `latest` made durable."""
         self.gate.check("step")
+        inner = unbound(self.engine)
+        if isinstance(inner, AsyncCheckpointEngine):
+            inner.wait_staged()  # the step changes what an async save is still copying
         self.files.sync_latest()
 
     # --- saving -------------------------------------------------------------------------------------------------

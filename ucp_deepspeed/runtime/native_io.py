@@ -49,7 +49,7 @@ from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.collective import all_ok, coordinated, every_rank, failure_of, on_rank0, to_rank0
-from ucp_deepspeed.runtime.async_save import upload_file
+from ucp_deepspeed.runtime.write_worker import upload_file
 
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 

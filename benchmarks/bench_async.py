@@ -1,0 +1,89 @@
+"""What a save costs training, side by side on one engine and state: ours synchronous and asynchronous, DeepSpeed's
+own save, and DCP's `async_save` (thread, process, process with its cached shared-memory staging).
+
+    python benchmarks/bench_async.py                               # 20M parameters, 1 rank; fails if async stops
+                                                                   # gaining over sync
+    python benchmarks/bench_async.py --sizes 75 --ranks 1,4 --update-docs
+
+Each launch (`synthetic.py async`) trains a synthetic LM with fp32 AdamW at ZeRO-1 and, for each kind of save in
+turn, saves `--repeat` + 1 times (each after an `os.sync()`), each followed by `--steps` training steps: the stall is
+the time of the save call and those steps, less as many plain steps (the median of the saves after the first; the
+first one's is kept too, since it pays for staging and for starting a writer process). Time to durable is one more
+save and its wait alone. Held memory is the resident memory the kind left behind (shared staging included), summed
+over the ranks, and the bytes what it wrote.
+On 1 rank a core is free for a writer, as the CPU of a GPU job mostly is; on 4 ranks every core of this 2-core
+machine trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from bench_resume import torchrun
+from docs_table import update_doc
+from launching import ROOT
+
+RESULTS = ROOT / "benchmarks" / "async.json"
+SYNC, ASYNC = "ours, sync", "ours, async: writer process, staging made once"
+
+
+def table(report: dict) -> str:
+    """The side-by-side table of every launch in `report`."""
+    lines = [
+        f"Measured {report['date']}, ZeRO-1, fp32 AdamW, {report['steps']} steps after each save.",
+        "",
+        "| size, ranks | save | stall s | x ours sync | first save's stall s | time to durable s | held GB "
+        "| GB written |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, run in report["runs"].items():
+        sync = next(r["stall_s"] for r in run["rows"] if r["kind"] == SYNC)
+        for r in run["rows"]:
+            lines.append(
+                f"| {key} | {r['kind']} | {r['stall_s']:.2f} | {r['stall_s'] / sync:.2f} | {r['first_stall_s']:.2f} "
+                f"| {r['durable_s']:.2f} | {r['held_gb']:.2f} | {r['bytes'] / 1e9:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="20", help="million parameters, comma-separated")
+    parser.add_argument("--ranks", default="1", help="ranks of each launch, comma-separated")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=4, help="warm saves of each kind after its first")
+    parser.add_argument("--smoke", action="store_true", help="10M parameters on 1 rank: the check alone")
+    parser.add_argument("--work", default="/tmp/ucp_bench_async")
+    parser.add_argument("--update-docs", action="store_true", help=f"keep the results in {RESULTS.name}, and the table")
+    args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.ranks = "10", "1"
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "steps": args.steps, "runs": {}}
+    for size in args.sizes.split(","):
+        for ranks in args.ranks.split(","):
+            print(f"== {size}M at {ranks} rank(s): every kind of save", flush=True)
+            job = ["async", "--params-m", size, "--steps", str(args.steps), "--repeat", str(args.repeat)]
+            job += ["--out", f"{args.work}/{size}M-{ranks}"]
+            report["runs"][f"{size}M, {ranks}"] = torchrun(int(ranks), job)[0]
+    text = table(report)
+    print(text)
+    if args.update_docs:
+        RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+        update_doc("benchmarks.md", "async", text)
+    slower = []
+    for key, run in report["runs"].items():
+        stall = {r["kind"]: r["stall_s"] for r in run["rows"]}
+        if stall[ASYNC] >= stall[SYNC]:
+            slower.append(f"{key}: async {stall[ASYNC]:.2f} s, sync {stall[SYNC]:.2f} s")
+    for line in slower:
+        print(f"FAIL {line}: the async save no longer stalls training less than a synchronous one")
+    if slower:
+        sys.exit(1)
+    print("PASS the async save stalls training less than a synchronous one in every launch")
+
+
+if __name__ == "__main__":
+    main()
