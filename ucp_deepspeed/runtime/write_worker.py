@@ -15,7 +15,6 @@ checkpoint passes through these pickles.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import pickle
 import struct
@@ -33,7 +32,6 @@ from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.atomic import atomic_path
 from ucp_deepspeed.io.torch_file import stamp
 
-log = logging.getLogger("ucp_deepspeed")
 _LENGTH = struct.Struct("<Q")
 
 
@@ -117,10 +115,6 @@ class WriterProcess:
         self._out = os.fdopen(self._to_child_w, "wb")
         self._reader = threading.Thread(target=self._answers, name="ucp-async-writer-answers", daemon=True)
         self._reader.start()
-
-    def alive(self) -> bool:
-        """Whether the writer is still running (it never exits on its own while the trainer lives)."""
-        return self._process.poll() is None
 
     def submit(self, path: str, state: Any, zipfile_serialization: bool, save_id: str) -> Future:
         """Queue one file for the writer; the future gives its size, or raises why it was not written."""
