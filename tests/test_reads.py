@@ -171,3 +171,26 @@ def test_a_file_fastpersist_stored_in_parts_is_read_under_its_name(tmp_path):
     assert not st.isfile(str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"whole")
     assert st.read(model) == b"whole"
+
+
+def test_a_settled_folder_is_listed_once_for_every_missing_name(tmp_path, monkeypatch):
+    """A load at 1,000 ranks probes names no save wrote (the bf16 prefix of a non-bf16 tag) once per rank: a folder
+    that has not changed is listed once for all of them, and a part written later is still found."""
+    import os
+
+    from ucp_deepspeed.io import storage as st
+
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    (tag / "mp_rank_00_model_states.pt-0.2").write_bytes(b"part")
+    os.utime(tag, ns=(0, 0))  # settled: older than the clock's grain
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(path) or real(path))
+    for rank in range(100):
+        assert not st.exists(str(tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    assert len(listed) == 1
+    assert st.read(str(tag / "mp_rank_00_model_states.pt")) == b"part"
+    (tag / "bf16_zero_pp_rank_7_mp_rank_00_optim_states.pt-0.2").write_bytes(b"new")
+    assert st.read(str(tag / "bf16_zero_pp_rank_7_mp_rank_00_optim_states.pt")) == b"new"
+

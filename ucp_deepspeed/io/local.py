@@ -3,10 +3,12 @@ and the two things only a local folder can do, take a lock and append a line."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
@@ -30,11 +32,32 @@ def stored(path: str) -> str:
         return path
     folder, name = os.path.split(path)
     try:
-        names = os.listdir(folder or ".")
+        found = os.stat(folder or ".")
     except OSError:
         return path
-    parts = sorted((int(m.group(2)), n) for n in names if (m := _PART.fullmatch(n)) and m.group(1) == name)
-    return os.path.join(folder, parts[0][1]) if parts else path
+    # a folder lists once, not once per missing name (a 1,000-rank load probes names that no save wrote, such as
+    # the bf16 prefix on a non-bf16 tag, at every rank); a listing younger than the clock's grain is not kept, as a
+    # file added within it leaves the folder's time as it was
+    settled = time.time_ns() - found.st_mtime_ns > _FRESH_NS
+    parts = (_lowest_parts if settled else _lowest_parts.__wrapped__)(folder or ".", found.st_ino, found.st_mtime_ns)
+    return os.path.join(folder, parts[name]) if name in parts else path
+
+
+_FRESH_NS = 2_000_000_000
+
+
+@functools.lru_cache(maxsize=64)
+def _lowest_parts(folder: str, inode: int, mtime_ns: int) -> dict[str, str]:
+    """DeepSpeed's name -> its lowest writer's part, for the folder as it was at (inode, mtime)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return {}
+    lowest: dict[str, tuple[int, str]] = {}
+    for n in names:
+        if (m := _PART.fullmatch(n)) and (m.group(1) not in lowest or int(m.group(2)) < lowest[m.group(1)][0]):
+            lowest[m.group(1)] = (int(m.group(2)), n)
+    return {name: part for name, (_, part) in lowest.items()}
 
 
 def holds_parts(folder: str) -> bool:
