@@ -855,3 +855,17 @@ print(int(torch.empty(0, dtype=torch.uint8).set_(storage).sum()), storage.nbytes
 """
     out = subprocess.run([sys.executable, "-c", child], input=pickle.dumps(handle), capture_output=True, check=True)
     assert out.stdout.split() == [b"28672", b"4096"]
+
+
+def test_crcs_left_to_us(tmp_path):
+    """The async writer's `torch.save` skips torch's CRC pass: under the switch every record's CRC is 0 (so
+    `fill_crcs` must write them), and the switch is back on after it."""
+    import zipfile
+
+    from torch.utils.serialization import config
+
+    with compat.crcs_left_to_us() as switched:
+        torch.save({"a": torch.arange(8.0)}, tmp_path / "x.pt")
+    assert switched and config.save.compute_crc32
+    with zipfile.ZipFile(tmp_path / "x.pt") as zf:
+        assert {i.CRC for i in zf.infolist()} == {0}

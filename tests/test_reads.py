@@ -194,3 +194,48 @@ def test_a_settled_folder_is_listed_once_for_every_missing_name(tmp_path, monkey
     (tag / "bf16_zero_pp_rank_7_mp_rank_00_optim_states.pt-0.2").write_bytes(b"new")
     assert st.read(str(tag / "bf16_zero_pp_rank_7_mp_rank_00_optim_states.pt")) == b"new"
 
+
+def test_crcs_filled_in_are_torchs_own(tmp_path):
+    """An archive `torch.save` wrote without its CRC pass gets, from `fill_crcs`, the CRC of every record in its
+    central directory and its data descriptor, the same as torch's own pass: zipfile's check passes, the verifying
+    load reads it, torch loads it. Without the fill the verifying load refuses it."""
+    import zipfile
+
+    from ucp_deepspeed import compat
+    from ucp_deepspeed.io.torch_file import fill_crcs, load_file
+
+    state = {"w": torch.randn(1000), "tied": [torch.arange(7)], "step": 3}
+    state["view"] = state["w"][10:20]
+    torch.save(state, tmp_path / "own.pt")
+    with compat.crcs_left_to_us():
+        torch.save(state, tmp_path / "filled.pt")
+        torch.save(state, tmp_path / "unfilled.pt")
+    with pytest.raises(CheckpointError, match="fails its crc32 check"):
+        load_file(str(tmp_path / "unfilled.pt"))
+    fill_crcs(str(tmp_path / "filled.pt"))
+
+    def crcs(name: str) -> dict[str, tuple[int, int]]:
+        """Each record's CRC in the central directory and in the data descriptor after its bytes."""
+        data = (tmp_path / name).read_bytes()
+        out = {}
+        with zipfile.ZipFile(tmp_path / name) as zf:
+            assert zf.testzip() is None
+            for i in zf.infolist():
+                start = (
+                    i.header_offset + 30 + int.from_bytes(data[i.header_offset + 26 : i.header_offset + 28], "little")
+                )
+                start += int.from_bytes(data[i.header_offset + 28 : i.header_offset + 30], "little")
+                end = start + i.file_size
+                assert data[end : end + 4] == b"PK\x07\x08"
+                if "serialization_id" not in i.filename:
+                    out[i.filename.split("/", 1)[1]] = (i.CRC, int.from_bytes(data[end + 4 : end + 8], "little"))
+        return out
+
+    assert crcs("filled.pt") == crcs("own.pt")
+    loaded = load_file(str(tmp_path / "filled.pt"))
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert torch.equal(torch.load(tmp_path / "filled.pt")["view"], state["view"])
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    legacy = (tmp_path / "legacy.pt").read_bytes()
+    fill_crcs(str(tmp_path / "legacy.pt"))  # no zip, no CRCs: left as it is
+    assert (tmp_path / "legacy.pt").read_bytes() == legacy

@@ -13,7 +13,7 @@ frameworks are imported inside the functions that need them, so the `ucp` comman
 - `optimizers`: how torch's optimizers and DeepSpeed's kernels keep their algorithm's state
 - `megatron`: megatron-core modules, their tensor-parallel attributes, a GPTModel's architecture
 - `transformers`: transformers and accelerate: a model's config, the per-process restores `install()` widens
-- `torch`: the globals `torch.load` may build, and the DCP writer
+- `torch`: the globals `torch.load` may build, the DCP writer, shared storages, `torch.save`'s CRC switch
 - `torchdata`: where a `StatefulDataLoader`'s state keeps a map-style loader's position
 - `torchrec`: a `DistributedModelParallel` model's plan, table shards, fused optimizer state and sparse modules
 - `s3fs`: a ranged GET received straight into the caller's buffers
@@ -85,6 +85,7 @@ from ucp_deepspeed.compat.optimizers import (
 from ucp_deepspeed.compat.s3fs import s3_read_into
 from ucp_deepspeed.compat.torch import (
     DcpWriter,
+    crcs_left_to_us,
     open_shared_storage,
     share_storage,
     user_safe_globals,
@@ -178,6 +179,7 @@ __all__ = [
     "check_sampler",
     "checkpoint_writes",
     "commit_decoupled_checkpoint",
+    "crcs_left_to_us",
     "data_parallel_rank",
     "data_place",
     "data_sampler",

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import io
 import math
+import mmap
 import os
 import struct
 import threading
@@ -38,6 +39,11 @@ from ucp_deepspeed.io.stats import record
 from ucp_deepspeed.io.storage import Blob, BlobFile, Closeable, open_blob
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # zip central directory entry, 46 bytes
+_END = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
+_END64_LOCATOR = struct.Struct("<4sLQL")  # zip64 end of central directory locator, 20 bytes
+_END64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
+_DESCRIPTOR = b"PK\x07\x08"
 _CHUNK = 1 << 24
 SAVE_ID_RECORD = ".data/ucp_save_id"
 
@@ -612,6 +618,55 @@ def _add_save_id(archive: IO[bytes], name: str, save_id: str) -> None:
         if pkl is None:
             raise CheckpointError(name, "not a torch.save archive (no data.pkl); cannot record the save id")
         zf.writestr(pkl[: -len("data.pkl")] + SAVE_ID_RECORD, save_id.encode("ascii"))
+
+
+def fill_crcs(path: str) -> None:
+    """Write the CRC-32 of each record into an archive `torch.save` wrote without them (`compat.crcs_left_to_us`):
+    torch's own pass computes them at about 0.5 GB/s, most of a save's time; `isal` reads them off the page cache at
+    over 10 GB/s. Each goes where torch puts it: the record's data descriptor and its central directory entry. A
+    file in torch's legacy format (no zip, no CRCs) is left as it is."""
+    with open(path, "r+b") as f:
+        if not zipfile.is_zipfile(f):
+            return
+        f.seek(0)
+        try:
+            infos = zipfile.ZipFile(f).infolist()
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+            raise CheckpointError(path, f"not a torch.save archive ({exc}); cannot fill in its CRCs") from None
+        patches = []
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            entry = _directory_start(path, view)
+            for info in infos:
+                fields = _CENTRAL.unpack_from(view, entry)
+                local = _LOCAL_HEADER.unpack_from(view, info.header_offset)
+                stored = fields[0] == b"PK\x01\x02" and local[0] == b"PK\x03\x04"
+                if not stored or info.compress_type != zipfile.ZIP_STORED:
+                    raise CheckpointError(path, f"{info.filename} is not a stored zip record; cannot fill in its CRC")
+                data = info.header_offset + _LOCAL_HEADER.size + local[-2] + local[-1]
+                end = data + info.file_size
+                crc = crc32(view[data:end]).to_bytes(4, "little")
+                patches.append((entry + 16, crc))
+                if info.flag_bits & 0x8:  # a data descriptor follows the bytes, its signature optional
+                    patches.append((end + 4 if bytes(view[end : end + 4]) == _DESCRIPTOR else end, crc))
+                else:
+                    patches.append((info.header_offset + 14, crc))
+                entry += _CENTRAL.size + sum(fields[-7:-4])  # name, extra field and comment
+        for offset, crc in patches:
+            os.pwrite(f.fileno(), crc, offset)
+
+
+def _directory_start(path: str, view: memoryview) -> int:
+    """Where an archive's central directory begins (from its zip64 end record when it has one, as torch's do)."""
+    at = bytes(view[-(_END.size + 0xFFFF) :]).rfind(b"PK\x05\x06")
+    if at < 0:
+        raise CheckpointError(path, "not a zip archive (no end of central directory); cannot fill in its CRCs")
+    at += len(view) - min(len(view), _END.size + 0xFFFF)
+    start = _END.unpack_from(view, at)[6]
+    locator = at - _END64_LOCATOR.size
+    if locator >= 0 and bytes(view[locator : locator + 4]) == b"PK\x06\x07":
+        end64 = _END64_LOCATOR.unpack_from(view, locator)[2]
+        start = _END64.unpack_from(view, end64)[-1]
+    return int(start)
 
 
 def save_id_of(path: str) -> str | None:

@@ -9,14 +9,15 @@ another process after `save` returns, or our asynchronous one. `bind` puts one `
 of it:
 
 - save: a file the engine writes at once, whole (torch's engine, DeepSpeed's python and fast writers), is written
-  under a temporary name of this rank's (FastPersist's data-parallel writers add `-<rank>.<writers>` to it, which
-  the rename drops, so the tag holds DeepSpeed's names), gets the current save id (`torch_file.stamp`), which our
-  metadata for the tag also records, and is renamed into place: DeepSpeed's python writer has every data-parallel
-  writer write the same replicated model-states file, and no rank may read or stamp a file another is still
-  writing. A file an engine writes later or elsewhere (a decoupled writer's process) is remembered with the save id
-  and stamped at `commit`, once every rank's engine has finished its files, by one rank per file (a FastPersist
-  part by its own rank, which renames it to DeepSpeed's name; an engine that `stamps_itself`, ours, stamps each file
-  before it appears);
+  under a temporary name of this rank's (FastPersist's data-parallel writers add `-<rank>.<writers>` to it, which the
+  rename drops, so the tag holds DeepSpeed's names), by a `torch.save` without its CRC pass whose CRCs are filled in
+  after (`torch_file.fill_crcs`: the same archive, in half a save's time), gets the current save id
+  (`torch_file.stamp`), which our metadata for the tag also records, and is renamed into place: DeepSpeed's python
+  writer has every data-parallel writer write the same replicated model-states file, and no rank may read or stamp a
+  file another is still writing. A file an engine writes later or elsewhere (a decoupled writer's process) is
+  remembered with the save id and stamped at `commit`, once every rank's engine has finished its files, by one rank
+  per file (a FastPersist part by its own rank, which renames it to DeepSpeed's name; an engine that `stamps_itself`,
+  ours, stamps each file before it appears);
 - load: `torch.load(weights_only=True)` with only DeepSpeed's own checkpoint classes allowed
   (and those the user names in `UCP_ALLOW_PICKLE`), reading through `VerifyingReader` so every
   record torch reads is checked against its CRC-32, and refusing a file whose save id differs from
@@ -46,7 +47,7 @@ from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.atomic import atomic_path
 from ucp_deepspeed.io.safe_pickle import hint
-from ucp_deepspeed.io.torch_file import VerifyingReader, stamp
+from ucp_deepspeed.io.torch_file import VerifyingReader, fill_crcs, stamp
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.collective import all_ok, coordinated, every_rank, failure_of, on_rank0, to_rank0
 from ucp_deepspeed.runtime.write_worker import upload_file
@@ -175,12 +176,16 @@ class BoundEngine:
         if writes is compat.Writes.WHOLE:
             with atomic_path(path) as tmp:  # this rank's own file, whole and stamped before it takes the name
                 try:
-                    self.inner.save(state_dict, tmp)
+                    # torch's CRC pass is most of a save's time; ours fills the same CRCs in at memory speed
+                    with compat.crcs_left_to_us() as crcs_later:
+                        self.inner.save(state_dict, tmp)
                     if self.suffix:
                         st.rename_local(tmp + self.suffix, tmp)
                 finally:
                     if self.suffix and st.exists(tmp + self.suffix):
                         st.delete(tmp + self.suffix)
+                if crcs_later:
+                    fill_crcs(tmp)
                 if guard.save_id:
                     stamp(tmp, guard.save_id)
             return

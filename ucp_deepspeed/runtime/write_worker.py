@@ -1,5 +1,7 @@
 """The asynchronous save's writer: a process of its own, made once per engine, that `torch.save`s each file from host
-memory it shares with the trainer, stamps it, fsyncs it and renames it into place.
+memory it shares with the trainer, stamps it, fsyncs it and renames it into place. Its `torch.save` skips torch's
+CRC pass (about 0.5 GB/s, more than the disk takes to write the bytes), and `isal` fills the CRCs in afterwards
+from the page cache (over 10 GB/s): the archive is the one torch would have written.
 
 Serializing, checksumming and writing in a thread held the trainer's GIL for much of the write (the async stall was
 no smaller than a synchronous save, measured in docs/benchmarks.md). This process holds its own. It is started with
@@ -30,7 +32,7 @@ from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.atomic import atomic_path
-from ucp_deepspeed.io.torch_file import stamp
+from ucp_deepspeed.io.torch_file import fill_crcs, stamp
 
 _LENGTH = struct.Struct("<Q")
 
@@ -45,13 +47,15 @@ def upload_file(path: str, state: Any, save_id: str = "", zipfile_serialization:
         return out.seek(0, io.SEEK_END)
 
 
-def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str = "") -> int:
+def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str = "", crcs_later: bool = False) -> int:
     """`torch.save` one checkpoint file atomically, stamped with its save id; returns its size (module-level so
-    tests can interrupt it)."""
+    tests can interrupt it). `crcs_later`: torch writes no CRCs (`compat.crcs_left_to_us`), they are filled in here."""
     if st.is_url(path):
         return upload_file(path, state, save_id, zipfile_serialization)
     with atomic_path(path) as tmp:
         torch.save(state, tmp, _use_new_zipfile_serialization=zipfile_serialization)
+        if crcs_later:
+            fill_crcs(tmp)
         if save_id:
             stamp(tmp, save_id)
     return st.size(path)
@@ -163,13 +167,19 @@ class WriterProcess:
 
 
 def _serve(inbox: IO[bytes], outbox: IO[bytes]) -> None:
+    # this process is ours alone, so torch's CRC switch stays off for its life: no other code saves here
+    with compat.crcs_left_to_us() as crcs_later:
+        _serve_jobs(inbox, outbox, crcs_later)
+
+
+def _serve_jobs(inbox: IO[bytes], outbox: IO[bytes], crcs_later: bool) -> None:
     while message := _receive(inbox):  # None: the trainer is gone; empty: it asked the writer to end
         (job,) = _LENGTH.unpack(message[: _LENGTH.size])
         path, state = "?", None
         answer: tuple[int, int, tuple[str, str] | None]
         try:
             path, state, zipfile_serialization, save_id = _SharedUnpickler(io.BytesIO(message[_LENGTH.size :])).load()
-            answer = (job, write_file(path, state, zipfile_serialization, save_id), None)
+            answer = (job, write_file(path, state, zipfile_serialization, save_id, crcs_later), None)
         except CheckpointError as exc:
             answer = (job, 0, (exc.path, exc.reason))
         except Exception as exc:  # a full disk, a failed rename: the save fails at its commit, naming the file
