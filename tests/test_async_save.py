@@ -25,7 +25,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import read_commit
 from ucp_deepspeed.io import remote
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.atomic import atomic_path
+from ucp_deepspeed.io.atomic import atomic_path, written_back
 from ucp_deepspeed.io.spread import KEYS, SPREAD, Spread
 from ucp_deepspeed.io.torch_file import load_file
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine, snapshot
@@ -119,6 +119,38 @@ def test_failed_write_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
         engine.get_commit_info()
     assert os.listdir(tmp_path / "global_step4") == []
     engine.cleanup()
+
+
+def test_a_file_reaches_the_disk_while_it_is_still_being_written(tmp_path, monkeypatch):
+    """`written_back` syncs the file as it grows, so the fsync after the write waits for its tail alone: here each
+    sync sees more bytes than the one before, and the file is the bytes written."""
+    path, seen = str(tmp_path / "f"), []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (seen.append(os.fstat(fd).st_size), real(fd))[1])
+    with written_back(path, every=0.01), open(path, "wb") as f:
+        for _ in range(20):
+            f.write(b"x" * 4096)
+            f.flush()
+            time.sleep(0.02)
+    assert len(seen) >= 3 and seen == sorted(seen) and 0 < seen[0] < 20 * 4096, seen
+    assert Path(path).read_bytes() == b"x" * 20 * 4096
+
+
+def test_a_failed_sync_while_writing_fails_the_write(tmp_path, monkeypatch):
+    """An fsync that follows may not hear of an error the early sync's descriptor was told of: it is raised at
+    once, and `atomic_path` leaves no file."""
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fdatasync", eio)
+    path = tmp_path / "f"
+    with pytest.raises(OSError, match="Input/output error"):
+        with atomic_path(str(path)) as tmp, written_back(tmp, every=0.01), open(tmp, "wb") as f:
+            f.write(b"x")
+            f.flush()
+            time.sleep(0.2)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_write_the_writer_process_fails_fails_the_commit_naming_the_file(tmp_path):

@@ -48,6 +48,42 @@ def atomic_write(path: str, data: bytes | memoryview) -> None:
         f.write(data)
 
 
+@contextlib.contextmanager
+def written_back(path: str, every: float = 0.05) -> Iterator[None]:
+    """Keep the disk writing `path` while the block is still writing it, so that the fsync after it waits for the
+    tail, not the whole file. Below the kernel's dirty threshold (10% of memory by default) nothing reaches the
+    disk until that fsync, and a save took the time to serialize plus the time to write. A thread opens `path`
+    once it appears and `fdatasync`s it every `every` seconds (the call releases the GIL); the error of one is
+    raised here, since the file's later fsync may not see an error this descriptor was told of."""
+    done = threading.Event()
+    failure: list[OSError] = []
+
+    def flush() -> None:
+        fd = -1
+        try:
+            while not done.wait(every):
+                if fd < 0:
+                    with contextlib.suppress(FileNotFoundError):
+                        fd = os.open(path, os.O_RDONLY)
+                    continue
+                os.fdatasync(fd)
+        except OSError as exc:
+            failure.append(exc)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    thread = threading.Thread(target=flush, name="ucp-written-back", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    if failure:
+        raise failure[0]
+
+
 def rename_durably(source: str, dest: str) -> None:
     """Rename a file or folder within its folder, made durable by an fsync of that folder (a crash cannot take it
     back)."""

@@ -45,7 +45,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.commit import CommitRecord, write_commit
 from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.atomic import atomic_path
+from ucp_deepspeed.io.atomic import atomic_path, written_back
 from ucp_deepspeed.io.safe_pickle import hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, fill_crcs, stamp
 from ucp_deepspeed.protocols import Engine
@@ -177,7 +177,7 @@ class BoundEngine:
             with atomic_path(path) as tmp:  # this rank's own file, whole and stamped before it takes the name
                 try:
                     # torch's CRC pass is most of a save's time; ours fills the same CRCs in at memory speed
-                    with compat.crcs_left_to_us() as crcs_later:
+                    with compat.crcs_left_to_us() as crcs_later, written_back(tmp + self.suffix):
                         self.inner.save(state_dict, tmp)
                     if self.suffix:
                         st.rename_local(tmp + self.suffix, tmp)

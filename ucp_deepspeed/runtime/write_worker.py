@@ -1,7 +1,8 @@
 """The asynchronous save's writer: a process of its own, made once per engine, that `torch.save`s each file from host
-memory it shares with the trainer, stamps it, fsyncs it and renames it into place. Its `torch.save` skips torch's
-CRC pass (about 0.5 GB/s, more than the disk takes to write the bytes), and `isal` fills the CRCs in afterwards
-from the page cache (over 10 GB/s): the archive is the one torch would have written.
+memory it shares with the trainer, stamps it, fsyncs it and renames it into place, the disk writing while torch
+serializes (`io.atomic.written_back`). Its `torch.save` skips torch's CRC pass (about 0.5 GB/s, more than the disk
+takes to write the bytes), and `isal` fills the CRCs in afterwards from the page cache (over 10 GB/s): the archive is
+the one torch would have written.
 
 Serializing, checksumming and writing in a thread held the trainer's GIL for much of the write (the async stall was
 no smaller than a synchronous save, measured in docs/benchmarks.md). This process holds its own. It is started with
@@ -31,7 +32,7 @@ import torch
 from ucp_deepspeed import compat
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.atomic import atomic_path
+from ucp_deepspeed.io.atomic import atomic_path, written_back
 from ucp_deepspeed.io.torch_file import fill_crcs, stamp
 
 _LENGTH = struct.Struct("<Q")
@@ -53,7 +54,8 @@ def write_file(path: str, state: Any, zipfile_serialization: bool, save_id: str 
     if st.is_url(path):
         return upload_file(path, state, save_id, zipfile_serialization)
     with atomic_path(path) as tmp:
-        torch.save(state, tmp, _use_new_zipfile_serialization=zipfile_serialization)
+        with written_back(tmp):  # the disk writes while torch serializes
+            torch.save(state, tmp, _use_new_zipfile_serialization=zipfile_serialization)
         if crcs_later:
             fill_crcs(tmp)
         if save_id:
