@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import os
 import shlex
 import shutil
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -412,8 +414,9 @@ def dcp_state(engine: deepspeed.DeepSpeedEngine) -> dict:
     """The state DeepSpeed's files hold, as DCP saves it: the module's weights (replicated, written once) and this
     rank's fp32 partitions with their Adam states (keyed by rank: DCP writes a plain tensor once, from rank 0)."""
     opt, rank = engine.optimizer, dist.get_rank()
-    state: dict = {"model": dict(engine.module.state_dict())}
-    for i, flat in enumerate(opt.single_partition_of_fp32_groups):
+    state: dict = {"model": dict(engine.module.state_dict())}  # at ZeRO-3 only placeholders, as DeepSpeed's file
+    flats = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_partitioned_groups_flat
+    for i, flat in enumerate(flats):
         state[f"rank{rank}.fp32.{i}"] = flat
         for key, value in opt.optimizer.state[flat].items():
             state[f"rank{rank}.optim.{i}.{key}"] = value
@@ -424,8 +427,9 @@ def save_stalls(
     engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str, steps: int, repeats: int
 ) -> dict:
     """Each kind of save of the same engine, side by side: its stall (the save call plus `steps` steps after it, less
-    `steps` plain steps; the median of the warm repeats), its time to durable (a save and its wait alone), the
-    extra resident memory it leaves held (shared staging included) and the bytes it wrote, summed over the ranks."""
+    `steps` plain steps; the median of the warm repeats), its time to durable (a save and its wait alone, the median
+    of 3), the extra resident memory it leaves held (shared staging included) and the bytes it wrote, summed over the
+    ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -451,9 +455,53 @@ def save_stalls(
 
         return save, lambda _: None
 
+    def deepspeed_writer(kind: str) -> tuple[Callable[[str], object], Callable[[object], None]]:
+        """DeepSpeed's own save through the writer `"checkpoint": {"writer": {"type": kind}}` makes (its default
+        64 MiB buffer, every data-parallel rank a writer of the replicated files, as FastPersist splits them)."""
+        from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
+        from deepspeed.runtime.model_checkpointing.config import get_checkpoint_writer_config
+        from deepspeed.utils import groups
+
+        if kind == "fast" and engine.device.type == "cpu":
+            # tests/fastpersist_cpu.py: DeepSpeed pins its IO buffer, which needs an accelerator; nothing else
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+            import fastpersist_cpu
+
+            fastpersist_cpu.enable()
+        for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": os.environ["LOCAL_WORLD_SIZE"]}.items():
+            os.environ.setdefault(key, value)  # what the deepspeed launcher sets (one node); torchrun does not
+        config = copy.copy(engine._config)
+        writer_config = get_checkpoint_writer_config({"writer": {"type": kind, "data_parallel": "replica"}})
+        config.checkpoint_config = {**engine._config.checkpoint_config, "writer": writer_config}
+        stage = engine.zero_optimization_stage()
+        writer = create_checkpoint_engine(config, groups, stage, engine.has_moe_layers, optimize_dp_state=stage < 3)
+        # a writer of the replicated files, or a rank DeepSpeed has write its model states anyway (ZeRO-3's first group)
+        writes_model = writer.is_data_parallel_writer(groups._get_sequence_data_parallel_rank())
+        writes_model = writes_model or engine.save_non_zero_checkpoint
+
+        def save(d: str) -> None:
+            bound, flag = engine.checkpoint_engine, engine.save_non_zero_checkpoint
+            engine.checkpoint_engine, engine.save_non_zero_checkpoint = writer, writes_model
+            try:
+                deepspeed.DeepSpeedEngine.save_checkpoint(engine, d)
+            finally:
+                engine.checkpoint_engine, engine.save_non_zero_checkpoint = bound, flag
+
+        return save, lambda _: None
+
+    # DCP's own group, as torchtitan gives it: its thread's collectives would otherwise interleave with the
+    # training step's on one gloo group (a ZeRO-3 step's reduce-scatter hung against them)
+    dcp_group = dist.new_group(backend="gloo")
+
     def dcp_save(kind: Any, stager: Any = None) -> tuple[Callable[[str], object], Callable[[object], None]]:
         def save(d: str) -> object:
-            return dcp.async_save(dcp_state(engine), checkpoint_id=d, async_checkpointer_type=kind, async_stager=stager)
+            return dcp.async_save(
+                dcp_state(engine),
+                checkpoint_id=d,
+                process_group=dcp_group,
+                async_checkpointer_type=kind,
+                async_stager=stager,
+            )
 
         def wait(response: Any) -> None:
             getattr(response, "upload_completion", response).result()
@@ -466,6 +514,8 @@ def save_stalls(
     kinds: list[tuple[str, Callable[[], tuple[Callable[[str], object], Callable[[object], None]]]]] = [
         ("ours, sync", lambda: ours(sync_engine)),
         ("DeepSpeed's own save", deepspeed_own),
+        ("DeepSpeed's own save, python writer", lambda: deepspeed_writer("python")),
+        ("DeepSpeed's own save, fast writer (FastPersist)", lambda: deepspeed_writer("fast")),
         ("ours, async: writer thread (before)", lambda: ours(AsyncCheckpointEngine(engine._config, process=False))),
         (
             "ours, async: writer process, staging made once",
@@ -492,9 +542,11 @@ def save_stalls(
         rss = psutil.Process().memory_info().rss
         save, wait = make()
         stalls = [stall(save, wait, os.path.join(out, f"{len(rows)}-{i}")) for i in range(repeats + 1)]
-        target = os.path.join(out, f"{len(rows)}-durable")
-        os.sync()
-        durable = timed(lambda: wait(save(target)))  # noqa: B023  (called here, at once)
+        durables = []
+        for i in range(3):  # the page cache makes one save's time swing by seconds here: the median of 3
+            target = os.path.join(out, f"{len(rows)}-durable-{i}")
+            os.sync()
+            durables.append(timed(lambda: wait(save(target))))  # noqa: B023  (called here, at once)
         held = summed(psutil.Process().memory_info().rss - rss)[0]
         tree = os.walk(target) if dist.get_rank() == 0 else []
         written = summed(sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in tree for f in fs))[0]
@@ -503,7 +555,7 @@ def save_stalls(
                 "kind": name,
                 "stall_s": statistics.median(stalls[1:]),
                 "first_stall_s": stalls[0],
-                "durable_s": durable,
+                "durable_s": statistics.median(durables),
                 "held_gb": held / 1e9,
                 "bytes": written,
             }
@@ -513,7 +565,35 @@ def save_stalls(
                 shutil.rmtree(os.path.join(out, d), ignore_errors=True)
         dist.barrier()
     ours(sync_engine)
-    return {"steps": steps, "plain_steps_s": plain, "rows": rows}
+    floor = statistics.median(disk_floor(out, rows[0]["bytes"]) for _ in range(3))
+    return {"steps": steps, "plain_steps_s": plain, "floor_s": floor, "rows": rows}
+
+
+def disk_floor(out: str, nbytes: float) -> float:
+    """The disk's time to durable for `nbytes`, shared over the ranks: each writes its share from memory in 64 MiB
+    writes, fsyncs it and its folder (the slowest rank's time, after an `os.sync()`)."""
+    share = int(nbytes) // dist.get_world_size()
+    chunk = torch.randint(0, 256, (min(share, 64 << 20),), dtype=torch.uint8).numpy()
+    path = os.path.join(out, f"floor-{dist.get_rank()}")
+    os.sync()
+    dist.barrier()
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            for start in range(0, share, len(chunk)):
+                os.write(fd, chunk[: share - start])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folder = os.open(out, os.O_RDONLY)
+        os.fsync(folder)
+        os.close(folder)
+        dist.barrier()
+
+    seconds = timed(write)
+    os.unlink(path)
+    return seconds
 
 
 def stalls(engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str) -> dict:
