@@ -8,11 +8,11 @@ cached shared-memory staging), and the disk's floor for the same bytes.
 
 Each launch (`synthetic.py async`) trains a synthetic LM with fp32 AdamW at one ZeRO stage and, for each kind of save in
 turn, saves `--repeat` + 1 times (each after an `os.sync()`), each followed by `--steps` training steps: the stall is
-the time of the save call and those steps, less as many plain steps (the median of the saves after the first; the
-first one's is kept too, since it pays for staging and for starting a writer process). Time to durable is the median
-of 3 more saves, each with its wait alone, and the disk's floor the median of 3 writes of the same bytes from memory
-with fsync. Held memory is the resident memory the kind left behind (shared staging included), summed
-over the ranks, and the bytes what it wrote.
+the time of the save call and those steps, less as many plain steps timed just before that kind's saves (the median of
+the saves after the first; the first one's is kept too, since it pays for staging and for starting a writer process).
+Time to durable is the median of 3 more saves, each with its wait alone, and the disk's floor the median of 3 writes of
+the same bytes from memory with fsync. Held memory is the resident memory the kind left behind (shared staging
+included), summed over the ranks, and the bytes what it wrote.
 On 1 rank a core is free for a writer, as the CPU of a GPU job mostly is; on 4 ranks every core of this 2-core
 machine trains.
 """

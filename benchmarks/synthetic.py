@@ -427,14 +427,15 @@ def save_stalls(
     engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str, steps: int, repeats: int
 ) -> dict:
     """Each kind of save of the same engine, side by side: its stall (the save call plus `steps` steps after it, less
-    `steps` plain steps; the median of the warm repeats), its time to durable (a save and its wait alone, the median
-    of 3), the extra resident memory it leaves held (shared staging included) and the bytes it wrote, summed over the
-    ranks."""
+    `steps` plain steps timed just before that kind's saves; the median of the warm repeats), its time to durable (a
+    save and its wait alone, the median of 3), the extra resident memory it leaves held (shared staging included)
+    and the bytes it wrote, summed over the ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    plain = statistics.median(timed(lambda: [step() for _ in range(steps)]) for _ in range(2))
+    for _ in range(3):  # a ZeRO-3 engine's first steps record its prefetch trace and are seconds slower
+        step()
     sync_engine = unbound(engine)
 
     def ours(inner: object) -> tuple[Callable[[str], object], Callable[[object], None]]:
@@ -529,7 +530,11 @@ def save_stalls(
         ),
     ]
 
-    def stall(save: Callable[[str], object], wait: Callable[[object], None], target: str) -> float:
+    def plain_steps() -> float:
+        """`steps` plain steps, the median of 2, timed before each kind: this shared host drifts by seconds."""
+        return statistics.median(timed(lambda: [step() for _ in range(steps)]) for _ in range(2))
+
+    def stall(save: Callable[[str], object], wait: Callable[[object], None], target: str, plain: float) -> float:
         os.sync()  # the last save's dirty pages, which the kernel would write back during this one
         box: list = []
         seconds = timed(lambda: (box.append(save(target)), [step() for _ in range(steps)])) - plain
@@ -541,7 +546,8 @@ def save_stalls(
     for name, make in kinds:
         rss = psutil.Process().memory_info().rss
         save, wait = make()
-        stalls = [stall(save, wait, os.path.join(out, f"{len(rows)}-{i}")) for i in range(repeats + 1)]
+        plain = plain_steps()
+        stalls = [stall(save, wait, os.path.join(out, f"{len(rows)}-{i}"), plain) for i in range(repeats + 1)]
         durables = []
         for i in range(3):  # the page cache makes one save's time swing by seconds here: the median of 3
             target = os.path.join(out, f"{len(rows)}-durable-{i}")
@@ -553,6 +559,7 @@ def save_stalls(
         rows.append(
             {
                 "kind": name,
+                "plain_steps_s": plain,
                 "stall_s": statistics.median(stalls[1:]),
                 "first_stall_s": stalls[0],
                 "durable_s": statistics.median(durables),
@@ -566,7 +573,7 @@ def save_stalls(
         dist.barrier()
     ours(sync_engine)
     floor = statistics.median(disk_floor(out, rows[0]["bytes"]) for _ in range(3))
-    return {"steps": steps, "plain_steps_s": plain, "floor_s": floor, "rows": rows}
+    return {"steps": steps, "floor_s": floor, "rows": rows}
 
 
 def disk_floor(out: str, nbytes: float) -> float:
