@@ -680,6 +680,18 @@ def save_id_of(path: str) -> str | None:
         return records.pread(*records.data_range(name)).decode("ascii", "replace")
 
 
+def check_save_id(path: str, carried: str | None, wanted: str) -> None:
+    """Refuse a file of another save: `carried` is the save id the file at `path` records, `wanted` the one its tag's
+    metadata records (empty: the save recorded none, and any file is taken)."""
+    if wanted and carried != wanted:
+        found = f"save id {carried}" if carried else "no save id"
+        raise CheckpointError(
+            path,
+            f"belongs to another save: it carries {found}, and the metadata of this tag records save id {wanted} "
+            "(a file copied from another run or step?)",
+        )
+
+
 class VerifyingReader(BlobFile):
     """A file object for `torch.load` that checks the CRC-32 of every record torch reads from it.
 

@@ -47,7 +47,7 @@ from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.atomic import atomic_path, written_back
 from ucp_deepspeed.io.safe_pickle import hint
-from ucp_deepspeed.io.torch_file import VerifyingReader, fill_crcs, stamp
+from ucp_deepspeed.io.torch_file import VerifyingReader, check_save_id, fill_crcs, stamp
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.collective import all_ok, coordinated, every_rank, failure_of, on_rank0, to_rank0
 from ucp_deepspeed.runtime.write_worker import upload_file
@@ -63,13 +63,7 @@ def safe_load(
     A damaged record raises, or is passed to `on_damage(error)` if given (the load then completes).
     """
     with VerifyingReader(path, verify) as reader:
-        if save_id and reader.save_id != save_id:
-            found = f"save id {reader.save_id}" if reader.save_id else "no save id"
-            raise CheckpointError(
-                path,
-                f"belongs to another save: it carries {found}, and the metadata of this "
-                f"tag records save id {save_id} (a file copied from another run or step?)",
-            )
+        check_save_id(path, reader.save_id, save_id)
         try:
             with torch.serialization.safe_globals(deepspeed_safe_globals() + user_safe_globals()):
                 obj = torch.load(cast(IO[bytes], reader), map_location=map_location, weights_only=True)

@@ -7,7 +7,7 @@ from typing import Any
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.data_position import LOADER_FILE, checked_records
 from ucp_deepspeed.io import storage as st
-from ucp_deepspeed.io.torch_file import TorchFile, plain
+from ucp_deepspeed.io.torch_file import TorchFile, check_save_id, plain
 
 
 def read_loader_records(
@@ -23,13 +23,7 @@ def read_loader_records(
     if not st.isfile(path):
         raise CheckpointError(path, f"the tag's metadata records the data loaders of {ranks} ranks, but not this file")
     with TorchFile(path, verify) as opened:
-        if save_id and opened.save_id != save_id:
-            found = f"save id {opened.save_id}" if opened.save_id else "no save id"
-            raise CheckpointError(
-                path,
-                f"belongs to another save: it carries {found}, and the metadata of this tag records save id "
-                f"{save_id} (a file copied from another run or step?)",
-            )
+        check_save_id(path, opened.save_id, save_id)
         records = checked_records(plain(opened.obj), path)
     if len(records) != ranks:
         raise CheckpointError(path, f"holds the data loaders of {len(records)} ranks; the metadata records {ranks}")

@@ -29,7 +29,15 @@ from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.geometry.fragments import fragments_in
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.swap_file import SwapTensor
-from ucp_deepspeed.io.torch_file import IndexedArchive, LazyTensor, Span, StorageSpan, TorchFile, read_spans
+from ucp_deepspeed.io.torch_file import (
+    IndexedArchive,
+    LazyTensor,
+    Span,
+    StorageSpan,
+    TorchFile,
+    check_save_id,
+    read_spans,
+)
 from ucp_deepspeed.naming.rules import parse_rules
 from ucp_deepspeed.sources.consistency import (
     check_model_states,
@@ -195,15 +203,11 @@ class RankFiles(st.Closeable):
 
     def _bound(self, opened: Any) -> Any:
         """A file is used only if it carries this save's id (when the save recorded one)."""
-        want = self.meta.save_id
-        if want and opened.save_id != want:
+        try:
+            check_save_id(opened.path, opened.save_id, self.meta.save_id)
+        except CheckpointError:
             opened.close()
-            found = f"save id {opened.save_id}" if opened.save_id else "no save id"
-            raise CheckpointError(
-                opened.path,
-                f"belongs to another save: it carries {found}, and the metadata of "
-                f"this tag records save id {want} (a file copied from another run or step?)",
-            )
+            raise
         return opened
 
     def archive(self, rank: int) -> IndexedArchive:
