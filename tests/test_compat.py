@@ -431,7 +431,7 @@ def test_data_sampler(zero3, tmp_path):
     assert sampler is loader.data_sampler and compat.data_sampler(zero3) is None
     batches = iter(loader)
     next(batches)
-    state, rng = copy.deepcopy(sampler.state_dict()), compat.sampler_rng(sampler)  # it shares lists it mutates
+    state, rng = copy.deepcopy(sampler.state_dict()), compat.sampler_rng(engine)  # it shares lists it mutates
     drawn = next(batches)[1].tolist()
     next(batches)
     compat.restore_sampler(sampler, state, rng)

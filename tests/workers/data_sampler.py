@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import common  # tests/workers/common.py, next to this script
@@ -103,9 +104,15 @@ def refused(out: Path, clusters: Path) -> dict:
     """A resume whose config names a cluster folder without the saved clusters: the error, and whether the engine
     kept its weights and step count."""
     engine, _ = engine_and_loader(out, clusters)
+    return refusal(engine, lambda: engine.load_checkpoint(str(out / "ckpt")))
+
+
+def refusal(engine: deepspeed.DeepSpeedEngine, load: Callable[[], object]) -> dict:
+    """`load` into a fresh `engine`, which is then destroyed: the error it raised, and whether the engine kept its
+    weights and step count."""
     before = [p.detach().clone() for p in engine.module.parameters()]
     try:
-        engine.load_checkpoint(str(out / "ckpt"))
+        load()
         error = None
     except ucp_deepspeed.CheckpointError as exc:
         error = str(exc)
@@ -191,15 +198,8 @@ def loader_resume(ckpt: Path, tag: str | None, kind: str, micro_batch: int, step
 def loader_refused(out: Path) -> dict:
     """An iterable loader saved at another size: refused, naming the loader, with the engine as it was."""
     engine = plain_engine()
-    before = [p.detach().clone() for p in engine.module.parameters()]
-    try:
-        engine.load_checkpoint(str(out / "loader-ckpt"), tag="iterable", data_loader=stateful_loader("iterable", 4))
-        error = None
-    except ucp_deepspeed.CheckpointError as exc:
-        error = str(exc)
-    kept = engine.global_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-    engine.destroy()
-    return {"error": error, "kept": kept}
+    loader = stateful_loader("iterable", 4)
+    return refusal(engine, lambda: engine.load_checkpoint(str(out / "loader-ckpt"), tag="iterable", data_loader=loader))
 
 
 def loader_save(out: Path) -> dict:

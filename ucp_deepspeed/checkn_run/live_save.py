@@ -179,7 +179,7 @@ def _finish(
                 k: getattr(engine.optimizer, k) for k in OPTIMIZER_WRAPPER_KEYS if hasattr(engine.optimizer, k)
             },
             data_sampler=sampler.state_dict() if (sampler := compat.data_sampler(engine)) is not None else None,
-            data_sampler_rng=compat.sampler_rng(sampler) if sampler is not None else None,
+            data_sampler_rng=compat.sampler_rng(engine),
             data_loaders=data_loaders,
         )
     )

@@ -114,9 +114,12 @@ def data_sampler(engine: Engine) -> Any:
     return loader.data_sampler
 
 
-def sampler_rng(sampler: Any) -> dict[str, Any]:
-    """The sampler's own numpy generator state (`np_rng`, which draws its clusters and shuffles its batches): its
-    `state_dict` saves the process-wide numpy state instead."""
+def sampler_rng(engine: Engine) -> dict[str, Any] | None:
+    """The engine's curriculum sampler's own numpy generator state (`np_rng`, which draws its clusters and shuffles
+    its batches; its `state_dict` saves the process-wide numpy state instead), or None without one."""
+    sampler = data_sampler(engine)
+    if sampler is None:
+        return None
     state: dict[str, Any] = sampler.np_rng.bit_generator.state
     return state
 

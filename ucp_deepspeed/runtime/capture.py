@@ -432,7 +432,7 @@ def describe(
         # a Hugging Face model trained under its own names (AutoTP, Ulysses, HF Trainer) exports with its config
         hf_config=hf_config if hf_config is not None or spec is not None else compat.hf_model_config(module),
         optimizer=optimizer_record(engine),
-        data_sampler_rng=compat.sampler_rng(sampler) if (sampler := compat.data_sampler(engine)) is not None else None,
+        data_sampler_rng=compat.sampler_rng(engine),
         topology=topology(engine),
         params=tuple(slots),
         extras=tuple(extras),
