@@ -151,6 +151,20 @@ def test_an_uneven_fused_split_takes_each_ranks_run_of_every_part():
     assert rank1.flatten().tolist() == [4, 5, 8, 9, 12, 13]
 
 
+def test_an_uneven_split_takes_only_its_own_ranks_length():
+    layout = Layout("split", 0, shards=((6, 4, 4),))
+    assert [p.length for p in layout.pieces((4, 3), 2, 3)] == [4]
+    with pytest.raises(ValueError, match=r"rank 0 of the uneven split \[\[6, 4, 4\]\] holds 6 along dim 0, not 4"):
+        layout.pieces((4, 3), 0, 3)  # rank 1's length, which rank 0 does not hold
+
+
+def test_recorded_widths_give_the_layout_that_holds_at_any_size_where_one_does():
+    assert Layout.from_widths(1, [[3, 3]]) == Layout("split", 1)
+    assert Layout.from_widths(0, [[3, 3]], fused=True) == Layout("split", 0, parts=(6,))
+    assert Layout.from_widths(0, [[3, 3], [1, 1]]) == Layout("split", 0, parts=(6, 2))
+    assert Layout.from_widths(0, [[4, 2], [2, 2]]) == Layout("split", 0, shards=((4, 2), (2, 2)))
+
+
 class Plain(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

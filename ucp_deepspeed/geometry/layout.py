@@ -81,6 +81,16 @@ class Layout:
         ):
             raise ValueError(f"invalid layout {self}: every part needs one length per rank, and some length")
 
+    @classmethod
+    def from_widths(cls, dim: int, widths: Sequence[Sequence[int]], fused: bool = False) -> Layout:
+        """A split along `dim` from each part's length on each rank, as AutoTP records them: a split whose every
+        part is even is the same at any size (fused `parts`, or a plain split for one part unless `fused`); an
+        uneven one holds the lengths (`shards`)."""
+        shards = tuple(tuple(int(w) for w in part) for part in widths)
+        if any(len(set(part)) != 1 for part in shards):
+            return cls("split", dim, shards=shards)
+        return cls("split", dim, parts=tuple(sum(part) for part in shards) if fused or len(shards) > 1 else ())
+
     def local_length(self, rank: int) -> int:
         """Length along `dim` that rank `rank` holds, for an uneven split (`shards`)."""
         return sum(widths[rank] for widths in self.shards)
@@ -90,8 +100,9 @@ class Layout:
         """Whether ranks hold different slices (as opposed to copies)."""
         return self.kind == "split"
 
-    def check(self, local_shape: Sequence[int], tp: int) -> None:
-        """Raise ValueError if a local tensor of this shape cannot be a rank's share at this tp size."""
+    def check(self, local_shape: Sequence[int], tp: int, rank: int | None = None) -> None:
+        """Raise ValueError if a local tensor of this shape cannot be rank `rank`'s share (any rank's, if None) at
+        this tp size."""
         if not self.is_split:
             return
         if self.dim >= len(local_shape):
@@ -99,10 +110,13 @@ class Layout:
         if self.shards:
             if len(self.shards[0]) != tp:
                 raise ValueError(f"an uneven split over {len(self.shards[0])} ranks, used at {tp}")
-            if local_shape[self.dim] not in {self.local_length(r) for r in range(tp)}:
+            widths, length = [list(w) for w in self.shards], local_shape[self.dim]
+            if rank is None and length not in {self.local_length(r) for r in range(tp)}:
+                raise ValueError(f"no rank of the uneven split {widths} holds {length} along dim {self.dim}")
+            if rank is not None and length != self.local_length(rank):
                 raise ValueError(
-                    f"no rank of the uneven split {[list(w) for w in self.shards]} holds {local_shape[self.dim]} "
-                    f"along dim {self.dim}"
+                    f"rank {rank} of the uneven split {widths} holds {self.local_length(rank)} along dim {self.dim}, "
+                    f"not {length}"
                 )
             return
         padded = local_shape[self.dim] * tp
@@ -130,7 +144,7 @@ class Layout:
 
     def pieces(self, local_shape: Sequence[int], rank: int, tp: int) -> list[Piece]:
         """The runs along `dim` that rank `rank` of `tp` holds; padding is in no piece."""
-        self.check(local_shape, tp)
+        self.check(local_shape, tp, rank)
         if not local_shape:
             return [Piece(0, 0, 1)]
         local_len = local_shape[self.dim]

@@ -92,10 +92,7 @@ def autotp_layout(name: str, meta: dict[str, Any] | None, local_shape: Sequence[
     shards = tuple(tuple(int(w) for w in part) for part in widths)
     if any(len(part) != tp for part in shards):
         raise ValueError(f"{name}: AutoTP recorded sizes for {len(shards[0])} ranks at tensor-parallel size {tp}")
-    if all(len(set(part)) == 1 for part in shards):
-        layout = Layout("split", dim, parts=tuple(sum(part) for part in shards) if len(shards) > 1 else ())
-    else:
-        layout = Layout("split", dim, shards=shards)
+    layout = Layout.from_widths(dim, shards)
     full = layout.full_shape(local_shape, tp)
     logical = tuple(int(n) for n in meta.get("logical_shape") or full)
     if full != logical:

@@ -153,9 +153,7 @@ def _fused(
     shards = tuple(tuple(int(w) for w in part) for part in widths)
     if any(len(part) != tp for part in shards):
         raise CheckpointError(path, f"'{name}': shard widths {widths} are not one per rank of {tp}")
-    if all(len(set(part)) == 1 for part in shards):
-        return Layout("split", dim, parts=tuple(sum(part) for part in shards))
-    return Layout("split", dim, shards=shards)
+    return Layout.from_widths(dim, shards, fused=True)
 
 
 def _plain_split(
@@ -176,7 +174,7 @@ def _plain_split(
         return Layout("split", dim, vocab=vocab)
     if vocab:
         raise CheckpointError(path, f"'{name}': a vocabulary split unevenly {list(widths)} and padded to {vocab} rows")
-    return Layout("split", dim, shards=(widths,))
+    return Layout.from_widths(dim, (widths,))
 
 
 def _runs(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
