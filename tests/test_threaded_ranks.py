@@ -256,3 +256,22 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(sources, reference, tmp_p
     assert convert_on_every_rank(world, sources["z1"], out) == [str(out)] * world
     assert_same_checkpoint(str(out), reference["z1"])
     assert {p: (out / p).stat().st_mtime_ns for p in left} == left
+
+
+def test_what_a_rank_opened_is_released_when_another_rank_fails():
+    """`collective.guarded(work, release=...)`: the ranks whose `work` succeeded free its result (an extension tag's
+    readers, opened on every rank) when another rank's failed; the failing rank had nothing to free."""
+    from ucp_deepspeed.runtime.collective import guarded
+
+    released: list[int] = []
+
+    def work(rank: int) -> int:
+        if rank == FAILING_RANK:
+            raise CheckpointError("tag/rank3.pt", "damaged")
+        return rank
+
+    outcomes = run_ranks(8, lambda rank: guarded(lambda: work(rank), release=released.append), 120.0, 15.0)
+    assert all(isinstance(o, CheckpointError) and o.path == "tag/rank3.pt" for o in outcomes), outcomes
+    assert sorted(released) == [r for r in range(8) if r != FAILING_RANK]
+    assert run_ranks(8, lambda rank: guarded(lambda: rank, release=released.append), 120.0, 15.0) == list(range(8))
+    assert len(released) == 7  # nothing released when every rank succeeded

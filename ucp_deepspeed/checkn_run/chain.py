@@ -255,18 +255,18 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
         if read_manifest(out).source.extra.get("chain") == fingerprint:
             return out
         st.delete(out)
-    folders = _open(ckpt_dir, elements, True)
     target = elements[-1][1]
-    here = folders[-1][1]
-    if st.isdir(out) and st.listdir(out) and not st.isfile(st.join(out, INTENT)):
-        raise CheckpointError(out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it")
-    st.makedirs(out)
-    st.write(st.join(out, INTENT), json.dumps({"source": st.join(ckpt_dir, tag), "chain": fingerprint}).encode())
     params = {}
-    with UniversalWriter(root=out) as writer:
-        with contextlib.ExitStack() as opened:
-            for _, folder, _ in folders:
-                opened.enter_context(folder)
+    with contextlib.ExitStack() as opened:  # every folder of the chain is closed however this ends
+        folders = [(t, opened.enter_context(folder), m) for t, folder, m in _open(ckpt_dir, elements, True)]
+        here = folders[-1][1]
+        if st.isdir(out) and st.listdir(out) and not st.isfile(st.join(out, INTENT)):
+            raise CheckpointError(
+                out, "exists, is not empty and is not a ucp_deepspeed output; refusing to write into it"
+            )
+        st.makedirs(out)
+        st.write(st.join(out, INTENT), json.dumps({"source": st.join(ckpt_dir, tag), "chain": fingerprint}).encode())
+        with UniversalWriter(root=out) as writer:
             for name, record in target.params.items():
                 if "table" in record.extra:
                     record = _whole_table(name, record)
@@ -277,7 +277,7 @@ def materialize(ckpt_dir: str, tag: str, out: str) -> str:
                 params[name] = record
             for relpath in (BUFFERS, STATE):
                 writer.copy(here, relpath)
-        writer.commit(_full_manifest(target, fingerprint, params))
+            writer.commit(_full_manifest(target, fingerprint, params))
     st.delete(st.join(out, INTENT))
     return out
 

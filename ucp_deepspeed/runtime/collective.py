@@ -107,9 +107,10 @@ def all_ok(failure: tuple[str, str] | None) -> None:
         raise CheckpointError(*first)
 
 
-def guarded(work: Callable[[], Any]) -> Any:
+def guarded(work: Callable[[], Any], release: Callable[[Any], object] | None = None) -> Any:
     """Run `work` on every rank; any exception on any rank (a damaged file, a RuntimeError, running out of memory)
-    is raised on all of them as the first failing rank's `CheckpointError`, chained to the local one (collective)."""
+    is raised on all of them as the first failing rank's `CheckpointError`, chained to the local one (collective).
+    `release(result)` frees what `work` opened on a rank where it succeeded when another rank's failed."""
     result, failure, error = None, None, None
     try:
         result = work()
@@ -118,6 +119,8 @@ def guarded(work: Callable[[], Any]) -> Any:
     try:
         all_ok(failure)
     except CheckpointError as fanned:
+        if failure is None and release is not None:
+            release(result)
         raise fanned from error
     return result
 

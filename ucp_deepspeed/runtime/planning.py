@@ -154,7 +154,8 @@ class LoadPlanner:
         options, path = self.options, st.join(load_dir, tag)
         live = topology(self.engine).describe()
         if options.direct:
-            reader = guarded(lambda: kind.open(load_dir, tag, options.verify))
+            # a rank that opened its reader closes it when another rank could not open its own
+            reader = guarded(lambda: kind.open(load_dir, tag, options.verify), release=lambda opened: opened.close())
             report = LoadReport(mode=LoadMode.EXTENSION, saved=_saved(reader), live=live, kind=kind.name, in_place=True)
             return Source(mode=LoadMode.EXTENSION, path=path, report=report, open=lambda: reader)
         out = self._materialized(kind, load_dir, tag)
