@@ -141,3 +141,16 @@ def test_iterable_loader_resumes_at_its_size_and_is_refused_at_another(request, 
     refused = runs["loaders"][world]["refused"]
     assert refused["error"] and "StatefulDataLoader over Stream, saved by 2 ranks" in refused["error"], refused
     assert "iterable dataset's position is its own" in refused["error"] and refused["kept"], refused
+
+
+def test_inspect_shows_where_each_ranks_loader_stood(runs, capsys):
+    """`ucp inspect` of the tag saved with both loaders' records: each rank's loader, and the global order the
+    map-style one draws from (its epoch, the dataset's size, the samples drawn over the ranks)."""
+    assert cli_main(["inspect", str(runs["out"] / "loader-ckpt"), "--tag", "map"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "data loaders:" in line)
+    assert line.startswith("  data loaders: 2 ranks of StatefulDataLoader over") and f"of {SAMPLES} samples" in line
+    assert cli_main(["inspect", str(runs["out"] / "loader-ckpt"), "--tag", "map", "--json"]) == 0
+    loaders = json.loads(capsys.readouterr().out)["data_loaders"]
+    assert [(r["rank"], r["dp_size"]) for r in loaders] == [(0, 2), (1, 2)] and all(r["order"] for r in loaders)
+    assert cli_main(["inspect", str(runs["out"] / "ckpt"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["data_loaders"] is None  # a save given no loader records none

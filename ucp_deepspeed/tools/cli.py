@@ -27,6 +27,7 @@ from ucp_deepspeed.hf.models import ARCHS
 from ucp_deepspeed.interop import export_dcp, export_deepspeed, export_megatron, import_dcp, import_megatron
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.sources import NativeCheckpoint
+from ucp_deepspeed.sources.data_loaders import read_loader_records
 from ucp_deepspeed.sources.infer import Placement
 from ucp_deepspeed.sources.native import tag_metas
 from ucp_deepspeed.tools.compare import DiffReport, diff
@@ -137,7 +138,15 @@ def summarize(path: str, tag: str | None = None, layout_rules: Any = None) -> di
             "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed",
             **({"model": meta.model.encode()} if meta.model is not None else {}),
             "optimizer": _optimizer_summary(meta.optimizer, src.optimizer_groups()[0] or []),
+            "data_loaders": _loaders_summary(read_loader_records(src.tag_dir, meta.data_loaders, meta.save_id)),
         }
+
+
+def _loaders_summary(records: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Where each rank's data loader stood at the save (its loader and global order; its state is the loader's)."""
+    if records is None:
+        return None
+    return [{k: r[k] for k in ("rank", "dp_rank", "dp_size", "loader", "order")} for r in records]
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -164,6 +173,17 @@ def _print_summary(s: dict[str, Any]) -> None:
             f"vocab {m['vocab_size']}{'' if m['tied'] else ', untied output'}{moe}"
         )
     print("  counters: " + ", ".join(f"{k}={v}" for k, v in s["counters"].items()))
+    loaders = s.get("data_loaders")
+    if loaders:
+        order = loaders[0]["order"]
+        where = (
+            f"epoch {order['epoch']} of {order['dataset_len']:,} samples (seed {order['seed']}), "
+            f"{sum(r['order']['samples'] for r in loaders if r['order']):,} drawn"
+            + (", epoch finished" if order["finished"] else "")
+            if order
+            else "its own state, no global order"
+        )
+        print(f"  data loaders: {len(loaders)} ranks of {loaders[0]['loader']}, {where}")
     trainable = [p for p in s["params"].values() if p["trainable"]]
     numel = sum(math.prod(p["shape"]) for p in trainable)
     print(
