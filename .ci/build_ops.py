@@ -5,7 +5,7 @@ async_io for NVMe offload where libaio is present) and, on the CPU, its shared-m
 A test launch that paid for them would run past its time limit, so `.ci/install` builds them here. The compiler's
 output goes to the log named on the command line; the terminal gets one line per op.
 
-Usage: python .ci/build_ops.py LOG
+Usage: python .ci/build_ops.py LOG [OP ...]   (every op, or only the builders named, e.g. ShareMemCommBuilder)
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ OPS = {
 }
 
 
-def main(log_path: str) -> int:
-    """Build every op, one line each on the terminal; on failure, the op, the reason and where the log is."""
+def main(log_path: str, only: list[str]) -> int:
+    """Build every op (or those in `only`), one line each on the terminal; on failure, the op, the reason and where
+    the log is."""
     terminal = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
     log = open(log_path, "w")  # it replaces fds 1 and 2 until the process ends: no `with`
     # ninja and the compiler write to the process's file descriptors, not to sys.stdout
@@ -37,7 +38,13 @@ def main(log_path: str) -> int:
 
     cache = os.environ.get("TORCH_EXTENSIONS_DIR", "the torch extensions cache")
     terminal.write(f".ci/install: building DeepSpeed's ops into {cache} (first time only; log: {log_path})\n")
+    unknown = set(only) - set(OPS)
+    if unknown:
+        terminal.write(f".ci/build_ops.py: no such op: {', '.join(sorted(unknown))} (known: {', '.join(OPS)})\n")
+        return 1
     for name, expected in OPS.items():
+        if only and name not in only:
+            continue
         if name == "ShareMemCommBuilder":
             builder = get_accelerator().create_op_builder(name)
         else:
@@ -58,4 +65,4 @@ def main(log_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

@@ -5,12 +5,13 @@
 # saved, exactly. The resume reads the saved rank files in place (the default "direct" reshard), so no
 # converted copy is written. Then the same from TP=2 x PP=2 to TP=1 x DP=2.
 #
-#   bash launch/demo.sh               install (.ci/install), then run the demo
+#   bash launch/demo.sh               install what the demo needs (.ci/install, UCP_INSTALL=demo), then run it
 #   bash launch/demo.sh --no-install  run it in the environment you already have (what the tests do)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" != --no-install ]; then
-  source .ci/install
+  # torch, DeepSpeed, this package with megatron-core and one op: not the ops and packages only the tests use
+  UCP_INSTALL=demo source .ci/install
 fi
 work="$(mktemp -d)"
 log="$work/demo.log"
