@@ -305,11 +305,33 @@ def _convert_under_torchrun(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ucp` console script."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # e.g. that a finished conversion is reused
+    try:
+        return int(args.run(args))
+    except CheckpointError as exc:
+        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk, a read-only folder: say which file, without a traceback
+        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every subcommand, each with its handler as `run`."""
     parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
+    _checkpoint_commands(sub)
+    _interop_commands(sub)
+    return parser
+
+
+def _checkpoint_commands(sub: Any) -> None:
+    """convert, inspect, verify and diff: a checkpoint of ours or DeepSpeed's, read without model code."""
     p = sub.add_parser(
         "convert", help="convert a DeepSpeed checkpoint (or materialize a Check-N-Run chain) to the universal format"
     )
+    p.set_defaults(run=_convert)
     p.add_argument("ckpt_dir")
     p.add_argument("--tag", help="checkpoint tag (default: the one in 'latest')")
     p.add_argument(
@@ -339,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout-rules", metavar="RULES.json", help=RULES_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("inspect", help="summarise a native or universal checkpoint without loading tensors")
+    p.set_defaults(run=_inspect)
     p.add_argument("path")
     p.add_argument("--tag")
     p.add_argument("--layout-rules", metavar="RULES.json", help=RULES_HELP)
@@ -348,12 +371,27 @@ def main(argv: list[str] | None = None) -> int:
         help="check every file of a checkpoint: a universal folder against its manifest, "
         "a Check-N-Run tag's whole chain, or a native tag's rank files and their zip crc32s",
     )
+    p.set_defaults(run=_verify_command)
     p.add_argument("path")
     p.add_argument("--tag", help="tag of a native or Check-N-Run checkpoint (default: the one in 'latest')")
     p.add_argument("--layout-rules", metavar="RULES.json", help=RULES_HELP)
+    p = sub.add_parser("diff", help="compare two checkpoints of any topology, state by state")
+    p.set_defaults(run=_diff)
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--tag-a")
+    p.add_argument("--tag-b")
+    p.add_argument("--atol", type=float, default=0.0, help="exit 0 if every tensor is within this (default: exact)")
+    p.add_argument("--all", action="store_true", help="list every state, not only those that differ")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _interop_commands(sub: Any) -> None:
+    """The other formats, in and out: Hugging Face, PyTorch DCP, megatron-core's torch_dist."""
     p = sub.add_parser(
         "export-hf", help="write a megatron-core GPT's or a transformers model's checkpoint as a transformers folder"
     )
+    p.set_defaults(run=_export_hf)
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
     over = p.add_argument_group(
@@ -377,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size", type=float, default=5120, help="MB per safetensors shard (default 5120, the Hub's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("import-hf", help="make a weights-only universal checkpoint of a transformers folder")
+    p.set_defaults(run=_import_hf)
     p.add_argument("hf_dir")
     p.add_argument("out")
     p.add_argument("--num-kv-heads", type=int, help="gpt2: fold repeated key/value heads back into this many groups")
@@ -384,17 +423,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "import-dcp", help="make a universal checkpoint of a PyTorch DCP folder (dcp.save of a model and optimizer)"
     )
+    p.set_defaults(run=_import_dcp)
     p.add_argument("dcp_dir")
     p.add_argument("out")
     p = sub.add_parser(
         "import-megatron", help="make a universal checkpoint of a megatron-core dist_checkpointing (torch_dist) folder"
     )
+    p.set_defaults(run=_import_megatron)
     p.add_argument("megatron_dir", help="the checkpoint folder, e.g. CKPT/iter_0000100")
     p.add_argument("out")
     p.add_argument("--vocab-size", type=int, help="unpadded vocabulary: drop the embedding's padding rows")
     p = sub.add_parser(
         "export-megatron", help="write a checkpoint as megatron-core torch_dist, read by dist_checkpointing.load"
     )
+    p.set_defaults(run=_export_megatron)
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out", help="the folder to write, e.g. CKPT/iter_0000100")
     p.add_argument("--padded-vocab-size", type=int, help="rows of the loading model's embedding (zeros past the vocab)")
@@ -411,104 +453,111 @@ def main(argv: list[str] | None = None) -> int:
         "--dist-ckpt-optim-fully-reshardable)",
     )
     p = sub.add_parser("export-dcp", help="write a checkpoint as a PyTorch DCP folder that dcp.load reads at any size")
+    p.set_defaults(run=_export_dcp)
     p.add_argument("ckpt", help="universal folder, or native checkpoint directory (converted on the way)")
     p.add_argument("out")
     p.add_argument("--model-key", default="model", help="top-level key of the model's state dict (default model)")
     p.add_argument("--optim-key", default="optim", help="top-level key of the optimizer's state dict (default optim)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p = sub.add_parser("diff", help="compare two checkpoints of any topology, state by state")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--tag-a")
-    p.add_argument("--tag-b")
-    p.add_argument("--atol", type=float, default=0.0, help="exit 0 if every tensor is within this (default: exact)")
-    p.add_argument("--all", action="store_true", help="list every state, not only those that differ")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # e.g. that a finished conversion is reused
-    try:
-        if args.command == "convert":
-            out: str | None
-            if args.format == "deepspeed" and _under_torchrun():
-                raise CheckpointError(
-                    args.ckpt_dir, "--format deepspeed runs in one process; start it without torchrun"
-                )
-            if args.format == "deepspeed":
-                out = export_deepspeed(
-                    args.ckpt_dir,
-                    args.tag,
-                    args.output,
-                    args.workers,
-                    progress=not args.no_progress,
-                    layout_rules=args.layout_rules,
-                )
-            elif _under_torchrun():
-                out = _convert_under_torchrun(args)
-            else:
-                out = convert(
-                    args.ckpt_dir,
-                    args.tag,
-                    args.output,
-                    args.workers,
-                    progress=not args.no_progress,
-                    layout_rules=args.layout_rules,
-                    procs=args.procs,
-                )
-            if out:
-                print(out)
-        elif args.command == "inspect":
-            summary = summarize(args.path, args.tag, args.layout_rules)
-            print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
-        elif args.command == "export-hf":
-            overrides = Overrides(
-                args.arch,
-                args.num_heads,
-                args.num_kv_heads,
-                args.norm_eps,
-                args.rope_theta,
-                args.max_positions,
-                args.experts_per_token,
-                args.activation,
-            )
-            shard = int(args.shard_size * 2**20)
-            hf_config = json.loads(st.read(args.hf_config)) if args.hf_config else None
-            print(
-                export_hf(args.ckpt, args.out, overrides, args.dtype, shard, not args.no_progress, hf_config=hf_config)
-            )
-        elif args.command == "import-hf":
-            print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
-        elif args.command == "import-dcp":
-            print(import_dcp(args.dcp_dir, args.out))
-        elif args.command == "import-megatron":
-            print(import_megatron(args.megatron_dir, args.out, args.vocab_size))
-        elif args.command == "export-megatron":
-            print(
-                export_megatron(
-                    args.ckpt,
-                    args.out,
-                    args.padded_vocab_size,
-                    args.expert_model_parallel_size,
-                    distributed_optimizer=args.distributed_optimizer,
-                )
-            )
-        elif args.command == "export-dcp":
-            print(export_dcp(args.ckpt, args.out, args.model_key, args.optim_key, progress=not args.no_progress))
-        elif args.command == "diff":
-            report = diff(args.a, args.b, args.tag_a, args.tag_b)
-            _print_diff(report, args.all, args.json)
-            return 0 if (report.identical or report.within(args.atol)) else 1
-        else:
-            problems, what = _verify(args.path, args.tag, args.layout_rules)
-            for line in problems:
-                print(line)
-            print(f"{len(problems)} bad files" if problems else f"ok: {what}")
-            return 1 if problems else 0
-    except CheckpointError as exc:
-        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a full disk, a read-only folder: say which file, without a traceback
-        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+
+
+def _convert(args: argparse.Namespace) -> int:
+    out: str | None
+    if args.format == "deepspeed" and _under_torchrun():
+        raise CheckpointError(args.ckpt_dir, "--format deepspeed runs in one process; start it without torchrun")
+    if args.format == "deepspeed":
+        out = export_deepspeed(
+            args.ckpt_dir,
+            args.tag,
+            args.output,
+            args.workers,
+            progress=not args.no_progress,
+            layout_rules=args.layout_rules,
+        )
+    elif _under_torchrun():
+        out = _convert_under_torchrun(args)
+    else:
+        out = convert(
+            args.ckpt_dir,
+            args.tag,
+            args.output,
+            args.workers,
+            progress=not args.no_progress,
+            layout_rules=args.layout_rules,
+            procs=args.procs,
+        )
+    if out:
+        print(out)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    summary = summarize(args.path, args.tag, args.layout_rules)
+    print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
+    return 0
+
+
+def _verify_command(args: argparse.Namespace) -> int:
+    problems, what = _verify(args.path, args.tag, args.layout_rules)
+    for line in problems:
+        print(line)
+    print(f"{len(problems)} bad files" if problems else f"ok: {what}")
+    return 1 if problems else 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    report = diff(args.a, args.b, args.tag_a, args.tag_b)
+    _print_diff(report, args.all, args.json)
+    return 0 if (report.identical or report.within(args.atol)) else 1
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    overrides = Overrides(
+        args.arch,
+        args.num_heads,
+        args.num_kv_heads,
+        args.norm_eps,
+        args.rope_theta,
+        args.max_positions,
+        args.experts_per_token,
+        args.activation,
+    )
+    shard = int(args.shard_size * 2**20)
+    hf_config = json.loads(st.read(args.hf_config)) if args.hf_config else None
+    print(export_hf(args.ckpt, args.out, overrides, args.dtype, shard, not args.no_progress, hf_config=hf_config))
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    print(import_hf(args.hf_dir, args.out, args.num_kv_heads, progress=not args.no_progress))
+    return 0
+
+
+def _import_dcp(args: argparse.Namespace) -> int:
+    print(import_dcp(args.dcp_dir, args.out))
+    return 0
+
+
+def _import_megatron(args: argparse.Namespace) -> int:
+    print(import_megatron(args.megatron_dir, args.out, args.vocab_size))
+    return 0
+
+
+def _export_megatron(args: argparse.Namespace) -> int:
+    print(
+        export_megatron(
+            args.ckpt,
+            args.out,
+            args.padded_vocab_size,
+            args.expert_model_parallel_size,
+            distributed_optimizer=args.distributed_optimizer,
+        )
+    )
+    return 0
+
+
+def _export_dcp(args: argparse.Namespace) -> int:
+    print(export_dcp(args.ckpt, args.out, args.model_key, args.optim_key, progress=not args.no_progress))
     return 0
 
 
