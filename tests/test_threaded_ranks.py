@@ -275,3 +275,9 @@ def test_what_a_rank_opened_is_released_when_another_rank_fails():
     assert sorted(released) == [r for r in range(8) if r != FAILING_RANK]
     assert run_ranks(8, lambda rank: guarded(lambda: rank, release=released.append), 120.0, 15.0) == list(range(8))
     assert len(released) == 7  # nothing released when every rank succeeded
+
+    def failing_release(_: object) -> None:
+        raise OSError("close failed")
+
+    outcomes = run_ranks(8, lambda rank: guarded(lambda: work(rank), release=failing_release), 120.0, 15.0)
+    assert all(isinstance(o, CheckpointError) and o.path == "tag/rank3.pt" for o in outcomes), outcomes

@@ -120,7 +120,8 @@ def guarded(work: Callable[[], Any], release: Callable[[Any], object] | None = N
         all_ok(failure)
     except CheckpointError as fanned:
         if failure is None and release is not None:
-            release(result)
+            with contextlib.suppress(Exception):  # every rank reports the fanned error, not its own cleanup's
+                release(result)
         raise fanned from error
     return result
 
