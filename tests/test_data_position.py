@@ -11,6 +11,7 @@ launches. The 4-rank launch (M > N) runs with `-m slow`, for the suite's budget.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from conftest import ROOT, torchrun
@@ -154,3 +155,13 @@ def test_inspect_shows_where_each_ranks_loader_stood(runs, capsys):
     assert [(r["rank"], r["dp_size"]) for r in loaders] == [(0, 2), (1, 2)] and all(r["order"] for r in loaders)
     assert cli_main(["inspect", str(runs["out"] / "ckpt"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["data_loaders"] is None  # a save given no loader records none
+
+
+def test_inspect_of_a_tag_whose_loader_file_is_damaged_still_summarises_it(runs, tmp_path, capsys):
+    """The rest of the summary stands; the loader line says why its file cannot tell (ucp verify names it too)."""
+    shutil.copytree(runs["out"] / "loader-ckpt" / "map", tmp_path / "map")
+    loaders = tmp_path / "map" / "data_loader.pt"
+    loaders.write_bytes(loaders.read_bytes()[:100])
+    assert cli_main(["inspect", str(tmp_path / "map")]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "data loaders:" in line)
+    assert line.startswith("  data loaders: unreadable (") and "data_loader.pt" in line, line

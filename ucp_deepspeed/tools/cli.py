@@ -138,12 +138,17 @@ def summarize(path: str, tag: str | None = None, layout_rules: Any = None) -> di
             "metadata": "rebuilt from DeepSpeed's files" if src.inferred else "ucp_deepspeed",
             **({"model": meta.model.encode()} if meta.model is not None else {}),
             "optimizer": _optimizer_summary(meta.optimizer, src.optimizer_groups()[0] or []),
-            "data_loaders": _loaders_summary(read_loader_records(src.tag_dir, meta.data_loaders, meta.save_id)),
+            "data_loaders": _loaders_summary(src.tag_dir, meta),
         }
 
 
-def _loaders_summary(records: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Where each rank's data loader stood at the save (its loader and global order; its state is the loader's)."""
+def _loaders_summary(tag_dir: str, meta: Any) -> list[dict[str, Any]] | dict[str, str] | None:
+    """Where each rank's data loader stood at the save (its loader and global order; its state is the loader's), or
+    why its file cannot tell: the rest of the summary stands without it, and `ucp verify` names the file."""
+    try:
+        records = read_loader_records(tag_dir, meta.data_loaders, meta.save_id)
+    except CheckpointError as exc:
+        return {"error": str(exc)}
     if records is None:
         return None
     return [{k: r[k] for k in ("rank", "dp_rank", "dp_size", "loader", "order")} for r in records]
@@ -174,12 +179,14 @@ def _print_summary(s: dict[str, Any]) -> None:
         )
     print("  counters: " + ", ".join(f"{k}={v}" for k, v in s["counters"].items()))
     loaders = s.get("data_loaders")
-    if loaders:
+    if isinstance(loaders, dict):
+        print(f"  data loaders: unreadable ({loaders['error']})")
+    elif loaders:
         order = loaders[0]["order"]
+        drawn = {r["dp_rank"]: r["order"]["samples"] for r in loaders if r["order"]}  # TP/PP peers share a stream
         where = (
             f"epoch {order['epoch']} of {order['dataset_len']:,} samples (seed {order['seed']}), "
-            f"{sum(r['order']['samples'] for r in loaders if r['order']):,} drawn"
-            + (", epoch finished" if order["finished"] else "")
+            f"{sum(drawn.values()):,} drawn" + (", epoch finished" if order["finished"] else "")
             if order
             else "its own state, no global order"
         )
