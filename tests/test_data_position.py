@@ -20,6 +20,7 @@ from ucp_deepspeed.tools.cli import main as cli_main
 
 WORKER = ROOT / "tests" / "workers" / "data_sampler.py"
 SAMPLES = 48
+DRAWN = 3 * 8  # the map-style loader's samples drawn at its save: the worker's 3 steps of a global batch of 8
 LOSS_RTOL = 1e-5  # the same batches; only the reduction over ranks differs
 
 
@@ -150,6 +151,7 @@ def test_inspect_shows_where_each_ranks_loader_stood(runs, capsys):
     assert cli_main(["inspect", str(runs["out"] / "loader-ckpt"), "--tag", "map"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "data loaders:" in line)
     assert line.startswith("  data loaders: 2 ranks of StatefulDataLoader over") and f"of {SAMPLES} samples" in line
+    assert f", {DRAWN} drawn" in line, line  # over both ranks, each counted once
     assert cli_main(["inspect", str(runs["out"] / "loader-ckpt"), "--tag", "map", "--json"]) == 0
     loaders = json.loads(capsys.readouterr().out)["data_loaders"]
     assert [(r["rank"], r["dp_size"]) for r in loaders] == [(0, 2), (1, 2)] and all(r["order"] for r in loaders)
