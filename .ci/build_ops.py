@@ -10,10 +10,13 @@ Usage: python .ci/build_ops.py LOG [OP ...]   (every op, or only the builders na
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 
+HOLDER = "ucp-builder.pid"  # beside torch's `lock`: the process building the op
 # the first build of each on a 2-core machine, measured (docs/testing.md); from the cache, a few seconds
 OPS = {
     "CPUAdamBuilder": "1-2 min",
@@ -23,6 +26,37 @@ OPS = {
     "AsyncIOBuilder": "2-7 min",
     "ShareMemCommBuilder": "1-4 min",
 }
+
+
+@contextlib.contextmanager
+def _holding_build_lock(op_dir: str) -> Iterator[None]:
+    """Record this process beside torch's build lock of the op in `op_dir` while it builds: torch's lock is a bare
+    file naming no holder, so a build killed part-way (a stopped run) leaves it and every later build waits on it
+    forever. A lock whose recorded builder is no longer running is such a leftover, and is cleared."""
+    lock, holder = os.path.join(op_dir, "lock"), os.path.join(op_dir, HOLDER)
+    if os.path.exists(lock) and not _running(holder):
+        os.remove(lock)
+    os.makedirs(op_dir, exist_ok=True)
+    with open(holder, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        os.remove(holder)
+
+
+def _running(holder: str) -> bool:
+    """Whether the builder `holder` names is still running (a lock with no record is left to .ci/install's rule)."""
+    try:
+        with open(holder) as f:
+            os.kill(int(f.read()), 0)
+    except FileNotFoundError:
+        return True
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def main(log_path: str, only: list[str]) -> int:
@@ -55,7 +89,8 @@ def main(log_path: str, only: list[str]) -> int:
         terminal.write(f"  {builder.NAME} (a first build takes {expected}) ... ")
         start = time.monotonic()
         try:
-            builder.load()
+            with _holding_build_lock(os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", ""), builder.NAME)):
+                builder.load()
         except Exception as exc:  # the build's own output is in the log
             terminal.write(f"failed after {time.monotonic() - start:.0f} s: {exc}\n")
             terminal.write(f".ci/install: the compiler's output is in {log_path}\n")
