@@ -52,6 +52,7 @@ _LAYER_ORDER = (
     "mlp.shared_experts.linear_fc2.",
     "mlp.shared_experts.gate_weight",
 )
+_BUCKET_STATE = re.compile(r"(.*\.bucket_idx_[0-9]+)\.(.+)")  # a bucket's key, then the state it holds
 # a module's parameters in registration order (Transformer Engine's fused norm first)
 _LEAF_ORDER = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
 _BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
@@ -274,15 +275,20 @@ class Plan:
             out.append(self._local(LAYERS + suffix, (layer,), tp, self.job.tp))
         return out + (self._experts(layer, 0, tp, self.job.tp) if inline else [])
 
-    def params(self, chain: int, group_index: int) -> list[Local]:
-        """The parameters of one saving rank's buffer in `named_parameters` order: chain 0 the dense (or only)
-        optimizer, whose `dp_group_idx` is pp * TP + tp; chain 1 the experts', pp * ETP * EP + ep * ETP + etp."""
+    def buckets_of(self, chain: int, group_index: int) -> list[Bucket]:
+        """The buckets of one saving rank's buffer: chain 0 the dense (or only) optimizer, whose `dp_group_idx` is
+        pp * TP + tp; chain 1 the experts', pp * ETP * EP + ep * ETP + etp."""
         job = self.job
         experts = chain == 1
         pp, within = divmod(group_index, job.etp * job.ep if experts else job.tp)
         ep, tp = divmod(within, job.etp) if experts else (0, within)
         if pp >= job.pp:
             raise CheckpointError(self.ckpt.path, f"dp_group_idx_{group_index} is past the saving job's ranks")
+        return self._buckets(self._params(experts, pp, ep, tp), first_stage=pp == 0)
+
+    def _params(self, experts: bool, pp: int, ep: int, tp: int) -> list[Local]:
+        """The parameters of one saving rank's buffer, in `named_parameters` order."""
+        job = self.job
         first = sum(job.layers[:pp])
         layers = range(first, first + job.layers[pp])
         if experts:
@@ -301,7 +307,7 @@ class Plan:
                 out.append(self._local(_BEFORE[0], (), tp, job.tp, shared=True, copy=True))
         return out
 
-    def buckets(self, params: list[Local], first_stage: bool) -> list[Bucket]:
+    def _buckets(self, params: list[Local], first_stage: bool) -> list[Bucket]:
         """megatron-core's `_ParamAndGradBuffer` layout of `params`: reverse order, 64-aligned starts, a bucket closed
         at the bucket size (first pipeline stage only) and around a shared embedding; offsets within each bucket."""
         size = self.job.bucket_size if first_stage else None
@@ -355,6 +361,14 @@ class BucketStates:
         self, ckpt: DcpCheckpoint, model_keys: list[str], args: Any, chains: int, fused: dict[str, str]
     ) -> None:
         self.ckpt = ckpt
+        # indexed once: each saving rank's buffer looks up its objects and each bucket its states
+        self._objects: dict[str, str] = {}
+        for k in ckpt.objects:
+            self._objects.setdefault(k.partition("/")[0], k)
+        self._bucket_states: dict[str, set[str]] = {}
+        for k in ckpt.tensors:
+            if held := _BUCKET_STATE.match(k):
+                self._bucket_states.setdefault(held.group(1), set()).add(held.group(2))
         layers = next((ckpt.tensors[k].shape[0] for k in model_keys if k.startswith(LAYERS)), 0)
         self.job = saving(args, ckpt.path, int(layers))
         self.plan = Plan(ckpt, model_keys, self.job, experts_apart=chains > 1, fused=fused)
@@ -393,7 +407,7 @@ class BucketStates:
 
     def _object(self, name: str) -> Any:
         """A `ShardedObject` of the save by its key (stored as `<key>/shard_0_1`)."""
-        key = next((k for k in self.ckpt.objects if k.partition("/")[0] == name), None)
+        key = self._objects.get(name)
         if key is None:
             raise CheckpointError(self.ckpt.path, f"holds no {name}")
         return _unwrapped(self.ckpt.object(key))
@@ -424,9 +438,7 @@ class BucketStates:
             raise CheckpointError(
                 self.ckpt.path, f"{name}.per_bucket_numel_unpadded: {saved!r} is not a list of lengths"
             )
-        params = self.plan.params(chain, group_index)
-        pp = group_index // ((self.job.etp * self.job.ep) if chain else self.job.tp)
-        buckets = self.plan.buckets(params, first_stage=pp == 0)
+        buckets = self.plan.buckets_of(chain, group_index)
         base = f"{name}.gbuf_idx_0.dtype_{dtypes}"
         if len(buckets) != len(saved):
             raise CheckpointError(
@@ -443,7 +455,7 @@ class BucketStates:
                     f"{key}: {length} elements recorded (per_bucket_numel_unpadded), but megatron-core's "
                     f"layout of the model's parameters gives {bucket.numel}; not the saving job's model or layout",
                 )
-            mine = {k[len(key) + 1 :] for k in self.ckpt.tensors if k.startswith(key + ".")}
+            mine = self._bucket_states.get(key, set())
             if not mine:
                 raise CheckpointError(self.ckpt.path, f"{key}: the bucket is missing (no state tensors)")
             if states and mine != states:
