@@ -37,6 +37,8 @@ def test_boolean_and_object_forms():
         ("yes", "must be true/false or an object"),
         ({"key_prefixes": 1}, "one key prefix spreads nothing"),
         ({"key_prefixes": 2048}, "less than or equal to 1024"),
+        ({"async_writer_cpus": []}, "name one CPU or more"),
+        ({"async_writer_cpus": [-1]}, "each 0 or above"),
     ],
 )
 def test_bad_options_are_clear_errors(bad, message):

@@ -17,7 +17,7 @@ import atexit
 import copy
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -164,14 +164,18 @@ class AsyncCheckpointEngine(TorchCheckpointEngine):
     """A DeepSpeed checkpoint engine that stages the state in host memory and writes it in a process of its own."""
 
     def __init__(
-        self, config_params: object = None, process: bool = True, module: torch.nn.Module | None = None
+        self,
+        config_params: object = None,
+        process: bool = True,
+        module: torch.nn.Module | None = None,
+        writer_cpus: Sequence[int] | None = None,
     ) -> None:
         super().__init__(config_params)
         self.name = "UcpAsyncCheckpointEngine"
         self.stamps_itself = True  # the file exists only once the writer has written it
         self.staging = Staging()
         # started now, so that its start (it imports torch) overlaps training before the first save
-        self._process: WriterProcess | None = WriterProcess() if process else None
+        self._process: WriterProcess | None = WriterProcess(writer_cpus) if process else None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-async-save")
         # the copies into staging run here while the next forward and backward run: nothing a step changes is
         # changed before the optimizer step, which waits for them (`wait_staged`); the module's buffers, which a

@@ -96,7 +96,9 @@ class UniversalCheckpointer:
         # DeepSpeed does, and each load puts weights from a checkpoint of any layout into its module
         self.trains = compat.trains(engine)
         if options.async_save and self.trains:
-            engine.checkpoint_engine = AsyncCheckpointEngine(compat.engine_config(engine), module=engine.module)
+            engine.checkpoint_engine = AsyncCheckpointEngine(
+                compat.engine_config(engine), module=engine.module, writer_cpus=options.async_writer_cpus
+            )
         self.files = bind(engine, options.verify)
         st.set_default_options(options.storage_options)
         compat.store_recovery_scripts(engine, st.is_url, st.write)

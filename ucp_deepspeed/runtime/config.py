@@ -40,6 +40,11 @@ class UniversalConfig(DeepSpeedConfigModel):
     """Show a tqdm progress bar on rank 0 during conversion."""
     async_save: bool = False
     """Write checkpoint files in a background thread: `save_checkpoint` returns once the state is in host memory."""
+    async_writer_cpus: list[int] | None = None
+    """The CPUs each rank's async writer process runs on (Linux); unset, the rank's own. Where ranks are bound to
+    cores (`deepspeed --bind_cores_to_rank`, numactl) the writer would share its rank's: name cores no rank trains
+    on. Measured in docs/benchmarks.md: a trainer bound to its core, with the writer on another, stalled a fifth as
+    long as one the scheduler moved between them."""
     refresh: Literal["auto", "read", "gather"] = "auto"
     """How a ZeRO-1/2 restore rebuilds the low-precision weights, whose partitions other ranks hold: `read` reads
     the rank's whole tensor- and pipeline-parallel share of fp32 masters again (4 bytes per parameter per rank, from
@@ -72,6 +77,13 @@ class UniversalConfig(DeepSpeedConfigModel):
     def _prefixes_are_several(cls, value: int) -> int:
         if value == 1:
             raise ValueError("one key prefix spreads nothing: 0 (off) or 2 to 1024")
+        return value
+
+    @field_validator("async_writer_cpus")
+    @classmethod
+    def _cpus_exist(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 0):
+            raise ValueError("name one CPU or more, each 0 or above (null: the rank's own)")
         return value
 
     @field_validator("rename")

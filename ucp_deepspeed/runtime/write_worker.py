@@ -6,8 +6,9 @@ the one torch would have written.
 
 Serializing, checksumming and writing in a thread held the trainer's GIL for much of the write (the async stall was
 no smaller than a synchronous save, measured in docs/benchmarks.md). This process holds its own. It is started with
-`python -m ucp_deepspeed.runtime.write_worker`, not by `multiprocessing`'s spawn, which would import the user's
-training script again in the child. It imports torch and this package, not DeepSpeed.
+`python -m ucp_deepspeed.runtime.write_worker` (on the CPUs `async_writer_cpus` names, if set), not by
+`multiprocessing`'s spawn, which would import the user's training script again in the child. It imports torch and
+this package, not DeepSpeed.
 
 Protocol, over two pipes: the trainer sends `(job id, path, state, zipfile serialization, save id)`, pickled, with
 every tensor's storage given by its shared-memory handle (`compat.share_storage`) instead of its bytes; the writer
@@ -17,6 +18,7 @@ checkpoint passes through these pickles.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -24,6 +26,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import IO, Any
 
@@ -105,16 +108,29 @@ class _SharedUnpickler(pickle.Unpickler):
 class WriterProcess:
     """The trainer's side: the writer process and a thread that turns its answers into each job's `Future`."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: Sequence[int] | None = None) -> None:
+        """Start the writer, on `cpus` if given (else on this process's)."""
+        if cpus is not None and not hasattr(os, "sched_setaffinity"):
+            raise ValueError(f'"async_writer_cpus": this platform ({sys.platform}) cannot bind a process to CPUs')
         to_child_r, self._to_child_w = os.pipe()
         self._from_child_r, from_child_w = os.pipe()
+        where = [",".join(map(str, cpus))] if cpus is not None else []
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "ucp_deepspeed.runtime.write_worker", str(to_child_r), str(from_child_w)],
+            [sys.executable, "-m", "ucp_deepspeed.runtime.write_worker", str(to_child_r), str(from_child_w), *where],
             pass_fds=(to_child_r, from_child_w),
             stdin=subprocess.DEVNULL,
         )
         os.close(to_child_r)
         os.close(from_child_w)
+        if cpus is not None:
+            # here too, so that CPUs the machine or this job's cgroup lacks fail now, in the trainer, by name
+            try:
+                os.sched_setaffinity(self._process.pid, cpus)
+            except OSError as exc:
+                os.close(self._to_child_w)
+                os.close(self._from_child_r)
+                self._process.wait()
+                raise ValueError(f'"async_writer_cpus" {list(cpus)}: {exc.strerror}') from None
         self._jobs: dict[int, Future] = {}
         self._next = 0
         self._lock = threading.Lock()
@@ -190,7 +206,18 @@ def _serve_jobs(inbox: IO[bytes], outbox: IO[bytes], crcs_later: bool) -> None:
         _send(outbox, pickle.dumps(answer))
 
 
+def _bind(cpus: str) -> None:
+    """Run every thread of this process on `cpus` (the trainer sets the first thread's too, as soon as it started:
+    a thread started before that, at torch's import, is moved here)."""
+    wanted = {int(c) for c in cpus.split(",")}
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(thread), wanted)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 3:
+        _bind(sys.argv[3])
     torch.set_num_threads(1)  # the trainer's cores are the trainer's
     with os.fdopen(int(sys.argv[1]), "rb") as inbox, os.fdopen(int(sys.argv[2]), "wb") as outbox:
         _serve(inbox, outbox)
