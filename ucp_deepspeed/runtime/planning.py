@@ -27,6 +27,7 @@ from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.convert.output import claimed
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.kinds import TagKind, kind_of
+from ucp_deepspeed.format.metadata import SaveMeta
 from ucp_deepspeed.format.swap import OFFLOADED
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
 from ucp_deepspeed.io import storage as st
@@ -167,17 +168,25 @@ class LoadPlanner:
         engine, options = self.engine, self.options
         path, live = st.join(load_dir, tag), topology(engine)
         rank0 = tdist.get_rank() == 0
+
         # one rank reads the metadata of every model-parallel rank; a thousand ranks reading it would each do so
-        # a plain ZeRO-0 save numbers its optimizer's parameters, which this engine's optimizer groups name
-        found = from_rank0(
-            guarded(lambda: tag_metas(path, options.layout_rules, optimizer_order(engine)) if rank0 else None)
-        )
+        # a plain ZeRO-0 save numbers its optimizer's parameters, which this engine's optimizer groups name; and how
+        # the tag names a Ulysses job's files (DeepSpeed before #8226 named them by sequence-parallel rank)
+        def read_metas() -> tuple[tuple[list[SaveMeta], bool], bool]:
+            found = tag_metas(path, options.layout_rules, optimizer_order(engine))
+            return found, named_by_sp_rank(path, found[0][0].topology)
+
+        found, by_sp_rank = from_rank0(guarded(read_metas if rank0 else lambda: None))
         metas = found[0]
         meta = metas[0]
         saved = meta.topology
-        if self._native_can_load(load_dir, path, saved, live, meta, metas):
+        if self._native_can_load(load_dir, path, saved, live, meta, metas, by_sp_rank):
             if not checked:  # opening checks it
-                on_rank0(lambda: NativeCheckpoint(load_dir, tag, options.layout_rules, metas=found).close())
+                on_rank0(
+                    lambda: NativeCheckpoint(
+                        load_dir, tag, options.layout_rules, metas=found, by_sp_rank=by_sp_rank
+                    ).close()
+                )
             report = LoadReport(mode=LoadMode.NATIVE, saved=saved.describe(), live=live.describe())
             return Source(
                 mode=LoadMode.NATIVE,
@@ -219,7 +228,13 @@ class LoadPlanner:
         # files they read
         src = guarded(
             lambda: NativeCheckpoint(
-                load_dir, tag, options.layout_rules, check=rank0 and not checked, verify=options.verify, metas=found
+                load_dir,
+                tag,
+                options.layout_rules,
+                check=rank0 and not checked,
+                verify=options.verify,
+                metas=found,
+                by_sp_rank=by_sp_rank,
             )
         )
 
@@ -247,7 +262,9 @@ class LoadPlanner:
             check_reads=lambda: _check_direct_reads(src),
         )
 
-    def _native_can_load(self, load_dir: str, path: str, saved: Any, live: Any, meta: Any, metas: Any) -> bool:
+    def _native_can_load(
+        self, load_dir: str, path: str, saved: Any, live: Any, meta: Any, metas: Any, by_sp_rank: bool
+    ) -> bool:
         """Whether DeepSpeed's own load restores this tag exactly into the live engine (collective: every rank
         answers the same)."""
         engine = self.engine
@@ -255,9 +272,7 @@ class LoadPlanner:
             return False
         rank0 = tdist.get_rank() == 0
         # DeepSpeed's own load looks for a Ulysses rank's files under the names it gives them now, not as before #8226
-        # (asked on every rank before any answer can end the question: the broadcast runs everywhere or nowhere)
-        renamed = saved.sp > 1 and from_rank0(guarded(lambda: named_by_sp_rank(path, saved) if rank0 else None))
-        if renamed or not saved.same_layout(live) or st.is_url(load_dir):  # DeepSpeed's reads local paths only
+        if by_sp_rank or not saved.same_layout(live) or st.is_url(load_dir):  # DeepSpeed's reads local paths only
             return False
         # DeepSpeed's own load looks for the names it gave its FastPersist writer, which stored parts under others
         if from_rank0(guarded(lambda: st.in_parts(path) if rank0 else None)):

@@ -127,11 +127,13 @@ def named_by_sp_rank(tag_dir: str, topo: Topology) -> bool:
 class RankFiles(st.Closeable):
     """The files of one model-parallel rank (one tensor/pipeline coordinate), opened lazily."""
 
-    def __init__(self, tag_dir: str, mp_rank: int, meta: SaveMeta, verify: bool = True):
+    def __init__(self, tag_dir: str, mp_rank: int, meta: SaveMeta, verify: bool = True, by_sp_rank: bool = False):
+        """`by_sp_rank`: the tag names data-parallel ranks' files by their sequence-parallel rank
+        (`named_by_sp_rank`)."""
         self.tag_dir, self.mp_rank, self.meta, self.verify = tag_dir, mp_rank, meta, verify
         topo = meta.topology
         prefix = optim_prefix(topo.dtype)
-        sp_named = topo.sp if named_by_sp_rank(tag_dir, topo) else 0
+        sp_named = topo.sp if by_sp_rank else 0
         mp = "{mp:02d}" if sp_named else f"{mp_rank:02d}"
         self.optim_paths = RankPaths(
             tag_dir, f"{prefix}zero_pp_rank_{{dp}}_mp_rank_{mp}_optim_states.pt", topo.dp, sp_named
@@ -408,7 +410,8 @@ class NativeCheckpoint(st.Closeable):
     With `check` (the default) every rank file must exist and its pickle is read at once and checked
     against the metadata; a loading job does that on one rank only, and the other ranks touch only the
     files they read. `metas` are the tag's metadata as `tag_metas` returns them, read by one rank and
-    shared, so a thousand ranks do not each read every model-parallel rank's metadata. `verify=False`
+    shared, so a thousand ranks do not each read every model-parallel rank's metadata; `by_sp_rank`, how the tag
+    names a Ulysses job's files (`named_by_sp_rank`), likewise. `verify=False`
     skips the CRC checks of tensor reads, to measure their cost.
     """
 
@@ -420,6 +423,7 @@ class NativeCheckpoint(st.Closeable):
         check: bool = True,
         verify: bool = True,
         metas: tuple[list[SaveMeta], bool] | None = None,
+        by_sp_rank: bool | None = None,
     ):
         self.ckpt_dir = st.normalize(ckpt_dir)
         self.tag = resolve_tag(self.ckpt_dir, tag)
@@ -430,7 +434,9 @@ class NativeCheckpoint(st.Closeable):
         self.meta = self.metas[0]
         topo = self.meta.topology
         self.tensors = full_tensors(self.metas, st.join(self.tag_dir, meta_filename(0)))
-        self.ranks = [RankFiles(self.tag_dir, r, meta, verify) for r, meta in enumerate(self.metas)]
+        if by_sp_rank is None:  # asked here unless the rank that read the metadata answered it (a store's requests)
+            by_sp_rank = named_by_sp_rank(self.tag_dir, topo)
+        self.ranks = [RankFiles(self.tag_dir, r, meta, verify, by_sp_rank) for r, meta in enumerate(self.metas)]
         if check:
             needed = [p for rank in self.ranks for p in rank.needed]
             missing = [p[len(self.tag_dir) + 1 :] for p in needed if not st.isfile(p)]
