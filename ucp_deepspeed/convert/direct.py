@@ -155,6 +155,8 @@ class DirectCheckpoint(TensorReader):
     def _check(self, checks: list[tuple[FullTensor, str, int, torch.Tensor]]) -> None:
         """Compare each read range (`out`, starting at element `start`) with every replica's copy of it, a bounded
         chunk at a time: a batch may hold a whole partition of replicated tensors, which copies would double."""
+        if getattr(self._batch, "compared", False):
+            return
         for tensor, key, start, out in checks:
             for replica in tensor.replicas:
                 if not isinstance(replica.item, ParamSlot):
@@ -180,6 +182,17 @@ class DirectCheckpoint(TensorReader):
             self._batch.pending = self._batch.checks = None
         read_spans(pending)
         self._check(checks)
+
+    @contextlib.contextmanager
+    def replicas_compared(self) -> Iterator[None]:
+        """Reads in the block are not compared with their replicas: the ranks that restored them did (see
+        `TensorReader.replicas_compared`); their CRCs are still checked."""
+        before = getattr(self._batch, "compared", False)
+        self._batch.compared = True
+        try:
+            yield
+        finally:
+            self._batch.compared = before
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """Entries [start, start+length) along `dim` of a state of a full tensor."""

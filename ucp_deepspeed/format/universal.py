@@ -451,6 +451,12 @@ class TensorReader(st.Closeable):
         adjacent bytes; no target may be used before then. Not to be shared between threads."""
         yield
 
+    @contextlib.contextmanager
+    def replicas_compared(self) -> Iterator[None]:
+        """Reads in the block are of ranges whose replicas another rank's part of the same load compared already
+        (a refresh reads the partitions other ranks restored): a reader that compares replicas skips them."""
+        yield
+
     def read_local(
         self,
         name: str,

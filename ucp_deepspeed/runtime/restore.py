@@ -449,33 +449,38 @@ def _stage_zero12(
         # 3.1 s restore at 300M parameters). Its own fragment of each parameter comes from the fp32 partition just
         # committed; only the other ranks' fragments are read (bytes they read and checked). copy_ rounds exactly as
         # update_lp_params does. The reads of up to REFRESH_CHUNK bytes of parameters go out as one batch:
-        # neighbouring parameters are one request, not a round trip each.
-        for group in groups:
-            chunk: list[
-                tuple[torch.nn.Parameter, torch.Tensor, list[tuple[int, int]], compat.OwnedFragment | None]
-            ] = []
-            held = 0
-            for index, lp in enumerate(group.params):
-                fragment = compat.zero12_fragment(lp)
-                others = _others(lp.numel(), fragment)
-                buf = torch.empty(lp.numel() if others else 0, dtype=torch.float32)
-                chunk.append((lp, buf, others, fragment))
-                held += sum(count for _, count in others) * 4
-                if held < REFRESH_CHUNK and index + 1 < len(group.params):
-                    continue
-                with ckpt.batch():
-                    for param, buf, others, _ in chunk:
-                        for first, count in others:
-                            read(param, FP32, first, count, buf.narrow(0, first, count))
-                for param, buf, others, fragment in chunk:
-                    dest = param.data.view(-1)
-                    for first, count in others:
-                        _copy(dest.narrow(0, first, count), buf.narrow(0, first, count))
-                    if fragment is not None:
-                        _copy(dest.narrow(0, fragment.start, fragment.numel), fragment.fp32.view(-1))
-                chunk, held = [], 0
+        # neighbouring parameters are one request, not a round trip each. Those fragments' owners compared them with
+        # their tensor-parallel replicas while staging, before any rank committed: they are not compared again.
+        with ckpt.replicas_compared():
+            _refresh_from_reads(ckpt, groups, read)
 
     out.refresh.append(refresh)
+
+
+def _refresh_from_reads(ckpt: TensorReader, groups: list[Any], read: Any) -> None:
+    """Each low-precision weight of `groups` rebuilt: this rank's fragment from its fp32 partition, the rest read."""
+    for group in groups:
+        chunk: list[tuple[torch.nn.Parameter, torch.Tensor, list[tuple[int, int]], compat.OwnedFragment | None]] = []
+        held = 0
+        for index, lp in enumerate(group.params):
+            fragment = compat.zero12_fragment(lp)
+            others = _others(lp.numel(), fragment)
+            buf = torch.empty(lp.numel() if others else 0, dtype=torch.float32)
+            chunk.append((lp, buf, others, fragment))
+            held += sum(count for _, count in others) * 4
+            if held < REFRESH_CHUNK and index + 1 < len(group.params):
+                continue
+            with ckpt.batch():
+                for param, buf, others, _ in chunk:
+                    for first, count in others:
+                        read(param, FP32, first, count, buf.narrow(0, first, count))
+            for param, buf, others, fragment in chunk:
+                dest = param.data.view(-1)
+                for first, count in others:
+                    _copy(dest.narrow(0, first, count), buf.narrow(0, first, count))
+                if fragment is not None:
+                    _copy(dest.narrow(0, fragment.start, fragment.numel), fragment.fp32.view(-1))
+            chunk, held = [], 0
 
 
 def _others(numel: int, fragment: compat.OwnedFragment | None) -> list[tuple[int, int]]:
