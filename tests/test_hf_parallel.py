@@ -20,10 +20,12 @@ import torch
 from conftest import ROOT, OnDemand, load_results, torchrun
 
 from ucp_deepspeed.convert.core import convert
+from ucp_deepspeed.convert.direct import DirectCheckpoint
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.metadata import FP32
 from ucp_deepspeed.format.universal import UniversalCheckpoint
 from ucp_deepspeed.geometry.layout import REPLICATED, Layout
+from ucp_deepspeed.sources import native
 from ucp_deepspeed.sources.autotp import autotp_layouts, is_autotp_record
 
 WORKER = ROOT / "tests" / "workers" / "hf_parallel.py"
@@ -153,6 +155,45 @@ def test_ulysses_saves_of_every_deepspeed_naming_convert_to_the_saved_tensors(au
             for key in (FP32, "exp_avg"):
                 got = universal.read(param, key).reshape(record.shape)
                 assert torch.equal(got, ref["fp32" if key == FP32 else key][param]), (name, param, key)
+
+
+def test_a_rank_told_how_a_ulysses_tag_names_its_files_asks_nothing_about_it(autotp_sources, monkeypatch):
+    """The rank that reads a tag's metadata answers how its Ulysses files are named, and the others are handed the
+    answer (`by_sp_rank`, as the load planner broadcasts it): a rank told makes none of the two requests asking costs
+    on a store, and finds the files by it; one not told asks once for the tag, not once per model-parallel rank."""
+    tag = autotp_sources["w3/prefix/sp3z2"]
+    asked: list = []
+    ask = native.named_by_sp_rank
+    monkeypatch.setattr(native, "named_by_sp_rank", lambda *a: asked.append(a) or ask(*a))
+    metas = native.tag_metas(str(tag / "global_step3"), None)
+    with native.NativeCheckpoint(str(tag), metas=metas, by_sp_rank=True) as told:  # it checks every file exists
+        assert not asked
+        names = [Path(p).name for p in told.ranks[0].optim_paths]
+    assert names == [f"zero_pp_rank_{dp}_mp_rank_{dp % 3:02d}_optim_states.pt" for dp in range(3)]
+    with native.NativeCheckpoint(str(tag), metas=metas):
+        assert len(asked) == 1
+
+
+def test_a_refresh_reads_ranges_without_comparing_their_replicas_again(autotp_sources, monkeypatch):
+    """A ZeRO-1/2 refresh reads the fragments other ranks restored, whose replicas those ranks compared while staging:
+    inside `replicas_compared` a replicated parameter's range is read from one tensor-parallel rank's copy alone (half
+    the reads at TP 2); outside it, from every copy."""
+    reads: list[int] = []
+    read = native.RankFiles.read_param_range
+    monkeypatch.setattr(
+        native.RankFiles, "read_param_range", lambda files, *a: reads.append(files.mp_rank) or read(files, *a)
+    )
+    with native.NativeCheckpoint(str(autotp_sources["w2/ucp/tp2z1"])) as src:
+        ckpt = DirectCheckpoint(src)
+        whole = ckpt.read("model.norm.weight", FP32)
+        assert sorted(set(reads)) == [0, 1], reads
+        reads.clear()
+        with ckpt.replicas_compared():
+            again = ckpt.read("model.norm.weight", FP32)
+        assert set(reads) == {0} and torch.equal(again, whole), reads
+        reads.clear()
+        ckpt.read("model.norm.weight", FP32)
+        assert sorted(set(reads)) == [0, 1], "the block's end did not restore the comparisons"
 
 
 @pytest.mark.slow
