@@ -6,13 +6,14 @@ cached shared-memory staging), and the disk's floor for the same bytes.
                                                                    # gaining over sync
     python benchmarks/bench_async.py --sizes 75,300 --zero 1,3 --ranks 1,4 --update-docs
 
-Each launch (`synthetic.py async`) trains a synthetic LM with fp32 AdamW at one ZeRO stage and, for each kind of save in
-turn, saves `--repeat` + 1 times (each after an `os.sync()`), each followed by `--steps` training steps: the stall is
-the time of the save call and those steps, less as many plain steps timed just before that kind's saves (the median of
-the saves after the first; the first one's is kept too, since it pays for staging and for starting a writer process).
+Each launch (`synthetic.py async`) trains a synthetic LM with fp32 AdamW at one ZeRO stage. Each kind of save saves
+once (the first save, which pays for staging and for starting a writer process), then `--repeat` times in turns with
+every other kind (each save after an `os.sync()`, each followed by `--steps` training steps): the stall is the time of
+the save call and those steps, less as many plain steps timed right before it (the median of the turns; the host drifts
+by seconds within a launch, and kinds measured one block after another read that drift as their own).
 Time to durable is the median of 3 more saves, each with its wait alone, and the disk's floor the median of 3 writes of
-the same bytes from memory with fsync. Held memory is the resident memory the kind left behind (shared staging
-included), summed over the ranks, and the bytes what it wrote.
+the same bytes from memory with fsync. Held memory is the resident memory the kind left behind after its first save
+(staging included), summed over the ranks, and the bytes what it wrote.
 On 1 rank a core is free for a writer, as the CPU of a GPU job mostly is; on 4 ranks every core of this 2-core
 machine trains.
 """
@@ -34,8 +35,9 @@ SYNC, ASYNC = "ours, sync", "ours, async: writer process, staging made once"
 
 def table(report: dict) -> str:
     """The side-by-side table of every launch in `report`."""
+    dates = sorted({run.get("date", report["date"]) for run in report["runs"].values()})
     lines = [
-        f"Measured {report['date']}, fp32 AdamW, {report['steps']} steps after each save. The disk's floor: "
+        f"Measured {' and '.join(dates)}, fp32 AdamW, {report['steps']} steps after each save. The disk's floor: "
         "the same bytes written from memory in 64 MiB writes and fsynced, shared over the ranks, in the same launch. "
         "DeepSpeed's own save with torch's writer or its python writer fsyncs nothing, so its time to durable is only "
         "the time it took; FastPersist fsyncs each file, not its folder.",
@@ -62,10 +64,14 @@ def main() -> None:
     parser.add_argument("--ranks", default="1", help="ranks of each launch, comma-separated")
     parser.add_argument("--zero", default="1", help="ZeRO stages, comma-separated")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=4, help="warm saves of each kind after its first")
+    parser.add_argument("--repeat", type=int, default=4, help="turns of warm saves, one of each kind per turn")
     parser.add_argument("--smoke", action="store_true", help="10M parameters on 1 rank: the check alone")
     parser.add_argument("--work", default="/tmp/ucp_bench_async")
-    parser.add_argument("--update-docs", action="store_true", help=f"keep the results in {RESULTS.name}, and the table")
+    parser.add_argument(
+        "--update-docs",
+        action="store_true",
+        help=f"keep the results in {RESULTS.name}, and the table (launches not run now keep their rows)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.sizes, args.ranks = "10", "1"
@@ -76,7 +82,14 @@ def main() -> None:
                 print(f"== {size}M, ZeRO-{zero}, at {ranks} rank(s): every kind of save", flush=True)
                 job = ["async", "--params-m", size, "--zero", zero, "--steps", str(args.steps)]
                 job += ["--repeat", str(args.repeat), "--out", f"{args.work}/{size}M-{zero}-{ranks}"]
-                report["runs"][f"{size}M, ZeRO-{zero}, {ranks}"] = torchrun(int(ranks), job)[0]
+                run = torchrun(int(ranks), job)[0]
+                report["runs"][f"{size}M, ZeRO-{zero}, {ranks}"] = {**run, "date": report["date"]}
+    if args.update_docs and RESULTS.exists():  # the launches run now replace theirs; the others' rows stay
+        kept = json.loads(RESULTS.read_text())
+        report["runs"] = {
+            **{key: {"date": kept["date"], **run} for key, run in kept["runs"].items()},
+            **report["runs"],
+        }
     text = table(report)
     print(text)
     if args.update_docs:

@@ -427,9 +427,9 @@ def save_stalls(
     engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str, steps: int, repeats: int
 ) -> dict:
     """Each kind of save of the same engine, side by side: its stall (the save call plus `steps` steps after it, less
-    `steps` plain steps timed just before that kind's saves; the median of the warm repeats), its time to durable (a
-    save and its wait alone, the median of 3), the extra resident memory it leaves held (shared staging included)
-    and the bytes it wrote, summed over the ranks."""
+    `steps` plain steps timed right before it; the median of `repeats` warm saves, taken in turns with every other
+    kind's), its time to durable (a save and its wait alone, the median of 3), the extra resident memory its first
+    save left held (shared staging included) and the bytes it wrote, summed over the ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -438,12 +438,17 @@ def save_stalls(
         step()
     sync_engine = unbound(engine)
 
-    def ours(inner: object) -> tuple[Callable[[str], object], Callable[[object], None]]:
-        previous = unbound(engine)
-        if previous is not sync_engine:
-            previous.cleanup()  # the last kind's writer
-        rebind(engine, inner)
-        return (lambda d: engine.save_checkpoint(d)), (lambda _: engine.wait_for_checkpoint())
+    writers: list[AsyncCheckpointEngine] = []  # every async kind's, alive until the last save of all
+
+    def ours(inner: Any) -> tuple[Callable[[str], object], Callable[[object], None]]:
+        if inner is not sync_engine:
+            writers.append(inner)
+
+        def save(d: str) -> None:
+            rebind(engine, inner)
+            engine.save_checkpoint(d)
+
+        return save, lambda _: engine.wait_for_checkpoint()
 
     def deepspeed_own() -> tuple[Callable[[str], object], Callable[[object], None]]:
         def save(d: str) -> None:
@@ -529,12 +534,36 @@ def save_stalls(
             lambda: dcp_save(AsyncCheckpointerType.PROCESS, DefaultStager(cached)),
         ),
     ]
+    # each rank bound to a core of its own, as `deepspeed --bind_cores_to_rank` binds them, and the writer on the
+    # cores no rank trains on (`async_writer_cpus`): only where there are such cores
+    everywhere = sorted(os.sched_getaffinity(0))
+    spare = everywhere[dist.get_world_size() :]
+    pinned = set()
+    if spare:
+        pinned = {
+            "ours, sync, each rank bound to a core",
+            "ours, async, each rank bound to a core, the writer on the others",
+        }
+        kinds += [
+            ("ours, sync, each rank bound to a core", lambda: ours(sync_engine)),
+            (
+                "ours, async, each rank bound to a core, the writer on the others",
+                lambda: ours(AsyncCheckpointEngine(engine._config, module=engine.module, writer_cpus=spare)),
+            ),
+        ]
 
-    def plain_steps() -> float:
-        """`steps` plain steps, the median of 2, timed before each kind: this shared host drifts by seconds."""
-        return statistics.median(timed(lambda: [step() for _ in range(steps)]) for _ in range(2))
+    def place(name: str) -> None:
+        """Every thread of this rank on its own core for a bound kind, else on all of them."""
+        cpus = {everywhere[dist.get_rank()]} if name in pinned else set(everywhere)
+        for thread in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(thread), cpus)
 
-    def stall(save: Callable[[str], object], wait: Callable[[object], None], target: str, plain: float) -> float:
+    def stall(name: str, target: str) -> float:
+        """One save of kind `name` and the steps after it, less as many plain steps timed right before it."""
+        save, wait = made[name]
+        place(name)
+        plain = timed(lambda: [step() for _ in range(steps)])
         os.sync()  # the last save's dirty pages, which the kernel would write back during this one
         box: list = []
         seconds = timed(lambda: (box.append(save(target)), [step() for _ in range(steps)])) - plain
@@ -542,36 +571,54 @@ def save_stalls(
         dist.barrier()
         return seconds
 
-    rows = []
+    def clear() -> None:
+        if dist.get_rank() == 0:
+            for d in os.listdir(out):
+                shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+        dist.barrier()
+
+    # each kind's first save (it makes the kind's staging and writer: what it leaves held is measured here), then the
+    # warm saves in turns, every kind once per turn: this host drifts by seconds within a launch, and a kind measured
+    # in a block of its own reads that drift as its own (a synchronous save read 0.93 s and 3.54 s in one launch)
+    made: dict[str, tuple[Callable[[str], object], Callable[[object], None]]] = {}
+    first, held, warm = {}, {}, {name: [] for name, _ in kinds}
     for name, make in kinds:
         rss = psutil.Process().memory_info().rss
-        save, wait = make()
-        plain = plain_steps()
-        stalls = [stall(save, wait, os.path.join(out, f"{len(rows)}-{i}"), plain) for i in range(repeats + 1)]
+        made[name] = make()
+        first[name] = stall(name, os.path.join(out, f"{len(made)}-first"))
+        held[name] = summed(psutil.Process().memory_info().rss - rss)[0]
+        clear()
+    for turn in range(repeats):
+        for i, (name, _) in enumerate(kinds):
+            warm[name].append(stall(name, os.path.join(out, f"{i}-{turn}")))
+        clear()
+    rows = []
+    for i, (name, _) in enumerate(kinds):
+        save, wait = made[name]
+        place(name)
         durables = []
-        for i in range(3):  # the page cache makes one save's time swing by seconds here: the median of 3
-            target = os.path.join(out, f"{len(rows)}-durable-{i}")
+        for j in range(3):  # the page cache makes one save's time swing by seconds here: the median of 3
+            target = os.path.join(out, f"{i}-durable-{j}")
             os.sync()
             durables.append(timed(lambda: wait(save(target))))  # noqa: B023  (called here, at once)
-        held = summed(psutil.Process().memory_info().rss - rss)[0]
         tree = os.walk(target) if dist.get_rank() == 0 else []
         written = summed(sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in tree for f in fs))[0]
         rows.append(
             {
                 "kind": name,
-                "plain_steps_s": plain,
-                "stall_s": statistics.median(stalls[1:]),
-                "first_stall_s": stalls[0],
+                "stall_s": statistics.median(warm[name]),
+                "stalls_s": warm[name],
+                "first_stall_s": first[name],
                 "durable_s": statistics.median(durables),
-                "held_gb": held / 1e9,
+                "held_gb": held[name] / 1e9,
                 "bytes": written,
             }
         )
-        if dist.get_rank() == 0:
-            for d in os.listdir(out):
-                shutil.rmtree(os.path.join(out, d), ignore_errors=True)
-        dist.barrier()
-    ours(sync_engine)
+        clear()
+    rebind(engine, sync_engine)
+    for writer in writers:
+        writer.cleanup()
+    place("")  # unbound again, for the floor and for the next launch's kinds
     floor = statistics.median(disk_floor(out, rows[0]["bytes"]) for _ in range(3))
     return {"steps": steps, "floor_s": floor, "rows": rows}
 

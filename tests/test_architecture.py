@@ -125,6 +125,7 @@ LOCAL_FILES = {
     "runtime/integrations.py": "the Trainer reads RNG files from a local folder: the one to restore is linked there",
     "hf/import_.py": "a Hugging Face model folder, read with safetensors' own reader",
     "hf/models.py": "a Hugging Face model folder's config.json",
+    "runtime/write_worker.py": "its own threads, listed in /proc/self/task to bind each to the CPUs it is given",
 }
 """The modules above `io` that may touch the local filesystem themselves, and why: none of them reads or writes a
 checkpoint file; every checkpoint object goes through `io.storage`."""

@@ -43,8 +43,7 @@ class UniversalConfig(DeepSpeedConfigModel):
     async_writer_cpus: list[int] | None = None
     """The CPUs each rank's async writer process runs on (Linux); unset, the rank's own. Where ranks are bound to
     cores (`deepspeed --bind_cores_to_rank`, numactl) the writer would share its rank's: name cores no rank trains
-    on. Measured in docs/benchmarks.md: a trainer bound to its core, with the writer on another, stalled a fifth as
-    long as one the scheduler moved between them."""
+    on (the writer inherits its rank's CPUs otherwise). docs/benchmarks.md measures the stall with and without."""
     refresh: Literal["auto", "read", "gather"] = "auto"
     """How a ZeRO-1/2 restore rebuilds the low-precision weights, whose partitions other ranks hold: `read` reads
     the rank's whole tensor- and pipeline-parallel share of fp32 masters again (4 bytes per parameter per rank, from
