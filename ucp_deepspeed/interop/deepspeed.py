@@ -208,61 +208,12 @@ def import_deepspeed(folder: str, output: str) -> str:
     with _ModuleTensors(folder, []) as module:
         for path in _stage_files(folder):
             module.models.append(ModelStatesFile(path))
-        models = module.models
-        model, model_files = models[0], [st.basename(m.path) for m in models]
-        # each pipeline stage lists its own parameters; tensor-parallel ranks list the same ones again
-        groups: list[list[str]] = []
-        counts = {len(stage.entry("param_shapes") or []) for stage in models}
-        if len(counts) > 1:  # a stage without parameters of some group numbers its groups differently
-            raise CheckpointError(
-                folder, f"its stages list {sorted(counts)} param groups; their order cannot be matched"
-            )
-        for stage in models:
-            for g, names in enumerate(stage.entry("param_shapes") or []):
-                groups.extend([] for _ in range(g + 1 - len(groups)))
-                groups[g] += [n for n in names if n not in groups[g]]
-        for name in (n for names in groups for n in names):
-            try:
-                check_name(name)
-            except ValueError as exc:
-                raise CheckpointError(model.path, str(exc)) from None
-        if not groups:
-            raise CheckpointError(model.path, "no param_shapes; cannot tell trainable parameters and their groups")
-        trainable = {n for names in groups for n in names}
-        buffer_names = list(dict.fromkeys(n for m in models for n in m.entry("buffer_names", [])))
-        aliases = {k: v for m in models for k, v in (m.entry("shared_params") or {}).items()}
-        frozen = list(dict.fromkeys(n for m in models for n in _frozen_names(m, trainable, buffer_names, aliases)))
-        frozen += module.layer_frozen(trainable, {*frozen, *buffer_names, *aliases})
-        found = {n: module.load(n) for n in [*frozen, *buffer_names]}
-        missing = [n for n, v in found.items() if v is None]
-        if missing:
-            raise CheckpointError(
-                folder,
-                f"holds no value for {len(missing)} buffers or frozen parameters ({', '.join(missing[:6])}"
-                f"{' ...' if len(missing) > 6 else ''}): DeepSpeed's ds_to_universal does not copy a "
-                "PipelineModule's layer files. Copy the source tag's layer_*-model_states.pt files into this folder",
-            )
+        model, model_files = module.models[0], [st.basename(m.path) for m in module.models]
+        groups = _param_groups(folder, module.models)
+        frozen, buffer_names, aliases, values = _untrained(folder, module, {n for names in groups for n in names})
         optim_state = load_file(st.join(folder, ZERO, OPTIMIZER_STATE))
-        scalars: dict[int, dict[str, Any]] = {}
         with UniversalWriter(root=output) as writer:
-            for g, names in enumerate(groups):
-                for name in names:
-                    pdir = st.join(folder, ZERO, name)
-                    if not st.isdir(pdir):
-                        raise CheckpointError(
-                            pdir, f"parameter '{name}' listed in {', '.join(model_files)} has no folder"
-                        )
-                    tensors = {}
-                    for fname in sorted(st.listdir(pdir)):
-                        key = fname.removesuffix(".pt")
-                        if key == "step":
-                            scalars.setdefault(g, {"step": load_file(st.join(pdir, fname))})
-                        else:
-                            tensors[key] = load_file(st.join(pdir, fname))[PARAM].float().contiguous()
-                    if FP32 not in tensors:
-                        raise CheckpointError(pdir, "no fp32.pt")
-                    writer.add_param(name, tensors, group=g)
-            values = {n: v for n, v in found.items() if v is not None}
+            scalars = _write_params(writer, folder, groups, model_files)
             for name in frozen:
                 writer.add_frozen(name, values[name])
             writer.add_buffers({n: values[n] for n in buffer_names})
@@ -277,19 +228,7 @@ def import_deepspeed(folder: str, output: str) -> str:
                 )
             )
             hyper = optim_state.get("param_groups") or []
-            try:
-                tp, pp, sp = model.parallel_sizes()
-                saved = Topology(
-                    dp=int(model.entry("dp_world_size", 1)),
-                    zero_stage=int(optim_state.get("zero_stage", 0)),
-                    dtype="fp32",
-                    tp=tp,
-                    pp=pp,
-                    sp=sp,
-                    optimizer="deepspeed_universal",
-                )
-            except (TypeError, ValueError):
-                raise CheckpointError(model.path, "its parallel sizes are not integers") from None
+            saved = _saved_topology(model, optim_state)
             module.check_reads()
             writer.finish(
                 source=SourceRecord(
@@ -316,6 +255,90 @@ def import_deepspeed(folder: str, output: str) -> str:
                 },
             )
         return output
+
+
+def _param_groups(folder: str, models: list[ModelStatesFile]) -> list[list[str]]:
+    """The trainable parameters of each param group, over every stage's model-states file: each pipeline stage lists
+    its own; tensor-parallel ranks list the same ones again."""
+    groups: list[list[str]] = []
+    counts = {len(stage.entry("param_shapes") or []) for stage in models}
+    if len(counts) > 1:  # a stage without parameters of some group numbers its groups differently
+        raise CheckpointError(folder, f"its stages list {sorted(counts)} param groups; their order cannot be matched")
+    for stage in models:
+        for g, names in enumerate(stage.entry("param_shapes") or []):
+            groups.extend([] for _ in range(g + 1 - len(groups)))
+            groups[g] += [n for n in names if n not in groups[g]]
+    for name in (n for names in groups for n in names):
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise CheckpointError(models[0].path, str(exc)) from None
+    if not groups:
+        raise CheckpointError(models[0].path, "no param_shapes; cannot tell trainable parameters and their groups")
+    return groups
+
+
+def _untrained(
+    folder: str, module: _ModuleTensors, trainable: set[str]
+) -> tuple[list[str], list[str], dict[str, str], dict[str, torch.Tensor]]:
+    """The frozen parameters, the buffers, the tied aliases, and the frozen parameters' and buffers' values, which
+    the universal folder leaves in the model-states (and a pipeline's layer) files."""
+    models = module.models
+    buffer_names = list(dict.fromkeys(n for m in models for n in m.entry("buffer_names", [])))
+    aliases = {k: v for m in models for k, v in (m.entry("shared_params") or {}).items()}
+    frozen = list(dict.fromkeys(n for m in models for n in _frozen_names(m, trainable, buffer_names, aliases)))
+    frozen += module.layer_frozen(trainable, {*frozen, *buffer_names, *aliases})
+    found = {n: module.load(n) for n in [*frozen, *buffer_names]}
+    missing = [n for n, v in found.items() if v is None]
+    if missing:
+        raise CheckpointError(
+            folder,
+            f"holds no value for {len(missing)} buffers or frozen parameters ({', '.join(missing[:6])}"
+            f"{' ...' if len(missing) > 6 else ''}): DeepSpeed's ds_to_universal does not copy a "
+            "PipelineModule's layer files. Copy the source tag's layer_*-model_states.pt files into this folder",
+        )
+    return frozen, buffer_names, aliases, {n: v for n, v in found.items() if v is not None}
+
+
+def _write_params(
+    writer: UniversalWriter, folder: str, groups: list[list[str]], model_files: list[str]
+) -> dict[int, dict[str, Any]]:
+    """Each trainable parameter's fp32 master and optimizer states, from its folder under `zero/`; returns each
+    group's scalar states (its step), which the folder keeps per parameter."""
+    scalars: dict[int, dict[str, Any]] = {}
+    for g, names in enumerate(groups):
+        for name in names:
+            pdir = st.join(folder, ZERO, name)
+            if not st.isdir(pdir):
+                raise CheckpointError(pdir, f"parameter '{name}' listed in {', '.join(model_files)} has no folder")
+            tensors = {}
+            for fname in sorted(st.listdir(pdir)):
+                key = fname.removesuffix(".pt")
+                if key == "step":
+                    scalars.setdefault(g, {"step": load_file(st.join(pdir, fname))})
+                else:
+                    tensors[key] = load_file(st.join(pdir, fname))[PARAM].float().contiguous()
+            if FP32 not in tensors:
+                raise CheckpointError(pdir, "no fp32.pt")
+            writer.add_param(name, tensors, group=g)
+    return scalars
+
+
+def _saved_topology(model: ModelStatesFile, optim_state: dict[str, Any]) -> Topology:
+    """The layout the folder was converted from, as its files record it (fp32 masters, DeepSpeed's own format)."""
+    try:
+        tp, pp, sp = model.parallel_sizes()
+        return Topology(
+            dp=int(model.entry("dp_world_size", 1)),
+            zero_stage=int(optim_state.get("zero_stage", 0)),
+            dtype="fp32",
+            tp=tp,
+            pp=pp,
+            sp=sp,
+            optimizer="deepspeed_universal",
+        )
+    except (TypeError, ValueError):
+        raise CheckpointError(model.path, "its parallel sizes are not integers") from None
 
 
 def _loaded_folder(engine: Engine, load_dir: str) -> str | None:

@@ -550,21 +550,7 @@ def _infer_rank(
     if ep > 1:
         _check_expert_placement(tag_dir, mp_rank, slots, dtype, rec.stacks)
     extras = _layer_extras(tag_dir, mp_rank, tp, trainable, rec.buffers, rules, model_path, recorded) if layered else []
-    for name in rec.frozen:
-        tensor = rec.frozen_tensors[name]
-        extras.append(
-            ExtraTensor(
-                name,
-                tuple(rec.frozen_shapes.get(name, tensor.shape)),
-                dtype_name(tensor.dtype),
-                "frozen",
-                int(tensor.shape[0]) if rec.stage == 3 else 0,
-                layouts[name],
-            )
-        )
-    for name in [] if layered else rec.buffers:
-        tensor = rec.buffer_tensors[name]
-        extras.append(ExtraTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), "buffer"))
+    extras += _frozen_and_buffers(rec, layouts, buffers=not layered)
     return SaveMeta(
         topology=Topology(dp=rec.dp, zero_stage=rec.stage, dtype=dtype, tp=tp, pp=pp, ep=ep, optimizer=optimizer),
         params=tuple(slots),
@@ -577,6 +563,29 @@ def _infer_rank(
         frozen_excluded=rec.frozen_excluded,
         versions={"deepspeed": rec.version, "inferred": INFERRED},
     )
+
+
+def _frozen_and_buffers(rec: _Recorded, layouts: dict[str, Layout], buffers: bool) -> list[ExtraTensor]:
+    """The frozen parameters the model-states file holds whole (at ZeRO-3, each rank's partition: its first dim),
+    and, unless a pipeline's layer files hold them, its buffers."""
+    extras = []
+    for name in rec.frozen:
+        tensor = rec.frozen_tensors[name]
+        shape, partition = tuple(rec.frozen_shapes.get(name, tensor.shape)), tensor.shape[0] if rec.stage == 3 else 0
+        extras.append(
+            ExtraTensor(
+                name=name,
+                shape=shape,
+                dtype=dtype_name(tensor.dtype),
+                kind="frozen",
+                partition=int(partition),
+                layout=layouts[name],
+            )
+        )
+    for name in rec.buffers if buffers else []:
+        tensor = rec.buffer_tensors[name]
+        extras.append(ExtraTensor(name=name, shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), kind="buffer"))
+    return extras
 
 
 def _slots(
