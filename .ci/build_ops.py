@@ -11,12 +11,13 @@ Usage: python .ci/build_ops.py LOG [OP ...]   (every op, or only the builders na
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import sys
 import time
 from collections.abc import Iterator
 
-HOLDER = "ucp-builder.pid"  # beside torch's `lock`: the process building the op
+HOLDER = "ucp-builder-"  # + pid, beside torch's `lock`: a process building the op
 # the first build of each on a 2-core machine, measured (docs/testing.md); from the cache, a few seconds
 OPS = {
     "CPUAdamBuilder": "1-2 min",
@@ -32,26 +33,31 @@ OPS = {
 def _holding_build_lock(op_dir: str) -> Iterator[None]:
     """Record this process beside torch's build lock of the op in `op_dir` while it builds: torch's lock is a bare
     file naming no holder, so a build killed part-way (a stopped run) leaves it and every later build waits on it
-    forever. A lock whose recorded builder is no longer running is such a leftover, and is cleared."""
-    lock, holder = os.path.join(op_dir, "lock"), os.path.join(op_dir, HOLDER)
-    if os.path.exists(lock) and not _running(holder):
-        os.remove(lock)
+    forever. A lock whose recorded builders have all stopped is such a leftover, and is cleared; each builder has a
+    record of its own (`ucp-builder-<pid>`), so builds of one op side by side keep each other's."""
+    records = glob.glob(os.path.join(op_dir, HOLDER + "*"))
+    gone = [r for r in records if not _running(r)]
+    lock = os.path.join(op_dir, "lock")
+    if records and len(gone) == len(records) and os.path.exists(lock):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
+    for record in gone:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(record)
     os.makedirs(op_dir, exist_ok=True)
-    with open(holder, "w") as f:
-        f.write(str(os.getpid()))
+    mine = os.path.join(op_dir, f"{HOLDER}{os.getpid()}")
+    open(mine, "w").close()
     try:
         yield
     finally:
-        os.remove(holder)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(mine)
 
 
-def _running(holder: str) -> bool:
-    """Whether the builder `holder` names is still running (a lock with no record is left to .ci/install's rule)."""
+def _running(record: str) -> bool:
+    """Whether the builder a record names is still running."""
     try:
-        with open(holder) as f:
-            os.kill(int(f.read()), 0)
-    except FileNotFoundError:
-        return True
+        os.kill(int(record.rsplit("-", 1)[1]), 0)
     except (ProcessLookupError, ValueError):
         return False
     except PermissionError:  # another user's process: alive
@@ -70,7 +76,10 @@ def main(log_path: str, only: list[str]) -> int:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops import op_builder
 
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR", "the torch extensions cache")
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not cache:
+        terminal.write(".ci/build_ops.py: TORCH_EXTENSIONS_DIR is not set (.ci/install sets it)\n")
+        return 1
     terminal.write(f".ci/install: building DeepSpeed's ops into {cache} (first time only; log: {log_path})\n")
     unknown = set(only) - set(OPS)
     if unknown:
@@ -89,7 +98,7 @@ def main(log_path: str, only: list[str]) -> int:
         terminal.write(f"  {builder.NAME} (a first build takes {expected}) ... ")
         start = time.monotonic()
         try:
-            with _holding_build_lock(os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", ""), builder.NAME)):
+            with _holding_build_lock(os.path.join(cache, builder.NAME)):
                 builder.load()
         except Exception as exc:  # the build's own output is in the log
             terminal.write(f"failed after {time.monotonic() - start:.0f} s: {exc}\n")

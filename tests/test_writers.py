@@ -11,6 +11,7 @@ shims for its buffer pinning (tests/fastpersist_cpu.py); its data-parallel write
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -182,6 +183,13 @@ def test_a_python_writer_save_never_stamps_a_file_another_rank_is_writing(python
     it and renames it into place: all the saves pass, and every tag verifies."""
     assert sorted(p.name for p in python_writer_saves.glob("s*")) == sorted(f"s{i}" for i in range(SAVES))
     assert not list(python_writer_saves.glob("s*/*.tmp.*"))  # no rank's temporary file is left behind
+
+
+def test_writer_cpus_one_rank_lacks_fail_the_engine_on_every_rank(python_writer_saves):
+    """`"async_writer_cpus"` only rank 1's machine lacks: both ranks raise rank 1's reason, naming the option; before,
+    rank 1 raised alone and rank 0 waited for it in the next collective."""
+    raised = json.loads((python_writer_saves / "writer-cpus.json").read_text())
+    assert len(raised) == 2 and all(r and "async_writer_cpus" in r and "[4096]" in r for r in raised), raised
 
 
 def test_fastpersist_parts_take_deepspeed_names_at_two_ranks(python_writer_saves):

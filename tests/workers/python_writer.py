@@ -9,6 +9,8 @@ tag keeps those names.
                                         then a fresh engine saves K tags into DIR/fast through FastPersist, and one
                                         without `universal` one into DIR/fast-plain; rank 0 verifies every tag (`ucp
                                         verify`: each file's save id and CRCs)
+                                        (first: an async engine whose writer CPUs rank 1 lacks, refused on both
+                                        ranks: DIR/writer-cpus.json)
     load --out DIR                      load the newest tag of DIR, DIR/fast and DIR/fast-plain (saved at another
                                         size) and compare fp32 weights and Adam states with the saving launch's
                                         snapshots
@@ -17,6 +19,7 @@ tag keeps those names.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -51,6 +54,30 @@ def engine(writer: str, universal: bool = True) -> deepspeed.DeepSpeedEngine:
     }
     built, *_ = ucp_deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     return built
+
+
+def writer_cpus_one_rank_lacks(out: str) -> None:
+    """`"async_writer_cpus"` that rank 1's machine lacks (CPU 4096) and rank 0's has: the engine must fail on both
+    ranks, with rank 1's reason, rather than rank 1 alone while rank 0 waits on it; rank 0 writes what each raised to
+    OUT/writer-cpus.json."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 8)
+    cpus = [min(os.sched_getaffinity(0))] if dist.get_rank() == 0 else [4096]
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "checkpoint": {"universal": {"async_save": True, "async_writer_cpus": cpus, "progress": False}},
+    }
+    try:
+        ucp_deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+        raised = None
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, raised)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "writer-cpus.json"), "w") as f:
+            json.dump(everyone, f)
 
 
 def step(model: deepspeed.DeepSpeedEngine) -> None:
@@ -112,6 +139,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     fast, plain = os.path.join(args.out, "fast"), os.path.join(args.out, "fast-plain")
     if args.mode == "save":
+        writer_cpus_one_rank_lacks(args.out)
         save("python", args.out, args.saves)
         if args.fast:
             save("fast", fast, args.fast)

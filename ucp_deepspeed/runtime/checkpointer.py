@@ -95,16 +95,21 @@ class UniversalCheckpointer:
         # an engine built without an optimizer (a reference model, an evaluation) has no training state: it saves as
         # DeepSpeed does, and each load puts weights from a checkpoint of any layout into its module
         self.trains = compat.trains(engine)
+        self.group = coordination_group(options.wait_minutes)  # weak: released at exit
         if options.async_save and self.trains:
-            engine.checkpoint_engine = AsyncCheckpointEngine(
-                compat.engine_config(engine), module=engine.module, writer_cpus=options.async_writer_cpus
-            )
+            # every rank starts its writer before any rank goes on: CPUs one node lacks fail the engine on all of them
+            with coordinated(self.group()):
+                engine.checkpoint_engine = guarded(
+                    lambda: AsyncCheckpointEngine(
+                        compat.engine_config(engine), module=engine.module, writer_cpus=options.async_writer_cpus
+                    ),
+                    release=lambda made: made.cleanup(),
+                )
         self.files = bind(engine, options.verify)
         st.set_default_options(options.storage_options)
         compat.store_recovery_scripts(engine, st.is_url, st.write)
         self.gate = Gate()  # closed by a load that failed after it began writing into the engine
         compat.before_model_step(engine, self._before_step)
-        self.group = coordination_group(options.wait_minutes)  # weak: released at exit
         self.files.group = self.group  # a decoupled save commits from the engine's step, outside our calls
         # every file of a save carries `<run id>-<save count>`: unique per save, with no collective per save
         with coordinated(self.group()):

@@ -126,11 +126,12 @@ class WriterProcess:
             # here too, so that CPUs the machine or this job's cgroup lacks fail now, in the trainer, by name
             try:
                 os.sched_setaffinity(self._process.pid, cpus)
-            except OSError as exc:
+            except (OSError, ValueError, OverflowError, TypeError) as exc:
                 os.close(self._to_child_w)
                 os.close(self._from_child_r)
                 self._process.wait()
-                raise ValueError(f'"async_writer_cpus" {list(cpus)}: {exc.strerror}') from None
+                reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+                raise ValueError(f'"async_writer_cpus" {list(cpus)}: {reason}') from None
         self._jobs: dict[int, Future] = {}
         self._next = 0
         self._lock = threading.Lock()
