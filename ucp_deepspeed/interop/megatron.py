@@ -384,44 +384,18 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
         # the step: `common_step` of each optimizer, or (DistributedOptimizer) each group's own
         steps = [(o.get("state") or {}).get("common_step", h.get("step")) for o in chain for h in o["param_groups"]]
         args = _plain(common.get("args"))
-        grouping = Grouping(
-            qk_decay=bool(isinstance(args, dict) and args.get("apply_wd_to_qk_layernorm")),
-            decoupled=any("wd_mult" in h and _group_kind(h, st.join(folder, COMMON)).decoupled for h in hypers),
-        )
-        present = {
-            grouping.kind(name, ckpt.tensors[key].shape[len(index) :])
-            for key in model_keys
-            for name, index in _pieces(key, ckpt.tensors[key].shape, fused)
-        }
-        slots, group_of = _placement(hypers, present, st.join(folder, COMMON), grouping)
+        slots, group_of = _groups(ckpt, model_keys, hypers, args, fused, st.join(folder, COMMON))
         if optimizer is None:
             optimizer = _WholeStates(ckpt, model_keys)
-        states = optimizer.states
         stepless = [g for g, _ in slots if not _is_step(steps[g])]
-        if states and stepless:
+        if optimizer.states and stepless:
             raise CheckpointError(
                 st.join(folder, COMMON),
-                f"param group {stepless[0]} has optimizer state ({', '.join(states)}) but no step count "
+                f"param group {stepless[0]} has optimizer state ({', '.join(optimizer.states)}) but no step count "
                 "(the optimizer's state.common_step, or the group's step); it could not take its next step",
             )
-        dtypes: set[torch.dtype] = set()
         with UniversalWriter(root=output) as writer:
-            for key in model_keys:
-                value = ckpt.tensor(key)
-                dtypes.add(value.dtype)
-                master, found = optimizer.read(key, value)
-                weight = value if master is None else master
-                for name, index in _pieces(key, tuple(value.shape), fused):
-                    try:
-                        check_name(name)
-                    except ValueError as exc:
-                        raise CheckpointError(ckpt.path, str(exc)) from None
-                    tensors = {FP32: weight[index], **{s: t[index] for s, t in found.items()}}
-                    if vocab_size and name in VOCAB_PARALLEL:
-                        tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
-                    tensors = {k: t.float().clone() for k, t in tensors.items()}
-                    shape = tuple(tensors[FP32].shape)
-                    writer.add_param(name, tensors, group=group_of(name, shape), dtype=dtype_name(value.dtype))
+            dtypes = _write_params(writer, ckpt, model_keys, optimizer, fused, vocab_size, group_of)
             writer.add_buffers({})
             client = {k: _plain(v) for k, v in common.items() if k != "optimizer"}
             writer.set_state(TrainingState(client_state=client))
@@ -467,6 +441,59 @@ def import_megatron(folder: str, output: str, vocab_size: int | None = None) -> 
                 },
             )
         return output
+
+
+def _groups(
+    ckpt: DcpCheckpoint,
+    model_keys: list[str],
+    hypers: list[dict[str, Any]],
+    args: Any,
+    fused: dict[str, str],
+    common: str,
+) -> tuple[list[tuple[int, bool]], Any]:
+    """The saved param groups matched to the kinds of parameter the model holds (`_placement`): each group's slot,
+    and the group of a parameter by name and shape."""
+    grouping = Grouping(
+        qk_decay=bool(isinstance(args, dict) and args.get("apply_wd_to_qk_layernorm")),
+        decoupled=any("wd_mult" in h and _group_kind(h, common).decoupled for h in hypers),
+    )
+    present = {
+        grouping.kind(name, ckpt.tensors[key].shape[len(index) :])
+        for key in model_keys
+        for name, index in _pieces(key, ckpt.tensors[key].shape, fused)
+    }
+    return _placement(hypers, present, common, grouping)
+
+
+def _write_params(
+    writer: UniversalWriter,
+    ckpt: DcpCheckpoint,
+    model_keys: list[str],
+    optimizer: _WholeStates | BucketStates,
+    fused: dict[str, str],
+    vocab_size: int | None,
+    group_of: Any,
+) -> set[torch.dtype]:
+    """Each model tensor's parameters (a stacked key's layers, a fused norm's pieces), with the fp32 master and
+    optimizer states, vocabulary padding dropped; returns the dtypes the model was saved in."""
+    dtypes: set[torch.dtype] = set()
+    for key in model_keys:
+        value = ckpt.tensor(key)
+        dtypes.add(value.dtype)
+        master, found = optimizer.read(key, value)
+        weight = value if master is None else master
+        for name, index in _pieces(key, tuple(value.shape), fused):
+            try:
+                check_name(name)
+            except ValueError as exc:
+                raise CheckpointError(ckpt.path, str(exc)) from None
+            tensors = {FP32: weight[index], **{s: t[index] for s, t in found.items()}}
+            if vocab_size and name in VOCAB_PARALLEL:
+                tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
+            tensors = {k: t.float().clone() for k, t in tensors.items()}
+            shape = tuple(tensors[FP32].shape)
+            writer.add_param(name, tensors, group=group_of(name, shape), dtype=dtype_name(value.dtype))
+    return dtypes
 
 
 def _consumed(args: Any, path: str) -> int:
