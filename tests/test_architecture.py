@@ -88,6 +88,89 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     assert any("extension checkn_run imports extension hf" in v for v in found), found
 
 
+def _module_of(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    """The package's modules a file imports when it runs (inside functions too, not under `if TYPE_CHECKING:`),
+    with the packages each import runs first (not the top one, which imports everything)."""
+    known = {_module_of(p) for p in PACKAGE.rglob("*.py")}
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ucp_deepspeed"):
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known
+            found.update(subs or {node.module})
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("ucp_deepspeed"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {".".join(m.split(".")[:i]) for m in found & known for i in range(2, m.count(".") + 2)} & known
+
+
+def _cycles_across_parts() -> list[list[str]]:
+    """Each set of modules that import one another in a ring (a strongly connected component of the import graph)
+    and span more than one part of the package."""
+    graph = {_module_of(p): _runtime_imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    rings: list[list[str]] = []
+
+    def connect(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            ring = []
+            while True:
+                member = stack.pop()
+                ring.append(member)
+                if member == node:
+                    break
+            if len({_part(m) for m in ring}) > 1:
+                rings.append(sorted(ring))
+
+    for node in graph:
+        if node not in index:
+            connect(node)
+    return rings
+
+
+def test_no_import_ring_crosses_parts():
+    """Debt 12 of issue 65: `io.remote` reached `compat`, whose package imported `compat.torch`, which imports
+    `io.storage`, which imports `io.remote`: the lowest layer imported itself back through the one above it."""
+    assert _cycles_across_parts() == []
+
+
+def test_the_ring_check_catches_a_ring(tmp_path, monkeypatch):
+    """The ring of before: a `compat` package that imports its modules eagerly, one of which imports `io.storage`."""
+    fake = tmp_path / "ucp_deepspeed"
+    (fake / "io").mkdir(parents=True)
+    (fake / "compat").mkdir()
+    (fake / "io" / "storage.py").write_text("from ucp_deepspeed.io import remote\n")
+    (fake / "io" / "remote.py").write_text("def f():\n    from ucp_deepspeed.compat.s3fs import s3_read_into\n")
+    (fake / "compat" / "__init__.py").write_text("from ucp_deepspeed.compat.torch import x\n")
+    (fake / "compat" / "torch.py").write_text("def x():\n    from ucp_deepspeed.io import storage\n")
+    (fake / "compat" / "s3fs.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    ring = ["ucp_deepspeed.compat", "ucp_deepspeed.compat.torch", "ucp_deepspeed.io.remote", "ucp_deepspeed.io.storage"]
+    assert _cycles_across_parts() == [ring]
+    (fake / "compat" / "__init__.py").write_text("if TYPE_CHECKING:\n    from ucp_deepspeed.compat.torch import x\n")
+    assert _cycles_across_parts() == []
+
+
 @pytest.mark.parametrize("module", ["ucp_deepspeed.tools.cli", "ucp_deepspeed"])
 def test_the_ucp_command_imports_no_training_framework(module):
     """`ucp convert|inspect|verify` run where DeepSpeed, megatron-core and transformers cost seconds to import."""

@@ -869,3 +869,20 @@ def test_crcs_left_to_us(tmp_path):
     assert switched and config.save.compute_crc32
     with zipfile.ZipFile(tmp_path / "x.pt") as zf:
         assert {i.CRC for i in zf.infolist()} == {0}
+
+
+def test_each_name_resolves_from_the_module_it_is_declared_in():
+    """The package imports its modules at a name's first use (`compat.__getattr__`); what it hands out must be what
+    the `TYPE_CHECKING` block, the one a type checker reads, says: the same object, from the same module, for
+    exactly the names of `__all__`."""
+    import ast
+    import importlib
+
+    tree = ast.parse(Path(compat.__file__).read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    declared = {a.name: node.module for node in block.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert sorted(declared) == sorted(compat.__all__)
+    for name, module in declared.items():
+        assert getattr(compat, name) is getattr(importlib.import_module(module), name), name
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        compat.not_a_name  # noqa: B018

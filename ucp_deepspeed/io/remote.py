@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, BinaryIO, TypeVar, cast
 
+from ucp_deepspeed.compat.s3fs import s3_read_into  # a leaf: it imports nothing of this package
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.io.backend import Storage
 from ucp_deepspeed.io.blob import Blob, views_after
@@ -491,13 +492,11 @@ class FsspecStorage(Storage):
 
     def receive(self, path: str, start: int, views: list[memoryview], data: bool = True) -> None:
         """Bytes of an object from `start` into `views`, filled whole: one ranged GET. On S3 the response is received
-        straight into them (`compat.s3_read_into`); elsewhere it arrives as one `bytes`, copied into them."""
+        straight into them (`compat.s3fs.s3_read_into`); elsewhere it arrives as one `bytes`, copied into them."""
         want = sum(len(v) for v in views)
         if self.is_s3:
-            from ucp_deepspeed import compat  # compat reaches back into io: imported at first use
-
             key = self._key(path)
-            got = self._call(path, "reading", lambda: compat.s3_read_into(self.fs, key, start, views))
+            got = self._call(path, "reading", lambda: s3_read_into(self.fs, key, start, views))
             record(requests=1, **{"data" if data else "metadata": got})
         else:
             body = self.cat_range(path, start, start + want)
