@@ -201,3 +201,82 @@ def test_autoep_names_derive_each_tensor_and_refuse_groups_that_differ():
     inner.manifest.param_groups = (dense, GroupRecord({**experts.hyperparams, "lr": 2e-3}, {"step": 3}))
     with pytest.raises(CheckpointError, match="gathers saved groups 1 and 0, whose hyperparameters or steps differ"):
         _regroup(inner, merged, dict.fromkeys(hf, 0), 1, "here")
+
+
+def test_autoep_names_read_a_range_without_the_whole_tensor():
+    """Debt 10 of issue 65: a derived tensor (Hugging Face's fused gate_up from AutoEP's w1 and w3, or one half of it)
+    was assembled whole at its first read. Every range and slice must equal the same cut of the whole, and read
+    from the saved tensors no more than twice what it returns."""
+    import dataclasses
+    import random
+
+    import torch
+
+    from ucp_deepspeed.convert.expert_names import ExpertNames, derivations
+    from ucp_deepspeed.format.manifest import GroupRecord, ParamRecord
+    from ucp_deepspeed.format.universal import TensorReader
+
+    @dataclasses.dataclass
+    class Listing:  # the two fields of a manifest the view reads
+        params: dict
+        param_groups: tuple
+
+    class Saved(TensorReader):
+        def __init__(self, tensors: dict[str, torch.Tensor]):
+            self.root, self.tensors, self.elements = "saved", tensors, 0
+            self.params = {
+                n: ParamRecord(shape=tuple(t.shape), dtype="float32", group=0, trainable=True, file="", keys=("fp32",))
+                for n, t in tensors.items()
+            }
+            self.manifest = Listing(params=self.params, param_groups=(GroupRecord({"lr": 1e-3}, {}),))
+            self.buffers = {}
+
+        def read(self, name, key, start=0, numel=None):
+            flat = self.tensors[name].reshape(-1)
+            out = flat[start : flat.numel() if numel is None else start + numel].clone()
+            self.elements += out.numel()
+            return out
+
+        def read_slice(self, name, key, dim, start, length):
+            out = self.tensors[name].narrow(dim, start, length).clone()
+            self.elements += out.numel()
+            return out
+
+        def read_buffer(self, name):
+            raise AssertionError
+
+        def load_state(self):
+            return {}
+
+        def close(self):
+            pass
+
+    p = "model.layers.0.mlp."
+    w1, w3, w2 = (torch.randn(6, 5, 4), torch.randn(6, 5, 4), torch.randn(6, 4, 5))
+    fused = torch.cat([w1, w3], dim=1)
+    cases = [
+        ({f"{p}experts.w1": w1, f"{p}experts.w3": w3, f"{p}experts.w2": w2}, {f"{p}experts.gate_up_proj": fused}),
+        ({f"{p}experts.gate_up_proj": fused}, {f"{p}experts.w1": w1, f"{p}experts.w3": w3}),
+        ({f"{p}experts.w2": w2}, {f"{p}experts.down_proj": w2}),
+    ]
+    rng = random.Random(0)
+    for saved, live in cases:
+        inner = Saved(saved)
+        view = ExpertNames(inner, derivations(list(live), inner.params), dict.fromkeys(live, 0), 1)
+        assert set(view.derived) == set(live)
+        for name, whole in live.items():
+            total = whole.numel()
+            for _ in range(40):
+                start = rng.randrange(total)
+                numel = rng.randrange(1, total - start + 1)
+                inner.elements = 0
+                assert torch.equal(view.read(name, "fp32", start, numel), whole.reshape(-1)[start : start + numel])
+                assert inner.elements == numel
+                dim = rng.randrange(3)
+                first = rng.randrange(whole.shape[dim])
+                length = rng.randrange(1, whole.shape[dim] - first + 1)
+                inner.elements = 0
+                got = view.read_slice(name, "fp32", dim, first, length)
+                assert torch.equal(got, whole.narrow(dim, first, length))
+                assert inner.elements <= 2 * got.numel()
+            assert torch.equal(view.read(name, "fp32"), whole.reshape(-1))

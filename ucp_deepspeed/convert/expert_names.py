@@ -15,14 +15,16 @@ experts a group of their own (`ep_size_<E>`). Each live group takes the saved gr
 that would gather parameters from saved groups with different hyperparameters or steps is refused, as no single
 group could carry both.
 
-A derived tensor is assembled whole when first read and kept until another is read (a restore reads one
-parameter's ranges after another); the names that need no derivation read straight through.
+A derived tensor is never assembled whole: a range of it is read as the runs of the saved tensors it is made of
+(per expert, the gate's rows then the up's), so a read holds no more than what it returns, whatever the experts'
+size; the names that need no derivation read straight through.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -125,32 +127,68 @@ class ExpertNames(TensorReader):
         }
         self.manifest = dataclasses.replace(inner.manifest, params=self.params, param_groups=groups)
         self.buffers = inner.buffers
-        self._cached: tuple[str, str, torch.Tensor] | None = None
 
-    def _full(self, name: str, key: str) -> torch.Tensor:
-        """A derived tensor, whole (the last one asked for is kept)."""
-        if self._cached is not None and self._cached[:2] == (name, key):
-            return self._cached[2]
+    def _segments(self, name: str) -> tuple[int, list[tuple[str, int, int, int]]]:
+        """A derived tensor as runs of its saved ones: the elements of one index of the dims before `dim` (a row),
+        and per row its segments in order, each (saved tensor, where in the saved tensor's row it starts, elements,
+        the saved tensor's row)."""
         d = self.derived[name]
-        parts = [self.inner.read(s, key).reshape(self.inner.params[s].shape) for s in d.sources]
-        full = torch.cat(parts, dim=d.dim) if len(parts) > 1 else parts[0]
+        trailing = math.prod(self.params[name].shape[d.dim + 1 :])
+        saved = [self.inner.params[s].shape[d.dim] * trailing for s in d.sources]
         if d.length:
-            full = full.narrow(d.dim, d.start, d.length).contiguous()
-        self._cached = (name, key, full)
-        return full
+            return d.length * trailing, [(d.sources[0], d.start * trailing, d.length * trailing, saved[0])]
+        return sum(saved), [(s, 0, n, n) for s, n in zip(d.sources, saved)]
+
+    def _runs(self, name: str, start: int, numel: int) -> Iterator[tuple[str, int, int]]:
+        """Elements [start, start+numel) of derived tensor `name`, flattened, as (saved tensor, start, elements)
+        runs in order."""
+        row, segments = self._segments(name)
+        end = start + numel
+        for r in range(start // row, -(-end // row)):
+            at = r * row
+            for source, offset, count, saved_row in segments:
+                lo, hi = max(start, at), min(end, at + count)
+                if lo < hi:
+                    yield source, r * saved_row + offset + lo - at, hi - lo
+                at += count
 
     def read(self, name: str, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
         """Elements [start, start+numel) of a state, flattened."""
         if name not in self.derived:
             return self.inner.read(name, key, start, numel)
-        flat = self._full(name, key).reshape(-1)
-        return flat[start : flat.numel() if numel is None else start + numel]
+        numel = math.prod(self.params[name].shape) - start if numel is None else numel
+        runs = list(self._runs(name, start, numel))
+        if len(runs) == 1:
+            source, first, count = runs[0]
+            return self.inner.read(source, key, first, count)
+        out: torch.Tensor | None = None
+        at = 0
+        for source, first, count in runs:  # one run held at a time beside what is returned
+            part = self.inner.read(source, key, first, count)
+            out = torch.empty(numel, dtype=part.dtype) if out is None else out
+            out[at : at + count] = part
+            at += count
+        return out if out is not None else torch.empty(0)
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """A run of `length` entries from `start` along `dim`."""
         if name not in self.derived:
             return self.inner.read_slice(name, key, dim, start, length)
-        return self._full(name, key).narrow(dim, start, length)
+        d = self.derived[name]
+        if dim != d.dim:  # slicing commutes with the stacking: slice each saved tensor, then stack or cut
+            parts = [self.inner.read_slice(s, key, dim, start, length) for s in d.sources]
+            whole = torch.cat(parts, dim=d.dim) if len(parts) > 1 else parts[0]
+            return whole.narrow(d.dim, d.start, d.length).contiguous() if d.length else whole
+        if d.length:
+            return self.inner.read_slice(d.sources[0], key, dim, d.start + start, length)
+        parts, at = [], 0
+        for source in d.sources:
+            extent = self.inner.params[source].shape[dim]
+            lo, hi = max(start, at), min(start + length, at + extent)
+            if lo < hi:
+                parts.append(self.inner.read_slice(source, key, dim, lo - at, hi - lo))
+            at += extent
+        return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
     def read_local(
         self,
@@ -185,7 +223,6 @@ class ExpertNames(TensorReader):
 
     def close(self) -> None:
         """Close the saved checkpoint."""
-        self._cached = None
         self.inner.close()
 
 
