@@ -82,3 +82,35 @@ def test_export_then_import_is_the_identity(hub, tmp_path):
     assert set(source.tensors) == set(exported.tensors) and set(source.objects) == set(exported.objects)
     for key in source.tensors:
         assert torch.equal(source.tensor(key), exported.tensor(key)), key
+
+
+def test_ranged_reads_hold_one_layer_and_check_every_record_at_the_end(tmp_path):
+    """Debt 10 of issue 65: the Megatron importer held each stacked key (every layer) and its states whole. A ranged
+    read of one layer reads that layer's bytes alone; a bucket's range the same; and a damaged byte in a layer never
+    read in the block still fails it when it ends, naming the file."""
+    import torch.distributed.checkpoint as dcp
+
+    from ucp_deepspeed.errors import CheckpointError
+    from ucp_deepspeed.io import stats
+
+    stacked, flat = torch.randn(8, 32, 16), torch.randn(1000)
+    layer = stacked[0].nbytes
+    dcp.save({"decoder.layers.w": stacked, "bucket": flat}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    with DcpCheckpoint(str(tmp_path / "ok")) as ckpt:
+        with stats.counting() as counted, ckpt.ranged() as reads:
+            for i in range(8):
+                assert torch.equal(reads.at("decoder.layers.w", (i,)), stacked[i])
+                assert counted.data_bytes == (i + 1) * layer
+            assert torch.equal(reads.region("bucket", 100, 200), flat[100:300])
+            assert torch.equal(reads.at("bucket", ()), flat)
+        with pytest.raises(CheckpointError, match=r"has no entry \[8\]"), ckpt.ranged() as reads:
+            reads.at("decoder.layers.w", (8,))
+
+    (data,) = (tmp_path / "ok").glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    at = raw.find(stacked[5].numpy().tobytes())
+    raw[at + 7] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with DcpCheckpoint(str(tmp_path / "ok")) as ckpt:
+        with pytest.raises(CheckpointError, match=data.name), ckpt.ranged() as reads:
+            assert torch.equal(reads.at("decoder.layers.w", (0,)), stacked[0])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -40,12 +41,12 @@ from ucp_deepspeed.format.paths import check_output, locate
 from ucp_deepspeed.format.topology import Topology
 from ucp_deepspeed.format.universal import MANIFEST, UniversalCheckpoint, decode_value, encode_value
 from ucp_deepspeed.format.writer import TrainingState, UniversalWriter
-from ucp_deepspeed.interop.megatron_buckets import EXPERTS, LAYERS, BucketStates
+from ucp_deepspeed.interop.megatron_buckets import EXPERTS, LAYERS, BucketStates, States
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.torch_file import load_file, to_bytes
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.plugins import ForeignFormat, register_foreign_format
-from ucp_deepspeed.sources.dcp import DcpCheckpoint
+from ucp_deepspeed.sources.dcp import DcpCheckpoint, RangedReads
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -215,16 +216,25 @@ class _WholeStates:
         self.stored = _optimizer_keys(ckpt, model_keys)
         self.states = sorted({k[len(OPTIM) :].split(".", 1)[0] for k in self.stored} - set(MASTERS))
 
-    def read(self, key: str, value: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """The fp32 copy (None: the weight is fp32 itself) and the other states of the model tensor `key`."""
-        stored, ckpt = self.stored, self.ckpt
-        found = {s: ckpt.tensor(stored[f"{OPTIM}{s}.{key}"]) for s in self.states if f"{OPTIM}{s}.{key}" in stored}
-        if set(found) != set(self.states):
-            raise CheckpointError(ckpt.path, f"{key} lacks optimizer state {sorted(set(self.states) - set(found))}")
+    def pieces(self, reads: RangedReads, key: str) -> Callable[[tuple[int, ...]], States]:
+        """`at(index)`: the fp32 copy and the other states of the model tensor `key` at `index` of its leading dims
+        (a layer), read alone."""
+        stored, path = self.stored, self.ckpt.path
+        missing = [s for s in self.states if f"{OPTIM}{s}.{key}" not in stored]
+        if missing:
+            raise CheckpointError(path, f"{key} lacks optimizer state {missing}")
         master = next((stored[f"{OPTIM}{m}.{key}"] for m in MASTERS if f"{OPTIM}{m}.{key}" in stored), None)
-        if master is None and value.dtype in (torch.bfloat16, torch.float16):
-            raise CheckpointError(ckpt.path, f"{key} is {value.dtype} and has no fp32 copy ({' or '.join(MASTERS)})")
-        return (None if master is None else ckpt.tensor(master)), found
+        dtype = self.ckpt.tensors[key].dtype
+        if master is None and dtype in (torch.bfloat16, torch.float16):
+            raise CheckpointError(path, f"{key} is {dtype} and has no fp32 copy ({' or '.join(MASTERS)})")
+
+        def at(index: tuple[int, ...]) -> States:
+            return States(
+                master=None if master is None else reads.at(master, index),
+                others={s: reads.at(stored[f"{OPTIM}{s}.{key}"], index) for s in self.states},
+            )
+
+        return at
 
 
 def _is_step(value: Any) -> bool:
@@ -477,22 +487,24 @@ def _write_params(
     """Each model tensor's parameters (a stacked key's layers, a fused norm's pieces), with the fp32 master and
     optimizer states, vocabulary padding dropped; returns the dtypes the model was saved in."""
     dtypes: set[torch.dtype] = set()
-    for key in model_keys:
-        value = ckpt.tensor(key)
-        dtypes.add(value.dtype)
-        master, found = optimizer.read(key, value)
-        weight = value if master is None else master
-        for name, index in _pieces(key, tuple(value.shape), fused):
-            try:
-                check_name(name)
-            except ValueError as exc:
-                raise CheckpointError(ckpt.path, str(exc)) from None
-            tensors = {FP32: weight[index], **{s: t[index] for s, t in found.items()}}
-            if vocab_size and name in VOCAB_PARALLEL:
-                tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
-            tensors = {k: t.float().clone() for k, t in tensors.items()}
-            shape = tuple(tensors[FP32].shape)
-            writer.add_param(name, tensors, group=group_of(name, shape), dtype=dtype_name(value.dtype))
+    with ckpt.ranged() as reads:  # one layer held at a time; every record read is checked before the commit
+        for key in model_keys:
+            entry = ckpt.tensors[key]
+            dtypes.add(entry.dtype)
+            states_at = optimizer.pieces(reads, key)
+            for name, index in _pieces(key, entry.shape, fused):
+                try:
+                    check_name(name)
+                except ValueError as exc:
+                    raise CheckpointError(ckpt.path, str(exc)) from None
+                states = states_at(index)
+                weight = reads.at(key, index) if states.master is None else states.master
+                tensors = {FP32: weight, **states.others}
+                if vocab_size and name in VOCAB_PARALLEL:
+                    tensors = _unpadded(tensors, vocab_size, ckpt.path, name)
+                tensors = {k: t.float() for k, t in tensors.items()}
+                shape = tuple(tensors[FP32].shape)
+                writer.add_param(name, tensors, group=group_of(name, shape), dtype=dtype_name(entry.dtype))
     return dtypes
 
 

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.geometry.layout import Layout, merge, split
-from ucp_deepspeed.sources.dcp import DcpCheckpoint
+from ucp_deepspeed.sources.dcp import DcpCheckpoint, RangedReads
 
 DISTRIBUTED = "optimizer.distributed.dp_group_idx_"
 MASTER = "param"
@@ -340,9 +341,17 @@ def _share(full: torch.Tensor, local: Local) -> torch.Tensor:
     return split(local.layout, local.shape, local.rank, local.size, full.narrow, dtype=full.dtype)
 
 
+class States(NamedTuple):
+    """A model tensor's (or one layer's) optimizer states: its fp32 copy (None: the weight is fp32 itself) and the
+    others by name."""
+
+    master: torch.Tensor | None
+    others: dict[str, torch.Tensor]
+
+
 class BucketStates:
-    """The per-parameter optimizer states of a `dp_reshardable` save: for each stored model tensor, every state as
-    a whole tensor of its shape, read range by range from the buckets of every saving rank.
+    """The per-parameter optimizer states of a `dp_reshardable` save: for each stored model tensor, every state of
+    one layer (or expert) at a time, read range by range from the buckets of every saving rank.
 
     Args:
         ckpt: the torch_dist folder's DCP table.
@@ -353,8 +362,8 @@ class BucketStates:
 
     Example:
         >>> states = BucketStates(ckpt, model_keys, args, chains=1, fused=compat.megatron_fused_norms())
-        >>> key = "decoder.layers.mlp.linear_fc1.weight"
-        >>> master, others = states.read(key, ckpt.tensor(key))
+        >>> with ckpt.ranged() as reads:
+        ...     master, others = states.pieces(reads, "decoder.layers.mlp.linear_fc1.weight")((0,))
     """
 
     def __init__(
@@ -469,48 +478,63 @@ class BucketStates:
                     self.where.setdefault(placed.local.key, []).append((key, placed))
         return states
 
-    def read(self, key: str, model: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The fp32 copy and the other states of the stored model tensor `key` (`model`, its value), each at its
-        stored shape; each rank's `param` range checked against the model's own weight."""
+    def pieces(self, reads: RangedReads, key: str) -> Callable[[tuple[int, ...]], States]:
+        """`at(index)`: the fp32 copy and the other states of the stored model tensor `key` at `index` of its
+        leading dims (a layer, a layer's expert), each rank's `param` range checked against the model's own weight.
+        One part (the index the buckets place, a layer) is held at a time, not the whole stacked tensor."""
         shards: dict[tuple[int, ...], list[tuple[str, Placed]]] = {}
         for bucket, placed in self.where.get(key, []):
             shards.setdefault(placed.local.index, []).append((bucket, placed))
-        out = {s: torch.empty(model.shape, dtype=torch.float32) for s in self.stored}
-        covered = 0
-        for index, mine in shards.items():
-            mine.sort(key=lambda item: item[1].local.rank)
-            ranks = [placed.local.rank for _, placed in mine]
-            if ranks != list(range(mine[0][1].local.size)):
-                raise CheckpointError(self.ckpt.path, f"{key}{list(index)} is placed on ranks {ranks}")
-            read: dict[str, list[torch.Tensor]] = {s: [] for s in self.stored}
-            for bucket, placed in mine:
-                local = placed.local
-                values = {
-                    s: self.ckpt.region(f"{bucket}.{s}", placed.start, placed.numel).view(local.shape)
-                    for s in self.stored
-                }
-                weight = _share(model[index], local)
-                if not torch.equal(values[MASTER].to(weight.dtype), weight):
-                    raise CheckpointError(
-                        self.ckpt.path,
-                        f"{bucket}.{MASTER} [{placed.start}, {placed.start + placed.numel}) does not hold "
-                        f"the weights of {key}{list(index)} (rank {local.rank}): megatron-core's layout, rebuilt "
-                        "from the model, is not the saving job's",
-                    )
-                for s in self.stored:
-                    read[s].append(values[s].float())
-            layout = mine[0][1].local.layout
-            for s in self.stored:
-                if not layout.is_split and not all(torch.equal(read[s][0], other) for other in read[s][1:]):
-                    raise CheckpointError(
-                        self.ckpt.path, f"{key}{list(index)}: the tensor-parallel ranks' copies of its {s} differ"
-                    )
-                out[s][index] = merge(layout, read[s], key)
-            covered += 1
+        shape = self.ckpt.tensors[key].shape
         depth = len(next(iter(shards))) if shards else 0
-        expected = math.prod(model.shape[:depth])
-        if not shards or covered != expected:
+        expected = math.prod(shape[:depth])
+        if not shards or len(shards) != expected or any(len(i) != depth for i in shards):
             raise CheckpointError(
-                self.ckpt.path, f"{key}: the buckets hold the state of {covered} of its {expected} parts"
+                self.ckpt.path, f"{key}: the buckets hold the state of {len(shards)} of its {expected} parts"
             )
-        return out.pop(MASTER), out
+        held: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+
+        def at(index: tuple[int, ...]) -> States:
+            part, rest = index[:depth], index[depth:]
+            if part not in held:
+                if part not in shards:
+                    raise CheckpointError(self.ckpt.path, f"{key}: the buckets hold no state of {key}{list(part)}")
+                held.clear()
+                held[part] = self._part(reads, key, part, shards[part])
+            states = {s: t[rest] for s, t in held[part].items()}
+            return States(master=states.pop(MASTER), others=states)
+
+        return at
+
+    def _part(
+        self, reads: RangedReads, key: str, index: tuple[int, ...], mine: list[tuple[str, Placed]]
+    ) -> dict[str, torch.Tensor]:
+        """Every state of `key[index]`, merged from the tensor-parallel ranks' ranges of the buckets."""
+        mine.sort(key=lambda item: item[1].local.rank)
+        ranks = [placed.local.rank for _, placed in mine]
+        if ranks != list(range(mine[0][1].local.size)):
+            raise CheckpointError(self.ckpt.path, f"{key}{list(index)} is placed on ranks {ranks}")
+        model = reads.at(key, index)
+        read: dict[str, list[torch.Tensor]] = {s: [] for s in self.stored}
+        for bucket, placed in mine:
+            local = placed.local
+            values = {
+                s: reads.region(f"{bucket}.{s}", placed.start, placed.numel).view(local.shape) for s in self.stored
+            }
+            weight = _share(model, local)
+            if not torch.equal(values[MASTER].to(weight.dtype), weight):
+                raise CheckpointError(
+                    self.ckpt.path,
+                    f"{bucket}.{MASTER} [{placed.start}, {placed.start + placed.numel}) does not hold "
+                    f"the weights of {key}{list(index)} (rank {local.rank}): megatron-core's layout, rebuilt "
+                    "from the model, is not the saving job's",
+                )
+            for s in self.stored:
+                read[s].append(values[s].float())
+        layout = mine[0][1].local.layout
+        for s in self.stored:
+            if not layout.is_split and not all(torch.equal(read[s][0], other) for other in read[s][1:]):
+                raise CheckpointError(
+                    self.ckpt.path, f"{key}{list(index)}: the tensor-parallel ranks' copies of its {s} differ"
+                )
+        return {s: merge(layout, read[s], key) for s in self.stored}

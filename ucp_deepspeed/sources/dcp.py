@@ -13,7 +13,9 @@ CRC-checked, its pickle unpickled safely. megatron-core's `torch_dist` backend w
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,17 +230,31 @@ class DcpCheckpoint(st.Closeable):
     def _open(self, key: str, item: Item) -> TorchFile:
         return TorchFile(self._window(key, item), self.verify)
 
+    @staticmethod
+    def _lazy(tfile: TorchFile, entry: TensorEntry, chunk: Chunk) -> LazyTensor:
+        lazy = tfile.obj
+        if not isinstance(lazy, LazyTensor) or lazy.shape != chunk.sizes or lazy.dtype != entry.dtype:
+            raise CheckpointError(
+                tfile.path, f"holds {getattr(lazy, 'shape', type(lazy).__name__)}, not a {chunk.sizes} chunk"
+            )
+        return lazy
+
     def _chunk(self, entry: TensorEntry, chunk: Chunk) -> torch.Tensor:
         """One stored chunk of a tensor, every byte checked."""
         with self._open(entry.key, chunk.item) as tfile:
-            lazy = tfile.obj
-            if not isinstance(lazy, LazyTensor) or lazy.shape != chunk.sizes or lazy.dtype != entry.dtype:
-                raise CheckpointError(
-                    tfile.path, f"holds {getattr(lazy, 'shape', type(lazy).__name__)}, not a {chunk.sizes} chunk"
-                )
-            value = lazy.load()
+            value = self._lazy(tfile, entry, chunk).load()
             tfile.check_reads()
             return value
+
+    @contextlib.contextmanager
+    def ranged(self) -> Iterator[RangedReads]:
+        """Reads of parts of tensors (`RangedReads`) that read only the bytes asked for; every record read from is
+        checked when the block ends, so what they returned is trusted only then (an importer that wrote it leaves
+        its output uncommitted when the check raises)."""
+        with contextlib.ExitStack() as stack:
+            reads = RangedReads(self, stack)
+            yield reads
+            reads.check()
 
     def tensor(self, key: str) -> torch.Tensor:
         """The whole tensor stored under `key`, assembled from its chunks, every byte checked."""
@@ -246,25 +262,6 @@ class DcpCheckpoint(st.Closeable):
         out = torch.empty(entry.shape, dtype=entry.dtype)
         for chunk in entry.chunks:
             out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))].copy_(self._chunk(entry, chunk))
-        return out
-
-    def region(self, key: str, start: int, length: int) -> torch.Tensor:
-        """Elements [start, start + length) of the 1-D tensor under `key`, reading only the chunks that hold them."""
-        entry = self.tensors[key]
-        if len(entry.shape) != 1 or start < 0 or start + length > entry.shape[0]:
-            raise CheckpointError(self.path, f"{key} {entry.shape} has no elements [{start}, {start + length})")
-        out = torch.empty(length, dtype=entry.dtype)
-        filled = 0
-        for chunk in entry.chunks:
-            at = chunk.offsets[0]
-            lo, hi = max(start, at), min(start + length, at + chunk.sizes[0])
-            if lo < hi:
-                out[lo - start : hi - start].copy_(self._chunk(entry, chunk)[lo - at : hi - at])
-                filled += hi - lo
-        if filled != length:  # overlapping chunks can hide a gap that the table's total size does not show
-            raise CheckpointError(
-                self.path, f"{key}: its chunks cover {filled} of elements [{start}, {start + length})"
-            )
         return out
 
     def object(self, key: str) -> Any:
@@ -281,3 +278,63 @@ class DcpCheckpoint(st.Closeable):
 def is_dcp_folder(path: str) -> bool:
     """Whether `path` is a DCP checkpoint folder (it holds `.metadata`)."""
     return st.isfile(st.join(path, METADATA))
+
+
+class RangedReads:
+    """Parts of one DCP checkpoint's tensors, each read alone from its chunks' files, kept open until the block of
+    `DcpCheckpoint.ranged` ends: a stacked key's layers one at a time, a flat bucket's ranges. Reading a whole chunk
+    for each part would read a bucket's chunk once per parameter in it."""
+
+    def __init__(self, ckpt: DcpCheckpoint, stack: contextlib.ExitStack):
+        self._ckpt, self._stack = ckpt, stack
+        self._opened: dict[Chunk, tuple[TorchFile, LazyTensor]] = {}
+
+    def _lazy(self, entry: TensorEntry, chunk: Chunk) -> LazyTensor:
+        if chunk not in self._opened:
+            tfile = self._stack.enter_context(self._ckpt._open(entry.key, chunk.item))
+            self._opened[chunk] = (tfile, self._ckpt._lazy(tfile, entry, chunk))
+        return self._opened[chunk][1]
+
+    def at(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
+        """`tensor(key)[index]`, for an index into its leading dims."""
+        entry, depth = self._ckpt.tensors[key], len(index)
+        if depth > len(entry.shape) or any(not 0 <= i < d for i, d in zip(index, entry.shape)):
+            raise CheckpointError(self._ckpt.path, f"{key} {entry.shape} has no entry {list(index)}")
+        out = torch.empty(entry.shape[depth:], dtype=entry.dtype)
+        filled = 0
+        for chunk in entry.chunks:
+            lead = [i - o for i, o in zip(index, chunk.offsets)]
+            if any(not 0 <= i < s for i, s in zip(lead, chunk.sizes)):
+                continue
+            row = math.prod(chunk.sizes[depth:])
+            first = sum(i * math.prod(chunk.sizes[d + 1 : depth]) for d, i in enumerate(lead)) * row
+            piece = self._lazy(entry, chunk).read(first, row).view(chunk.sizes[depth:])
+            out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets[depth:], chunk.sizes[depth:]))] = piece
+            filled += row
+        if filled != out.numel():  # overlapping chunks can hide a gap the table's total does not show
+            raise CheckpointError(self._ckpt.path, f"{key}{list(index)}: its chunks cover {filled} of {out.numel()}")
+        return out
+
+    def region(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Elements [start, start + length) of the 1-D tensor under `key`."""
+        entry = self._ckpt.tensors[key]
+        if len(entry.shape) != 1 or start < 0 or start + length > entry.shape[0]:
+            raise CheckpointError(self._ckpt.path, f"{key} {entry.shape} has no elements [{start}, {start + length})")
+        out = torch.empty(length, dtype=entry.dtype)
+        filled = 0
+        for chunk in entry.chunks:
+            at = chunk.offsets[0]
+            lo, hi = max(start, at), min(start + length, at + chunk.sizes[0])
+            if lo < hi:
+                self._lazy(entry, chunk).read(lo - at, hi - lo, out[lo - start : hi - start])
+                filled += hi - lo
+        if filled != length:
+            raise CheckpointError(
+                self._ckpt.path, f"{key}: its chunks cover {filled} of elements [{start}, {start + length})"
+            )
+        return out
+
+    def check(self) -> None:
+        """Raise, naming the file, if a record read from fails its CRC-32 (reads only the bytes no part covered)."""
+        for tfile, _ in self._opened.values():
+            tfile.check_reads()
