@@ -55,6 +55,7 @@ from ucp_deepspeed.io import stats
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.runtime.async_save import AsyncCheckpointEngine
 from ucp_deepspeed.runtime.native_io import rebind, unbound
+from ucp_deepspeed.runtime.write_worker import bind_threads
 
 HIDDEN = 1024
 VOCAB = 32768
@@ -538,26 +539,19 @@ def save_stalls(
     # cores no rank trains on (`async_writer_cpus`): only where there are such cores
     everywhere = sorted(os.sched_getaffinity(0))
     spare = everywhere[dist.get_world_size() :]
-    pinned = set()
-    if spare:
-        pinned = {
-            "ours, sync, each rank bound to a core",
+    bound = [
+        ("ours, sync, each rank bound to a core", lambda: ours(sync_engine)),
+        (
             "ours, async, each rank bound to a core, the writer on the others",
-        }
-        kinds += [
-            ("ours, sync, each rank bound to a core", lambda: ours(sync_engine)),
-            (
-                "ours, async, each rank bound to a core, the writer on the others",
-                lambda: ours(AsyncCheckpointEngine(engine._config, module=engine.module, writer_cpus=spare)),
-            ),
-        ]
+            lambda: ours(AsyncCheckpointEngine(engine._config, module=engine.module, writer_cpus=spare)),
+        ),
+    ]
+    pinned = {name for name, _ in bound} if spare else set()
+    kinds += bound if spare else []
 
     def place(name: str) -> None:
         """Every thread of this rank on its own core for a bound kind, else on all of them."""
-        cpus = {everywhere[dist.get_rank()]} if name in pinned else set(everywhere)
-        for thread in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(int(thread), cpus)
+        bind_threads({everywhere[dist.get_rank()]} if name in pinned else set(everywhere))
 
     def stall(name: str, target: str) -> float:
         """One save of kind `name` and the steps after it, less as many plain steps timed right before it."""

@@ -207,18 +207,17 @@ def _serve_jobs(inbox: IO[bytes], outbox: IO[bytes], crcs_later: bool) -> None:
         _send(outbox, pickle.dumps(answer))
 
 
-def _bind(cpus: str) -> None:
-    """Run every thread of this process on `cpus` (the trainer sets the first thread's too, as soon as it started:
-    a thread started before that, at torch's import, is moved here)."""
-    wanted = {int(c) for c in cpus.split(",")}
+def bind_threads(cpus: set[int]) -> None:
+    """Run every thread of this process on `cpus`: `sched_setaffinity` binds one thread, and torch starts threads
+    of its own at import (the writer's trainer sets its first thread's too, as soon as it started)."""
     for thread in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(thread), wanted)
+            os.sched_setaffinity(int(thread), cpus)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 3:
-        _bind(sys.argv[3])
+        bind_threads({int(c) for c in sys.argv[3].split(",")})
     torch.set_num_threads(1)  # the trainer's cores are the trainer's
     with os.fdopen(int(sys.argv[1]), "rb") as inbox, os.fdopen(int(sys.argv[2]), "wb") as outbox:
         _serve(inbox, outbox)
