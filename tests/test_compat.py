@@ -162,6 +162,16 @@ def test_relink_optimizer_states(zero12):
     )
 
 
+def test_native_load_files(zero12, zero3, tmp_path):
+    """The files DeepSpeed's own load reads on this rank are the ones its save writes (`use_node_local_storage`
+    loads check them on each node)."""
+    for engine in (zero12, zero3):
+        deepspeed.DeepSpeedEngine.save_checkpoint(engine, str(tmp_path / "ds"), tag="t")
+        files = compat.native_load_files(engine, str(tmp_path / "ds"), "t")
+        assert len(files) == 2 and all(Path(f).is_file() for f in files), files
+        assert {Path(f).name for f in files} <= {p.name for p in (tmp_path / "ds" / "t").iterdir()}
+
+
 def test_zero3_params(zero3):
     weight, frozen = zero3.module.a.weight, zero3.module.frozen.weight
     assert compat.is_zero3_param(weight) and not compat.is_zero3_param(torch.zeros(1))

@@ -215,6 +215,15 @@ def written_suffix(engine: Engine) -> str:
     return f"-{dp.rank}.{dp.world_size * writer[CHECKPOINT_IO_MULTIPLIER]}"
 
 
+def native_load_files(engine: Engine, load_dir: str, tag: str) -> list[str]:
+    """The files of a tag DeepSpeed's own load reads on this rank: its model-states file, and under ZeRO its
+    optimizer file."""
+    files = [engine._get_ckpt_name(load_dir, tag)]
+    if engine.zero_optimization():
+        files.append(engine._get_zero_ckpt_name(load_dir, tag))
+    return files
+
+
 def trains(engine: Engine) -> bool:
     """Whether the engine has an optimizer to step, and so training state to checkpoint: `deepspeed.initialize`
     without one builds no optimizer at ZeRO-0 in fp32, only a parameter partitioner (`DeepSpeedZeRoOffload`) at

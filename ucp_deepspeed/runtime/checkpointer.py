@@ -40,7 +40,7 @@ from ucp_deepspeed.errors import CheckpointError
 from ucp_deepspeed.format.data_position import LOADER_FILE, DataPositionRefused
 from ucp_deepspeed.format.manifest import Manifest
 from ucp_deepspeed.format.metadata import write_meta
-from ucp_deepspeed.format.paths import LATEST
+from ucp_deepspeed.format.paths import LATEST, latest_tag
 from ucp_deepspeed.format.swap import OFFLOADED, record_swap_files
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.spread import KEYS, Spread
@@ -344,6 +344,10 @@ class UniversalCheckpointer:
         folder = self.planner.folder(load_dir)
         if folder is not None:
             return self._read(folder, flags)
+        if tag is None and self.engine.use_node_local_storage():
+            # each node's disk holds its own ranks' files, so no rank can tell which tags are complete: the one
+            # `latest` names, which DeepSpeed writes on rank 0's node
+            tag = from_rank0(guarded(lambda: latest_tag(load_dir) if tdist.get_rank() == 0 else None))
         if tag is not None:
             return self._read(self.planner.tag(load_dir, resolve_tag(load_dir, tag), checked=False, flags=flags), flags)
         if not st.isfile(st.join(load_dir, LATEST)) and not list_tags(load_dir):

@@ -180,8 +180,11 @@ class LoadPlanner:
         metas = found[0]
         meta = metas[0]
         saved = meta.topology
+        node_local = bool(engine.use_node_local_storage())
         if self._native_can_load(load_dir, path, saved, live, meta, metas, by_sp_rank):
-            if not checked:  # opening checks it
+            if node_local:  # rank 0 sees its node's files only: each rank checks the ones it reads
+                guarded(lambda: _on_this_node(compat.native_load_files(engine, load_dir, tag)))
+            elif not checked:  # opening checks it
                 on_rank0(
                     lambda: NativeCheckpoint(
                         load_dir, tag, options.layout_rules, metas=found, by_sp_rank=by_sp_rank
@@ -196,6 +199,14 @@ class LoadPlanner:
                 hf_config=meta.hf_config,
                 expect_save_id=meta.save_id,
                 data_loaders=meta.data_loaders,
+            )
+        if node_local:
+            raise CheckpointError(
+                path,
+                f"saved at {saved.describe()} on each node's own disk (use_node_local_storage), which only "
+                f"DeepSpeed's own load at that layout reads, and it cannot restore this job ({live.describe()}) "
+                "exactly; copy every node's tag folder into one shared folder and resume from it with "
+                "use_node_local_storage off",
             )
         log.info("ucp: resharding %s from %s to %s", tag, saved.describe(), live.describe())
         if flags.custom_load_fn is not None:
@@ -335,3 +346,12 @@ def _check_direct_reads(src: NativeCheckpoint) -> None:
     """Every byte any rank read straight from the rank files, checked on rank 0 against their CRCs (collective)."""
     gathered = to_rank0(src.pieces())
     on_rank0(lambda: src.check_reads(gathered or []))
+
+
+def _on_this_node(files: list[str]) -> None:
+    """Refuse a node-local tag (`use_node_local_storage`) whose files this rank reads are not on its node's disk."""
+    missing = [f for f in files if not st.isfile(f)]
+    if missing:
+        raise CheckpointError(
+            missing[0], f"is not on this node's disk (rank {tdist.get_rank()}; the job keeps each node's files there)"
+        )
