@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, torch_env
+from conftest import ROOT, torch_env, torchrun
 
 WORKER = ROOT / "tests" / "workers" / "node_local.py"
 
@@ -87,3 +87,15 @@ def test_a_node_local_save_resumes_at_its_layout_and_another_is_refused_by_name(
     for rank in (0, 1):
         refused = json.loads((tmp_path / f"missing-{rank}.json").read_text())
         assert refused is not None and gone.name in refused and "is not on this node's disk" in refused, refused
+
+
+def test_a_node_local_job_on_one_node_reshards_as_any_other(tmp_path):
+    """The flag alone changes nothing where every rank sees the same files (one node, or a shared folder): a resume
+    at another stage reshards, every state exact (a first cut of the node-local load refused it)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torchrun(2, "save", str(ckpt), str(tmp_path), worker=WORKER)
+    torchrun(2, "reshard", str(ckpt), str(tmp_path), worker=WORKER)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"reshard-{rank}.json").read_text())
+        assert result["differ"] == [] and "resharded" in result["how"], result

@@ -7,6 +7,8 @@
         compare every state with the reference (`torch.equal`) and the next 2 losses; each rank writes
         OUT/result-<rank>.json
 
+    reshard CKPT OUT: a ZeRO-3 engine loads a tag whose ranks all saved on one disk (one node): every state
+        compared; each rank writes OUT/reshard-<rank>.json
     missing CKPT OUT: a load that must be refused, on every rank; each writes the error to OUT/missing-<rank>.json
 
 tests/test_node_local.py gives each node a disk of its own, mounted at the same path.
@@ -83,6 +85,14 @@ def main() -> None:
         (out / f"missing-{dist.get_rank()}.json").write_text(json.dumps(refused))
         return
     reference = torch.load(out / "reference.pt")
+    if mode == "reshard":  # every rank's files on one disk, the flag on: resharded as any other tag
+        engine = build(3)
+        engine.load_checkpoint(ckpt)
+        loaded = states(engine)
+        differ = sorted(k for k, v in reference["states"].items() if not torch.equal(v, loaded[k]))
+        result = {"differ": differ, "how": str(engine.ucp_last_load)}
+        (out / f"reshard-{dist.get_rank()}.json").write_text(json.dumps(result))
+        return
     other = build(3)
     before = states(other, optimizer=False)
     try:

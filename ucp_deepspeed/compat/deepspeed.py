@@ -215,10 +215,15 @@ def written_suffix(engine: Engine) -> str:
     return f"-{dp.rank}.{dp.world_size * writer[CHECKPOINT_IO_MULTIPLIER]}"
 
 
-def native_load_files(engine: Engine, load_dir: str, tag: str) -> list[str]:
-    """The files of a tag DeepSpeed's own load reads on this rank: its model-states file, and under ZeRO its
-    optimizer file."""
+def native_load_files(engine: Engine, load_dir: str, tag: str) -> list[str] | None:
+    """The files of a tag DeepSpeed's own load reads on this rank: its model-states file, its pipeline stage's layer
+    files, and under ZeRO its optimizer file; None where it reads other ranks' files as well (MoE experts' files,
+    an elastic ZeRO checkpoint's every partition)."""
+    if getattr(engine, "has_moe_layers", False) or (engine.zero_optimization() and engine.zero_elastic_checkpoint()):
+        return None
     files = [engine._get_ckpt_name(load_dir, tag)]
+    layers = {f.file for f in pipeline_layer_files(engine.module).values()}
+    files += [os.path.join(load_dir, str(tag), name) for name in sorted(layers)]
     if engine.zero_optimization():
         files.append(engine._get_zero_ckpt_name(load_dir, tag))
     return files

@@ -63,7 +63,7 @@ from ucp_deepspeed.runtime.config import UniversalConfig
 from ucp_deepspeed.runtime.data_position import capture, resume_plan
 from ucp_deepspeed.runtime.gate import Gate
 from ucp_deepspeed.runtime.native_io import bind, unbound
-from ucp_deepspeed.runtime.planning import LoadMode, LoadPlanner, LoadReport, Source
+from ucp_deepspeed.runtime.planning import LoadMode, LoadPlanner, LoadReport, Source, sees_what_rank0_sees
 from ucp_deepspeed.runtime.plugins import make_saver
 from ucp_deepspeed.runtime.restore import LoadFlags, restore
 from ucp_deepspeed.sources import list_tags, resolve_tag
@@ -344,10 +344,16 @@ class UniversalCheckpointer:
         folder = self.planner.folder(load_dir)
         if folder is not None:
             return self._read(folder, flags)
-        if tag is None and self.engine.use_node_local_storage():
+        if tag is None and not sees_what_rank0_sees(self.engine, load_dir):
             # each node's disk holds its own ranks' files, so no rank can tell which tags are complete: the one
             # `latest` names, which DeepSpeed writes on rank 0's node
             tag = from_rank0(guarded(lambda: latest_tag(load_dir) if tdist.get_rank() == 0 else None))
+            if tag is None:
+                raise CheckpointError(
+                    st.join(load_dir, LATEST),
+                    "is not on rank 0's node, whose disk (use_node_local_storage) holds other tags than the other "
+                    "nodes': name the tag to load",
+                )
         if tag is not None:
             return self._read(self.planner.tag(load_dir, resolve_tag(load_dir, tag), checked=False, flags=flags), flags)
         if not st.isfile(st.join(load_dir, LATEST)) and not list_tags(load_dir):

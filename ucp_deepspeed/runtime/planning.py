@@ -31,6 +31,7 @@ from ucp_deepspeed.format.metadata import SaveMeta
 from ucp_deepspeed.format.swap import OFFLOADED
 from ucp_deepspeed.format.universal import MANIFEST, TensorReader, UniversalCheckpoint
 from ucp_deepspeed.io import storage as st
+from ucp_deepspeed.io.torch_file import TorchFile, check_save_id
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.capture import optimizer_order, optimizer_record, same_stage, topology
 from ucp_deepspeed.runtime.collective import coordinated, everywhere, from_rank0, guarded, on_rank0, to_rank0
@@ -180,10 +181,10 @@ class LoadPlanner:
         metas = found[0]
         meta = metas[0]
         saved = meta.topology
-        node_local = bool(engine.use_node_local_storage())
+        node_local = not sees_what_rank0_sees(engine, path)
         if self._native_can_load(load_dir, path, saved, live, meta, metas, by_sp_rank):
             if node_local:  # rank 0 sees its node's files only: each rank checks the ones it reads
-                guarded(lambda: _on_this_node(compat.native_load_files(engine, load_dir, tag)))
+                guarded(lambda: _on_this_node(path, compat.native_load_files(engine, load_dir, tag), meta.save_id))
             elif not checked:  # opening checks it
                 on_rank0(
                     lambda: NativeCheckpoint(
@@ -348,10 +349,33 @@ def _check_direct_reads(src: NativeCheckpoint) -> None:
     on_rank0(lambda: src.check_reads(gathered or []))
 
 
-def _on_this_node(files: list[str]) -> None:
-    """Refuse a node-local tag (`use_node_local_storage`) whose files this rank reads are not on its node's disk."""
-    missing = [f for f in files if not st.isfile(f)]
-    if missing:
+def sees_what_rank0_sees(engine: Engine, folder: str) -> bool:
+    """Whether every rank lists the same files in `folder` as rank 0 (collective): not so only where the job keeps each
+    node's files on its own disk (`use_node_local_storage`), which then decides from what each node holds."""
+    if not engine.use_node_local_storage() or st.is_url(folder):
+        return True
+    listed = guarded(lambda: sorted(st.listdir(folder)) if st.isdir(folder) else [])
+    views = to_rank0(listed)
+    return bool(from_rank0(all(v == listed for v in views) if views is not None else None))
+
+
+def _on_this_node(tag_dir: str, files: list[str] | None, save_id: str) -> None:
+    """Refuse a node-local tag whose files this rank reads are not on its node's disk, damaged, or of another save:
+    rank 0, which checks every file of a tag on one disk, sees only its own node's."""
+    if files is None:
         raise CheckpointError(
-            missing[0], f"is not on this node's disk (rank {tdist.get_rank()}; the job keeps each node's files there)"
+            tag_dir,
+            "is kept on each node's own disk (use_node_local_storage), and this job's load reads other ranks' files "
+            "too (MoE experts' files, or an elastic ZeRO checkpoint): copy every node's tag folder into one shared "
+            "folder and resume from it with use_node_local_storage off",
         )
+    for path in files:
+        if not st.isfile(path):
+            raise CheckpointError(
+                path, f"is not on this node's disk (rank {tdist.get_rank()}; the job keeps each node's files there)"
+            )
+        with TorchFile(path) as tfile:
+            problems = tfile.verify()
+            if problems:
+                raise CheckpointError(path, "; ".join(problems))
+            check_save_id(path, tfile.save_id, save_id)
