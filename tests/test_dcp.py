@@ -114,3 +114,7 @@ def test_ranged_reads_hold_one_layer_and_check_every_record_at_the_end(tmp_path)
     with DcpCheckpoint(str(tmp_path / "ok")) as ckpt:
         with pytest.raises(CheckpointError, match=data.name), ckpt.ranged() as reads:
             assert torch.equal(reads.at("decoder.layers.w", (0,)), stacked[0])
+        # a caller that fails on the damaged values it read (a layout check) hears of the damage instead
+        with pytest.raises(CheckpointError, match=data.name), ckpt.ranged() as reads:
+            assert not torch.equal(reads.at("decoder.layers.w", (5,)), stacked[5])
+            raise ValueError("the values do not match the model's")

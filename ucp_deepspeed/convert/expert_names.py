@@ -157,7 +157,7 @@ class ExpertNames(TensorReader):
         if name not in self.derived:
             return self.inner.read(name, key, start, numel)
         numel = math.prod(self.params[name].shape) - start if numel is None else numel
-        runs = list(self._runs(name, start, numel))
+        runs = list(self._runs(name, start, numel)) if numel else [(self.derived[name].sources[0], 0, 0)]
         if len(runs) == 1:
             source, first, count = runs[0]
             return self.inner.read(source, key, first, count)
@@ -168,7 +168,8 @@ class ExpertNames(TensorReader):
             out = torch.empty(numel, dtype=part.dtype) if out is None else out
             out[at : at + count] = part
             at += count
-        return out if out is not None else torch.empty(0)
+        assert out is not None  # two runs or more
+        return out
 
     def read_slice(self, name: str, key: str, dim: int, start: int, length: int) -> torch.Tensor:
         """A run of `length` entries from `start` along `dim`."""

@@ -253,7 +253,11 @@ class DcpCheckpoint(st.Closeable):
         its output uncommitted when the check raises)."""
         with contextlib.ExitStack() as stack:
             reads = RangedReads(self, stack)
-            yield reads
+            try:
+                yield reads
+            except Exception:
+                reads.check()  # a damaged byte read in the block explains its failure better than what it raised
+                raise
             reads.check()
 
     def tensor(self, key: str) -> torch.Tensor:
