@@ -105,13 +105,19 @@ def _runtime_imports(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ucp_deepspeed"):
             subs = {f"{node.module}.{a.name}" for a in node.names} & known
             found.update(subs or {node.module})
+            named.update(subs)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("ucp_deepspeed"))
+            named.update(a.name for a in node.names)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
+    named: set[str] = set()
     visit(ast.parse(path.read_text()))
-    return {".".join(m.split(".")[:i]) for m in found & known for i in range(2, m.count(".") + 2)} & known
+    # a package imported by name (`from ucp_deepspeed import compat`) hands out its modules' names, which it may
+    # import only at their first use (PEP 562): count them all
+    lazy = {m for m in known for pkg in named & known if m.startswith(pkg + ".") and pkg.count(".") == 1}
+    return {".".join(m.split(".")[:i]) for m in (found | lazy) & known for i in range(2, m.count(".") + 2)} & known
 
 
 def _cycles_across_parts() -> list[list[str]]:
@@ -169,6 +175,9 @@ def test_the_ring_check_catches_a_ring(tmp_path, monkeypatch):
     assert _cycles_across_parts() == [ring]
     (fake / "compat" / "__init__.py").write_text("if TYPE_CHECKING:\n    from ucp_deepspeed.compat.torch import x\n")
     assert _cycles_across_parts() == []
+    # a lazy package is still a ring when io names it and uses its names
+    (fake / "io" / "remote.py").write_text("from ucp_deepspeed import compat\n")
+    assert _cycles_across_parts() == [ring[1:]]
 
 
 @pytest.mark.parametrize("module", ["ucp_deepspeed.tools.cli", "ucp_deepspeed"])
