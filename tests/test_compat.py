@@ -495,6 +495,33 @@ def test_deepspeed_safe_globals_and_rebuild():
     assert isinstance(rebuilt, LossScaler) and rebuilt.cur_scale == 4.0
 
 
+def test_enum_members_by_name_read_as_by_value():
+    """Early Python 3.11 pickles an enum member as `getattr(Enum, NAME)`: every member of DeepSpeed's ZeRO stage and
+    megatron-core's model type, the enums kept here, reads as the same member pickled by value does."""
+    import enum
+    import io
+    import pickle
+
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from megatron.core.enums import ModelType
+
+    from ucp_deepspeed.io import safe_pickle
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    def by_name(member: enum.Enum) -> bytes:
+        buf = io.BytesIO()
+        ByName(buf, protocol=2).dump(member)
+        return buf.getvalue()
+
+    for member in [*ZeroStageEnum.__members__.values(), *ModelType.__members__.values()]:
+        data = by_name(member)
+        assert b"getattr" in data
+        assert safe_pickle.loads(data) == safe_pickle.loads(pickle.dumps(member, protocol=2)), member
+
+
 def test_deepspeed_keys(zero12, tmp_path):
     """Every top-level key DeepSpeed writes into a model-states file is in our one list; the rest is client_state."""
     from ucp_deepspeed.io.torch_file import load_file

@@ -10,9 +10,13 @@ losses within 1e-5 of the uninterrupted run.
 
 from __future__ import annotations
 
+import enum
 import json
+import pickle
 import shutil
 import subprocess
+import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,9 @@ import torch
 from conftest import PLAIN_VARIANTS, ROOT, OnDemand, load_results, popen_payload, swap_pickle, torch_env, torchrun
 from launching import torchrun_command
 
+from ucp_deepspeed.runtime.native_io import safe_load
 from ucp_deepspeed.tools.cli import main as cli_main
+from ucp_deepspeed.tools.compare import diff
 
 
 def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loads, capsys):
@@ -53,6 +59,37 @@ def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loa
         assert r["mode"] == "resharded" and r["diffs"] == [] and r["tensors"] == 32, r
         # bf16 forward and backward at another DP size round differently (test_reshard.py's BF16_LOSS_RTOL)
         assert r["max_rel_loss"] < (1e-6 if r["saved"].endswith("fp32") else 5e-3), r
+
+
+class _EarlyPython311(pickle.Pickler):
+    """Pickles an enum member as early Python 3.11 releases do (3.11.2, Debian 12's python3): `getattr(Enum, NAME)`."""
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_a_checkpoint_saved_under_early_python_311_reads_as_any_other(plain_sources, tmp_path):
+    """DeepSpeed's files record the ZeRO stage as an enum, which early Python 3.11 pickles by name through `getattr`:
+    such a checkpoint converts to the same universal checkpoint as one saved under another Python, and DeepSpeed's
+    own load (`safe_load`) reads the same stage. Any other `getattr` stays refused (test_hostile_pickles.py)."""
+    early = types.SimpleNamespace(Pickler=_EarlyPython311, __name__="pickle")
+    for name in ("z1", "bf16z2pad", "z3"):
+        copy = tmp_path / name
+        shutil.copytree(plain_sources / name, copy, ignore=shutil.ignore_patterns("*.universal"))
+        optim = sorted(copy.glob("global_step3/*optim_states.pt"))
+        assert optim, name
+        for path in copy.glob("global_step3/*.pt"):
+            torch.save(torch.load(path, weights_only=False), path, pickle_module=early)
+        with zipfile.ZipFile(optim[0]) as archive:  # as Python 3.11.2 writes it, so the test can fail
+            assert b"__builtin__\ngetattr" in archive.read(next(n for n in archive.namelist() if n.endswith(".pkl")))
+        for path in optim:
+            stage = safe_load(str(path))["optimizer_state_dict"]["zero_stage"]
+            original = safe_load(str(plain_sources / name / "global_step3" / path.name))["optimizer_state_dict"]
+            assert stage is original["zero_stage"], (name, stage)
+        report = diff(str(plain_sources / name), str(copy))
+        assert report.identical and report.states, name
 
 
 HF_WORKER = ROOT / "launch" / "train_hf.py"

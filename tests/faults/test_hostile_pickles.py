@@ -82,6 +82,24 @@ def payloads(tmp_path: Path) -> dict[str, bytes]:
         "__builtin__.getattr": _program(
             _global("__builtin__", "getattr"), _global("os", "path"), _str("join"), b"\x86R"
         ),
+        # getattr reads only an enum member by name (as early Python 3.11 pickles one), nothing else of anything
+        "getattr of a method of the ZeRO stage enum": _program(
+            _global("__builtin__", "getattr"),
+            _global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+            _str("_missing_"),
+            b"\x86R",
+            _args(3),
+            b"R",
+        ),
+        "getattr of an allowed class's method": _program(
+            _global("builtins", "getattr"), _global("collections", "OrderedDict"), _str("fromkeys"), b"\x86R"
+        ),
+        "getattr of a stand-in's class field": _program(
+            _global("builtins", "getattr"),
+            _global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+            _str("__init__"),
+            b"\x86R",
+        ),
         "dotted attribute of an allowed class": _program(
             _global("collections", "OrderedDict.fromkeys"), _args([1]), b"R"
         ),
@@ -162,6 +180,9 @@ def test_every_payload_is_refused_by_the_archive_reader(tmp_path):
     [
         "dotted name under an allowed prefix",
         "posix.system",
+        "builtins.eval",
+        "getattr of a method of the ZeRO stage enum",
+        "getattr of an allowed class's method",
         "the canary by STACK_GLOBAL",
         "the canary's class by NEWOBJ",
         "state set on an allowed class",
@@ -173,6 +194,10 @@ def test_deepspeeds_own_load_refuses_payloads(tmp_path, label):
     with pytest.raises(CheckpointError) as err:
         safe_load(str(path))
     assert err.value.path == str(path)
+    if " " not in label:  # a global refused by name is named, with its module (torch drops `builtins.`)
+        assert f"'{label}'" in str(err.value), err.value
+    if label.startswith("getattr"):  # the reason in one line, without torch's advice to load it unsafely
+        assert "not a member of an enum" in str(err.value) and "weights_only" not in str(err.value), err.value
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -8,8 +8,9 @@ pickle machine with every dangerous opcode replaced:
   look-alike module is simply unknown;
 - what a global resolves to is chosen here, not by the file: plain containers and torch/numpy
   value types, checked wrappers (`_codecs.encode` accepts only latin-1, `numpy.dtype` refuses
-  object dtypes), and *stand-ins* for the few DeepSpeed classes found in its checkpoints
-  (`PickledObject`: the class name, constructor arguments and state, kept as data);
+  object dtypes, `getattr` gives only an enum member by name), and *stand-ins* for the few
+  DeepSpeed classes found in its checkpoints (`PickledObject`: the class name, constructor
+  arguments and state, kept as data);
 - `REDUCE` and `NEWOBJ` call only callables from that table; `BUILD` sets state only on instances
   of the few types that need it, never on a class; protocol-0/1 instantiation (`INST`, `OBJ`),
   the extension registry (`EXT*`) and out-of-band buffers are refused.
@@ -22,6 +23,7 @@ through `ucp_deepspeed.compat.rebuild`. Users who trust a file with other classe
 from __future__ import annotations
 
 import collections
+import enum
 import importlib
 import io
 import os
@@ -193,6 +195,37 @@ def _zero_stage(value: Any) -> int:
     return int(value)
 
 
+# Early Python 3.11 releases (Debian 12's 3.11.2 among them) pickle an enum member by name, `getattr(Enum, "NAME")`,
+# where others call the class with its value: the members by name of the enums kept here, read as the value would be
+_ZERO_STAGES = {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3}
+_RECORD_MEMBERS = {
+    # megatron-core's model types, past ones included (a record of an older run)
+    "megatron.core.enums.ModelType": {
+        "encoder_or_decoder": 1,
+        "encoder_and_decoder": 2,
+        "retro_encoder": 3,
+        "retro_decoder": 4,
+    },
+}
+
+
+def member_by_name(owner: Any, name: Any) -> Any:
+    """`getattr` as a pickle calls it for an enum member by name: only a member of an enum already allowed, never any
+    other attribute (a method, a dunder) of anything."""
+    members: dict[str, Any]
+    if owner is _zero_stage:
+        what, members = "ZeroStageEnum", dict(_ZERO_STAGES)
+    elif isinstance(owner, type) and issubclass(owner, PickledObject):
+        what, members = owner.qualname, {n: owner(v) for n, v in _RECORD_MEMBERS.get(owner.qualname, {}).items()}
+    elif isinstance(owner, enum.EnumMeta):
+        what, members = owner.__qualname__, dict(owner.__members__)
+    else:
+        what, members = type(owner).__name__, {}
+    if type(name) is not str or name not in members:
+        _refuse(f"getattr({what}, {name!r}): not a member of an enum this reader keeps")
+    return members[name]
+
+
 def _numpy() -> Any:
     import numpy
 
@@ -266,6 +299,7 @@ _BUILTINS = {
 # (module, name) -> what the pickle gets; a callable value of `_LAZY` is resolved on first use
 _TABLE: dict[tuple[str, str], Any] = {
     **{(m, n): v for m in ("builtins", "__builtin__") for n, v in _BUILTINS.items()},
+    **{(m, "getattr"): member_by_name for m in ("builtins", "__builtin__")},
     ("_codecs", "encode"): _latin1,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("collections", "defaultdict"): _defaultdict,

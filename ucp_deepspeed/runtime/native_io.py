@@ -52,7 +52,9 @@ from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.collective import all_ok, coordinated, every_rank, failure_of, on_rank0, to_rank0
 from ucp_deepspeed.runtime.write_worker import upload_file
 
-_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+# torch's weights-only refusals: a global by name (allowed nowhere, or from a module it blocks), or why it stopped
+_UNSUPPORTED = re.compile(r"unsupported (?:global: )?GLOBAL ([\w.]+)", re.IGNORECASE)
+_WHY = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
 
 
 def safe_load(
@@ -69,7 +71,12 @@ def safe_load(
                 obj = torch.load(cast(IO[bytes], reader), map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
             match = _UNSUPPORTED.search(str(exc))
-            reason = hint(*match.group(1).rsplit(".", 1)) if match else f"cannot unpickle ({str(exc)[:300]})"
+            if match:  # torch names a builtin without its module (`GLOBAL eval`)
+                module, _, name = match.group(1).rpartition(".")
+                reason = hint(module or "builtins", name)
+            else:  # torch's reason without its advice to load the file with weights_only=False
+                why = _WHY.search(str(exc))
+                reason = f"cannot unpickle ({(why.group(1) if why else str(exc))[:300]})"
             raise CheckpointError(path, reason) from None
         except (RuntimeError, EOFError, ValueError) as exc:
             raise CheckpointError(path, f"truncated or corrupt torch file ({str(exc)[:300]})") from None
