@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=4, help="turns of warm saves, one of each kind per turn")
     parser.add_argument("--smoke", action="store_true", help="10M parameters on 1 rank: the check alone")
+    parser.add_argument(
+        "--kinds", help="only these kinds of save, by short name (synthetic.py's KINDS; sync and async among them)"
+    )
     parser.add_argument("--work", default="/tmp/ucp_bench_async")
     parser.add_argument(
         "--update-docs",
@@ -82,6 +85,7 @@ def main() -> None:
                 print(f"== {size}M, ZeRO-{zero}, at {ranks} rank(s): every kind of save", flush=True)
                 job = ["async", "--params-m", size, "--zero", zero, "--steps", str(args.steps)]
                 job += ["--repeat", str(args.repeat), "--out", f"{args.work}/{size}M-{zero}-{ranks}"]
+                job += ["--kinds", args.kinds] if args.kinds else []
                 run = torchrun(int(ranks), job)[0]
                 report["runs"][f"{size}M, ZeRO-{zero}, {ranks}"] = {**run, "date": report["date"]}
     if args.update_docs and RESULTS.exists():  # the launches run now replace theirs; the others' rows stay

@@ -40,7 +40,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import deepspeed
@@ -319,6 +319,14 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _known_kinds(value: str) -> str:
+    """`--kinds`, refused at once if it names a kind that does not exist or leaves out a term of the ratio."""
+    unknown = [k for k in value.split(",") if k not in KINDS]
+    if unknown or not {"sync", "async"} <= set(value.split(",")):
+        raise argparse.ArgumentTypeError(f"unknown {unknown}, or not both sync and async (the ratio's terms)")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "load", "async", "stall"])
@@ -339,6 +347,7 @@ def main() -> None:
     parser.add_argument("--key-prefixes", type=int, default=0, help='save: the "key_prefixes" option (on a store)')
     parser.add_argument("--steps", type=int, default=4, help="async: training steps after each save in its stall")
     parser.add_argument("--repeat", type=int, default=3, help="save: timed saves of each kind before the kept one")
+    parser.add_argument("--kinds", type=_known_kinds, help=f"async: only these kinds of save ({', '.join(KINDS)})")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--pp", type=int, default=1, help="a DeepSpeed PipelineModule of this many stages")
     parser.add_argument(
@@ -374,7 +383,8 @@ def main() -> None:
             step = training_step(engine, run.params_m)
             step()
             if run.mode == "async":
-                results.append(save_stalls(engine, step, run.out, run.steps, run.repeat))
+                only = run.kinds.split(",") if run.kinds else ()
+                results.append(save_stalls(engine, step, run.out, run.steps, run.repeat, only))
             else:
                 results.append(stalls(engine, step, run.out))
         gc.collect()  # one engine's state at a time, at any size
@@ -424,13 +434,35 @@ def dcp_state(engine: deepspeed.DeepSpeedEngine) -> dict:
     return state
 
 
+# `async --kinds`: the short name of each kind of save (a launch at a size where every kind's staging would not fit)
+KINDS = {
+    "sync": "ours, sync",
+    "deepspeed": "DeepSpeed's own save",
+    "deepspeed-python": "DeepSpeed's own save, python writer",
+    "deepspeed-fast": "DeepSpeed's own save, fast writer (FastPersist)",
+    "thread": "ours, async: writer thread (before)",
+    "async": "ours, async: writer process, staging made once",
+    "dcp-thread": "DCP async_save, thread",
+    "dcp-process": "DCP async_save, process",
+    "dcp-cached": "DCP async_save, process, cached staging",
+    "bound-sync": "ours, sync, each rank bound to a core",
+    "bound-async": "ours, async, each rank bound to a core, the writer on the others",
+}
+
+
 def save_stalls(
-    engine: deepspeed.DeepSpeedEngine, step: Callable[[], None], out: str, steps: int, repeats: int
+    engine: deepspeed.DeepSpeedEngine,
+    step: Callable[[], None],
+    out: str,
+    steps: int,
+    repeats: int,
+    only: Sequence[str] = (),
 ) -> dict:
     """Each kind of save of the same engine, side by side: its stall (the save call plus `steps` steps after it, less
     `steps` plain steps timed right before it; the median of `repeats` warm saves, taken in turns with every other
     kind's), its time to durable (a save and its wait alone, the median of 3), the extra resident memory its first
-    save left held (shared staging included) and the bytes it wrote, summed over the ranks."""
+    save left held (shared staging included) and the bytes it wrote, summed over the ranks. `only`: the kinds by
+    short name (`KINDS`), all if empty; a kind not made is never staged."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -548,6 +580,8 @@ def save_stalls(
     ]
     pinned = {name for name, _ in bound} if spare else set()
     kinds += bound if spare else []
+    if only:
+        kinds = [(name, make) for name, make in kinds if name in {KINDS[k] for k in only}]
 
     def place(name: str) -> None:
         """Every thread of this rank on its own core for a bound kind, else on all of them."""
