@@ -87,7 +87,7 @@ def test_a_checkpoint_saved_under_early_python_311_reads_as_any_other(plain_sour
         for path in optim:
             stage = safe_load(str(path))["optimizer_state_dict"]["zero_stage"]
             original = safe_load(str(plain_sources / name / "global_step3" / path.name))["optimizer_state_dict"]
-            assert stage is original["zero_stage"], (name, stage)
+            assert type(stage) is int and stage == original["zero_stage"] > 0, (name, stage)  # read as the int
         report = diff(str(plain_sources / name), str(copy))
         assert report.identical and report.states, name
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from ucp_deepspeed.compat.megatron import is_megatron_moe
 from ucp_deepspeed.errors import CheckpointError
-from ucp_deepspeed.io.safe_pickle import DEEPSPEED_CLASSES, PickledObject, member_by_name
+from ucp_deepspeed.io.safe_pickle import DEEPSPEED_CLASSES, PickledObject, member_by_name, zero_stage
 from ucp_deepspeed.protocols import Engine
 
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
@@ -28,9 +28,11 @@ def _class(qualname: str) -> Any:
 
 
 def deepspeed_safe_globals() -> list[Any]:
-    """The classes DeepSpeed pickles into its checkpoint files, for `torch.load(weights_only=True)`, and `getattr` as
-    early Python 3.11 pickles the ZeRO stage with it (checked: an enum member by name, nothing else)."""
-    return [_class(q) for q in (*DEEPSPEED_CLASSES, ZERO_STAGE_ENUM)] + [(member_by_name, "builtins.getattr")]
+    """The classes DeepSpeed pickles into its checkpoint files, for `torch.load(weights_only=True)`: the ZeRO stage as
+    the int it is (torch lets a pickle set state on an allowed class's instance, here the process's one enum member),
+    and `getattr` as early Python 3.11 pickles the stage with it (checked: an enum member by name, nothing else)."""
+    checked = [(zero_stage, ZERO_STAGE_ENUM), (member_by_name, "builtins.getattr")]
+    return [_class(q) for q in DEEPSPEED_CLASSES] + checked
 
 
 def rebuild(value: Any) -> Any:

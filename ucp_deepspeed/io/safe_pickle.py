@@ -28,6 +28,7 @@ import importlib
 import io
 import os
 import pickle
+import reprlib
 import sys
 import types
 from collections.abc import Callable
@@ -188,8 +189,9 @@ def _defaultdict(factory: Any = None) -> collections.defaultdict[Any, Any]:
     return collections.defaultdict(factory)
 
 
-def _zero_stage(value: Any) -> int:
-    """DeepSpeed's `ZeroStageEnum(value)`, read as the plain int it is."""
+def zero_stage(value: Any) -> int:
+    """DeepSpeed's `ZeroStageEnum(value)`, read as the plain int it is (its members compare as ints), which no
+    pickle can then set state on."""
     if type(value) is not int or value not in range(4):
         _refuse(f"ZeroStageEnum({value!r})")
     return int(value)
@@ -209,20 +211,23 @@ _RECORD_MEMBERS = {
 }
 
 
-def member_by_name(owner: Any, name: Any) -> Any:
+def member_by_name(*args: Any) -> Any:
     """`getattr` as a pickle calls it for an enum member by name: only a member of an enum already allowed, never any
     other attribute (a method, a dunder) of anything."""
+    if len(args) != 2:
+        _refuse(f"getattr with {len(args)} arguments")
+    owner, name = args
     members: dict[str, Any]
-    if owner is _zero_stage:
+    if owner is zero_stage:
         what, members = "ZeroStageEnum", dict(_ZERO_STAGES)
     elif isinstance(owner, type) and issubclass(owner, PickledObject):
         what, members = owner.qualname, {n: owner(v) for n, v in _RECORD_MEMBERS.get(owner.qualname, {}).items()}
     elif isinstance(owner, enum.EnumMeta):
         what, members = owner.__qualname__, dict(owner.__members__)
     else:
-        what, members = type(owner).__name__, {}
+        what, members = owner.__qualname__ if isinstance(owner, type) else type(owner).__name__, {}
     if type(name) is not str or name not in members:
-        _refuse(f"getattr({what}, {name!r}): not a member of an enum this reader keeps")
+        _refuse(f"getattr({what}, {reprlib.repr(name)}): not a member of an enum this reader keeps")
     return members[name]
 
 
@@ -309,7 +314,7 @@ _TABLE: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _TENSOR_TYPE,
     ("torch.nn.parameter", "Parameter"): _TENSOR_TYPE,
     **{("torch", n): StorageType(d) for n, d in _LEGACY_STORAGES.items()},
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): zero_stage,
     **{(q.rpartition(".")[0], q.rpartition(".")[2]): standin(q) for q in (*DEEPSPEED_CLASSES, *RECORD_CLASSES)},
 }
 
@@ -330,8 +335,10 @@ _LAZY: dict[tuple[str, str], Callable[[], Any]] = {
 
 
 def user_allowed() -> set[str]:
-    """Globals the user trusts, named exactly in `UCP_ALLOW_PICKLE` (comma-separated `module.Name`)."""
-    return {g.strip() for g in os.environ.get(ALLOW_ENV, "").split(",") if g.strip()}
+    """Globals the user trusts, named exactly in `UCP_ALLOW_PICKLE` (comma-separated `module.Name`), less those this
+    reader implements itself: trusting `builtins.getattr` must not replace the checked one with the real one."""
+    named = {g.strip() for g in os.environ.get(ALLOW_ENV, "").split(",") if g.strip()}
+    return {g for g in named if tuple(g.rsplit(".", 1)) not in _TABLE}
 
 
 def _import_exact(module: str, name: str) -> Any:

@@ -46,15 +46,31 @@ from ucp_deepspeed.format.commit import CommitRecord, write_commit
 from ucp_deepspeed.format.paths import LATEST
 from ucp_deepspeed.io import storage as st
 from ucp_deepspeed.io.atomic import atomic_path, written_back
-from ucp_deepspeed.io.safe_pickle import hint
+from ucp_deepspeed.io.safe_pickle import UnsafePickle, hint
 from ucp_deepspeed.io.torch_file import VerifyingReader, check_save_id, fill_crcs, stamp
 from ucp_deepspeed.protocols import Engine
 from ucp_deepspeed.runtime.collective import all_ok, coordinated, every_rank, failure_of, on_rank0, to_rank0
 from ucp_deepspeed.runtime.write_worker import upload_file
 
-# torch's weights-only refusals: a global by name (allowed nowhere, or from a module it blocks), or why it stopped
-_UNSUPPORTED = re.compile(r"unsupported (?:global: )?GLOBAL ([\w.]+)", re.IGNORECASE)
-_WHY = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
+# torch's weights-only refusals of a global, as its unpickler words them before they are wrapped in advice
+_NOT_ALLOWED = re.compile(r"Unsupported global: GLOBAL (\S+) was not an allowed global by default\.")
+_BLOCKED = re.compile(r"Trying to load unsupported GLOBAL (\S+) whose module (\S+) is blocked\.")
+
+
+def _refusal(exc: pickle.UnpicklingError) -> str:
+    """One line for what torch's weights-only unpickler refused, read from the error it raised inside (the one it
+    raises wraps that in advice to load the file unsafely, and may quote text the file chose)."""
+    inner = exc.__context__ if isinstance(exc.__context__, Exception) else exc
+    if isinstance(inner, UnsafePickle):  # a checked global of ours (`member_by_name`) said why
+        return str(inner)
+    text = str(inner)
+    if found := _NOT_ALLOWED.match(text):
+        module, _, name = found.group(1).rpartition(".")
+        return hint(module or "builtins", name)  # torch names a builtin without its module (`GLOBAL eval`)
+    if found := _BLOCKED.match(text):
+        return f"refusing to unpickle global '{found.group(1)}': torch never loads from module {found.group(2)}"
+    first = text.strip().splitlines()[0] if text.strip() else type(inner).__name__
+    return f"cannot unpickle ({first[:300]})"
 
 
 def safe_load(
@@ -69,17 +85,14 @@ def safe_load(
         try:
             with torch.serialization.safe_globals(deepspeed_safe_globals() + user_safe_globals()):
                 obj = torch.load(cast(IO[bytes], reader), map_location=map_location, weights_only=True)
+        except CheckpointError:  # the reader's own, naming the file and the record
+            raise
         except pickle.UnpicklingError as exc:
-            match = _UNSUPPORTED.search(str(exc))
-            if match:  # torch names a builtin without its module (`GLOBAL eval`)
-                module, _, name = match.group(1).rpartition(".")
-                reason = hint(module or "builtins", name)
-            else:  # torch's reason without its advice to load the file with weights_only=False
-                why = _WHY.search(str(exc))
-                reason = f"cannot unpickle ({(why.group(1) if why else str(exc))[:300]})"
-            raise CheckpointError(path, reason) from None
+            raise CheckpointError(path, _refusal(exc)) from None
         except (RuntimeError, EOFError, ValueError) as exc:
             raise CheckpointError(path, f"truncated or corrupt torch file ({str(exc)[:300]})") from None
+        except Exception as exc:  # an allowed callable given what it does not take (a TypeError, say)
+            raise CheckpointError(path, f"cannot unpickle ({type(exc).__name__}: {str(exc)[:300]})") from None
         if verify:
             try:
                 reader.check()
