@@ -522,6 +522,42 @@ def test_enum_members_by_name_read_as_by_value():
         assert safe_pickle.loads(data) == safe_pickle.loads(pickle.dumps(member, protocol=2)), member
 
 
+def test_bigscience_args_are_kept_as_data(monkeypatch):
+    """BigScience's Megatron-DeepSpeed (BLOOM's) pickles `args.position_embedding_type` as its own enum into every
+    model-states file: read by value or by name, without that fork installed, as a stand-in naming the member."""
+    import argparse
+    import enum
+    import io
+    import pickle
+    import types
+
+    from ucp_deepspeed.io import safe_pickle
+
+    class PositionEmbeddingType(enum.Enum):  # megatron/enums.py of bigscience-workshop/Megatron-DeepSpeed
+        rotary = 1
+        absolute = 2
+        alibi = 3
+
+    PositionEmbeddingType.__module__, PositionEmbeddingType.__qualname__ = "megatron.enums", "PositionEmbeddingType"
+    module = types.ModuleType("megatron.enums")
+    module.PositionEmbeddingType = PositionEmbeddingType  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megatron.enums", module)  # so that pickle can name the class, as the fork does
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    for member in PositionEmbeddingType:
+        state = {"args": argparse.Namespace(position_embedding_type=member, num_attention_heads=2)}
+        buf = io.BytesIO()
+        ByName(buf, protocol=2).dump(state)
+        by_value, by_name = safe_pickle.loads(pickle.dumps(state, protocol=2)), safe_pickle.loads(buf.getvalue())
+        kept = by_value["args"].position_embedding_type
+        assert by_name == by_value and by_value["args"].num_attention_heads == 2
+        qualname = "megatron.enums.PositionEmbeddingType"
+        assert kept.to_data() == {"__class__": qualname, "args": [member.value], "state": None}
+
+
 def test_deepspeed_keys(zero12, tmp_path):
     """Every top-level key DeepSpeed writes into a model-states file is in our one list; the rest is client_state."""
     from ucp_deepspeed.io.torch_file import load_file

@@ -117,8 +117,9 @@ DEEPSPEED_CLASSES = (
 
 
 # Classes other stacks pickle into the files they hand DeepSpeed, kept as stand-ins and never built: Megatron-DeepSpeed
-# saves its `args` (an argparse.Namespace) into every model-states file, with the model's type as megatron-core's enum
-RECORD_CLASSES = ("megatron.core.enums.ModelType",)
+# saves its `args` (an argparse.Namespace) into every model-states file, with the model's type as megatron-core's enum,
+# and BigScience's fork (which trained BLOOM) with the position embedding's type as its own enum
+RECORD_CLASSES = ("megatron.core.enums.ModelType", "megatron.enums.PositionEmbeddingType")
 
 
 class StorageType:
@@ -208,6 +209,7 @@ _RECORD_MEMBERS = {
         "retro_encoder": 3,
         "retro_decoder": 4,
     },
+    "megatron.enums.PositionEmbeddingType": {"rotary": 1, "absolute": 2, "alibi": 3},
 }
 
 
