@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import glob
+import io
 import json
 import os
 import pickle
@@ -121,6 +123,20 @@ def swap_pickle(path: Path, data: bytes) -> None:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
         for name, content in entries:
             zf.writestr(name, data if name.endswith("data.pkl") else content)
+
+
+class EnumsByName(pickle.Pickler):
+    """Pickles an enum member as early Python 3.11 releases do (3.11.2, Debian 12's python3): `getattr(Enum, NAME)`."""
+
+    def reducer_override(self, obj: object) -> object:
+        return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+
+def pickled_by_name(obj: object) -> bytes:
+    """`obj` pickled (protocol 2, as torch.save writes) with every enum member by name (`EnumsByName`)."""
+    buf = io.BytesIO()
+    EnumsByName(buf, protocol=2).dump(obj)
+    return buf.getvalue()
 
 
 def popen_payload(target: Path) -> bytes:

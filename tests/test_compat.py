@@ -14,6 +14,7 @@ import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import pickled_by_name
 
 from ucp_deepspeed import compat
 from ucp_deepspeed.format.model import ModelSpec
@@ -498,8 +499,6 @@ def test_deepspeed_safe_globals_and_rebuild():
 def test_enum_members_by_name_read_as_by_value():
     """Early Python 3.11 pickles an enum member as `getattr(Enum, NAME)`: every member of DeepSpeed's ZeRO stage and
     megatron-core's model type, the enums kept here, reads as the same member pickled by value does."""
-    import enum
-    import io
     import pickle
 
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -507,17 +506,8 @@ def test_enum_members_by_name_read_as_by_value():
 
     from ucp_deepspeed.io import safe_pickle
 
-    class ByName(pickle.Pickler):
-        def reducer_override(self, obj: object) -> object:
-            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
-
-    def by_name(member: enum.Enum) -> bytes:
-        buf = io.BytesIO()
-        ByName(buf, protocol=2).dump(member)
-        return buf.getvalue()
-
     for member in [*ZeroStageEnum.__members__.values(), *ModelType.__members__.values()]:
-        data = by_name(member)
+        data = pickled_by_name(member)
         assert b"getattr" in data
         assert safe_pickle.loads(data) == safe_pickle.loads(pickle.dumps(member, protocol=2)), member
 
@@ -527,7 +517,6 @@ def test_bigscience_args_are_kept_as_data(monkeypatch):
     model-states file: read by value or by name, without that fork installed, as a stand-in naming the member."""
     import argparse
     import enum
-    import io
     import pickle
     import types
 
@@ -543,15 +532,10 @@ def test_bigscience_args_are_kept_as_data(monkeypatch):
     module.PositionEmbeddingType = PositionEmbeddingType  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "megatron.enums", module)  # so that pickle can name the class, as the fork does
 
-    class ByName(pickle.Pickler):
-        def reducer_override(self, obj: object) -> object:
-            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
-
     for member in PositionEmbeddingType:
         state = {"args": argparse.Namespace(position_embedding_type=member, num_attention_heads=2)}
-        buf = io.BytesIO()
-        ByName(buf, protocol=2).dump(state)
-        by_value, by_name = safe_pickle.loads(pickle.dumps(state, protocol=2)), safe_pickle.loads(buf.getvalue())
+        by_value = safe_pickle.loads(pickle.dumps(state, protocol=2))
+        by_name = safe_pickle.loads(pickled_by_name(state))
         kept = by_value["args"].position_embedding_type
         assert by_name == by_value and by_value["args"].num_attention_heads == 2
         qualname = "megatron.enums.PositionEmbeddingType"

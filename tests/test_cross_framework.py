@@ -10,9 +10,7 @@ losses within 1e-5 of the uninterrupted run.
 
 from __future__ import annotations
 
-import enum
 import json
-import pickle
 import shutil
 import subprocess
 import types
@@ -21,7 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PLAIN_VARIANTS, ROOT, OnDemand, load_results, popen_payload, swap_pickle, torch_env, torchrun
+from conftest import (
+    PLAIN_VARIANTS,
+    ROOT,
+    EnumsByName,
+    OnDemand,
+    load_results,
+    popen_payload,
+    swap_pickle,
+    torch_env,
+    torchrun,
+)
 from launching import torchrun_command
 
 from ucp_deepspeed.runtime.native_io import safe_load
@@ -61,20 +69,11 @@ def test_plain_deepspeed_checkpoint_converts_and_reshards(plain_sources, dp3_loa
         assert r["max_rel_loss"] < (1e-6 if r["saved"].endswith("fp32") else 5e-3), r
 
 
-class _EarlyPython311(pickle.Pickler):
-    """Pickles an enum member as early Python 3.11 releases do (3.11.2, Debian 12's python3): `getattr(Enum, NAME)`."""
-
-    def reducer_override(self, obj: object) -> object:
-        if isinstance(obj, enum.Enum):
-            return getattr, (type(obj), obj.name)
-        return NotImplemented
-
-
 def test_a_checkpoint_saved_under_early_python_311_reads_as_any_other(plain_sources, tmp_path):
     """DeepSpeed's files record the ZeRO stage as an enum, which early Python 3.11 pickles by name through `getattr`:
     such a checkpoint converts to the same universal checkpoint as one saved under another Python, and DeepSpeed's
     own load (`safe_load`) reads the same stage. Any other `getattr` stays refused (test_hostile_pickles.py)."""
-    early = types.SimpleNamespace(Pickler=_EarlyPython311, __name__="pickle")
+    early = types.SimpleNamespace(Pickler=EnumsByName, __name__="pickle")
     for name in ("z1", "bf16z2pad", "z3"):
         copy = tmp_path / name
         shutil.copytree(plain_sources / name, copy, ignore=shutil.ignore_patterns("*.universal"))

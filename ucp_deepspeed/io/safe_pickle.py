@@ -116,10 +116,20 @@ DEEPSPEED_CLASSES = (
 )
 
 
-# Classes other stacks pickle into the files they hand DeepSpeed, kept as stand-ins and never built: Megatron-DeepSpeed
-# saves its `args` (an argparse.Namespace) into every model-states file, with the model's type as megatron-core's enum,
-# and BigScience's fork (which trained BLOOM) with the position embedding's type as its own enum
-RECORD_CLASSES = ("megatron.core.enums.ModelType", "megatron.enums.PositionEmbeddingType")
+# Classes other stacks pickle into the files they hand DeepSpeed, kept as stand-ins and never built, each with its
+# members' values by name (early Python 3.11 pickles a member by name: `member_by_name`): Megatron-DeepSpeed saves its
+# `args` (an argparse.Namespace) into every model-states file, with the model's type as megatron-core's enum, and
+# BigScience's fork (which trained BLOOM) with the position embedding's type as its own enum
+RECORD_CLASSES: dict[str, dict[str, int]] = {
+    # megatron-core's model types, past ones included (a record of an older run)
+    "megatron.core.enums.ModelType": {
+        "encoder_or_decoder": 1,
+        "encoder_and_decoder": 2,
+        "retro_encoder": 3,
+        "retro_decoder": 4,
+    },
+    "megatron.enums.PositionEmbeddingType": {"rotary": 1, "absolute": 2, "alibi": 3},
+}
 
 
 class StorageType:
@@ -199,18 +209,8 @@ def zero_stage(value: Any) -> int:
 
 
 # Early Python 3.11 releases (Debian 12's 3.11.2 among them) pickle an enum member by name, `getattr(Enum, "NAME")`,
-# where others call the class with its value: the members by name of the enums kept here, read as the value would be
+# where others call the class with its value: DeepSpeed's ZeRO stages by name, read as the value would be
 _ZERO_STAGES = {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3}
-_RECORD_MEMBERS = {
-    # megatron-core's model types, past ones included (a record of an older run)
-    "megatron.core.enums.ModelType": {
-        "encoder_or_decoder": 1,
-        "encoder_and_decoder": 2,
-        "retro_encoder": 3,
-        "retro_decoder": 4,
-    },
-    "megatron.enums.PositionEmbeddingType": {"rotary": 1, "absolute": 2, "alibi": 3},
-}
 
 
 def member_by_name(*args: Any) -> Any:
@@ -223,7 +223,7 @@ def member_by_name(*args: Any) -> Any:
     if owner is zero_stage:
         what, members = "ZeroStageEnum", dict(_ZERO_STAGES)
     elif isinstance(owner, type) and issubclass(owner, PickledObject):
-        what, members = owner.qualname, {n: owner(v) for n, v in _RECORD_MEMBERS.get(owner.qualname, {}).items()}
+        what, members = owner.qualname, {n: owner(v) for n, v in RECORD_CLASSES.get(owner.qualname, {}).items()}
     elif isinstance(owner, enum.EnumMeta):
         what, members = owner.__qualname__, dict(owner.__members__)
     else:

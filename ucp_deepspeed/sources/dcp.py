@@ -255,10 +255,8 @@ class DcpCheckpoint(st.Closeable):
             reads = RangedReads(self, stack)
             try:
                 yield reads
-            except Exception:
-                reads.check()  # a damaged byte read in the block explains its failure better than what it raised
-                raise
-            reads.check()
+            finally:  # on a failure too: a damaged byte read in the block explains it better than what it raised
+                reads.check()
 
     def tensor(self, key: str) -> torch.Tensor:
         """The whole tensor stored under `key`, assembled from its chunks, every byte checked."""
